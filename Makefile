@@ -1,0 +1,31 @@
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup test test-fast lint models clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The local CPU build; an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,dev]'
+
+setup: $(BIN)/python
+
+models: setup
+	$(BIN)/python -m engine.models fetch smollm2-135m-instruct
+	$(BIN)/python -m engine.models fetch gemma3-270m
+
+test: setup models
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check engine kernels pd transfer bench tests
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV)
