@@ -1,0 +1,334 @@
+"""LLMEngine: the public face of the engine. add_request / abort / step, plus export and import of a
+sequence's memory (the prefix cache and the P/D handoff are built on these two)."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, EngineStats, MemoryPlan
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCache, KVLayout
+from engine.loader import build_model
+from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
+from engine.request import RequestOutput, SamplingParams
+from engine.runner import ModelRunner
+from engine.sampler import sample
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SeqStatus
+
+DEFAULT_CPU_KV_GB = 2.0
+MAX_DEFAULT_MODEL_LEN = 32768
+
+
+@dataclass
+class SequenceExport:
+    """A sequence's tokens, sampling state and KV, enough to continue decoding elsewhere.
+
+    pages: [blocks_for(num_computed), num_full_layers, 2, block_size, kv_heads, head_dim]
+    state: [num_swa_layers, 2, window, kv_heads, head_dim] ring buffer (position p at p % window)
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_computed: int
+    params: SamplingParams
+    seed: int
+    pages: torch.Tensor
+    state: torch.Tensor | None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.models import resolve_model
+
+        self.config = config
+        self.model_name = config.model
+        folder = resolve_model(config.model)
+        self.folder: Path = folder
+        hf = load_hf_config(folder)
+        self.arch: ModelArch = arch_from_hf(hf)
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.tokenizer = _load_tokenizer(folder)
+        self.eos_token_ids: set[int] = generation_eos_ids(folder, hf)
+        self.max_model_len = config.max_model_len or min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        self.model = build_model(
+            self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy", config.seed
+        )
+        self.layout = KVLayout.of(self.arch, config.block_size, self.dtype)
+        self.memory = self._plan_memory()
+        self.kv = KVCache(self.layout, self.memory.num_blocks, self.memory.num_swa_slots, self.device)
+        self.blocks = BlockPool(self.memory.num_blocks)
+        self.slots = BlockPool(self.memory.num_swa_slots)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                block_size=config.block_size,
+                needs_blocks=self.arch.has_full,
+                needs_state_slot=self.arch.has_sliding,
+            ),
+            self.blocks,
+            self.slots,
+        )
+        self.runner = ModelRunner(self.model, self.kv, config.is_deterministic)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
+        self._rng = random.Random(config.seed)
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    # ---- memory -------------------------------------------------------------------------------
+
+    def _plan_memory(self) -> MemoryPlan:
+        lo, cfg = self.layout, self.config
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        slots = (cfg.num_swa_slots or cfg.max_num_seqs + 1) if self.arch.has_sliding else 0
+        peak = 0
+        if cfg.kv_cache_gb is not None:
+            kv_bytes = int(cfg.kv_cache_gb * 2**30)
+        elif self.device.type == "cuda":
+            peak = self._profile_peak_bytes()
+            free, total = torch.cuda.mem_get_info(self.device)
+            kv_bytes = int(free - total * (1 - cfg.gpu_memory_utilization) - peak)
+        else:
+            kv_bytes = int(DEFAULT_CPU_KV_GB * 2**30)
+        kv_bytes -= slots * lo.state_bytes
+        blocks = kv_bytes // lo.page_bytes if self.arch.has_full else 0
+        if (self.arch.has_full and blocks < 2) or kv_bytes < 0:
+            raise MemoryError(f"not enough memory for the KV cache ({kv_bytes / 2**30:.2f} GiB left for pages)")
+        return MemoryPlan(blocks, slots, lo.page_bytes, lo.state_bytes, weight_bytes, peak)
+
+    def _profile_peak_bytes(self) -> int:
+        """Activation peak of one full-budget prefill, measured on a scratch cache."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_blocks = -(-n // self.layout.block_size) + 1 if self.arch.has_full else 0
+        scratch = KVCache(self.layout, num_blocks, 1 if self.arch.has_sliding else 0, self.device)
+        seq = Sequence("profile", [1] * n, SamplingParams(), 0, 0.0, block_ids=list(range(num_blocks)))
+        seq.state_slot = 0 if self.arch.has_sliding else -1
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ModelRunner(self.model, scratch, self.config.is_deterministic).run([seq], [n])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch
+        torch.cuda.empty_cache()
+        return int(peak * 1.1)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError for a request that can never be served."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.arch.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}", "prompt")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens} for the completion). "
+                "Please reduce the length of the prompt or max_tokens.",
+                "max_tokens" if len(prompt_token_ids) < self.max_model_len else "prompt",
+            )
+        if self.scheduler.blocks_for(total) > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                f"{total} tokens need more KV memory than this engine has ({self.blocks.num_blocks} pages of "
+                f"{self.layout.block_size} tokens)",
+                "max_tokens",
+            )
+        if request_id in self._detok:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, use_prefix_cache: bool = True
+    ) -> None:
+        self.validate(request_id, prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, time.monotonic())
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return
+        self.scheduler.finish(seq, "abort")
+        self._pending.append(self._output(seq, is_final=True))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        for seq in batch.seqs:
+            if seq.num_computed == 0 and not seq.output_token_ids:
+                self.num_prompt_tokens_total += seq.num_prompt_tokens
+        sampled, logits = self.runner.run(batch.seqs, batch.num_new_tokens)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed += n
+        if logits is None:
+            return outputs
+        seqs = [batch.seqs[i] for i in sampled]
+        tokens, logprobs = sample(
+            logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]
+        )
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            self._append_token(seq, token, lp)
+            outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, lp: Any) -> None:
+        seq.output_token_ids.append(token)
+        if lp is not None:
+            seq.output_logprobs.append(lp)
+        self.num_generation_tokens_total += 1
+        detok = self._detok[seq.request_id]
+        detok.add(token)
+        p = seq.params
+        reason = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        elif detok.stopped_by is not None:
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, seq: Sequence, is_final: bool) -> RequestOutput:
+        detok = self._detok[seq.request_id]
+        new = seq.output_token_ids[seq.num_emitted_tokens :]
+        new_lps = seq.output_logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else []
+        seq.num_emitted_tokens = len(seq.output_token_ids)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new,
+            text_delta=detok.release(is_final),
+            logprobs=list(new_lps),
+            is_finished=is_final,
+            finish_reason=seq.finish_reason if is_final else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_prompt,
+            num_output_tokens=len(seq.output_token_ids),
+        )
+        if is_final:
+            del self._detok[seq.request_id]
+        return out
+
+    # ---- export / import ----------------------------------------------------------------------
+
+    def export_sequence(self, request_id: str) -> SequenceExport:
+        """A running sequence's state after its prefill (every token but the last is in the cache)."""
+        seq = self.scheduler.find(request_id)
+        if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
+            raise InvalidRequestError(f"request {request_id!r} is not a running sequence between steps")
+        n_pages = self.scheduler.blocks_for(seq.num_computed)
+        pages = self.kv.read_pages(seq.block_ids[:n_pages]).cpu()
+        state = self.kv.read_state(seq.state_slot).cpu() if seq.state_slot >= 0 else None
+        return SequenceExport(
+            request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
+            seq.params, seq.seed, pages, state,
+        )
+
+    def can_import(self, num_tokens: int) -> bool:
+        return self.scheduler.can_admit(num_tokens) and len(self.scheduler.running) < self.config.max_num_seqs
+
+    def import_sequence(self, exp: SequenceExport) -> None:
+        """Admits an exported sequence straight into decode. Raises if it does not match this engine."""
+        self.validate(exp.request_id, exp.prompt_token_ids, exp.params)
+        num_tokens = len(exp.prompt_token_ids) + len(exp.output_token_ids)
+        if exp.num_computed != num_tokens - 1:
+            raise InvalidRequestError("an imported sequence must have every token but the last computed")
+        n_pages = self.scheduler.blocks_for(exp.num_computed)
+        lo = self.layout
+        want_pages = (n_pages, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim)
+        if tuple(exp.pages.shape) != want_pages:
+            raise InvalidRequestError(f"page tensor shape {tuple(exp.pages.shape)} != expected {want_pages}")
+        if self.arch.has_sliding:
+            want_state = (lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim)
+            if exp.state is None or tuple(exp.state.shape) != want_state:
+                raise InvalidRequestError(f"SWA state shape does not match {want_state}")
+        if not self.can_import(num_tokens):
+            raise MemoryError("no free KV memory for the imported sequence")
+        seq = Sequence(exp.request_id, list(exp.prompt_token_ids), exp.params, exp.seed, time.monotonic())
+        seq.output_token_ids = list(exp.output_token_ids)
+        seq.num_computed = exp.num_computed
+        seq.num_cached_prompt = len(exp.prompt_token_ids)
+        seq.is_imported = True
+        self.scheduler.allocate(seq)
+        if n_pages:
+            self.kv.write_pages(seq.block_ids[:n_pages], exp.pages)
+        if exp.state is not None:
+            self.kv.write_state(seq.state_slot, exp.state.to(self.device, self.dtype))
+        detok = IncrementalDetokenizer(self.tokenizer, exp.params.stop)
+        self._detok[seq.request_id] = detok
+        seq.status = SeqStatus.RUNNING
+        self.scheduler.running.append(seq)
+        for t in exp.output_token_ids:
+            detok.add(t)
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        total = self.blocks.num_blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.blocks.num_free,
+            num_total_blocks=total,
+            num_free_swa_slots=self.slots.num_free,
+            num_total_swa_slots=self.slots.num_blocks,
+            kv_usage=(self.blocks.num_used / total) if total else (self.slots.num_used / max(1, self.slots.num_blocks)),
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions,
+        )
+
+    def check_idle(self) -> None:
+        """With no request in flight, every page and slot is free; raises on a leak."""
+        if self.scheduler.has_unfinished():
+            raise AssertionError("requests still in flight")
+        self.blocks.check_idle()
+        self.slots.check_idle()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Runs prompts to completion (tests, benchmarks); returns the finished sequences in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{self._rng.getrandbits(48):012x}" for _ in prompts]
+        seqs: dict[str, Sequence] = {}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+            found = self.scheduler.find(rid)
+            assert found is not None
+            seqs[rid] = found
+        while self.has_unfinished():
+            self.step()
+        return [seqs[rid] for rid in ids]
+
+
+def _load_tokenizer(folder: Path) -> Any:
+    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))

@@ -1,0 +1,98 @@
+"""The engine's KV memory: a paged pool for full-attention layers and a pool of SWA state slots.
+
+Layout (block-major, so one page of every full layer is one contiguous run of bytes: the unit the
+prefix cache and the P/D handoff copy):
+
+    pages: [num_blocks, num_full_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
+    swa:   [num_slots,  num_swa_layers,  2 (k, v), window,     num_kv_heads, head_dim]
+
+A sliding layer's state is a ring buffer: position p lives at index p % window, and after n tokens
+it holds positions [max(0, n - window), n).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_config import ModelArch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_full_layers: int
+    num_swa_layers: int
+    block_size: int
+    window: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, arch: ModelArch, block_size: int, dtype: torch.dtype) -> KVLayout:
+        return cls(
+            num_full_layers=len(arch.full_layers),
+            num_swa_layers=len(arch.sliding_layers),
+            block_size=block_size,
+            window=arch.sliding_window or 0,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            dtype=dtype,
+        )
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_full_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.elem_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_swa_layers * 2 * self.window * self.num_kv_heads * self.head_dim * self.elem_bytes
+
+
+class KVCache:
+    """The tensors; bookkeeping of which block/slot belongs to whom lives in the block pools."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, num_slots: int, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        lo = layout
+        self.pages = torch.zeros(
+            (num_blocks, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim), dtype=lo.dtype, device=device
+        )
+        self.swa = torch.zeros(
+            (num_slots, lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim), dtype=lo.dtype, device=device
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.layout.num_full_layers
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pages.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.swa.shape[0]
+
+    def read_pages(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies of the given pages, [n, num_full_layers, 2, block_size, kv_heads, head_dim]."""
+        return self.pages[torch.tensor(block_ids, dtype=torch.long, device=self.device)].clone()
+
+    def write_pages(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.pages[torch.tensor(block_ids, dtype=torch.long, device=self.device)] = data.to(self.device, self.layout.dtype)
+
+    def read_state(self, slot: int) -> torch.Tensor:
+        return self.swa[slot].clone()
+
+    def write_state(self, slot: int, data: torch.Tensor) -> None:
+        self.swa[slot].copy_(data)

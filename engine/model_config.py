@@ -1,0 +1,158 @@
+"""The architecture facts the engine needs, read once from a Hugging Face config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+# model_type -> family traits that the config does not spell out
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"attention_bias": True},
+    "qwen3": {"qk_norm": True},
+    "gemma3_text": {"qk_norm": True, "gemma_norm": True, "sandwich_norm": True, "embed_scale": True},
+}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Shapes and per-family switches of a decoder-only transformer."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    hidden_act: str
+    attn_scale: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    gemma_norm: bool = False  # RMSNorm scales by (1 + w), computed in float32
+    sandwich_norm: bool = False  # extra norms after attention and around the MLP (Gemma 3)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError("layer_types must name every layer")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding layers need a sliding_window")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @property
+    def sliding_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == SLIDING]
+
+    @property
+    def has_full(self) -> bool:
+        return FULL in self.layer_types
+
+    @property
+    def has_sliding(self) -> bool:
+        return SLIDING in self.layer_types
+
+
+def load_hf_config(folder: Path) -> Any:
+    """The transformers config object (it normalises rope and layer_types across versions)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(folder))
+
+
+def arch_from_hf(hf: Any) -> ModelArch:
+    model_type = hf.model_type
+    if model_type not in _FAMILIES:
+        raise InvalidRequestError(f"unsupported model_type {model_type!r}; supported: {sorted(_FAMILIES)}")
+    traits = dict(_FAMILIES[model_type])
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is None:  # Mistral: a window means every layer slides
+        layer_types = [SLIDING if window else FULL] * hf.num_hidden_layers
+    if SLIDING not in layer_types:
+        window = None
+    if model_type == "gemma3_text":
+        attn_scale = float(hf.query_pre_attn_scalar) ** -0.5
+    else:
+        attn_scale = head_dim**-0.5
+    if model_type == "qwen2":
+        traits["attention_bias"] = True
+    else:
+        traits["attention_bias"] = bool(getattr(hf, "attention_bias", False)) or traits.get("attention_bias", False)
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    return ModelArch(
+        model_type=model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        layer_types=tuple(layer_types),
+        sliding_window=window,
+        hidden_act=act,
+        attn_scale=attn_scale,
+        max_position_embeddings=int(getattr(hf, "max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        **traits,
+    )
+
+
+def rope_inv_freq(hf: Any, layer_type: str, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale for one layer type, as transformers computes them."""
+    params = getattr(hf, "rope_parameters", None)
+    if params is None:  # older transformers
+        params = {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
+        if getattr(hf, "rope_scaling", None):
+            params.update(hf.rope_scaling)
+    is_nested = isinstance(params.get(layer_type), dict)
+    p = params[layer_type] if is_nested else params
+    rope_type = p.get("rope_type", p.get("type", "default"))
+    if rope_type == "default":
+        base = float(p["rope_theta"])
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), layer_type=layer_type if is_nested else None)
+    return inv.float(), float(scale)
+
+
+def generation_eos_ids(folder: Path, hf: Any) -> set[int]:
+    """EOS ids from generation_config.json (which may list several), else from config.json."""
+    ids: set[int] = set()
+    for source in (folder / "generation_config.json", folder / "config.json"):
+        if source.exists():
+            value = json.loads(source.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+    if not ids and getattr(hf, "eos_token_id", None) is not None:
+        ids.add(int(hf.eos_token_id))
+    return ids

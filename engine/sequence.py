@@ -1,0 +1,54 @@
+"""A request's state inside the engine: tokens, how many are in the KV cache, the memory it owns."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.request import SamplingParams, TokenLogprob
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # sampling seed of this request (drawn by the engine when the request gives none)
+    arrival_s: float
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt: int = 0  # prompt tokens that came from a cache or a handoff, not computed here
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int = -1
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    num_emitted_tokens: int = 0  # output tokens already reported to the caller
+    is_imported: bool = False  # admitted with its prompt KV from elsewhere (straight into decode)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token still to compute: the next step is (part of) a prefill."""
+        return self.num_uncomputed > 1
