@@ -45,12 +45,12 @@ def sample(
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
-        lp = torch.log_softmax(logits[wanted], dim=-1)
-        for row, i in enumerate(wanted):
+        for i in wanted:
+            lp = torch.log_softmax(logits[i], dim=-1)  # one row at a time: the same bits batched or not
             n_top = params[i].logprobs or 0
             top: tuple[tuple[int, float], ...] = ()
             if n_top:
-                vals, ids = torch.topk(lp[row], n_top)
+                vals, ids = torch.topk(lp, n_top)
                 top = tuple(zip(ids.tolist(), vals.tolist()))
-            logprobs[i] = TokenLogprob(tokens[i], float(lp[row, tokens[i]]), top)
+            logprobs[i] = TokenLogprob(tokens[i], float(lp[tokens[i]]), top)
     return tokens, logprobs
