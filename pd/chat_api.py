@@ -1,0 +1,190 @@
+"""POST /v1/chat/completions: render, route, generate, and answer whole or as an SSE stream."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from engine.request import TokenLogprob
+from pd.coordinator import Coordinator
+from pd.errors import ApiError
+from pd.generation import ChoiceUpdate, Generation, SubRequest
+from pd.http_io import json_response, new_id, read_json, usage
+from pd.protocol import ChatRequest, parse_chat_request
+from pd.sse import DONE, HEADERS, sse_event
+from pd.toolcalls import ToolStreamFilter
+
+_LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
+
+
+def affinity_key(req: ChatRequest) -> str | None:
+    """A conversation's first user message: the same for every turn of it."""
+    for m in req.messages:
+        if m["role"] == "user":
+            return str(m.get("content") or "")
+    return None
+
+
+def _logprob_entry(co: Coordinator, token_id: int, logprob: float) -> dict[str, Any]:
+    text = co.token_text(token_id)
+    return {"token": text, "logprob": max(logprob, _LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(co: Coordinator, lps: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                **_logprob_entry(co, lp.token_id, lp.logprob),
+                "top_logprobs": [_logprob_entry(co, t, x) for t, x in lp.top],
+            }
+            for lp in lps
+        ]
+    }
+
+
+async def chat_completions(co: Coordinator, request: web.Request) -> web.StreamResponse:
+    arrival_s = time.monotonic()
+    req = parse_chat_request(await read_json(request, co.cfg.max_body_bytes))
+    co.check_model(req.model)
+    rendered = co.renderer.render_chat(req.messages, req.tools, req.tool_choice)
+    prompt = list(rendered.token_ids)
+    max_tokens = co.max_tokens_for(len(prompt), req.sampling.max_tokens, "messages")
+    rank = co.pick_rank(affinity_key(req))
+    rid = new_id("chatcmpl")
+    subs = [
+        SubRequest(
+            f"{rid}-{i}",
+            i,
+            prompt,
+            req.sampling.params(max_tokens, req.logprobs, i),
+            req.sampling.use_prefix_cache,
+        )
+        for i in range(req.sampling.n)
+    ]
+    head = {"id": rid, "created": int(time.time()), "model": co.model_name}
+    async with Generation(rank, co.metrics, arrival_s) as gen:
+        await gen.submit(subs)
+        if req.sampling.stream:
+            return await _stream(co, request, req, gen, head, len(prompt), rendered.assistant_prefix)
+        return await _whole(co, req, gen, head, len(prompt), rendered.assistant_prefix)
+
+
+async def _whole(
+    co: Coordinator, req: ChatRequest, gen: Generation, head: dict[str, Any], num_prompt: int, prefix: str
+) -> web.Response:
+    n = req.sampling.n
+    texts = [""] * n
+    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    num_out = [0] * n
+    num_cached = 0
+    async for u in gen.updates():
+        texts[u.choice] += u.text
+        lps[u.choice] += u.logprobs
+        if u.finish_reason is not None:
+            finish[u.choice], num_out[u.choice] = u.finish_reason, u.num_output_tokens
+            num_cached = max(num_cached, u.num_cached_tokens)
+    choices = []
+    for i in range(n):
+        message: dict[str, Any] = {"role": "assistant", "content": prefix + texts[i]}
+        reason = finish[i]
+        if req.uses_tools:
+            parsed = co.renderer.tool_parser.parse(prefix + texts[i])
+            if parsed.tool_calls:
+                message = {
+                    "role": "assistant",
+                    "content": parsed.content,
+                    "tool_calls": [c.to_openai() for c in parsed.tool_calls],
+                }
+                reason = "tool_calls" if reason == "stop" else reason
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(co, lps[i]) if req.logprobs is not None else None,
+                "finish_reason": reason,
+            }
+        )
+    body = {
+        **head,
+        "object": "chat.completion",
+        "choices": choices,
+        "usage": usage(num_prompt, sum(num_out), num_cached),
+        "system_fingerprint": None,
+    }
+    return json_response(body)
+
+
+async def _stream(
+    co: Coordinator,
+    request: web.Request,
+    req: ChatRequest,
+    gen: Generation,
+    head: dict[str, Any],
+    num_prompt: int,
+    prefix: str,
+) -> web.StreamResponse:
+    n = req.sampling.n
+    updates = gen.updates()
+    first = await updates.__anext__()  # a rejection before any token is still a plain HTTP error
+    resp = web.StreamResponse(headers=HEADERS)
+    await resp.prepare(request)
+    head = {**head, "object": "chat.completion.chunk"}
+    filters = [ToolStreamFilter(co.renderer.tool_parser) for _ in range(n)] if req.uses_tools else None
+    if filters:
+        for f in filters:
+            f.feed(prefix)
+    is_started = [False] * n
+    num_out = [0] * n
+    num_cached = 0
+
+    def chunk(u: ChoiceUpdate) -> dict[str, Any] | None:
+        nonlocal num_cached
+        i = u.choice
+        delta: dict[str, Any] = {}
+        if not is_started[i]:
+            delta["role"] = "assistant"
+            is_started[i] = True
+        text = filters[i].feed(u.text) if filters else u.text
+        reason = u.finish_reason
+        if reason is not None:
+            num_out[i] = u.num_output_tokens
+            num_cached = max(num_cached, u.num_cached_tokens)
+            if filters:
+                rest, calls = filters[i].finish()
+                text += rest
+                if calls:
+                    delta["tool_calls"] = [c.to_openai(index=k) for k, c in enumerate(calls)]
+                    reason = "tool_calls" if reason == "stop" else reason
+        if text or "role" in delta:
+            delta["content"] = text
+        logprobs = chat_logprobs(co, u.logprobs) if req.logprobs is not None and u.logprobs else None
+        if not delta and reason is None and logprobs is None:
+            return None
+        c: dict[str, Any] = {
+            **head,
+            "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
+        }
+        if req.sampling.include_usage:
+            c["usage"] = None
+        return c
+
+    try:
+        c = chunk(first)
+        if c is not None:
+            await resp.write(sse_event(c))
+        async for u in updates:
+            c = chunk(u)
+            if c is not None:
+                await resp.write(sse_event(c))
+    except ApiError as e:  # the stream has begun: the error goes in-band, and no [DONE]
+        await resp.write(sse_event(e.to_dict()))
+        return resp
+    if req.sampling.include_usage:
+        await resp.write(
+            sse_event({**head, "choices": [], "usage": usage(num_prompt, sum(num_out), num_cached)})
+        )
+    await resp.write(DONE)
+    return resp

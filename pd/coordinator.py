@@ -1,0 +1,145 @@
+"""Coordinator: the state the HTTP handlers share. The model's tokenizer and chat template, the engine
+ranks, the routing policy and the metrics, plus the checks that need them (model name, context length)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+
+from pd.config import ServerConfig
+from pd.errors import bad_request, model_not_found, unavailable
+from pd.metrics import RankSnapshot, ServerMetrics
+from pd.prompt_renderer import PromptRenderer
+from pd.rank_client import RankClient, RankState
+from pd.router import make_router
+
+log = logging.getLogger("pd.coordinator")
+
+
+def load_tokenizer(model: str) -> Any:
+    """The checkpoint's tokenizer (the HTTP process renders and counts tokens; the ranks only see ids)."""
+    from transformers import AutoTokenizer
+
+    from engine.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+
+
+class Coordinator:
+    def __init__(self, cfg: ServerConfig, tokenizer: Any) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+        self.renderer = PromptRenderer(tokenizer, template)
+        self.router = make_router(cfg.routing)
+        self.metrics = ServerMetrics(self.snapshot)
+        self.ranks: list[RankClient] = []
+        self.created = int(time.time())
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socket_dir: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model_name
+
+    # ---- ranks --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts every rank and waits until all are ready; raises if one fails to start."""
+        self._ctx = zmq.asyncio.Context()
+        self._socket_dir = tempfile.mkdtemp(prefix="pdserve-")
+        kwargs = self.cfg.engine_kwargs()
+        self.ranks = [
+            RankClient(i, self.cfg.dp, kwargs, self._socket_dir, self._ctx) for i in range(self.cfg.dp)
+        ]
+        for r in self.ranks:
+            await r.start()
+        await asyncio.gather(*(r.wait_ready(self.cfg.rank_start_timeout_s) for r in self.ranks))
+        lens = {r.info.max_model_len for r in self.ranks if r.info}
+        if len(lens) != 1:
+            raise RuntimeError(f"ranks disagree on max_model_len: {sorted(lens)}")
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(r.stop() for r in self.ranks), return_exceptions=True)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._socket_dir:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    def pick_rank(self, affinity_key: str | None) -> RankClient:
+        rank = self.router.pick(affinity_key, self.ranks)
+        if rank is None:
+            if any(r.state is RankState.STARTING for r in self.ranks):
+                raise unavailable("the server is starting: the engines are not ready yet")
+            raise unavailable("no engine rank is up")
+        assert isinstance(rank, RankClient)
+        return rank
+
+    def snapshot(self) -> list[RankSnapshot]:
+        return [RankSnapshot(r.index, r.is_up, r.num_inflight, dict(r.stats)) for r in self.ranks]
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        states = [r.state for r in self.ranks]
+        num_up = states.count(RankState.UP)
+        if not states or RankState.STARTING in states and num_up == 0:
+            status = "starting"
+        elif num_up == len(states):
+            status = "ok"
+        elif num_up:
+            status = "degraded"
+        else:
+            status = "down"
+        body = {"status": status, "model": self.model_name, "ranks": [r.describe() for r in self.ranks]}
+        return (200 if num_up else 503), body
+
+    # ---- request checks -----------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        for r in self.ranks:
+            if r.info is not None:
+                return r.info.max_model_len
+        raise unavailable("the server is starting: the engines are not ready yet")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_name, self.cfg.model):
+            raise model_not_found(name)
+
+    def max_tokens_for(
+        self, prompt_len: int, requested: int | None, param: str, default: int | None = None
+    ) -> int:
+        """max_tokens that fits the context: the request's own, else `default`, else what is left."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, and your {param} has {prompt_len} tokens. "
+                f"Please shorten the {param}.",
+                param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return min(default, limit - prompt_len) if default is not None else limit - prompt_len
+        if prompt_len + requested > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the {param}, {requested} in the completion). "
+                f"Please reduce the length of the {param} or max_tokens.",
+                param,
+                code="context_length_exceeded",
+            )
+        return requested
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 (one coordinator per process)
+    def token_text(self, token_id: int) -> str:
+        with contextlib.suppress(Exception):
+            return str(self.tokenizer.decode([token_id]))
+        return ""

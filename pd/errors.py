@@ -1,0 +1,44 @@
+"""OpenAI-shaped API errors: what the HTTP layer raises and how it is written to the client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error the client sees as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str) -> ApiError:
+    return ApiError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, type="server_error", code="service_unavailable")
+
+
+def internal(message: str) -> ApiError:
+    return ApiError(500, message, type="server_error", code="internal_error")

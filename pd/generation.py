@@ -1,0 +1,134 @@
+"""The engine requests behind one HTTP request, on one rank: submitted together, their outputs merged
+into one stream of per-choice updates, and whatever is unfinished aborted when the HTTP request ends
+(finished, failed, or its client gone), so the engine frees its memory.
+
+    async with Generation(rank, metrics, arrival_s) as gen:
+        await gen.submit(subrequests)
+        async for update in gen.updates(): ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from pd.errors import ApiError, bad_request, internal
+from pd.messages import RequestRejected
+from pd.metrics import ServerMetrics
+from pd.rank_client import RankClient, RankDown, RankEvent
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    request_id: str
+    choice: int  # index of the choice it produces
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    use_prefix_cache: bool = True
+
+
+@dataclass
+class ChoiceUpdate:
+    """New output of one choice. finish_reason is set on its last update."""
+
+    choice: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+def engine_down_error(message: str) -> ApiError:
+    return ApiError(503, message, type="server_error", code="engine_down")
+
+
+@dataclass
+class _Timing:
+    last_s: float
+    first_token_s: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class Generation:
+    rank: RankClient
+    metrics: ServerMetrics
+    arrival_s: float
+    queue: asyncio.Queue[tuple[str, RankEvent]] = field(default_factory=asyncio.Queue)
+    _subs: dict[str, SubRequest] = field(default_factory=dict)
+    _open: set[str] = field(default_factory=set)
+    _timing: dict[str, _Timing] = field(default_factory=dict)
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._open:
+            open_ids, self._open = list(self._open), set()
+            await asyncio.shield(self.rank.abort(open_ids))
+
+    async def submit(self, subs: list[SubRequest]) -> None:
+        for s in subs:
+            self._subs[s.request_id] = s
+            self._open.add(s.request_id)
+            self._timing[s.request_id] = _Timing(self.arrival_s)
+            await self.rank.submit(s.request_id, s.prompt_token_ids, s.params, self.queue, s.use_prefix_cache)
+
+    async def updates(self):  # type: ignore[no-untyped-def]  # AsyncIterator[ChoiceUpdate]
+        """Yields updates until every choice is finished; raises ApiError on rejection or rank death."""
+        while self._open:
+            rid, event = await self.queue.get()
+            if isinstance(event, RankDown):
+                self._open.clear()
+                raise engine_down_error(event.message)
+            if isinstance(event, RequestRejected):
+                self._open.discard(rid)
+                raise bad_request(event.message, event.param)
+            if event.is_finished:
+                self._open.discard(rid)
+                if event.finish_reason in ("abort", "error"):
+                    raise internal(event.error or f"the engine ended the request ({event.finish_reason})")
+            self._observe(rid, event)
+            yield ChoiceUpdate(
+                self._subs[rid].choice,
+                event.text_delta,
+                list(event.new_token_ids),
+                list(event.logprobs),
+                event.finish_reason if event.is_finished else None,
+                event.num_prompt_tokens,
+                event.num_cached_tokens,
+                event.num_output_tokens,
+            )
+
+    def _observe(self, rid: str, o: RequestOutput) -> None:
+        m, label, t = self.metrics, str(self.rank.index), self._timing[rid]
+        now = time.monotonic()
+        n = len(o.new_token_ids)
+        if n:
+            if t.first_token_s is None:
+                t.first_token_s = now
+                m.ttft_s.labels(label).observe(now - self.arrival_s)
+                queue_s = getattr(o, "queue_time_s", None)
+                if queue_s is not None:
+                    m.queue_s.labels(label).observe(queue_s)
+                if n > 1:
+                    m.itl_s.labels(label).observe(0.0)
+            else:
+                for _ in range(n):
+                    m.itl_s.labels(label).observe((now - t.last_s) / n)
+            t.last_s = now
+            t.num_tokens += n
+        if o.is_finished:
+            m.e2e_s.labels(label).observe(now - self.arrival_s)
+            m.prompt_tokens.labels(label).inc(o.num_prompt_tokens)
+            m.cached_tokens.labels(label).inc(o.num_cached_tokens)
+            m.generation_tokens.labels(label).inc(o.num_output_tokens)
+            m.requests.labels(label, o.finish_reason or "unknown").inc()

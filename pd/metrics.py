@@ -1,0 +1,113 @@
+"""Prometheus metrics of the server, per rank: latencies observed here, engine state as the ranks report it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+# engine stats with a name of their own; every other numeric field is exported as pdserve_engine_<field>
+_NAMED_STATS = {
+    "num_running": ("pdserve_num_requests_running", "Requests the engine is running"),
+    "num_waiting": ("pdserve_num_requests_waiting", "Requests waiting in the engine's queue"),
+    "kv_usage": ("pdserve_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1)"),
+    "num_free_blocks": ("pdserve_kv_free_blocks", "Free KV blocks"),
+    "num_total_blocks": ("pdserve_kv_total_blocks", "KV blocks in the pool"),
+}
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    index: int
+    is_up: bool
+    num_inflight: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class _RankCollector:
+    """Reads the latest per-rank state at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], list[RankSnapshot]]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        ranks = self.snapshot()
+        up = GaugeMetricFamily(
+            "pdserve_rank_up", "1 if the rank's engine process is serving", labels=["rank"]
+        )
+        inflight = GaugeMetricFamily(
+            "pdserve_num_requests_inflight", "Requests the server has sent to the rank", labels=["rank"]
+        )
+        families: dict[str, GaugeMetricFamily] = {}
+        for r in ranks:
+            label = [str(r.index)]
+            up.add_metric(label, 1.0 if r.is_up else 0.0)
+            inflight.add_metric(label, float(r.num_inflight))
+            for key, value in sorted(r.stats.items()):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                name, doc = _NAMED_STATS.get(key, (f"pdserve_engine_{key}", f"Engine stat {key}"))
+                if name not in families:
+                    families[name] = GaugeMetricFamily(name, doc, labels=["rank"])
+                families[name].add_metric(label, float(value))
+        yield up
+        yield inflight
+        yield from families.values()
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], list[RankSnapshot]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft_s = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Arrival to first token",
+            ["rank"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.itl_s = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between output tokens",
+            ["rank"],
+            buckets=_ITL_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e_s = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Arrival to last token",
+            ["rank"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.queue_s = Histogram(
+            "pdserve_request_queue_time_seconds",
+            "Arrival to the engine's first scheduling of the request",
+            ["rank"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", ["rank"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "pdserve_cached_prompt_tokens", "Prompt tokens served from the prefix cache", ["rank"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens", "Generated tokens", ["rank"], registry=r
+        )
+        self.requests = Counter(
+            "pdserve_requests", "Finished engine requests", ["rank", "finish_reason"], registry=r
+        )
+        self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
+        r.register(_RankCollector(snapshot))  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

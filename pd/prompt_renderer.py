@@ -1,0 +1,176 @@
+"""Chat messages (and tools) -> prompt token ids, through the checkpoint's own chat template.
+
+A template that does not mention tools gets them through FALLBACK_TOOLS_PROMPT, a Hermes-style system
+prompt (the format Qwen2.5 and Hermes templates teach): the tool signatures as JSON inside <tools>, and
+calls asked for as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. In that mode, earlier
+assistant tool calls are written back in the same format and tool results become user turns in
+<tool_response> tags, so any template can render the whole conversation.
+
+When the client forces a call (tool_choice "required" or a named function) and the format is Hermes-style,
+the assistant turn is started with the opening of the call, so even a small model emits a parseable one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pd.errors import bad_request
+from pd.toolcalls import HermesParser, ToolParser, parser_for_template
+
+FALLBACK_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    token_ids: tuple[int, ...]
+    assistant_prefix: str = ""  # text the prompt already put in the model's mouth (part of its answer)
+
+
+def _arguments_as_object(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+class PromptRenderer:
+    """Renders chats for one tokenizer; knows whether its template has tool support."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.template: str | None = chat_template or getattr(tokenizer, "chat_template", None) or None
+        if isinstance(self.template, dict):  # some tokenizers keep several named templates
+            self.template = self.template.get("default") or next(iter(self.template.values()), None)
+        self.supports_tools = self.template is not None and "tools" in self.template
+        self.tool_parser: ToolParser = parser_for_template(self.template if self.supports_tools else None)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.template is not None
+
+    def encode(self, text: str) -> list[int]:
+        """A raw completion prompt: the tokenizer's own special tokens (BOS) included."""
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def render_chat(
+        self,
+        messages: tuple[dict[str, Any], ...],
+        tools: tuple[dict[str, Any], ...] = (),
+        tool_choice: Any = "auto",
+    ) -> RenderedPrompt:
+        if self.template is None:
+            raise bad_request(
+                "this model has no chat template: use /v1/completions, or start the server with --chat-template FILE",
+                "messages",
+                code="no_chat_template",
+            )
+        use_tools = bool(tools) and tool_choice != "none"
+        msgs = [dict(m) for m in messages]
+        if use_tools and not self.supports_tools:
+            msgs = self._with_fallback_tools(msgs, tools)
+        else:
+            for m in msgs:
+                if m.get("tool_calls"):
+                    m["tool_calls"] = [
+                        {
+                            **c,
+                            "function": {
+                                **c["function"],
+                                "arguments": _arguments_as_object(c["function"]["arguments"]),
+                            },
+                        }
+                        for c in m["tool_calls"]
+                    ]
+        if use_tools:
+            msgs = self._with_choice_instruction(msgs, tool_choice)
+        for m in msgs:
+            if m.get("content") is None:
+                m["content"] = ""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                msgs,
+                tools=list(tools) if use_tools and self.supports_tools else None,
+                chat_template=self.template,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        except Exception as e:  # jinja raises TemplateError (and the template's own raise_exception)
+            raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
+        prefix = self._forced_call_prefix(tool_choice) if use_tools else ""
+        text += prefix
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return RenderedPrompt(text, tuple(ids), prefix)
+
+    def _with_fallback_tools(
+        self, msgs: list[dict[str, Any]], tools: tuple[dict[str, Any], ...]
+    ) -> list[dict[str, Any]]:
+        block = FALLBACK_TOOLS_PROMPT.format(
+            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        )
+        out: list[dict[str, Any]] = []
+        for m in msgs:
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                calls = [
+                    "<tool_call>\n"
+                    + json.dumps(
+                        {
+                            "name": c["function"]["name"],
+                            "arguments": _arguments_as_object(c["function"]["arguments"]),
+                        }
+                    )
+                    + "\n</tool_call>"
+                    for c in m["tool_calls"]
+                ]
+                text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
+                out.append({"role": "assistant", "content": text})
+            elif m["role"] == "tool":
+                out.append(
+                    {
+                        "role": "user",
+                        "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>",
+                    }
+                )
+            else:
+                out.append(m)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+        return out
+
+    def _with_choice_instruction(self, msgs: list[dict[str, Any]], tool_choice: Any) -> list[dict[str, Any]]:
+        if tool_choice == "required":
+            note = "You must call at least one of the functions."
+        elif isinstance(tool_choice, dict):
+            note = f"You must call the function {tool_choice['function']['name']}."
+        else:
+            return msgs
+        if msgs and msgs[0]["role"] == "system":
+            return [{**msgs[0], "content": f"{msgs[0]['content']}\n\n{note}"}, *msgs[1:]]
+        return [{"role": "system", "content": note}, *msgs]
+
+    def _forced_call_prefix(self, tool_choice: Any) -> str:
+        if not isinstance(self.tool_parser, HermesParser):
+            return ""
+        if isinstance(tool_choice, dict):
+            return '<tool_call>\n{"name": ' + json.dumps(tool_choice["function"]["name"]) + ', "arguments": '
+        if tool_choice == "required":
+            return '<tool_call>\n{"name": "'
+        return ""

@@ -1,0 +1,357 @@
+"""OpenAI request bodies, checked and turned into typed requests. Every refusal is a 400 naming the field.
+
+Unknown fields are ignored (clients send many); known fields with a bad type or value are refused, and so
+are features the engine does not have (penalties, logit_bias, JSON mode) when asked for with a
+non-default value, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from pd.errors import bad_request
+
+MAX_N = 16
+MAX_STOP = 16
+MAX_SUBREQUESTS = 256  # prompts x n in one request
+MAX_SEED = 2**63 - 1
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """The sampling fields chat and completions share, checked."""
+
+    max_tokens: int | None  # None: whatever the context leaves
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    n: int
+    stream: bool
+    include_usage: bool
+    use_prefix_cache: bool
+
+    def params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """Engine parameters of choice number `choice` (seeded choices get seed + choice, so n > 1 differs)."""
+        seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str | None
+    messages: tuple[
+        dict[str, Any], ...
+    ]  # normalized: role, content (str | None), optional name/tool_calls/tool_call_id
+    tools: tuple[dict[str, Any], ...]  # OpenAI tool objects: {"type": "function", "function": {...}}
+    tool_choice: (
+        str | dict[str, Any]
+    )  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    logprobs: int | None  # None: off; N: chosen token plus top N
+    sampling: SamplingFields
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str | None
+    prompts: tuple[str | tuple[int, ...], ...]
+    echo: bool
+    logprobs: int | None
+    sampling: SamplingFields
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _int(body: dict[str, Any], key: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
+    v = body.get(key, _UNSET)
+    if v is _UNSET or v is None:
+        return default
+    if not _is_int(v):
+        raise bad_request(f"'{key}' must be an integer, got {type(v).__name__}", key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise bad_request(f"'{key}' must be {rng}, got {v}", key)
+    return v
+
+
+def _number(
+    body: dict[str, Any], key: str, default: float, lo: float, hi: float, lo_open: bool = False
+) -> float:
+    v = body.get(key, _UNSET)
+    if v is _UNSET or v is None:
+        return default
+    if not _is_number(v):
+        raise bad_request(f"'{key}' must be a number, got {type(v).__name__}", key)
+    if v > hi or v < lo or (lo_open and v == lo):
+        raise bad_request(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", key)
+    return float(v)
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key, _UNSET)
+    if v is _UNSET or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"'{key}' must be a boolean, got {type(v).__name__}", key)
+    return v
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = body.get(key)
+        if v is not None and (not _is_number(v) or v != 0):
+            raise bad_request(f"'{key}' is not supported (only 0)", key)
+    rp = body.get("repetition_penalty")
+    if rp is not None and (not _is_number(rp) or rp != 1):
+        raise bad_request("'repetition_penalty' is not supported (only 1)", "repetition_penalty")
+    if body.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported", "logit_bias")
+    rf = body.get("response_format")
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+        raise bad_request('\'response_format\' supports only {"type": "text"}', "response_format")
+
+
+def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> SamplingFields:
+    _refuse_unsupported(body)
+    max_tokens = None
+    for key in max_tokens_keys:  # later keys win: max_completion_tokens over the deprecated max_tokens
+        max_tokens = _int(body, key, max_tokens, lo=1)
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(s for s in stop if s)
+        if len(stops) > MAX_STOP:
+            raise bad_request(f"'stop' takes at most {MAX_STOP} strings", "stop")
+    else:
+        raise bad_request("'stop' must be a string or an array of strings", "stop")
+    stream = _bool(body, "stream", False)
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if not isinstance(so, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        include_usage = _bool(so, "include_usage", False)
+    top_k = _int(body, "top_k", 0, lo=-1)
+    return SamplingFields(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=0 if top_k < 0 else top_k,
+        seed=_int(body, "seed", None, lo=0, hi=MAX_SEED),
+        stop=stops,
+        ignore_eos=_bool(body, "ignore_eos", False),
+        n=_int(body, "n", 1, lo=1, hi=MAX_N),
+        stream=stream,
+        include_usage=include_usage,
+        use_prefix_cache=_bool(body, "prefix_cache", True),
+    )
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    m = body.get("model")
+    if m is not None and not isinstance(m, str):
+        raise bad_request("'model' must be a string", "model")
+    return m
+
+
+def _content(v: Any, param: str, nullable: bool) -> str | None:
+    if v is None:
+        if nullable:
+            return None
+        raise bad_request(f"'{param}' is required", param)
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        texts = []
+        for j, part in enumerate(v):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise bad_request(
+                    f'\'{param}[{j}]\' must be a text part {{"type": "text", "text": ...}}', param
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad_request(f"'{param}' must be a string or an array of text parts", param)
+
+
+def _tool_calls(v: Any, param: str) -> list[dict[str, Any]]:
+    if not isinstance(v, list):
+        raise bad_request(f"'{param}' must be an array", param)
+    calls = []
+    for j, c in enumerate(v):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(
+                f'\'{param}[{j}]\' must be {{"type": "function", "function": {{"name", "arguments"}}}}', param
+            )
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise bad_request(f"'{param}[{j}].function.arguments' must be a JSON string", param)
+        calls.append(
+            {
+                "id": str(c.get("id", f"call_{j}")),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
+    return calls
+
+
+def _messages(v: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(v, list) or not v:
+        raise bad_request("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(v):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{p}' must be an object", p)
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"'{p}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{p}.role")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
+        tool_calls = m.get("tool_calls")
+        if role == "assistant" and tool_calls is not None:
+            msg["tool_calls"] = _tool_calls(tool_calls, f"{p}.tool_calls")
+        msg["content"] = _content(m.get("content"), f"{p}.content", nullable=role == "assistant")
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad_request(f"'{p}.{key}' must be a string", f"{p}.{key}")
+                msg[key] = m[key]
+        out.append(msg)
+    return tuple(out)
+
+
+def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | dict[str, Any]]:
+    tools = body.get("tools")
+    checked: list[dict[str, Any]] = []
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("'tools' must be an array", "tools")
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+                raise bad_request(
+                    f'\'tools[{i}]\' must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]"
+                )
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise bad_request(
+                    f"'tools[{i}].function.name' must be a non-empty string", f"tools[{i}].function.name"
+                )
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise bad_request(
+                    f"'tools[{i}].function.parameters' must be an object", f"tools[{i}].function.parameters"
+                )
+            if fn.get("description") is not None and not isinstance(fn["description"], str):
+                raise bad_request(
+                    f"'tools[{i}].function.description' must be a string", f"tools[{i}].function.description"
+                )
+            checked.append({"type": "function", "function": fn})
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tuple(checked), "auto"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad_request(
+                "'tool_choice' must be 'none', 'auto', 'required' or a function object", "tool_choice"
+            )
+        if choice != "none" and not checked:
+            raise bad_request("'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+        return tuple(checked), choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(
+            "'tool_choice' must be 'none', 'auto', 'required' or a function object", "tool_choice"
+        )
+    if fn["name"] not in {t["function"]["name"] for t in checked}:
+        raise bad_request(
+            f"'tool_choice' names function '{fn['name']}', which is not in 'tools'", "tool_choice"
+        )
+    return tuple(checked), {"type": "function", "function": {"name": fn["name"]}}
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    body = _object(body)
+    model = _model(body)
+    messages = _messages(body.get("messages"))
+    sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    tools, tool_choice = _tools(body)
+    return ChatRequest(model, messages, tools, tool_choice, (top or 0) if want_logprobs else None, sampling)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    body = _object(body)
+    model = _model(body)
+    prompt = body.get("prompt", _UNSET)
+    prompts: list[str | tuple[int, ...]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [tuple(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
+    ):
+        prompts = [tuple(p) for p in prompt]
+    else:
+        raise bad_request("'prompt' must be a string, an array of token ids, or an array of either", "prompt")
+    for p in prompts:
+        if isinstance(p, tuple) and any(t < 0 for t in p):
+            raise bad_request("'prompt' token ids must be >= 0", "prompt")
+    if body.get("suffix"):
+        raise bad_request("'suffix' is not supported", "suffix")
+    sampling = _sampling(body, ("max_tokens",))
+    best_of = _int(body, "best_of", sampling.n, lo=1)
+    if best_of != sampling.n:
+        raise bad_request("'best_of' is not supported (only equal to 'n')", "best_of")
+    if len(prompts) * sampling.n > MAX_SUBREQUESTS:
+        raise bad_request(f"prompts x n must be at most {MAX_SUBREQUESTS}", "n")
+    logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    return CompletionRequest(model, tuple(prompts), _bool(body, "echo", False), logprobs, sampling)

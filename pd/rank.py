@@ -1,0 +1,199 @@
+"""One engine rank: a process that owns an LLMEngine and serves it over ZeroMQ.
+
+    python -m pd.rank --rank I --dp N --inbox ADDR --outbox ADDR --engine-config JSON
+
+The loop: take every queued AddRequest/AbortRequests, run one engine step while there is work, push
+that step's outputs (tokens stream back as they are sampled). When idle it blocks on the inbox and
+sends its stats once a second as a heartbeat. It dies with its parent (PR_SET_PDEATHSIG), so no rank
+outlives the server holding memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict, fields
+from typing import Any
+
+import zmq
+
+from engine.errors import InvalidRequestError
+from pd.messages import (
+    AbortRequests,
+    AddRequest,
+    Message,
+    RankFatal,
+    RankReady,
+    RankStats,
+    RequestRejected,
+    Shutdown,
+    StepOutputs,
+    decode,
+    encode,
+)
+
+HEARTBEAT_S = 1.0
+BUSY_STATS_EVERY_S = 0.1
+log = logging.getLogger("pd.rank")
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def engine_config(kwargs: dict[str, Any], rank: int, dp: int) -> Any:
+    """EngineConfig of this rank: its own GPU on CUDA, a share of the cores on the CPU."""
+    import torch
+
+    from engine.config import EngineConfig
+
+    kw = dict(kwargs)
+    device = kw.get("device", "auto")
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+    elif device == "auto":
+        device = "cpu"
+    kw["device"] = device
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp))
+    names = {f.name for f in fields(EngineConfig)}
+    if "deterministic" in kw and "deterministic" not in names and "is_deterministic" in names:
+        kw["is_deterministic"] = kw.pop("deterministic")
+    return EngineConfig(**{k: v for k, v in kw.items() if k in names})
+
+
+class RankWorker:
+    def __init__(self, rank: int, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        self.rank = rank
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.last_stats_s = 0.0
+        self.added_s: dict[str, float] = {}  # request id -> when it was added, until its first output
+
+    def send(self, msg: Message) -> None:
+        self.outbox.send(encode(msg))
+
+    def stats(self) -> dict[str, Any]:
+        self.last_stats_s = time.monotonic()
+        return asdict(self.engine.stats())
+
+    def handle(self, msg: Message) -> bool:
+        """Applies one message; False on Shutdown."""
+        if isinstance(msg, AddRequest):
+            try:
+                self.engine.add_request(
+                    msg.request_id,
+                    list(msg.prompt_token_ids),
+                    msg.params,
+                    use_prefix_cache=msg.use_prefix_cache,
+                )
+                self.added_s[msg.request_id] = time.monotonic()
+            except InvalidRequestError as e:
+                self.send(RequestRejected(msg.request_id, str(e), e.param))
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                self.added_s.pop(rid, None)
+                self.engine.abort(rid)
+        elif isinstance(msg, Shutdown):
+            return False
+        else:
+            log.warning("rank %d: unexpected message %s", self.rank, type(msg).__name__)
+        return True
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        parent = os.getppid()
+        while True:
+            busy = self.engine.has_unfinished()
+            if poller.poll(0 if busy else int(HEARTBEAT_S * 1000)):
+                while True:
+                    try:
+                        data = self.inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if not self.handle(decode(data)):
+                        return
+            if self.engine.has_unfinished():
+                step_start_s = time.monotonic()
+                outputs = self.engine.step()
+                # NOTE: approximate: a prompt prefilled in several chunks counts its earlier chunks as queueing.
+                queue_times_s = {
+                    o.request_id: step_start_s - self.added_s.pop(o.request_id)
+                    for o in outputs
+                    if o.request_id in self.added_s and (o.new_token_ids or o.is_finished)
+                }
+                now = time.monotonic()
+                finished = any(o.is_finished for o in outputs)
+                stats = self.stats() if finished or now - self.last_stats_s >= BUSY_STATS_EVERY_S else None
+                if outputs or stats is not None:
+                    self.send(StepOutputs(tuple(outputs), stats, queue_times_s))
+            elif time.monotonic() - self.last_stats_s >= HEARTBEAT_S:
+                if os.getppid() != parent:
+                    return  # orphaned (PDEATHSIG is Linux-only)
+                self.send(RankStats(self.stats()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pd.rank")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--dp", type=int, required=True)
+    p.add_argument("--inbox", required=True, help="ZeroMQ address the server pushes requests to")
+    p.add_argument("--outbox", required=True, help="ZeroMQ address the rank pushes outputs to")
+    p.add_argument("--engine-config", required=True, help="EngineConfig fields as JSON")
+    args = p.parse_args(argv)
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(args.inbox)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(args.outbox)
+    try:
+        from engine.engine import LLMEngine
+
+        cfg = engine_config(json.loads(args.engine_config), args.rank, args.dp)
+        t0 = time.monotonic()
+        engine = LLMEngine(cfg)
+        log.info("engine %s on %s ready in %.1f s", engine.model_name, cfg.device, time.monotonic() - t0)
+        worker = RankWorker(args.rank, engine, inbox, outbox)
+        eos = tuple(sorted(engine.eos_token_ids))
+        worker.send(
+            RankReady(
+                args.rank,
+                os.getpid(),
+                engine.model_name,
+                engine.max_model_len,
+                eos,
+                cfg.device,
+                worker.stats(),
+            )
+        )
+        worker.run()
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:
+        msg = traceback.format_exc()
+        log.error("engine failed:\n%s", msg)
+        outbox.send(encode(RankFatal(msg.strip().splitlines()[-1])))
+        outbox.close(linger=2000)
+        return 1
+    finally:
+        inbox.close(linger=0)
+    outbox.close(linger=2000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The HTTP process's handle on one engine rank: starts the process, talks to it over ZeroMQ, and
+notices its death at once (it awaits the process's exit), failing that rank's in-flight requests.
+
+Outputs are delivered per request to the asyncio.Queue given at submit, as (request_id, event) pairs,
+where event is a RequestOutput, a RequestRejected, or a RankDown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from engine.request import RequestOutput, SamplingParams
+from pd.messages import (
+    AbortRequests,
+    AddRequest,
+    MessageError,
+    RankFatal,
+    RankReady,
+    RankStats,
+    RequestRejected,
+    Shutdown,
+    StepOutputs,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("pd.rank_client")
+
+
+class RankState(str, enum.Enum):
+    STARTING = "starting"
+    UP = "up"
+    DOWN = "down"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class RankDown:
+    """The rank's engine process is gone; the request will get nothing more."""
+
+    message: str
+
+
+RankEvent = RequestOutput | RequestRejected | RankDown
+
+
+class RankClient:
+    def __init__(
+        self, index: int, dp: int, engine_kwargs: dict[str, Any], socket_dir: str, ctx: zmq.asyncio.Context
+    ) -> None:
+        self.index = index
+        self.dp = dp
+        self.engine_kwargs = engine_kwargs
+        self.inbox_addr = f"ipc://{socket_dir}/rank{index}-in"
+        self.outbox_addr = f"ipc://{socket_dir}/rank{index}-out"
+        self.ctx = ctx
+        self.state = RankState.STARTING
+        self.info: RankReady | None = None
+        self.stats: dict[str, Any] = {}
+        self.down_reason: str | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self._streams: dict[str, asyncio.Queue[tuple[str, RankEvent]]] = {}
+        self._ready: asyncio.Future[RankReady] = asyncio.get_running_loop().create_future()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fatal: str | None = None
+        self._push = ctx.socket(zmq.PUSH)
+        self._pull = ctx.socket(zmq.PULL)
+
+    # ---- what routing and /health look at -----------------------------------------------------
+
+    @property
+    def is_up(self) -> bool:
+        return self.state is RankState.UP
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "rank": self.index,
+            "state": self.state.value,
+            "pid": self.pid,
+            "num_inflight": self.num_inflight,
+        }
+        if self.info:
+            d["device"] = self.info.device
+        for key in ("num_running", "num_waiting", "kv_usage", "num_free_blocks", "num_total_blocks"):
+            if key in self.stats:
+                d[key] = self.stats[key]
+        if self.down_reason:
+            d["error"] = self.down_reason
+        return d
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(self.inbox_addr)
+        self._pull.bind(self.outbox_addr)
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "pd.rank",
+            "--rank",
+            str(self.index),
+            "--dp",
+            str(self.dp),
+            "--inbox",
+            self.inbox_addr,
+            "--outbox",
+            self.outbox_addr,
+            "--engine-config",
+            json.dumps(self.engine_kwargs),
+            env=os.environ.copy(),
+        )
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def wait_ready(self, timeout_s: float) -> RankReady:
+        return await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Asks the rank to exit, then kills it if it does not."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.state = RankState.STOPPED
+            with contextlib.suppress(zmq.ZMQError):
+                await self._push.send(encode(Shutdown()))
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue[tuple[str, RankEvent]],
+        use_prefix_cache: bool = True,
+    ) -> None:
+        if not self.is_up:
+            queue.put_nowait(
+                (request_id, RankDown(self.down_reason or f"engine rank {self.index} is {self.state.value}"))
+            )
+            return
+        self._streams[request_id] = queue
+        await self._push.send(
+            encode(AddRequest(request_id, tuple(prompt_token_ids), params, use_prefix_cache))
+        )
+
+    async def abort(self, request_ids: list[str]) -> None:
+        ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
+        if ids and self.is_up:
+            await self._push.send(encode(AbortRequests(tuple(ids))))
+
+    # ---- background tasks ---------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, event: RankEvent, is_final: bool) -> None:
+        q = self._streams.pop(request_id, None) if is_final else self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait((request_id, event))
+
+    async def _read(self) -> None:
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = decode(data)
+            except MessageError as e:
+                log.error("rank %d sent an undecodable message: %s", self.index, e)
+                continue
+            if isinstance(msg, StepOutputs):
+                for o in msg.outputs:
+                    if o.request_id in msg.queue_times_s:
+                        o.queue_time_s = msg.queue_times_s[o.request_id]  # type: ignore[attr-defined]
+                    self._deliver(o.request_id, o, o.is_finished)
+                if msg.stats is not None:
+                    self.stats = msg.stats
+            elif isinstance(msg, RankStats):
+                self.stats = msg.stats
+            elif isinstance(msg, RequestRejected):
+                self._deliver(msg.request_id, msg, True)
+            elif isinstance(msg, RankReady):
+                self.info, self.stats = msg, msg.stats
+                if self.state is RankState.STARTING:
+                    self.state = RankState.UP
+                if not self._ready.done():
+                    self._ready.set_result(msg)
+            elif isinstance(msg, RankFatal):
+                self._fatal = msg.message
+
+    async def _watch(self) -> None:
+        assert self.proc is not None
+        code = await self.proc.wait()
+        await asyncio.sleep(0.05)  # let a RankFatal sent just before the exit arrive
+        stopping = self.state is RankState.STOPPED
+        reason = f"engine rank {self.index} (pid {self.proc.pid}) exited with code {code}"
+        if self._fatal:
+            reason += f": {self._fatal}"
+        if not stopping:
+            self.state = RankState.DOWN
+            self.down_reason = reason
+            log.error("%s", reason)
+        if not self._ready.done():
+            self._ready.set_exception(RuntimeError(reason))
+        streams, self._streams = self._streams, {}
+        for rid, q in streams.items():
+            q.put_nowait((rid, RankDown(reason)))
