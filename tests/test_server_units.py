@@ -1,0 +1,353 @@
+"""The server's pure parts, no engine: request checks, wire messages, routing, SSE, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+
+from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from pd.config import ServerConfig
+from pd.errors import ApiError
+from pd.messages import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    AddRequest,
+    MessageError,
+    RankFatal,
+    RankReady,
+    RankStats,
+    RequestRejected,
+    Shutdown,
+    StepOutputs,
+    decode,
+    encode,
+)
+from pd.metrics import RankSnapshot, ServerMetrics
+from pd.protocol import parse_chat_request, parse_completion_request
+from pd.router import AffinityRouter, LeastLoadedRouter, make_router
+from pd.sse import DONE, sse_event
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _bad(fn, body, param):
+    with pytest.raises(ApiError) as e:
+        fn(body)
+    assert e.value.status == 400, e.value.message
+    assert e.value.param == param, (e.value.param, e.value.message)
+    err = e.value.to_dict()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+
+
+# ---- chat request checks ------------------------------------------------------------------------------
+
+
+def test_chat_defaults_and_fields():
+    r = parse_chat_request({"model": "m", "messages": USER})
+    s = r.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.n, s.stream, s.use_prefix_cache) == (
+        None,
+        1.0,
+        1.0,
+        0,
+        1,
+        False,
+        True,
+    )
+    r = parse_chat_request(
+        {
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+                *USER,
+            ],
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": -1,
+            "seed": 3,
+            "stop": "x",
+            "n": 2,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "prefix_cache": False,
+            "presence_penalty": 0,
+            "unknown_field": {"ignored": True},
+        }
+    )
+    s = r.sampling
+    assert r.messages[0] == {"role": "system", "content": "a\nb"}
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.n) == (
+        7,
+        0.0,
+        0.5,
+        0,
+        3,
+        ("x",),
+        2,
+    )
+    assert (s.stream, s.include_usage, s.use_prefix_cache, r.logprobs) == (True, True, False, 2)
+    p1 = s.params(10, r.logprobs, 1)
+    assert isinstance(p1, SamplingParams) and (p1.seed, p1.max_tokens, p1.logprobs, p1.stop) == (
+        4,
+        10,
+        2,
+        ("x",),
+    )
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "king", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+        ),
+        ({"messages": USER, "model": 3}, "model"),
+        ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+        ({"messages": USER, "max_tokens": "5"}, "max_tokens"),
+        ({"messages": USER, "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"messages": USER, "max_tokens": 2.5}, "max_tokens"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "n": True}, "n"),
+        ({"messages": USER, "temperature": -1}, "temperature"),
+        ({"messages": USER, "temperature": "hot"}, "temperature"),
+        ({"messages": USER, "top_p": 0}, "top_p"),
+        ({"messages": USER, "top_p": 1.5}, "top_p"),
+        ({"messages": USER, "top_k": -2}, "top_k"),
+        ({"messages": USER, "seed": -1}, "seed"),
+        ({"messages": USER, "seed": "1"}, "seed"),
+        ({"messages": USER, "stop": 3}, "stop"),
+        ({"messages": USER, "stop": ["a", 3]}, "stop"),
+        ({"messages": USER, "stream": "yes"}, "stream"),
+        ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": USER, "stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+        ({"messages": USER, "logprobs": 1}, "logprobs"),
+        ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": USER, "tools": {}}, "tools"),
+        (
+            {"messages": USER, "tools": [{"type": "function", "function": {"name": ""}}]},
+            "tools[0].function.name",
+        ),
+        ({"messages": USER, "tools": [{"type": "code"}]}, "tools[0]"),
+        ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "messages": USER,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        ({"messages": USER, "prefix_cache": "no"}, "prefix_cache"),
+        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_chat_bad_input(body, param):
+    _bad(parse_chat_request, body, param)
+
+
+def test_body_must_be_an_object():
+    _bad(parse_chat_request, [1, 2], None)
+    _bad(parse_completion_request, "prompt", None)
+
+
+def test_assistant_tool_calls_and_tool_messages():
+    r = parse_chat_request(
+        {
+            "messages": [
+                *USER,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c", "content": "ok"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        }
+    )
+    assert r.messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+    assert r.messages[2] == {"role": "tool", "content": "ok", "tool_call_id": "c"}
+    assert r.uses_tools and r.tool_choice == {"type": "function", "function": {"name": "f"}}
+
+
+# ---- completion request checks ------------------------------------------------------------------------
+
+
+def test_completion_prompts():
+    assert parse_completion_request({"prompt": "a"}).prompts == ("a",)
+    assert parse_completion_request({"prompt": [1, 2]}).prompts == ((1, 2),)
+    assert parse_completion_request({"prompt": ["a", "b"], "n": 2}).prompts == ("a", "b")
+    assert parse_completion_request({"prompt": [[1], [2, 3]]}).prompts == ((1,), (2, 3))
+    r = parse_completion_request({"prompt": "a", "logprobs": 3, "echo": True, "max_tokens": 4})
+    assert (r.logprobs, r.echo, r.sampling.max_tokens) == (3, True, 4)
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a", "n": 0}, "n"),
+        ({"prompt": "a", "logprobs": 30}, "logprobs"),
+        ({"prompt": "a", "echo": "yes"}, "echo"),
+        ({"prompt": "a", "suffix": "b"}, "suffix"),
+        ({"prompt": "a", "best_of": 3}, "best_of"),
+    ],
+)
+def test_completion_bad_input(body, param):
+    _bad(parse_completion_request, body, param)
+
+
+# ---- messages ----------------------------------------------------------------------------------------
+
+
+def test_messages_round_trip():
+    msgs = [
+        AddRequest(
+            "r1",
+            (1, 2, 3),
+            SamplingParams(max_tokens=5, temperature=0.0, stop=("a", "b"), seed=7, logprobs=2),
+            False,
+        ),
+        AbortRequests(("r1", "r2")),
+        Shutdown(),
+        RankReady(0, 123, "m", 2048, (2, 3), "cpu", {"kv_usage": 0.0}),
+        RequestRejected("r1", "too long", "max_tokens"),
+        RankStats({"num_running": 1}),
+        RankFatal("boom"),
+    ]
+    for m in msgs:
+        assert decode(encode(m)) == m
+    out = RequestOutput(
+        "r1", [5], "hi", [TokenLogprob(5, -0.1, ((5, -0.1), (6, -2.0)))], True, "stop", 3, 1, 1
+    )
+    got = decode(encode(StepOutputs((out,), {"kv_usage": 0.5}, {"r1": 0.01})))
+    assert isinstance(got, StepOutputs) and got.outputs == (out,) and got.stats == {"kv_usage": 0.5}
+    assert got.queue_times_s == {"r1": 0.01}
+
+
+def test_messages_refuse_other_versions_and_garbage():
+    data = msgpack.unpackb(encode(Shutdown()))
+    assert data == {"v": PROTOCOL_VERSION, "type": "shutdown"}
+    with pytest.raises(MessageError):
+        decode(msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "shutdown"}))
+    with pytest.raises(MessageError):
+        decode(msgpack.packb({"v": PROTOCOL_VERSION, "type": "nope"}))
+    with pytest.raises(MessageError):
+        decode(msgpack.packb({"v": PROTOCOL_VERSION, "type": "add"}))
+    with pytest.raises(MessageError):
+        decode(b"\xc1")
+
+
+# ---- routing -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Rank:
+    index: int
+    is_up: bool = True
+    num_inflight: int = 0
+
+
+def test_affinity_is_sticky_and_spreads():
+    ranks = [_Rank(i) for i in range(4)]
+    r = AffinityRouter()
+    picks = {k: r.pick(f"conversation {k}", ranks).index for k in range(200)}
+    assert all(r.pick(f"conversation {k}", ranks).index == v for k, v in picks.items())
+    assert len(set(picks.values())) == 4
+    ranks[1].is_up = False  # only rank 1's conversations move
+    for k, v in picks.items():
+        now = r.pick(f"conversation {k}", ranks).index
+        assert now != 1 and (now == v or v == 1)
+    assert r.pick(None, ranks).index == 0
+
+
+def test_least_loaded_and_all_down():
+    ranks = [_Rank(0, num_inflight=3), _Rank(1, num_inflight=1), _Rank(2, is_up=False)]
+    assert LeastLoadedRouter().pick("x", ranks).index == 1
+    for name in ("affinity", "least-loaded"):
+        assert make_router(name).pick("x", [_Rank(0, is_up=False)]) is None
+    with pytest.raises(ValueError):
+        make_router("random")
+
+
+# ---- SSE, metrics, config ----------------------------------------------------------------------------
+
+
+def test_sse_format():
+    assert sse_event({"a": 1}) == b'data: {"a":1}\n\n'
+    assert DONE == b"data: [DONE]\n\n"
+
+
+def test_metrics_render_per_rank():
+    snap = [
+        RankSnapshot(
+            0,
+            True,
+            2,
+            {
+                "num_running": 1,
+                "num_waiting": 0,
+                "kv_usage": 0.25,
+                "num_free_blocks": 3,
+                "num_total_blocks": 4,
+                "x_new": 7,
+            },
+        ),
+        RankSnapshot(1, False, 0, {}),
+    ]
+    m = ServerMetrics(lambda: snap)
+    m.ttft_s.labels("0").observe(0.1)
+    m.prompt_tokens.labels("0").inc(5)
+    text = m.render().decode()
+    for line in (
+        'pdserve_rank_up{rank="0"} 1.0',
+        'pdserve_rank_up{rank="1"} 0.0',
+        'pdserve_kv_cache_usage_ratio{rank="0"} 0.25',
+        'pdserve_num_requests_running{rank="0"} 1.0',
+        'pdserve_engine_x_new{rank="0"} 7.0',
+        'pdserve_prompt_tokens_total{rank="0"} 5.0',
+        'pdserve_time_to_first_token_seconds_count{rank="0"} 1.0',
+    ):
+        assert line in text, line
+
+
+def test_server_config_cli():
+    cfg = ServerConfig.from_argv(
+        ["--dp", "2", "--port", "9000", "--deterministic", "--routing", "least-loaded"]
+    )
+    assert (cfg.dp, cfg.port, cfg.deterministic, cfg.routing, cfg.model) == (
+        2,
+        9000,
+        True,
+        "least-loaded",
+        "smollm2-135m-instruct",
+    )
+    assert cfg.engine_kwargs()["deterministic"] is True
+    with pytest.raises(ValueError):
+        ServerConfig(dp=0)
