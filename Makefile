@@ -29,3 +29,10 @@ lint: setup
 
 clean:
 	rm -rf $(VENV)
+
+# ---- demo (owned by the server work) ----
+.PHONY: demo
+demo: setup
+	$(BIN)/python -m engine.models fetch smollm2-135m-instruct
+	deploy/server.sh start
+	$(BIN)/python -m pd.demo --url http://127.0.0.1:8888/v1
