@@ -92,7 +92,6 @@ class LLMEngine:
     def _plan_memory(self) -> MemoryPlan:
         lo, cfg = self.layout, self.config
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        slots = (cfg.num_swa_slots or cfg.max_num_seqs + 1) if self.arch.has_sliding else 0
         peak = 0
         if cfg.kv_cache_gb is not None:
             kv_bytes = int(cfg.kv_cache_gb * 2**30)
@@ -102,6 +101,12 @@ class LLMEngine:
             kv_bytes = int(free - total * (1 - cfg.gpu_memory_utilization) - peak)
         else:
             kv_bytes = int(DEFAULT_CPU_KV_GB * 2**30)
+        slots = 0
+        if self.arch.has_sliding:
+            # By default one slot per sequence, but never more than half the KV memory (all of it
+            # for a model with no full-attention layers).
+            share = 0.5 if self.arch.has_full else 1.0
+            slots = cfg.num_swa_slots or max(1, min(cfg.max_num_seqs + 1, int(share * kv_bytes / lo.state_bytes)))
         kv_bytes -= slots * lo.state_bytes
         blocks = kv_bytes // lo.page_bytes if self.arch.has_full else 0
         if (self.arch.has_full and blocks < 2) or kv_bytes < 0:

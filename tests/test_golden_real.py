@@ -1,0 +1,86 @@
+"""Golden tests on the real checkpoints (CPU, float32): SmolLM2-135M-Instruct and Gemma 3 270M.
+
+Greedy tokens identical to transformers for 64 new tokens (or parting only on a near-tie, reported),
+last-position logits within float32 tolerance, in default and deterministic mode."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.models import resolve_model
+from engine.request import SamplingParams
+from engine_utils import compare_greedy, hf_greedy, prompt_logits
+
+NEW_TOKENS = 64
+
+
+def _gemma_prompt(tokenizer) -> list[int]:
+    """Over 1,100 tokens of varied text, so several 512-token windows slide."""
+    text = inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    return ids[:1150]
+
+
+def _smollm_prompt(tokenizer) -> list[int]:
+    messages = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Explain in a few sentences why the sky is blue, then name three planets."},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            folder = resolve_model(name)
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(folder))
+            prompt = _gemma_prompt(tok) if name.startswith("gemma") else _smollm_prompt(tok)
+            cache[name] = (folder, prompt, *hf_greedy(folder, prompt, NEW_TOKENS))
+        return cache[name]
+
+    return get
+
+
+def _engine(name: str, is_deterministic: bool) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(model=name, device="cpu", is_deterministic=is_deterministic, max_model_len=2048, kv_cache_gb=0.5)
+    )
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_real_checkpoint_matches_transformers(reference, name: str) -> None:
+    folder, prompt, ref_tokens, ref_logits, ref_first = reference(name)
+    if name.startswith("gemma"):
+        assert len(prompt) > 1100
+    eng = _engine(str(folder), is_deterministic=False)
+    (first,) = prompt_logits(eng, [prompt])
+    torch.testing.assert_close(first, ref_first, rtol=1e-4, atol=2e-3)
+    (seq,) = eng.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    note = compare_greedy(seq.output_token_ids, ref_tokens, ref_logits, tie_gap=1e-3)
+    print(f"{name}: {note or f'{NEW_TOKENS}/{NEW_TOKENS} tokens identical'}")
+    eng.check_idle()
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_real_checkpoint_deterministic_is_batch_and_chunk_invariant(reference, name: str) -> None:
+    folder, prompt, *_ = reference(name)
+    prompt = prompt[:600]  # still more than a 512-token window
+    eng = _engine(str(folder), is_deterministic=True)
+    others = [prompt[7:40], prompt[100:357]]
+    (alone,) = prompt_logits(eng, [prompt])
+    batched = prompt_logits(eng, [others[0], prompt, others[1]])[1]
+    chunked = prompt_logits(eng, [others[1], prompt], chunks=[[257], [300, 1, 171, 128]])[1]
+    assert torch.equal(alone, batched) and torch.equal(alone, chunked)
+    eng.check_idle()
