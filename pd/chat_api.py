@@ -14,7 +14,7 @@ from pd.generation import ChoiceUpdate, Generation, SubRequest
 from pd.http_io import json_response, new_id, read_json, usage
 from pd.protocol import ChatRequest, parse_chat_request
 from pd.sse import DONE, HEADERS, sse_event
-from pd.toolcalls import ToolStreamFilter
+from pd.toolcalls import ParsedOutput, ToolStreamFilter, parse_forced_arguments
 
 _LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
 
@@ -44,6 +44,15 @@ def chat_logprobs(co: Coordinator, lps: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
+def parse_tool_output(co: Coordinator, req: ChatRequest, prefix: str, text: str) -> ParsedOutput:
+    """Tool calls in an answer; `prefix` is what the prompt already put at the answer's start."""
+    if isinstance(req.tool_choice, dict) and prefix:
+        call = parse_forced_arguments(req.tool_choice["function"]["name"], text)
+        if call is not None:
+            return ParsedOutput(None, (call,))
+    return co.renderer.tool_parser.parse(prefix + text)
+
+
 async def chat_completions(co: Coordinator, request: web.Request) -> web.StreamResponse:
     arrival_s = time.monotonic()
     req = parse_chat_request(await read_json(request, co.cfg.max_body_bytes))
@@ -58,7 +67,7 @@ async def chat_completions(co: Coordinator, request: web.Request) -> web.StreamR
             f"{rid}-{i}",
             i,
             prompt,
-            req.sampling.params(max_tokens, req.logprobs, i),
+            req.sampling.params(max_tokens, req.logprobs, i, rendered.extra_stop),
             req.sampling.use_prefix_cache,
         )
         for i in range(req.sampling.n)
@@ -91,7 +100,7 @@ async def _whole(
         message: dict[str, Any] = {"role": "assistant", "content": prefix + texts[i]}
         reason = finish[i]
         if req.uses_tools:
-            parsed = co.renderer.tool_parser.parse(prefix + texts[i])
+            parsed = parse_tool_output(co, req, prefix, texts[i])
             if parsed.tool_calls:
                 message = {
                     "role": "assistant",
@@ -132,7 +141,10 @@ async def _stream(
     resp = web.StreamResponse(headers=HEADERS)
     await resp.prepare(request)
     head = {**head, "object": "chat.completion.chunk"}
-    filters = [ToolStreamFilter(co.renderer.tool_parser) for _ in range(n)] if req.uses_tools else None
+    filters = None
+    if req.uses_tools:
+        parse = lambda full: parse_tool_output(co, req, prefix, full[len(prefix) :])  # noqa: E731
+        filters = [ToolStreamFilter(co.renderer.tool_parser, parse) for _ in range(n)]
     if filters:
         for f in filters:
             f.feed(prefix)

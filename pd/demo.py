@@ -1,6 +1,6 @@
 """`make demo`'s client: one chat request to a running server through the `openai` client.
 
-    python -m pd.demo [--url http://127.0.0.1:8888/v1] [--prompt TEXT]
+python -m pd.demo [--url http://127.0.0.1:8888/v1] [--prompt TEXT]
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ assistant tool calls are written back in the same format and tool results become
 <tool_response> tags, so any template can render the whole conversation.
 
 When the client forces a call (tool_choice "required" or a named function) and the format is Hermes-style,
-the assistant turn is started with the opening of the call, so even a small model emits a parseable one.
+the assistant turn is started with the opening of the call, so even a small model emits a parseable one,
+and generation stops at the call's closing tag (a forced call is a single call).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class RenderedPrompt:
     text: str
     token_ids: tuple[int, ...]
     assistant_prefix: str = ""  # text the prompt already put in the model's mouth (part of its answer)
+    extra_stop: tuple[str, ...] = ()  # stop strings the rendering needs (the end of a forced call)
 
 
 def _arguments_as_object(args: Any) -> Any:
@@ -116,7 +118,7 @@ class PromptRenderer:
         prefix = self._forced_call_prefix(tool_choice) if use_tools else ""
         text += prefix
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return RenderedPrompt(text, tuple(ids), prefix)
+        return RenderedPrompt(text, tuple(ids), prefix, ("</tool_call>",) if prefix else ())
 
     def _with_fallback_tools(
         self, msgs: list[dict[str, Any]], tools: tuple[dict[str, Any], ...]

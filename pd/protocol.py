@@ -38,7 +38,9 @@ class SamplingFields:
     include_usage: bool
     use_prefix_cache: bool
 
-    def params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def params(
+        self, max_tokens: int, logprobs: int | None, choice: int, extra_stop: tuple[str, ...] = ()
+    ) -> SamplingParams:
         """Engine parameters of choice number `choice` (seeded choices get seed + choice, so n > 1 differs)."""
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return SamplingParams(
@@ -47,7 +49,7 @@ class SamplingFields:
             top_p=self.top_p,
             top_k=self.top_k,
             seed=seed,
-            stop=self.stop,
+            stop=self.stop + tuple(s for s in extra_stop if s not in self.stop),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,36 @@ def _call_from(obj: Any) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
 
 
+def _loads_lenient(text: str) -> Any:
+    """JSON of a call as small models write it: trailing junk ignored, a missing final brace added,
+    a half-written closing tag dropped. Raises ValueError when nothing parses."""
+    text = text.strip()
+    for k in range(len("</tool_call>"), 1, -1):
+        if text.endswith("</tool_call>"[:k]):
+            text = text[:-k].rstrip()
+            break
+    dec = json.JSONDecoder()
+    for candidate in (text, text + "}"):
+        try:
+            return dec.raw_decode(candidate)[0]
+        except ValueError:
+            continue
+    raise ValueError("no JSON object")
+
+
+def parse_forced_arguments(name: str, text: str) -> ToolCall | None:
+    """The call of a forced function whose prompt ended in `..."arguments": `: the answer starts with them."""
+    try:
+        args, _ = json.JSONDecoder().raw_decode(text.lstrip())
+    except ValueError:
+        return None
+    return (
+        ToolCall(name, json.dumps(args, ensure_ascii=False), new_call_id())
+        if isinstance(args, dict)
+        else None
+    )
+
+
 def _content(text: str) -> str | None:
     text = text.strip()
     return text or None
@@ -77,7 +108,7 @@ class HermesParser:
         pos = 0
         for m in self._block.finditer(text):
             try:
-                call = _call_from(json.loads(m.group(1)))
+                call = _call_from(_loads_lenient(m.group(1)))
             except ValueError:
                 call = None
             if call is None:
@@ -168,12 +199,13 @@ def parser_for_template(template: str | None) -> ToolParser:
 class ToolStreamFilter:
     """Streams content while holding back anything that may be the start of a tool call.
 
-    feed() returns the text that is safe to send now; finish() parses everything and returns the
-    content not yet sent plus the tool calls.
+    feed() returns the text that is safe to send now; finish() parses everything (with `parse`, by
+    default the parser's own) and returns the content not yet sent plus the tool calls.
     """
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, parse: Callable[[str], ParsedOutput] | None = None) -> None:
         self.parser = parser
+        self.parse = parse or parser.parse
         self.text = ""
         self.num_sent = 0
         self.in_call = False
@@ -204,7 +236,7 @@ class ToolStreamFilter:
         return rest[:cut]
 
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        parsed = self.parser.parse(self.text)
+        parsed = self.parse(self.text)
         sent = self.text[: self.num_sent]
         if not parsed.tool_calls:
             return self.text[self.num_sent :], ()

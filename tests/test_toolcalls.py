@@ -283,3 +283,19 @@ def test_no_chat_template_is_a_400(tokenizer):
     with pytest.raises(ApiError) as e:
         r.render_chat(({"role": "user", "content": "hi"},))
     assert e.value.status == 400 and "chat template" in e.value.message
+
+
+def test_hermes_lenient_small_model_output():
+    # SmolLM2-135M's greedy answer to a forced call: the outer brace never closed, the tag cut short
+    text = '<tool_call>\n{"name": "get_weather", "arguments": \n{"city": "Paris"}\n</tool'
+    out = HermesParser().parse(text)
+    assert out.tool_calls[0].name == "get_weather" and json.loads(out.tool_calls[0].arguments) == {"city": "Paris"}
+
+
+def test_forced_arguments():
+    from pd.toolcalls import parse_forced_arguments
+
+    call = parse_forced_arguments("get_weather", ' {"city": "Paris"}}\n</tool_call> trailing')
+    assert call is not None and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert parse_forced_arguments("f", "not json") is None
+    assert parse_forced_arguments("f", "[1, 2]") is None
