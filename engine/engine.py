@@ -22,7 +22,7 @@ from engine.request import RequestOutput, SamplingParams
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 DEFAULT_CPU_KV_GB = 2.0
 MAX_DEFAULT_MODEL_LEN = 32768

@@ -155,12 +155,12 @@ class Rotary(nn.Module):
         return cos[positions], sin[positions]
 
 
-class CausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, inv_freqs: dict[str, tuple[torch.Tensor, float]]) -> None:
+class DecoderStack(nn.Module):
+    """Embeddings, layers and the final norm: Hugging Face's `model.` prefix."""
+
+    def __init__(self, arch: ModelArch) -> None:
         super().__init__()
-        self.arch = arch
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         full_i = sliding_i = 0
         layers = []
         for t in arch.layer_types:
@@ -170,8 +170,15 @@ class CausalLM(nn.Module):
             layers.append(DecoderLayer(arch, spec))
             sliding_i += is_sliding
             full_i += not is_sliding
-        self.model.layers = nn.ModuleList(layers)
-        self.model.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, inv_freqs: dict[str, tuple[torch.Tensor, float]]) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderStack(arch)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = Rotary(inv_freqs)

@@ -102,7 +102,7 @@ def arch_from_hf(hf: Any) -> ModelArch:
         traits["attention_bias"] = True
     else:
         traits["attention_bias"] = bool(getattr(hf, "attention_bias", False)) or traits.get("attention_bias", False)
-    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    act = str(getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"))
     return ModelArch(
         model_type=model_type,
         vocab_size=hf.vocab_size,

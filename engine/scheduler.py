@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

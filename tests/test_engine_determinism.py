@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
+
 from engine_utils import prompt_logits, small_engine
 
 FAMILIES = ["llama", "gemma3_hybrid", "qwen3_hybrid"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
+
 from engine_utils import compare_greedy, hf_greedy, prompt_logits, small_engine
 from tiny_models import FAMILIES
 

@@ -9,6 +9,7 @@ from engine.block_pool import BlockPool, OutOfBlocksError
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
+
 from engine_utils import small_engine
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

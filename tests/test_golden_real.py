@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.models import resolve_model
 from engine.request import SamplingParams
+
 from engine_utils import compare_greedy, hf_greedy, prompt_logits
 
 NEW_TOKENS = 64
