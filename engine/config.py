@@ -22,6 +22,8 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # KV memory; default 2 GiB on the CPU, measured on CUDA
     num_swa_slots: int | None = None  # default: max_num_seqs + 1
     gpu_memory_utilization: float = 0.9
+    hicache_gb: float | None = None  # host prefix cache; 0 turns it off; default 1 GiB (CPU) / 32 GiB (CUDA)
+    hicache_state_slots: int | None = None  # default: what a quarter of hicache_gb holds
     is_deterministic: bool = False
     seed: int = 0
 
@@ -70,3 +72,13 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
     num_preemptions_total: int
+    cache_lookups_total: int = 0
+    cache_hit_tokens_total: int = 0
+    cache_stored_pages_total: int = 0
+    cache_evictions_total: int = 0
+    cache_bytes_to_device_total: int = 0
+    cache_bytes_to_host_total: int = 0
+    cache_used_pages: int = 0
+    cache_total_pages: int = 0
+    cache_used_states: int = 0
+    cache_total_states: int = 0

@@ -18,13 +18,18 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache, KVLayout
 from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
+from engine.prefix_cache import PrefixIndex
 from engine.request import RequestOutput, SamplingParams
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
+from kernels.page_copy import copy_units
 
 DEFAULT_CPU_KV_GB = 2.0
+DEFAULT_CPU_HICACHE_GB = 1.0
+DEFAULT_CUDA_HICACHE_GB = 32.0
+NUM_STATELESS_CACHE_PAGES = 1 << 16  # index entries for a model with no full-attention layers
 MAX_DEFAULT_MODEL_LEN = 32768
 
 
@@ -79,7 +84,9 @@ class LLMEngine:
             ),
             self.blocks,
             self.slots,
+            on_admit=self._restore_prefix,
         )
+        self.host_kv, self.prefix_index = self._make_prefix_cache()
         self.runner = ModelRunner(self.model, self.kv, config.is_deterministic)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
@@ -112,6 +119,57 @@ class LLMEngine:
         if (self.arch.has_full and blocks < 2) or kv_bytes < 0:
             raise MemoryError(f"not enough memory for the KV cache ({kv_bytes / 2**30:.2f} GiB left for pages)")
         return MemoryPlan(blocks, slots, lo.page_bytes, lo.state_bytes, weight_bytes, peak)
+
+    def _make_prefix_cache(self) -> tuple[KVCache | None, PrefixIndex | None]:
+        cfg, lo = self.config, self.layout
+        gb = cfg.hicache_gb
+        if gb is None:
+            gb = DEFAULT_CUDA_HICACHE_GB if self.device.type == "cuda" else DEFAULT_CPU_HICACHE_GB
+        if gb <= 0:
+            return None, None
+        budget = int(gb * 2**30)
+        states = 0
+        if self.arch.has_sliding:
+            states = cfg.hicache_state_slots or max(1, budget // 4 // lo.state_bytes)
+            budget -= states * lo.state_bytes
+        pages = budget // lo.page_bytes if self.arch.has_full else NUM_STATELESS_CACHE_PAGES
+        if pages < 1 or budget < 0:
+            raise MemoryError(f"hicache_gb={gb} holds no page of {lo.page_bytes} bytes")
+        host = KVCache(lo, pages, states, torch.device("cpu"), pin_memory=self.device.type == "cuda")
+        return host, PrefixIndex(pages, states, lo.block_size, needs_state=self.arch.has_sliding)
+
+    def _restore_prefix(self, seq: Sequence) -> None:
+        """On admission: copy the longest cached prefix of the prompt into seq's fresh memory."""
+        if self.prefix_index is None or self.host_kv is None or not seq.use_prefix_cache or seq.num_computed:
+            return
+        index, host = self.prefix_index, self.host_kv
+        match = index.match(seq.prompt_token_ids)
+        try:
+            if match.num_pages:
+                moved = copy_units(host.pages, [e.page for e in match.entries], self.kv.pages, seq.block_ids[: match.num_pages])
+                if self.arch.has_sliding:
+                    moved += copy_units(host.swa, [match.entries[-1].state], self.kv.swa, [seq.state_slot])
+                index.counters.bytes_to_device += moved
+                seq.num_computed = seq.num_cached_prompt = match.num_tokens
+        finally:
+            index.release(match)
+        boundary = seq.num_prompt_tokens // self.layout.block_size * self.layout.block_size
+        seq.cache_store_upto = boundary if boundary > seq.num_computed else 0
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        """Write-through of the prompt's full pages and the SWA state at its last page boundary."""
+        assert self.prefix_index is not None and self.host_kv is not None
+        index, host = self.prefix_index, self.host_kv
+        num_pages = seq.cache_store_upto // self.layout.block_size
+        seq.cache_store_upto = 0
+        plan, state = index.plan_store(seq.prompt_token_ids, num_pages, with_state=self.arch.has_sliding)
+        try:
+            moved = copy_units(self.kv.pages, [seq.block_ids[i] for i, _ in plan], host.pages, [p for _, p in plan])
+            if state >= 0:
+                moved += copy_units(self.kv.swa, [seq.state_slot], host.swa, [state])
+            index.counters.bytes_to_host += moved
+        finally:
+            index.commit_store()
 
     def _profile_peak_bytes(self) -> int:
         """Activation peak of one full-budget prefill, measured on a scratch cache."""
@@ -165,6 +223,7 @@ class LLMEngine:
         self.validate(request_id, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, time.monotonic())
+        seq.use_prefix_cache = use_prefix_cache
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(seq)
 
@@ -191,6 +250,8 @@ class LLMEngine:
         sampled, logits = self.runner.run(batch.seqs, batch.num_new_tokens)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed += n
+            if seq.cache_store_upto and seq.num_computed == seq.cache_store_upto:
+                self._store_prefix(seq)
         if logits is None:
             return outputs
         seqs = [batch.seqs[i] for i in sampled]
@@ -307,6 +368,25 @@ class LLMEngine:
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
+            **self._cache_stats(),
+        )
+
+    def _cache_stats(self) -> dict[str, int]:
+        index = self.prefix_index
+        if index is None:
+            return {}
+        c = index.counters
+        return dict(
+            cache_lookups_total=c.lookups,
+            cache_hit_tokens_total=c.hit_tokens,
+            cache_stored_pages_total=c.stored_pages,
+            cache_evictions_total=c.evictions,
+            cache_bytes_to_device_total=c.bytes_to_device,
+            cache_bytes_to_host_total=c.bytes_to_host,
+            cache_used_pages=index.num_used_pages,
+            cache_total_pages=index.num_pages,
+            cache_used_states=index.num_used_states,
+            cache_total_states=index.num_states,
         )
 
     def check_idle(self) -> None:
@@ -315,6 +395,8 @@ class LLMEngine:
             raise AssertionError("requests still in flight")
         self.blocks.check_idle()
         self.slots.check_idle()
+        if self.prefix_index is not None:
+            self.prefix_index.check_idle()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Runs prompts to completion (tests, benchmarks); returns the finished sequences in order."""

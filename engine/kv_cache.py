@@ -57,16 +57,17 @@ class KVLayout:
 class KVCache:
     """The tensors; bookkeeping of which block/slot belongs to whom lives in the block pools."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, num_slots: int, device: torch.device) -> None:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, num_slots: int, device: torch.device, pin_memory: bool = False
+    ) -> None:
+        """pin_memory: page-locked host memory (the prefix cache's host pool on a CUDA machine)."""
         self.layout = layout
         self.device = device
         lo = layout
-        self.pages = torch.zeros(
-            (num_blocks, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim), dtype=lo.dtype, device=device
-        )
-        self.swa = torch.zeros(
-            (num_slots, lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim), dtype=lo.dtype, device=device
-        )
+        page_shape = (num_blocks, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim)
+        state_shape = (num_slots, lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim)
+        self.pages = torch.zeros(page_shape, dtype=lo.dtype, device=device, pin_memory=pin_memory)
+        self.swa = torch.zeros(state_shape, dtype=lo.dtype, device=device, pin_memory=pin_memory)
 
     @property
     def block_size(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
@@ -37,8 +38,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockPool, slots: BlockPool) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockPool,
+        slots: BlockPool,
+        on_admit: Callable[[Sequence], None] | None = None,
+    ) -> None:
         self.config = config
+        self.on_admit = on_admit  # called once memory is allocated (the prefix cache fills it here)
         self.blocks = blocks
         self.slots = slots
         self.waiting: deque[Sequence] = deque()
@@ -109,6 +117,14 @@ class Scheduler:
         seq.block_ids += self.blocks.allocate(need)
         return True
 
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed, budget)
+        b = seq.cache_store_upto
+        if seq.num_computed < b < seq.num_computed + n:
+            n = b - seq.num_computed  # stop at the boundary whose SWA state the cache stores
+        return n
+
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch([], [])
@@ -117,7 +133,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -134,9 +150,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.allocate(seq)
+            if self.on_admit is not None:
+                self.on_admit(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n

@@ -31,6 +31,8 @@ class Sequence:
     finish_reason: str | None = None
     num_emitted_tokens: int = 0  # output tokens already reported to the caller
     is_imported: bool = False  # admitted with its prompt KV from elsewhere (straight into decode)
+    use_prefix_cache: bool = True
+    cache_store_upto: int = 0  # prefill pauses at this page boundary so the cache can store it; 0: none
 
     @property
     def all_token_ids(self) -> list[int]:
