@@ -89,3 +89,30 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)  # ranks included, whatever state they are in
         self.proc.wait()
         self.proc = None
+
+
+def rank_metrics(port: int, rank: int = 0) -> dict[str, float]:
+    """One rank's samples from /metrics, other labels summed away: name -> value."""
+    import re
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    pattern = rf'^(\w+)\{{(?:[^}}]*,)?rank="{rank}"(?:,[^}}]*)?\}} (\S+)$'
+    for m in re.finditer(pattern, text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def wait_idle(port: int, rank: int = 0, timeout_s: float = 20.0) -> dict[str, float]:
+    """Waits until the rank runs nothing and its KV pool is all free; returns its metrics then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = rank_metrics(port, rank)
+        idle = m.get("pdserve_num_requests_running") == 0 and m.get("pdserve_num_requests_waiting") == 0
+        free = m.get("pdserve_kv_free_blocks") == m.get("pdserve_kv_total_blocks")
+        if idle and free and m.get("pdserve_num_requests_inflight") == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rank {rank} not idle after {timeout_s} s: {m}")
+        time.sleep(0.2)
