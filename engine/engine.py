@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from engine.kv_cache import KVCache, KVLayout
 from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
 from engine.prefix_cache import PrefixIndex
-from engine.request import RequestOutput, SamplingParams
+from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -49,6 +49,8 @@ class SequenceExport:
     seed: int
     pages: torch.Tensor
     state: torch.Tensor | None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the exporter took from its prefix cache
 
 
 class LLMEngine:
@@ -90,6 +92,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, config.is_deterministic)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
+        self._parked: dict[str, Sequence] = {}  # prefill-only sequences waiting to be exported
+        self._reserved: dict[str, Sequence] = {}  # memory held for a sequence that will be imported
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -218,17 +222,31 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, use_prefix_cache: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        use_prefix_cache: bool = True,
+        prefill_only: bool = False,
+        seed: int | None = None,
     ) -> None:
+        """Queues a request. prefill_only (PE side): after the first token the sequence parks with
+        its memory for export_sequence() instead of decoding; seed overrides the drawn one."""
         self.validate(request_id, prompt_token_ids, params)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, time.monotonic())
         seq.use_prefix_cache = use_prefix_cache
+        seq.is_prefill_only = prefill_only
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        seq = self.scheduler.find(request_id)
+        """Ends a request in any phase (queued, prefilling, decoding, parked, reserved) and frees
+        its memory; a known request gets a final output with finish_reason "abort"."""
+        self.unreserve(request_id)
+        seq = self._parked.pop(request_id, None) or self.scheduler.find(request_id)
         if seq is None:
             return
         self.scheduler.finish(seq, "abort")
@@ -270,16 +288,23 @@ class LLMEngine:
         self.num_generation_tokens_total += 1
         detok = self._detok[seq.request_id]
         detok.add(token)
-        p = seq.params
-        reason = None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            reason = "stop"
-        elif detok.stopped_by is not None:
-            reason = "stop"
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = self._finish_reason(seq, token, detok)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+        elif seq.is_prefill_only:
+            self.scheduler.running.remove(seq)
+            seq.status = SeqStatus.PARKED
+            self._parked[seq.request_id] = seq
+
+    def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if detok.stopped_by is not None:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _output(self, seq: Sequence, is_final: bool) -> RequestOutput:
         detok = self._detok[seq.request_id]
@@ -296,6 +321,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt,
             num_output_tokens=len(seq.output_token_ids),
+            is_handoff_ready=seq.status is SeqStatus.PARKED,
         )
         if is_final:
             del self._detok[seq.request_id]
@@ -305,19 +331,46 @@ class LLMEngine:
 
     def export_sequence(self, request_id: str) -> SequenceExport:
         """A running sequence's state after its prefill (every token but the last is in the cache)."""
-        seq = self.scheduler.find(request_id)
-        if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
-            raise InvalidRequestError(f"request {request_id!r} is not a running sequence between steps")
+        seq = self._parked.get(request_id) or self.scheduler.find(request_id)
+        if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.PARKED) or seq.num_uncomputed != 1:
+            raise InvalidRequestError(f"request {request_id!r} is not a prefilled sequence between steps")
         n_pages = self.scheduler.blocks_for(seq.num_computed)
         pages = self.kv.read_pages(seq.block_ids[:n_pages]).cpu()
         state = self.kv.read_state(seq.state_slot).cpu() if seq.state_slot >= 0 else None
         return SequenceExport(
             request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
-            seq.params, seq.seed, pages, state,
+            seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt,
         )
 
+    def finish_handoff(self, request_id: str) -> None:
+        """The exported sequence now lives elsewhere: free it here without a further output."""
+        seq = self._parked.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.finish(seq, "handoff")
+        del self._detok[request_id]
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        """Holds memory for a sequence of num_tokens that import_sequence will bring; False if
+        there is none free now (the caller waits: admission never overcommits)."""
+        if request_id in self._reserved or request_id in self._detok:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if not self.can_import(num_tokens):
+            return False
+        placeholder = Sequence(request_id, [0] * (num_tokens - 1), SamplingParams(), 0, time.monotonic())
+        placeholder.output_token_ids = [0]
+        self.scheduler.allocate(placeholder)
+        self._reserved[request_id] = placeholder
+        return True
+
+    def unreserve(self, request_id: str) -> None:
+        seq = self._reserved.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.release(seq)
+
     def can_import(self, num_tokens: int) -> bool:
-        return self.scheduler.can_admit(num_tokens) and len(self.scheduler.running) < self.config.max_num_seqs
+        busy = len(self.scheduler.running) + len(self._reserved)
+        return self.scheduler.can_admit(num_tokens) and busy < self.config.max_num_seqs
 
     def import_sequence(self, exp: SequenceExport) -> None:
         """Admits an exported sequence straight into decode. Raises if it does not match this engine."""
@@ -334,12 +387,16 @@ class LLMEngine:
             want_state = (lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim)
             if exp.state is None or tuple(exp.state.shape) != want_state:
                 raise InvalidRequestError(f"SWA state shape does not match {want_state}")
+        reserved = self._reserved.pop(exp.request_id, None)
+        if reserved is not None:
+            self.scheduler.release(reserved)  # its memory goes to the sequence just below
         if not self.can_import(num_tokens):
             raise MemoryError("no free KV memory for the imported sequence")
         seq = Sequence(exp.request_id, list(exp.prompt_token_ids), exp.params, exp.seed, time.monotonic())
         seq.output_token_ids = list(exp.output_token_ids)
+        seq.output_logprobs = list(exp.output_logprobs)
         seq.num_computed = exp.num_computed
-        seq.num_cached_prompt = len(exp.prompt_token_ids)
+        seq.num_cached_prompt = exp.num_cached_tokens
         seq.is_imported = True
         self.scheduler.allocate(seq)
         if n_pages:
@@ -352,6 +409,10 @@ class LLMEngine:
         self.scheduler.running.append(seq)
         for t in exp.output_token_ids:
             detok.add(t)
+        reason = self._finish_reason(seq, exp.output_token_ids[-1], detok) if exp.output_token_ids else None
+        if reason is not None:  # e.g. the first token was EOS: report it and end here
+            self.scheduler.finish(seq, reason)
+            self._pending.append(self._output(seq, is_final=True))
 
     # ---- introspection ------------------------------------------------------------------------
 
@@ -391,8 +452,8 @@ class LLMEngine:
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free; raises on a leak."""
-        if self.scheduler.has_unfinished():
-            raise AssertionError("requests still in flight")
+        if self.scheduler.has_unfinished() or self._parked or self._reserved:
+            raise AssertionError("requests still in flight (running, waiting, parked or reserved)")
         self.blocks.check_idle()
         self.slots.check_idle()
         if self.prefix_index is not None:

@@ -69,3 +69,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    is_handoff_ready: bool = False  # prefill-only request: prefilled, first token sampled, KV parked for export

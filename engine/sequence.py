@@ -11,6 +11,7 @@ from engine.request import SamplingParams, TokenLogprob
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PARKED = "parked"  # prefill-only: done, memory held until exported
     FINISHED = "finished"
 
 
@@ -32,6 +33,7 @@ class Sequence:
     num_emitted_tokens: int = 0  # output tokens already reported to the caller
     is_imported: bool = False  # admitted with its prompt KV from elsewhere (straight into decode)
     use_prefix_cache: bool = True
+    is_prefill_only: bool = False  # PE side of P/D: park after the first token instead of decoding
     cache_store_upto: int = 0  # prefill pauses at this page boundary so the cache can store it; 0: none
 
     @property

@@ -218,3 +218,64 @@ def test_logprobs_and_stop_token_ids(tiny_model_dir) -> None:
     assert s.output_token_ids == g.output_token_ids[: g.output_token_ids.index(stop_at) + 1]
     assert s.finish_reason == "stop"
     eng.check_idle()
+
+
+@pytest.mark.parametrize("family", ["gemma3_hybrid", "llama"])
+def test_prefill_only_handoff_to_a_reserved_decoder(tiny_model_dir, family: str) -> None:
+    """PE engine parks after the first token; the CE engine reserves memory first, imports, and
+    decodes: the tokens equal a single engine's, seeded sampling included."""
+    folder = tiny_model_dir(family)
+    prompt = list(range(3, 60))
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True, logprobs=2)
+    (ref,) = small_engine(folder, is_deterministic=True).generate([prompt], params)
+
+    pe = small_engine(folder, is_deterministic=True)
+    ce = small_engine(folder, is_deterministic=True)
+    assert ce.reserve("r", len(prompt) + 1)
+    used = ce.stats().num_free_blocks
+    pe.add_request("r", prompt, params, prefill_only=True)
+    outs = []
+    while pe.has_unfinished():
+        outs += pe.step()
+    assert outs[-1].is_handoff_ready and not outs[-1].is_finished and len(outs[-1].new_token_ids) == 1
+    exp = pe.export_sequence("r")
+    pe.finish_handoff("r")
+    pe.check_idle()
+
+    ce.import_sequence(exp)
+    assert ce.stats().num_free_blocks == used  # the reservation became the sequence's memory
+    tokens, logprobs = [], []
+    while ce.has_unfinished():
+        for o in ce.step():
+            tokens += o.new_token_ids
+            logprobs += o.logprobs
+    assert tokens == ref.output_token_ids
+    assert [lp.logprob for lp in logprobs] == [lp.logprob for lp in ref.output_logprobs]
+    ce.check_idle()
+
+
+def test_reservations_gate_admission_and_free_on_abort(tiny_model_dir) -> None:
+    eng = small_engine(tiny_model_dir("llama"), kv_cache_gb=None, max_num_seqs=2)
+    assert eng.reserve("a", 10) and eng.reserve("b", 10)
+    assert not eng.reserve("c", 10)  # max_num_seqs reached: the caller waits
+    eng.unreserve("a")
+    eng.abort("b")
+    eng.abort("nothing")
+    eng.check_idle()
+
+
+def test_import_of_a_finished_first_token_ends_at_once(tiny_model_dir) -> None:
+    folder = tiny_model_dir("llama")
+    pe, ce = small_engine(folder), small_engine(folder)
+    pe.add_request("r", [3, 4, 5], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), prefill_only=True)
+    while pe.has_unfinished():
+        pe.step()
+    exp = pe.export_sequence("r")
+    pe.abort("r")  # aborting a parked sequence frees it too
+    pe.step()
+    pe.check_idle()
+    exp.params = SamplingParams(max_tokens=1, temperature=0.0)  # as if max_tokens=1 had been asked
+    ce.import_sequence(exp)
+    (out,) = ce.step()
+    assert out.is_finished and out.finish_reason == "length" and out.new_token_ids == exp.output_token_ids
+    ce.check_idle()

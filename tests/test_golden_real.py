@@ -85,3 +85,35 @@ def test_real_checkpoint_deterministic_is_batch_and_chunk_invariant(reference, n
     chunked = prompt_logits(eng, [others[1], prompt], chunks=[[257], [300, 1, 171, 128]])[1]
     assert torch.equal(alone, batched) and torch.equal(alone, chunked)
     eng.check_idle()
+
+
+@pytest.mark.parametrize("name, user_len", [("smollm2-135m-instruct", 150), ("gemma3-270m", 420)])
+def test_real_checkpoint_multi_turn_prefix_cache_identical(name: str, user_len: int) -> None:
+    """Each turn's output with the host prefix cache equals the output without it; later turns hit.
+    For Gemma the turns grow past 1,200 tokens, so restored prefixes span several 512-token windows."""
+    from transformers import AutoTokenizer
+
+    folder = resolve_model(name)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    words = tok(inspect.getsource(json.decoder), add_special_tokens=False)["input_ids"]
+    eng = LLMEngine(EngineConfig(model=name, device="cpu", is_deterministic=True, max_model_len=2048, kv_cache_gb=0.5, hicache_gb=0.5))
+    history: list[int] = []
+    hits = []
+    for turn in range(3):
+        history += words[turn * user_len : (turn + 1) * user_len]
+        outs = {}
+        for use_cache in (False, True):
+            seq_out: list[int] = []
+            eng.add_request(f"{turn}-{use_cache}", history, SamplingParams(max_tokens=8, temperature=0.0), use_prefix_cache=use_cache)
+            while eng.has_unfinished():
+                for o in eng.step():
+                    seq_out += o.new_token_ids
+                    if o.is_finished and use_cache:
+                        hits.append(o.num_cached_tokens)
+            outs[use_cache] = seq_out
+        assert outs[True] == outs[False], f"turn {turn} differs with the cache"
+        history += outs[True]
+    assert hits[0] == 0 and all(h > 0 for h in hits[1:])
+    if name.startswith("gemma"):
+        assert hits[-1] > 2 * 512
+    eng.check_idle()
