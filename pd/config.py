@@ -29,6 +29,9 @@ class ServerConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 128
     kv_cache_gb: float | None = None
+    hicache_gb: float | None = None  # host prefix cache per rank; 0 turns it off; None: the engine's default
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
     seed: int = 0
     max_body_bytes: int = 4 * 1024 * 1024
     rank_start_timeout_s: float = 600.0
@@ -61,6 +64,9 @@ class ServerConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "block_size": self.block_size,
             "kv_cache_gb": self.kv_cache_gb,
+            "hicache_gb": self.hicache_gb,
+            "dtype": self.dtype,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
             "seed": self.seed,
         }
 
@@ -82,7 +88,10 @@ class ServerConfig:
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
         p.add_argument("--block-size", type=int, default=128)
-        p.add_argument("--kv-cache-gb", type=float, default=None)
+        p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool per rank (default: engine's)")
+        p.add_argument("--hicache-gb", type=float, default=None, help="host prefix cache per rank; 0: off")
+        p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
         p.add_argument("--rank-start-timeout-s", type=float, default=600.0)

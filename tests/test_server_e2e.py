@@ -167,11 +167,11 @@ def test_stop_strings(client):
 
 
 def test_seed_reproducible(client):
-    kw = dict(model=MODEL, messages=CAPITAL, max_tokens=8, temperature=1.0)
+    kw = dict(model=MODEL, messages=CAPITAL, max_tokens=5, temperature=1.0)
     a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     assert a == b
-    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)}
+    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2)}
     assert len(others | {a}) > 1
 
 
@@ -194,22 +194,22 @@ def test_logprobs(client):
 
 def test_completions(client, tokenizer):
     prompt = "The capital of France is"
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     text = r.choices[0].text
     assert r.object == "text_completion" and text and r.choices[0].finish_reason in ("stop", "length")
     ids = tokenizer(prompt)["input_ids"]
     assert r.usage.prompt_tokens == len(ids)
-    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
     assert by_ids.choices[0].text == text
     streamed = "".join(
         ch.choices[0].text
         for ch in client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True
         )
         if ch.choices
     )
     assert streamed == text
-    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True)
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
     assert echo.choices[0].text == prompt + text
     lp = (
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
@@ -277,7 +277,7 @@ def test_client_disconnect_aborts_and_frees(server):
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
-    assert resp.fp.readline().startswith(b"data: ")  # streaming has begun
+    assert resp.readline().startswith(b"data: ")  # streaming has begun
     busy = metrics(server)
     assert busy["pdserve_num_requests_inflight"] == 1
     conn.sock.close()  # the client goes away mid-stream
