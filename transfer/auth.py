@@ -1,0 +1,111 @@
+"""The cluster's shared secret and the challenge-response that proves a peer holds it.
+
+The token comes from PDSERVE_CLUSTER_TOKEN, or from the file named by PDSERVE_CLUSTER_TOKEN_FILE (or
+passed explicitly). It never crosses the wire: each side answers the other's fresh random nonce with
+an HMAC-SHA256 keyed by the token, compared in constant time. The receiver speaks first, so a peer
+learns nothing before it has proven itself; the sender checks the receiver's answer too, so KV is
+never pushed to a listener that does not hold the token. It authenticates; it does not encrypt.
+
+    python -m transfer.auth      # prints a fresh token (for PDSERVE_CLUSTER_TOKEN / a token file)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from transfer.errors import AUTH, VERSION, HandoffError
+from transfer.wire import MAX_CONTROL_BYTES, PROTOCOL_VERSION, Channel
+
+TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+TOKEN_FILE_ENV = "PDSERVE_CLUSTER_TOKEN_FILE"
+MIN_TOKEN_CHARS = 16
+NONCE_BYTES = 32
+_CLIENT = b"pdserve-kv-auth/client\x00"
+_SERVER = b"pdserve-kv-auth/server\x00"
+log = logging.getLogger("transfer.auth")
+
+
+def generate_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def load_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None) -> bytes:
+    """The cluster token: the argument, else the token file, else $PDSERVE_CLUSTER_TOKEN, else the file
+    named by $PDSERVE_CLUSTER_TOKEN_FILE. Raises ValueError if there is none or it is too short."""
+    if token is None and token_file is None:
+        token = os.environ.get(TOKEN_ENV) or None
+        token_file = os.environ.get(TOKEN_FILE_ENV) or None
+    if token is None and token_file is not None:
+        path = Path(token_file)
+        mode = path.stat().st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("cluster token file %s is readable by others (mode %o)", path, stat.S_IMODE(mode))
+        token = path.read_text().strip()
+    if not token:
+        raise ValueError(
+            f"no cluster token: set {TOKEN_ENV} or {TOKEN_FILE_ENV} (python -m transfer.auth makes one)"
+        )
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"the cluster token must be at least {MIN_TOKEN_CHARS} characters")
+    return token.encode()
+
+
+def _mac(token: bytes, *parts: bytes) -> bytes:
+    return hmac.new(token, b"".join(parts), hashlib.sha256).digest()
+
+
+async def server_handshake(ch: Channel, token: bytes) -> tuple[str, bytes]:
+    """Receiver side: (the sender's id, this receiver's proof for auth_ok). Raises HandoffError if the
+    peer fails. The caller sends auth_ok with the proof, its model and layout, or a nack."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    await ch.send({"t": "hello", "v": PROTOCOL_VERSION, "nonce": nonce})
+    msg = await ch.expect("auth")
+    sender, c_nonce, mac = msg.get("sender"), msg.get("nonce"), msg.get("mac")
+    if msg.get("v") != PROTOCOL_VERSION:
+        err = HandoffError(
+            VERSION, f"protocol version {msg.get('v')!r}, this receiver speaks {PROTOCOL_VERSION}"
+        )
+    elif not (
+        isinstance(sender, str)
+        and isinstance(c_nonce, bytes)
+        and len(c_nonce) == NONCE_BYTES
+        and isinstance(mac, bytes)
+    ):
+        err = HandoffError(AUTH, "malformed authentication")
+    elif not hmac.compare_digest(mac, _mac(token, _CLIENT, nonce, c_nonce, sender.encode())):
+        err = HandoffError(AUTH, "authentication failed")
+    else:
+        ch.max_frame_bytes = MAX_CONTROL_BYTES
+        return sender, _mac(token, _SERVER, c_nonce, nonce)
+    raise err
+
+
+async def client_handshake(ch: Channel, token: bytes, sender_id: str) -> dict:
+    """Sender side. Returns the receiver's auth_ok (its model and layout); raises HandoffError."""
+    hello = await ch.expect("hello")
+    s_nonce = hello.get("nonce")
+    if hello.get("v") != PROTOCOL_VERSION:
+        raise HandoffError(
+            VERSION, f"receiver speaks protocol {hello.get('v')!r}, this sender {PROTOCOL_VERSION}"
+        )
+    if not isinstance(s_nonce, bytes) or len(s_nonce) != NONCE_BYTES:
+        raise HandoffError(AUTH, "malformed hello")
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    mac = _mac(token, _CLIENT, s_nonce, nonce, sender_id.encode())
+    await ch.send({"t": "auth", "v": PROTOCOL_VERSION, "sender": sender_id, "nonce": nonce, "mac": mac})
+    ok = await ch.expect("auth_ok")
+    proof = ok.get("mac")
+    if not isinstance(proof, bytes) or not hmac.compare_digest(proof, _mac(token, _SERVER, nonce, s_nonce)):
+        raise HandoffError(AUTH, f"receiver {ch.peer} failed to prove it holds the cluster token")
+    ch.max_frame_bytes = MAX_CONTROL_BYTES
+    return ok
+
+
+if __name__ == "__main__":
+    print(generate_token())

@@ -1,0 +1,362 @@
+"""What a handoff carries: a versioned header (msgpack, explicit fields) and a payload of tensors.
+
+Payload layout (payload_bytes = num_pages * page_bytes + state_bytes; two segments, checksummed as
+such, see checksum.py):
+
+    | page 0 | page 1 | ... | page num_pages-1 | SWA state (only if num_swa_layers > 0) |
+      page i: tokens [i*block_size, (i+1)*block_size) of every full-attention layer,
+              [num_full_layers, 2 (k, v), block_size, kv_heads, head_dim], C order, `dtype`
+      state:  [num_swa_layers, 2, window, kv_heads, head_dim] ring: position p at row p % window;
+              rows of positions [num_computed - swa_fill, num_computed) are live
+
+num_pages = ceil(num_computed / block_size) (0 for a model without full-attention layers); the last
+page's rows past num_computed are whatever the sender had there. The first sampled token(s) and their
+logprobs travel in the header: they are small, typed, and needed before the payload is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from engine.engine import SequenceExport
+from engine.kv_cache import KVLayout
+from engine.request import SamplingParams, TokenLogprob
+from transfer.checksum import payload_checksum
+from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
+
+HEADER_VERSION = 1
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+# Fields that must be equal on both sides, in the order a mismatch is reported.
+LAYOUT_FIELDS = (
+    "dtype",
+    "block_size",
+    "num_full_layers",
+    "num_swa_layers",
+    "num_kv_heads",
+    "head_dim",
+    "window",
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_fields(layout: KVLayout) -> dict[str, Any]:
+    """A KVLayout as the plain values a header (and a receiver's auth_ok) carries."""
+    return {
+        "dtype": dtype_name(layout.dtype),
+        "block_size": layout.block_size,
+        "num_full_layers": layout.num_full_layers,
+        "num_swa_layers": layout.num_swa_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "window": layout.window if layout.num_swa_layers else 0,
+    }
+
+
+@dataclass(frozen=True)
+class HandoffHeader:
+    """Everything about a handoff but its bytes. Built by make_header or decode; consistent by
+    construction (__post_init__ checks the derived sizes), so a receiver can size buffers from it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]  # the first sampled token (maybe more)
+    num_computed: int  # tokens whose KV is in the payload: all but the last
+    params: SamplingParams
+    seed: int
+    model: str  # the model's identity (model_fingerprint); "" to skip that check
+    dtype: str
+    block_size: int
+    num_full_layers: int
+    num_swa_layers: int
+    num_kv_heads: int
+    head_dim: int
+    window: int  # SWA window, 0 without sliding layers
+    swa_fill: int  # live rows of the ring: min(num_computed, window)
+    num_pages: int
+    page_bytes: int  # one page (every full layer)
+    state_bytes: int  # the whole SWA ring
+    payload_bytes: int
+    checksum: int  # transfer.checksum.payload_checksum of [pages, state]
+    output_logprobs: tuple[TokenLogprob, ...] = ()
+    version: int = HEADER_VERSION
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> HandoffError:
+            return HandoffError(BAD_HEADER, f"request {self.request_id!r}: {msg}")
+
+        if self.version != HEADER_VERSION:
+            raise HandoffError(VERSION, f"header version {self.version}, this side reads {HEADER_VERSION}")
+        if self.dtype not in DTYPES:
+            raise bad(f"unknown dtype {self.dtype!r}")
+        ints = (
+            "num_computed",
+            "block_size",
+            "num_full_layers",
+            "num_swa_layers",
+            "num_kv_heads",
+            "head_dim",
+            "window",
+        )
+        if any(getattr(self, f) < 0 for f in ints) or self.block_size < 1 or not self.prompt_token_ids:
+            raise bad("negative size, zero block size or empty prompt")
+        if self.num_computed != len(self.prompt_token_ids) + len(self.output_token_ids) - 1:
+            raise bad("num_computed must be every token but the last")
+        if (self.num_swa_layers > 0) != (self.window > 0):
+            raise bad("window and num_swa_layers must be both zero or both positive")
+        want = {
+            "swa_fill": min(self.num_computed, self.window),
+            "num_pages": math.ceil(self.num_computed / self.block_size) if self.num_full_layers else 0,
+            "page_bytes": math.prod(self.page_shape[1:]) * self.elem_bytes,
+            "state_bytes": math.prod(self.state_shape) * self.elem_bytes if self.num_swa_layers else 0,
+        }
+        want["payload_bytes"] = want["num_pages"] * want["page_bytes"] + want["state_bytes"]
+        wrong = [f"{k} {getattr(self, k)} != {v}" for k, v in want.items() if getattr(self, k) != v]
+        if wrong:
+            raise bad("inconsistent sizes: " + ", ".join(wrong))
+        if not 0 <= self.checksum < 1 << 64:
+            raise bad("checksum out of range")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        return (self.num_pages, self.num_full_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        return (self.num_swa_layers, 2, self.window, self.num_kv_heads, self.head_dim)
+
+    @property
+    def has_state(self) -> bool:
+        return self.num_swa_layers > 0
+
+    # ---- wire ---------------------------------------------------------------------------------
+
+    def encode(self) -> bytes:
+        p = self.params
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["prompt_token_ids"] = list(self.prompt_token_ids)
+        d["output_token_ids"] = list(self.output_token_ids)
+        d["params"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(p).items()}
+        d["output_logprobs"] = [
+            [lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.output_logprobs
+        ]
+        return msgpack.packb(d, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> HandoffHeader:
+        """Raises HandoffError (VERSION or BAD_HEADER) for anything but a well-formed header."""
+        try:
+            d = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise HandoffError(BAD_HEADER, f"undecodable header: {e}") from None
+        if not isinstance(d, dict):
+            raise HandoffError(BAD_HEADER, "the header is not a map")
+        if d.get("version") != HEADER_VERSION:
+            raise HandoffError(
+                VERSION, f"header version {d.get('version')!r}, this side reads {HEADER_VERSION}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(d) != names:
+            raise HandoffError(
+                BAD_HEADER,
+                f"header fields differ: missing {sorted(names - set(d))}, unknown {sorted(set(d) - names)}",
+            )
+        try:
+            kw = {k: v for k, v in d.items()}
+            kw["prompt_token_ids"] = _int_tuple(d["prompt_token_ids"])
+            kw["output_token_ids"] = _int_tuple(d["output_token_ids"])
+            kw["params"] = _params(d["params"])
+            kw["output_logprobs"] = tuple(
+                TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
+                for t, lp, top in d["output_logprobs"]
+            )
+            for k in ("request_id", "model", "dtype"):
+                if not isinstance(d[k], str):
+                    raise TypeError(f"{k} must be a string")
+            for f in dataclasses.fields(cls):
+                if f.type == "int" and (not isinstance(d[f.name], int) or isinstance(d[f.name], bool)):
+                    raise TypeError(f"{f.name} must be an integer")
+            return cls(**kw)
+        except HandoffError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise HandoffError(BAD_HEADER, f"malformed header: {e}") from None
+
+
+def _int_tuple(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise TypeError("token ids must be a list of integers")
+    return tuple(v)
+
+
+def _params(d: Any) -> SamplingParams:
+    if not isinstance(d, dict) or set(d) != set(_PARAM_FIELDS):
+        raise TypeError(f"sampling params must have exactly the fields {_PARAM_FIELDS}")
+    kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return SamplingParams(**kw)  # its own checks raise InvalidRequestError, a ValueError
+
+
+def check_layout(header: HandoffHeader, layout: KVLayout, model: str = "") -> None:
+    """Raises HandoffError(LAYOUT) unless the header was made for this model and KV layout."""
+    mine = layout_fields(layout)
+    diffs = [
+        f"{k} {getattr(header, k)!r} (theirs) != {mine[k]!r} (ours)"
+        for k in LAYOUT_FIELDS
+        if getattr(header, k) != mine[k]
+    ]
+    if model and header.model and header.model != model:
+        diffs.insert(0, f"model {header.model!r} (theirs) != {model!r} (ours)")
+    if diffs:
+        raise HandoffError(
+            LAYOUT, f"request {header.request_id!r} does not match this engine: " + "; ".join(diffs)
+        )
+
+
+def layout_from_fields(d: dict[str, Any]) -> KVLayout:
+    """The inverse of layout_fields (a peer's layout from its auth_ok); raises HandoffError(LAYOUT)."""
+    try:
+        return KVLayout(
+            num_full_layers=int(d["num_full_layers"]),
+            num_swa_layers=int(d["num_swa_layers"]),
+            block_size=int(d["block_size"]),
+            window=int(d["window"]),
+            num_kv_heads=int(d["num_kv_heads"]),
+            head_dim=int(d["head_dim"]),
+            dtype=DTYPES[d["dtype"]],
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise HandoffError(LAYOUT, f"the peer sent an unreadable layout: {e!r}") from None
+
+
+# ---- payload --------------------------------------------------------------------------------------
+
+
+def payload_segments(export: SequenceExport, layout: KVLayout) -> list[torch.Tensor]:
+    """The export's tensors in payload order (pages, then the state if the model has sliding layers)."""
+    return [export.pages] + ([export.state] if layout.num_swa_layers else [])  # type: ignore[list-item]
+
+
+def make_header(
+    export: SequenceExport,
+    layout: KVLayout,
+    model: str = "",
+    output_logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...] = (),
+    checksum: int | None = None,
+) -> HandoffHeader:
+    """The header of an export (sender side). Computes the checksum where the tensors are unless
+    given. Raises HandoffError(LAYOUT) if the tensors do not have this layout's shapes."""
+    lo = layout_fields(layout)
+    num_computed = export.num_computed
+    num_pages = math.ceil(num_computed / layout.block_size) if layout.num_full_layers else 0
+    page_shape = (
+        num_pages,
+        layout.num_full_layers,
+        2,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
+    if tuple(export.pages.shape) != page_shape or export.pages.dtype != layout.dtype:
+        raise HandoffError(
+            LAYOUT, f"pages {tuple(export.pages.shape)} {export.pages.dtype} != {page_shape} {layout.dtype}"
+        )
+    if layout.num_swa_layers:
+        state_shape = (layout.num_swa_layers, 2, layout.window, layout.num_kv_heads, layout.head_dim)
+        st = export.state
+        if st is None or tuple(st.shape) != state_shape or st.dtype != layout.dtype:
+            got = None if st is None else (tuple(st.shape), st.dtype)
+            raise HandoffError(LAYOUT, f"SWA state {got} != {state_shape} {layout.dtype}")
+    if checksum is None:
+        checksum = payload_checksum(payload_segments(export, layout))
+    state_bytes = layout.state_bytes if layout.num_swa_layers else 0
+    return HandoffHeader(
+        request_id=export.request_id,
+        prompt_token_ids=tuple(export.prompt_token_ids),
+        output_token_ids=tuple(export.output_token_ids),
+        num_computed=num_computed,
+        params=export.params,
+        seed=export.seed,
+        model=model,
+        swa_fill=min(num_computed, lo["window"]),
+        num_pages=num_pages,
+        page_bytes=layout.page_bytes,
+        state_bytes=state_bytes,
+        payload_bytes=num_pages * layout.page_bytes + state_bytes,
+        checksum=checksum,
+        output_logprobs=tuple(output_logprobs),
+        **lo,
+    )
+
+
+def allocate_payload(
+    header: HandoffHeader, device: torch.device | str = "cpu", pin_memory: bool = False
+) -> list[torch.Tensor]:
+    """Empty tensors to receive a payload into, in payload order."""
+    kw: dict[str, Any] = dict(dtype=header.torch_dtype, device=device, pin_memory=pin_memory)
+    out = [torch.empty(header.page_shape, **kw)]
+    if header.has_state:
+        out.append(torch.empty(header.state_shape, **kw))
+    return out
+
+
+def check_segments(header: HandoffHeader, segments: list[torch.Tensor]) -> None:
+    """Raises HandoffError(LAYOUT) unless segments are contiguous tensors shaped for this header."""
+    want = [header.page_shape] + ([header.state_shape] if header.has_state else [])
+    got = [tuple(t.shape) for t in segments]
+    if got != want or any(t.dtype != header.torch_dtype or not t.is_contiguous() for t in segments):
+        raise HandoffError(LAYOUT, f"receive buffers {got} do not fit the payload {want} {header.dtype}")
+
+
+def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceExport:
+    """The SequenceExport a verified payload stands for (receiver side)."""
+    export = SequenceExport(
+        request_id=header.request_id,
+        prompt_token_ids=list(header.prompt_token_ids),
+        output_token_ids=list(header.output_token_ids),
+        num_computed=header.num_computed,
+        params=header.params,
+        seed=header.seed,
+        pages=segments[0],
+        state=segments[1] if header.has_state else None,
+    )
+    if hasattr(export, "output_logprobs"):  # once SequenceExport carries them
+        export.output_logprobs = list(header.output_logprobs)
+    return export
+
+
+def model_fingerprint(folder: str | Path) -> str:
+    """A model's identity for the header: its config.json (canonical) and its weight files' names and
+    sizes. Cheap (no weight bytes are read); the same folder copied to two hosts gives the same value."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    config = json.loads((folder / "config.json").read_text())
+    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"\x00{f.name}\x00{f.stat().st_size}".encode())
+    return "sha256:" + h.hexdigest()[:32]

@@ -1,0 +1,258 @@
+"""KVReceiver: the CE rank's end of the handoff. One TCP listener; one connection per handoff.
+
+For each connection: authenticate (else refuse and log), read the offer, refuse a header that does not
+match this engine, ask the CE whether it expects the request and where the payload goes (on_handoff),
+receive into those buffers, verify the checksum, and only then hand the sequence over (on_complete).
+The sender is told ack (on_complete returned) or nack with the reason. A payload that is cut short,
+late or corrupt is never handed over: the CE hears about it through on_error instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from typing import Any, TypeVar
+
+import torch
+
+from engine.engine import SequenceExport
+from engine.kv_cache import KVLayout
+from transfer.auth import server_handshake
+from transfer.checksum import payload_checksum
+from transfer.config import TransferConfig
+from transfer.errors import AUTH, CHECKSUM, PROTOCOL, REJECTED, TIMEOUT, TRANSPORT, UNEXPECTED, HandoffError
+from transfer.handoff import HandoffHeader, check_layout, check_segments, layout_fields, to_export
+from transfer.transport import Transport, make_transport
+from transfer.wire import Channel
+
+log = logging.getLogger("transfer.receiver")
+T = TypeVar("T")
+
+# on_handoff: the buffers to receive into (transfer.handoff.allocate_payload shapes), or None to refuse.
+OnHandoff = Callable[[HandoffHeader], "Awaitable[list[torch.Tensor] | None] | list[torch.Tensor] | None"]
+# on_complete: takes a verified sequence (e.g. engine.import_sequence); raising refuses it (nack).
+OnComplete = Callable[[HandoffHeader, SequenceExport], "Awaitable[None] | None"]
+# on_error: a handoff on_handoff accepted has failed; nothing was delivered (release the reservation).
+OnError = Callable[[HandoffHeader, HandoffError], "Awaitable[None] | None"]
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    out = fn(*args)
+    return await out if inspect.isawaitable(out) else out
+
+
+class KVReceiver:
+    def __init__(
+        self,
+        token: bytes,
+        layout: KVLayout,
+        on_handoff: OnHandoff,
+        on_complete: OnComplete,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model: str = "",
+        on_error: OnError | None = None,
+        config: TransferConfig | None = None,
+        transports: dict[str, Transport] | None = None,
+    ) -> None:
+        """token: the cluster secret (transfer.auth.load_token). host: the address to bind (loopback by
+        default; a CE that takes handoffs from another host binds its cluster-facing address).
+        port 0 picks a free port (see .port). transports: prebuilt transports by name (tests)."""
+        if not token:
+            raise ValueError("a KV receiver needs the cluster token")
+        self.token = token
+        self.layout = layout
+        self.model = model
+        self.host = host
+        self.port = port
+        self.config = config or TransferConfig()
+        self.on_handoff = on_handoff
+        self.on_complete = on_complete
+        self.on_error = on_error
+        self._transports: dict[str, Transport] = dict(transports or {})
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self.counters = {"handoffs": 0, "bytes": 0, "refused_auth": 0, "refused": 0, "failed": 0}
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> KVReceiver:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        self._accept_task = asyncio.create_task(self._accept_loop())
+        log.info("KV receiver on %s (transports %s)", self.address, ",".join(self.config.accept_transports))
+        return self
+
+    async def close(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener is not None:
+            self._listener.close()
+        for t in list(self._conns):
+            t.cancel()
+        if self._conns:
+            await asyncio.wait(self._conns, timeout=15.0)
+        for tr in self._transports.values():
+            tr.close()
+
+    async def __aenter__(self) -> KVReceiver:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(self._listener)
+            except OSError as e:  # e.g. out of file descriptors: keep serving
+                log.warning("accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve(conn, f"{addr[0]}:{addr[1]}"))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    def _transport(self, name: Any) -> Transport:
+        if name not in self.config.accept_transports:
+            raise HandoffError(
+                TRANSPORT,
+                f"transport {name!r} is not enabled on this receiver {self.config.accept_transports}",
+            )
+        if name not in self._transports:
+            self._transports[name] = make_transport(name, self.config)
+        return self._transports[name]
+
+    # ---- one connection = one handoff ----------------------------------------------------------
+
+    async def _serve(self, sock: socket.socket, peer: str) -> None:
+        ch = Channel(sock, peer)
+        try:
+            await self._handle(ch)
+        except HandoffError as e:
+            await ch.nack(e)
+        except Exception:
+            log.exception("KV connection from %s failed", peer)
+            await ch.nack(HandoffError(PROTOCOL, "internal error on the receiver"))
+        finally:
+            ch.close()
+
+    async def _handle(self, ch: Channel) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.handshake_timeout_s
+        try:
+            _, proof = await asyncio.wait_for(
+                server_handshake(ch, self.token), self.config.handshake_timeout_s
+            )
+        except (HandoffError, asyncio.TimeoutError) as e:
+            self.counters["refused_auth"] += 1
+            reason = (
+                e.message if isinstance(e, HandoffError) else "no authentication within the handshake timeout"
+            )
+            log.warning("refused unauthenticated KV peer %s: %s", ch.peer, reason)
+            raise HandoffError(AUTH, f"not authenticated: {reason}") from None
+        await ch.send(
+            {"t": "auth_ok", "mac": proof, "model": self.model, "layout": layout_fields(self.layout)}
+        )
+        try:
+            header, transport, extra = await asyncio.wait_for(
+                self._read_offer(ch), max(0.0, deadline - loop.time())
+            )
+            segments = await _call(self.on_handoff, header)
+            if segments is None:
+                raise HandoffError(UNEXPECTED, f"request {header.request_id!r} is not expected here")
+        except (HandoffError, asyncio.TimeoutError) as e:
+            err = (
+                e
+                if isinstance(e, HandoffError)
+                else HandoffError(TIMEOUT, "no offer within the handshake timeout")
+            )
+            self.counters["refused"] += 1
+            log.warning("refused handoff offer from %s: %s", ch.peer, err)
+            raise err from None
+        try:
+            ack = await self._receive(ch, header, transport, extra, segments)
+        except BaseException as e:  # incl. cancellation (shutdown): the reservation must be released
+            if isinstance(e, HandoffError):
+                err = e
+            elif isinstance(e, asyncio.CancelledError):
+                err = HandoffError(TIMEOUT, "the receiver shut down mid-handoff")
+            else:
+                err = HandoffError(PROTOCOL, f"receiver failed: {e!r}")
+            self.counters["failed"] += 1
+            log.warning("handoff %r from %s failed: %s", header.request_id, ch.peer, err)
+            if self.on_error is not None:
+                with suppress(Exception):
+                    await _call(self.on_error, header, err)
+            raise
+        self.counters["handoffs"] += 1
+        self.counters["bytes"] += header.payload_bytes
+        await ch.send(ack)
+
+    async def _read_offer(self, ch: Channel) -> tuple[HandoffHeader, Transport, dict[str, Any]]:
+        """The offer's header, if it is for this engine, and the transport it asks for."""
+        msg = await ch.expect("offer")
+        raw, extra = msg.get("header"), msg.get("extra", {})
+        if not isinstance(raw, bytes) or not isinstance(extra, dict):
+            raise HandoffError(PROTOCOL, "malformed offer")
+        header = HandoffHeader.decode(raw)
+        check_layout(header, self.layout, self.model)
+        return header, self._transport(msg.get("transport")), extra
+
+    async def _receive(
+        self,
+        ch: Channel,
+        header: HandoffHeader,
+        transport: Transport,
+        extra: dict[str, Any],
+        segments: list[torch.Tensor],
+    ) -> dict[str, Any]:
+        """Receive, verify, deliver; returns the ack. Nothing reaches on_complete unverified."""
+        rid = header.request_id
+        check_segments(header, segments)
+        reply = await transport.accept(ch, header, extra, segments)
+        await ch.send({"t": "ready", **reply})
+        t0 = time.perf_counter()
+        checksum = await transport.pull(ch, header, extra, segments)
+        recv_s = time.perf_counter() - t0
+        if checksum is None:  # hash where the bytes are (the GPU for CUDA buffers)
+            checksum = await asyncio.get_running_loop().run_in_executor(
+                transport.executor, payload_checksum, segments
+            )
+        verify_s = time.perf_counter() - t0 - recv_s
+        if checksum != header.checksum:
+            raise HandoffError(
+                CHECKSUM, f"request {rid!r}: payload checksum {checksum:#x} != header {header.checksum:#x}"
+            )
+        try:
+            await _call(self.on_complete, header, to_export(header, segments))
+        except HandoffError:
+            raise
+        except Exception as e:
+            raise HandoffError(REJECTED, f"request {rid!r} refused after transfer: {e!r}") from e
+        return {
+            "t": "ack",
+            "request_id": rid,
+            "payload_bytes": header.payload_bytes,
+            "recv_s": recv_s,
+            "verify_s": verify_s,
+        }

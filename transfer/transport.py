@@ -1,0 +1,87 @@
+"""The transport interface: what moves a payload once the control connection has agreed on it.
+
+The header and every control message go over the TCP control connection (wire.py) whatever the
+transport; a transport moves only the payload bytes, and may add fields to the offer (sender) and the
+ready (receiver) messages, e.g. CUDA IPC handles or an NCCL bootstrap id.
+
+    sender:   extra = offer(ch, segments)  -> [offer sent, ready received] -> push(ch, segments, ready)
+    receiver: reply = accept(ch, header, extra, segments) -> [ready sent] -> pull(ch, header, extra, segments)
+
+Transports are made by name (make_transport); a module is imported only when its transport is asked
+for, and none needs CUDA to import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+import torch
+
+from transfer.config import TransferConfig
+from transfer.handoff import HandoffHeader
+from transfer.wire import Channel, io_executor
+
+_REGISTRY: dict[str, str] = {
+    "tcp": "transfer.tcp:TcpTransport",
+    "nccl": "transfer.nccl:NcclTransport",
+    "ipc": "transfer.ipc:IpcTransport",
+}
+
+
+class Transport(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+        self.executor = io_executor(config.max_workers)
+
+    # ---- sender side ---------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def session(self, peer: str) -> AsyncIterator[None]:
+        """Held by the sender from offer to ack (NCCL: one handoff at a time per communicator)."""
+        yield
+
+    async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
+        """Transport fields for the offer message. Raises HandoffError(TRANSPORT) if it cannot carry these."""
+        return {}
+
+    @abstractmethod
+    async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
+        """Moves the payload after the receiver is ready; raises HandoffError."""
+
+    def forget(self, peer: str) -> None:
+        """Drops per-peer state (an NCCL communicator the receiver no longer knows)."""
+        return None
+
+    # ---- receiver side -------------------------------------------------------------------------
+
+    async def accept(
+        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+    ) -> dict[str, Any]:
+        """Checks the offer's transport fields before ready; returns fields for the ready message."""
+        return {}
+
+    @abstractmethod
+    async def pull(
+        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+    ) -> int | None:
+        """Fills segments with the payload; returns its checksum if computed on the way, else None."""
+
+    def close(self) -> None:
+        """Releases what the transport holds (communicators, staging buffers)."""
+        return None
+
+
+def make_transport(name: str, config: TransferConfig, **kw: Any) -> Transport:
+    """The transport registered under name ("tcp" | "nccl" | "ipc"); kw go to its constructor (a test
+    passes a fake NCCL or IPC backend this way)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown transport {name!r}; known: {sorted(_REGISTRY)}")
+    module, cls = _REGISTRY[name].split(":")
+    transport_cls = getattr(importlib.import_module(module), cls)
+    return transport_cls(config, **kw)

@@ -1,0 +1,170 @@
+"""The control connection: length-prefixed msgpack messages on a TCP socket, plus the two helpers
+that move bulk bytes on the same socket from a worker thread.
+
+Frame: 4-byte big-endian length, then a msgpack map with a "t" (type) key. Before authentication a
+frame may be at most MAX_PREAUTH_BYTES, so an unauthenticated peer cannot make us buffer much.
+
+Message flow of one handoff (S: KVSender, R: KVReceiver; one connection per handoff):
+
+    R -> S  hello    {v, nonce}                              (auth.py)
+    S -> R  auth     {v, sender, nonce, mac}
+    R -> S  auth_ok  {mac, model, layout}       | nack {code: auth}; R logs and closes
+    S -> R  offer    {transport, header, extra} (S first checks R's model/layout itself)
+    R -> S  ready    {...transport fields}      | nack {code, reason}
+    S => R  payload  (tcp: raw bytes on this socket; nccl: a NCCL send; ipc: handles in the offer)
+    R -> S  ack      {request_id, payload_bytes, recv_s, verify_s} | nack {code, reason}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import suppress
+from typing import Any, TypeVar
+
+import msgpack
+
+from transfer.errors import INCOMPLETE, PROTOCOL, HandoffError
+
+PROTOCOL_VERSION = 1
+MAX_PREAUTH_BYTES = 4096
+MAX_CONTROL_BYTES = 64 << 20
+_LEN = struct.Struct(">I")
+T = TypeVar("T")
+
+
+_EXECUTOR: ThreadPoolExecutor | None = None
+
+
+def io_executor(max_workers: int = 8) -> ThreadPoolExecutor:
+    """The process's threads for blocking payload work (socket I/O, checksums, CUDA/NCCL waits).
+    Made on first use; the first caller's max_workers sizes it."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-io")
+    return _EXECUTOR
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+class Channel:
+    """A connected TCP socket spoken to in messages (asyncio) and, between messages, in raw bytes
+    from a worker thread (run_blocking)."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.peer = peer
+        self.max_frame_bytes = MAX_PREAUTH_BYTES
+        self._loop = asyncio.get_running_loop()
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        await self._loop.sock_sendall(self.sock, pack(msg))
+
+    async def recv(self) -> dict[str, Any]:
+        (n,) = _LEN.unpack(await self._read_exactly(_LEN.size))
+        if n > self.max_frame_bytes:
+            raise HandoffError(
+                PROTOCOL, f"control message of {n} bytes from {self.peer} (limit {self.max_frame_bytes})"
+            )
+        body = await self._read_exactly(n)
+        try:
+            msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise HandoffError(PROTOCOL, f"undecodable control message from {self.peer}: {e}") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+            raise HandoffError(PROTOCOL, f"control message without a type from {self.peer}")
+        return msg
+
+    async def expect(self, *types: str) -> dict[str, Any]:
+        """The next message, which must be one of types; a nack becomes the HandoffError it carries."""
+        msg = await self.recv()
+        if msg["t"] == "nack" and "nack" not in types:
+            raise HandoffError(str(msg.get("code", PROTOCOL)), str(msg.get("reason", "refused by peer")))
+        if msg["t"] not in types:
+            raise HandoffError(PROTOCOL, f"expected {'/'.join(types)} from {self.peer}, got {msg['t']!r}")
+        return msg
+
+    async def nack(self, err: HandoffError) -> None:
+        """Best effort: the peer may already be gone."""
+        with suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.send({"t": "nack", "code": err.code, "reason": err.message}), 5.0)
+
+    async def _read_exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = await self._loop.sock_recv_into(self.sock, view[got:])
+            if k == 0:
+                raise HandoffError(INCOMPLETE, f"{self.peer} closed the connection")
+            got += k
+        return bytes(buf)
+
+    async def run_blocking(self, executor: Executor | None, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a worker thread that may use self.sock with blocking calls.
+
+        NOTE: while it runs, nothing else touches the socket. If the caller is cancelled (a timeout),
+        the socket is shut down so the thread's blocked send/recv returns, and the thread is waited
+        for before the cancellation goes on: the socket is never closed under a running thread.
+        """
+        fut = self._loop.run_in_executor(executor, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self.shutdown()
+            with suppress(BaseException):
+                await asyncio.wait([fut], timeout=10.0)
+            raise
+
+    def shutdown(self) -> None:
+        with suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.shutdown()
+        self.sock.close()
+
+
+def blocking_send(sock: socket.socket, data: memoryview, idle_timeout_s: float) -> None:
+    """sendall from a worker thread; idle_timeout_s bounds each wait for the peer to take bytes."""
+    sock.settimeout(idle_timeout_s)
+    try:
+        view = data.cast("B") if data.format != "B" else data
+        sent = 0
+        while sent < len(view):
+            sent += sock.send(view[sent : sent + (16 << 20)])
+    except TimeoutError:
+        raise HandoffError(INCOMPLETE, f"peer took no bytes for {idle_timeout_s:.0f} s") from None
+    except OSError as e:
+        raise HandoffError(INCOMPLETE, f"connection lost while sending the payload: {e}") from None
+    finally:
+        with suppress(OSError):
+            sock.settimeout(0.0)
+
+
+def blocking_recv_into(sock: socket.socket, data: memoryview, idle_timeout_s: float) -> None:
+    """Fills data from the socket (worker thread); EOF or an idle peer before the end is INCOMPLETE."""
+    sock.settimeout(idle_timeout_s)
+    try:
+        got = 0
+        n = len(data)
+        while got < n:
+            k = sock.recv_into(data[got:])
+            if k == 0:
+                raise HandoffError(INCOMPLETE, "the sender closed the connection mid-payload")
+            got += k
+    except TimeoutError:
+        raise HandoffError(INCOMPLETE, f"no payload bytes for {idle_timeout_s:.0f} s") from None
+    except OSError as e:
+        raise HandoffError(INCOMPLETE, f"connection lost while receiving the payload: {e}") from None
+    finally:
+        with suppress(OSError):
+            sock.settimeout(0.0)
