@@ -55,9 +55,11 @@ class Sink:
         self.failed.set()
 
 
-def receiver(sink: Sink, layout: KVLayout = LAYOUT_SWA, **kw: Any) -> KVReceiver:
+def receiver(
+    sink: Sink, layout: KVLayout = LAYOUT_SWA, config: TransferConfig = FAST, **kw: Any
+) -> KVReceiver:
     return KVReceiver(
-        TOKEN, layout, sink.on_handoff, sink.on_complete, on_error=sink.on_error, config=FAST, **kw
+        TOKEN, layout, sink.on_handoff, sink.on_complete, on_error=sink.on_error, config=config, **kw
     )
 
 
