@@ -302,3 +302,25 @@ async def test_nothing_listening() -> None:
     with pytest.raises(HandoffError) as e:
         await KVSender(TOKEN, LAYOUT_SWA, config=FAST).send(f"127.0.0.1:{port}", make_export())
     assert e.value.code == "transport"
+
+
+async def test_stalled_sender_fails_after_the_idle_timeout() -> None:
+    sink = Sink("req-1")
+    exp = make_export()
+    cfg = dataclasses.replace(FAST, idle_timeout_s=0.5)
+    async with receiver(sink, config=cfg) as r:
+        host, port = r.address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        ch = Channel(sock, r.address)
+        await client_handshake(ch, TOKEN, "stalls")
+        await ch.send(
+            {"t": "offer", "transport": "tcp", "header": make_header(exp, LAYOUT_SWA).encode(), "extra": {}}
+        )
+        await ch.expect("ready")
+        await asyncio.get_running_loop().sock_sendall(
+            sock, payload_bytes(exp)[:1000]
+        )  # then nothing, connection open
+        reply = await asyncio.wait_for(ch.recv(), 10)
+        ch.close()
+    assert reply["t"] == "nack" and reply["code"] == INCOMPLETE and "no payload bytes" in reply["reason"]
+    assert sink.delivered == {} and [e.code for e in sink.errors] == [INCOMPLETE]

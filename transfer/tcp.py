@@ -7,14 +7,16 @@ overlaps the socket I/O of the other:
     send:  D2H(chunk i+1) -> buf[(i+1)%2]   ||  sendall(buf[i%2])      (event-gated, no device sync)
     recv:  recv_into(buf[i%2])              ||  H2D(buf[(i-1)%2]) -> chunk i-1
 
-A host receiver hashes each chunk right after it lands (still in cache), so the checksum is ready
-when the last byte is; a CUDA receiver leaves hashing to the receiver, on the GPU.
+A host receiver hashes each chunk in a second thread while the next one arrives (the chunk is still in
+cache), so the checksum is ready about when the last byte is; a CUDA receiver leaves hashing to the
+receiver, on the GPU.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -25,6 +27,9 @@ from transfer.errors import INCOMPLETE, HandoffError
 from transfer.handoff import HandoffHeader
 from transfer.transport import Transport
 from transfer.wire import Channel, blocking_recv_into, blocking_send
+
+# Hashing of received chunks, off the receiving thread (its own pool: a receiving thread waits on it).
+_HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-hash")
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -120,17 +125,26 @@ class TcpTransport(Transport):
         return await ch.run_blocking(self.executor, self._recv_host, ch.sock, segments)
 
     def _recv_host(self, sock: socket.socket, segments: list[torch.Tensor]) -> int:
-        parts, done, total = [], 0, sum(t.numel() * t.element_size() for t in segments)
-        for t in segments:
-            b = byte_view(t)
-            hasher = SegmentHasher(b.numel())
-            for off in range(0, b.numel(), self.config.chunk_bytes):
-                piece = b[off : off + self.config.chunk_bytes]
-                _recv(sock, piece, self.config.idle_timeout_s, done, total)
-                done += piece.numel()
-                hasher.update(piece)
-            parts.append(hasher.result())
-        return fold(parts)
+        """Receives chunk i+1 while another thread hashes chunk i (in order, one hasher per segment)."""
+        hashers = [SegmentHasher(t.numel() * t.element_size()) for t in segments]
+        done, total = 0, sum(h.nbytes for h in hashers)
+        pending: Future[None] | None = None
+        try:
+            for t, hasher in zip(segments, hashers):
+                b = byte_view(t)
+                for off in range(0, b.numel(), self.config.chunk_bytes):
+                    piece = b[off : off + self.config.chunk_bytes]
+                    _recv(sock, piece, self.config.idle_timeout_s, done, total)
+                    done += piece.numel()
+                    if pending is not None:
+                        pending.result()
+                    pending = _HASH_POOL.submit(hasher.update, piece)
+            if pending is not None:
+                pending.result()
+        finally:
+            if pending is not None:
+                wait([pending])
+        return fold([h.result() for h in hashers])
 
     def _recv_device(self, sock: socket.socket, segments: list[torch.Tensor]) -> None:
         pieces = _pieces(segments, self.config.chunk_bytes)

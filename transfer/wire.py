@@ -18,6 +18,7 @@ Message flow of one handoff (S: KVSender, R: KVReceiver; one connection per hand
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import struct
 from collections.abc import Callable
@@ -133,38 +134,56 @@ class Channel:
         self.sock.close()
 
 
+class _Blocking:
+    """The socket in plain blocking mode for a worker thread, with kernel send/recv timeouts
+    (SO_SNDTIMEO / SO_RCVTIMEO) as the idle limit: sendall and MSG_WAITALL then loop in the kernel
+    and C, not in Python. Restores non-blocking mode (what asyncio needs) on exit."""
+
+    def __init__(self, sock: socket.socket, idle_timeout_s: float) -> None:
+        self.sock = sock
+        sec = int(idle_timeout_s)
+        self.timeval = struct.pack("ll", sec, int((idle_timeout_s - sec) * 1e6))
+
+    def __enter__(self) -> socket.socket:
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, self.timeval)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, self.timeval)
+        return self.sock
+
+    def __exit__(self, *exc: object) -> None:
+        with suppress(OSError):
+            zero = struct.pack("ll", 0, 0)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, zero)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, zero)
+            self.sock.settimeout(0.0)
+
+
+def _is_timeout(e: OSError) -> bool:
+    return isinstance(e, (TimeoutError, BlockingIOError)) or e.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
 def blocking_send(sock: socket.socket, data: memoryview, idle_timeout_s: float) -> None:
     """sendall from a worker thread; idle_timeout_s bounds each wait for the peer to take bytes."""
-    sock.settimeout(idle_timeout_s)
     try:
-        view = data.cast("B") if data.format != "B" else data
-        sent = 0
-        while sent < len(view):
-            sent += sock.send(view[sent : sent + (16 << 20)])
-    except TimeoutError:
-        raise HandoffError(INCOMPLETE, f"peer took no bytes for {idle_timeout_s:.0f} s") from None
+        with _Blocking(sock, idle_timeout_s) as s:
+            s.sendall(data)
     except OSError as e:
+        if _is_timeout(e):
+            raise HandoffError(INCOMPLETE, f"the peer took no bytes for {idle_timeout_s:.0f} s") from None
         raise HandoffError(INCOMPLETE, f"connection lost while sending the payload: {e}") from None
-    finally:
-        with suppress(OSError):
-            sock.settimeout(0.0)
 
 
 def blocking_recv_into(sock: socket.socket, data: memoryview, idle_timeout_s: float) -> None:
     """Fills data from the socket (worker thread); EOF or an idle peer before the end is INCOMPLETE."""
-    sock.settimeout(idle_timeout_s)
+    got, n = 0, len(data)
     try:
-        got = 0
-        n = len(data)
-        while got < n:
-            k = sock.recv_into(data[got:])
-            if k == 0:
-                raise HandoffError(INCOMPLETE, "the sender closed the connection mid-payload")
-            got += k
-    except TimeoutError:
-        raise HandoffError(INCOMPLETE, f"no payload bytes for {idle_timeout_s:.0f} s") from None
+        with _Blocking(sock, idle_timeout_s) as s:
+            while got < n:
+                k = s.recv_into(data[got:], n - got, socket.MSG_WAITALL)
+                if k == 0:
+                    raise HandoffError(INCOMPLETE, "the sender closed the connection mid-payload")
+                got += k
     except OSError as e:
+        if _is_timeout(e):
+            raise HandoffError(INCOMPLETE, f"no payload bytes for {idle_timeout_s:.0f} s") from None
         raise HandoffError(INCOMPLETE, f"connection lost while receiving the payload: {e}") from None
-    finally:
-        with suppress(OSError):
-            sock.settimeout(0.0)

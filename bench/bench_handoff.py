@@ -1,0 +1,309 @@
+"""Handoff throughput against its ceilings, for a synthetic sequence of an 8B-shaped model.
+
+For each sequence length (tokens), one export of the layout of bench/configs/<layout>.json (bf16,
+128-token pages) is handed off to a KVReceiver in a second process, and compared with:
+  - raw TCP: the same number of bytes pushed through one plain socket to the same process, which
+    recv_into()s them into a reused buffer (no framing, no checksum, no auth): the loopback ceiling;
+  - on CUDA, also ipc (the receiver copies from the sender's GPU memory) against a device-to-device
+    copy of the same bytes, and tcp from/to GPU memory through the pinned staging buffers.
+Reported per row: seconds and GB/s of the whole send (connect, auth, sender checksum, payload,
+receiver verify, ack), the payload phase alone, the sender's checksum pass, and the ratio to the
+ceiling. Both processes reuse their buffers across repeats (first-touch page faults are not the
+transport's cost); the best of --repeats after one warm-up is reported.
+
+    python bench/bench_handoff.py                            # 1k, 4k, 8k tokens of llama8b
+    python bench/bench_handoff.py --tokens 1024,16384 --layout hybrid8b --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.engine import SequenceExport  # noqa: E402
+from engine.kv_cache import KVLayout  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+from transfer.checksum import payload_checksum  # noqa: E402
+from transfer.config import TransferConfig  # noqa: E402
+from transfer.handoff import (  # noqa: E402
+    HandoffHeader,
+    allocate_payload,
+    layout_fields,
+    layout_from_fields,
+    payload_segments,
+)
+from transfer.receiver import KVReceiver  # noqa: E402
+from transfer.sender import KVSender  # noqa: E402
+from transfer.tcp import byte_view  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+TOKEN = os.urandom(24).hex().encode()
+GB = 1e9
+
+
+def layout_of(name: str, block_size: int = 128, dtype: torch.dtype = torch.bfloat16) -> KVLayout:
+    """The KV layout of bench/configs/<name>.json."""
+    cfg = json.loads((CONFIGS / f"{name}.json").read_text())
+    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    num_swa = sum(t == "sliding_attention" for t in types)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return KVLayout(
+        num_full_layers=len(types) - num_swa,
+        num_swa_layers=num_swa,
+        block_size=block_size,
+        window=(cfg.get("sliding_window") or 0) if num_swa else 0,
+        num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+
+
+def synthetic_export(layout: KVLayout, tokens: int, device: torch.device) -> SequenceExport:
+    """An export of `tokens` prompt tokens (+1 sampled) filled with a cheap non-constant pattern."""
+    n_pages = math.ceil(tokens / layout.block_size) if layout.num_full_layers else 0
+    lo = layout
+    pages = torch.empty(
+        (n_pages, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim),
+        dtype=lo.dtype,
+        device=device,
+    )
+    state = None
+    if lo.num_swa_layers:
+        state = torch.empty(
+            (lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim), dtype=lo.dtype, device=device
+        )
+    pattern = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=device)
+    for t in [pages] + ([state] if state is not None else []):
+        b = byte_view(t)
+        for off in range(0, b.numel(), pattern.numel()):
+            n = min(pattern.numel(), b.numel() - off)
+            b[off : off + n].copy_(pattern[:n])
+            pattern = pattern.roll(1)
+    return SequenceExport(
+        f"bench-{tokens}", list(range(tokens)), [1], tokens, SamplingParams(), 0, pages, state
+    )
+
+
+# ---- the receiving process ---------------------------------------------------------------------
+
+
+def _raw_sink(lst: socket.socket) -> None:
+    """Receives `8-byte length + bytes` per connection into one reused buffer; answers one byte."""
+    buf = bytearray()
+    while True:
+        conn, _ = lst.accept()
+        with conn:
+            (n,) = struct.unpack(">Q", conn.recv(8, socket.MSG_WAITALL))
+            if len(buf) < n:
+                buf = bytearray(n)
+            view, got = memoryview(buf), 0
+            while got < n:
+                k = conn.recv_into(view[got:n])
+                if k == 0:
+                    break
+                got += k
+            conn.sendall(b"k")
+
+
+def receiver_main(conn: Any, layout: dict[str, Any], device: str, token: bytes) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    lst = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_sink, args=(lst,), daemon=True).start()
+    buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    def on_handoff(h: HandoffHeader) -> list[torch.Tensor]:
+        key = (h.page_shape, h.state_shape if h.has_state else None)
+        if key not in buffers:
+            buffers.clear()
+            buffers[key] = allocate_payload(h, device)
+        return buffers[key]
+
+    async def main() -> None:
+        cfg = TransferConfig(idle_timeout_s=120.0)
+        async with KVReceiver(
+            token, layout_from_fields(layout), on_handoff, lambda h, e: None, config=cfg
+        ) as r:
+            conn.send((r.port, lst.getsockname()[1]))
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
+
+    asyncio.run(main())
+
+
+# ---- the sending process -----------------------------------------------------------------------
+
+
+def raw_send(port: int, segments: list[torch.Tensor]) -> float:
+    host = [byte_view(t).cpu() for t in segments]
+    n = sum(b.numel() for b in host)
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(struct.pack(">Q", n))
+        for b in host:
+            s.sendall(b.numpy().data)
+        s.recv(1)
+    return time.perf_counter() - t0
+
+
+def d2d_copy_s(segments: list[torch.Tensor], device: torch.device) -> float:
+    src = torch.cat([byte_view(t) for t in segments])
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dst.copy_(src)
+    start.record()
+    dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def best(fn: Any, repeats: int) -> Any:
+    fn()  # warm-up
+    return min((fn() for _ in range(repeats)), key=lambda r: r if isinstance(r, float) else r[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layout", default="llama8b", help="a config in bench/configs (llama8b | hybrid8b)")
+    ap.add_argument("--tokens", default="1024,4096,8192", help="comma-separated sequence lengths")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument(
+        "--recv-device",
+        default=None,
+        help="the receiver's device (default: cuda:1 if present, else the same)",
+    )
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
+    recv_device = args.recv_device or (
+        "cuda:1" if device.type == "cuda" and torch.cuda.device_count() > 1 else str(device)
+    )
+    layout = layout_of(args.layout)
+    print(f"# {args.layout}: {layout.num_full_layers} full + {layout.num_swa_layers} sliding layers, "
+          f"{layout.page_bytes / 2**20:.1f} MiB per {layout.block_size}-token page, SWA state {layout.state_bytes / 2**20:.1f} MiB; "
+          f"sender {device}, receiver {recv_device}, torch threads {torch.get_num_threads()}, {os.cpu_count()} cores")  # fmt: skip
+    if device.type != "cuda":
+        print("# no CUDA: tcp over loopback only (ipc and the device-copy ceiling need a GPU)")
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(
+        target=receiver_main, args=(child, layout_fields(layout), recv_device, TOKEN), daemon=True
+    )
+    proc.start()
+    kv_port, raw_port = parent.recv()
+    addr = f"127.0.0.1:{kv_port}"
+    rows: list[dict[str, Any]] = []
+    loop = asyncio.new_event_loop()
+    try:
+        cfg = TransferConfig(send_timeout_s=600.0, idle_timeout_s=120.0)
+        senders = {"tcp": KVSender(TOKEN, layout, config=cfg)}
+        if device.type == "cuda":
+            senders["ipc"] = KVSender(
+                TOKEN, layout, config=TransferConfig(transport="ipc", send_timeout_s=600.0)
+            )
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            rows += measure(
+                synthetic_export(layout, tokens, device), layout, senders, addr, raw_port, args.repeats, loop
+            )
+    finally:
+        parent.send("stop")
+        proc.join(10)
+        loop.close()
+    _print(rows)
+    return 0
+
+
+def measure(
+    exp: SequenceExport,
+    layout: KVLayout,
+    senders: dict[str, KVSender],
+    addr: str,
+    raw_port: int,
+    repeats: int,
+    loop: asyncio.AbstractEventLoop,
+) -> list[dict[str, Any]]:
+    """The rows of one sequence length."""
+    segments = payload_segments(exp, layout)
+    device = segments[0].device
+    tokens, nbytes = exp.num_computed, sum(t.numel() * t.element_size() for t in segments)
+    ck_s = best(lambda: _timed(lambda: payload_checksum(segments), device), repeats)
+    raw_s = best(lambda: raw_send(raw_port, segments), repeats)
+    rows = [
+        dict(tokens=tokens, what="raw tcp socket", bytes=nbytes, s=raw_s, ceiling_s=raw_s),
+        dict(tokens=tokens, what=f"checksum ({device.type})", bytes=nbytes, s=ck_s, ceiling_s=None),
+    ]
+    for name, sender in senders.items():
+        ack = best(lambda s=sender: _ack(loop, s, addr, exp), repeats)[1]
+        ceiling = raw_s if name == "tcp" else d2d_copy_s(segments, device)
+        rows.append(
+            dict(tokens=tokens, what=f"handoff {name}", bytes=nbytes, s=ack.elapsed_s, ceiling_s=ceiling)
+        )
+        rows.append(
+            dict(
+                tokens=tokens,
+                what=f"  payload phase {name}",
+                bytes=nbytes,
+                s=ack.recv_s + ack.verify_s,
+                ceiling_s=ceiling,
+            )
+        )
+    if device.type == "cuda":
+        rows.append(
+            dict(
+                tokens=tokens,
+                what="d2d copy (ceiling)",
+                bytes=nbytes,
+                s=d2d_copy_s(segments, device),
+                ceiling_s=None,
+            )
+        )
+    return rows
+
+
+def _timed(fn: Any, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _ack(
+    loop: asyncio.AbstractEventLoop, sender: KVSender, addr: str, exp: SequenceExport
+) -> tuple[float, Any]:
+    ack = loop.run_until_complete(sender.send(addr, exp))
+    return ack.elapsed_s, ack
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'tokens':>7} {'MiB':>7}  {'what':<24} {'s':>8} {'GB/s':>7} {'of ceiling':>10}")
+    for r in rows:
+        frac = f"{r['ceiling_s'] / r['s']:.0%}" if r["ceiling_s"] else ""
+        print(
+            f"{r['tokens']:>7} {r['bytes'] / 2**20:>7.0f}  {r['what']:<24} {r['s']:>8.3f} {r['bytes'] / r['s'] / GB:>7.2f} {frac:>10}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
