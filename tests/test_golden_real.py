@@ -21,7 +21,7 @@ from engine_utils import compare_greedy, hf_greedy, prompt_logits
 NEW_TOKENS = 64
 
 
-def _gemma_prompt(tokenizer) -> list[int]:
+def _long_prompt(tokenizer) -> list[int]:
     """Over 1,100 tokens of varied text, so several 512-token windows slide."""
     text = inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -47,8 +47,8 @@ def reference():
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(folder))
-            prompt = _gemma_prompt(tok) if name.startswith("gemma") else _smollm_prompt(tok)
-            cache[name] = (folder, prompt, *hf_greedy(folder, prompt, NEW_TOKENS))
+            prompt = _long_prompt(tok) if name.startswith("gemma") else _smollm_prompt(tok)
+            cache[name] = (folder, prompt, _long_prompt(tok), *hf_greedy(folder, prompt, NEW_TOKENS))
         return cache[name]
 
     return get
@@ -62,7 +62,7 @@ def _engine(name: str, is_deterministic: bool) -> LLMEngine:
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_real_checkpoint_matches_transformers(reference, name: str) -> None:
-    folder, prompt, ref_tokens, ref_logits, ref_first = reference(name)
+    folder, prompt, _, ref_tokens, ref_logits, ref_first = reference(name)
     if name.startswith("gemma"):
         assert len(prompt) > 1100
     eng = _engine(str(folder), is_deterministic=False)
@@ -76,8 +76,8 @@ def test_real_checkpoint_matches_transformers(reference, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_real_checkpoint_deterministic_is_batch_and_chunk_invariant(reference, name: str) -> None:
-    folder, prompt, *_ = reference(name)
-    prompt = prompt[:600]  # still more than a 512-token window
+    folder, _, long_prompt, *_ = reference(name)
+    prompt = long_prompt[:600]  # more than a 512-token window
     eng = _engine(str(folder), is_deterministic=True)
     others = [prompt[7:40], prompt[100:357]]
     (alone,) = prompt_logits(eng, [prompt])
