@@ -1,0 +1,63 @@
+"""The transfer benchmarks' pieces that run anywhere: NCCL log parsing, the TCP measurement, layouts."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_nccl_log_parsing(tmp_path: Path) -> None:
+    xtray = load("nccl_xtray_test")
+    (tmp_path / "nccl.a.1.log").write_text(
+        "h:1:2 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB ; OOB eth0\n"
+        "h:1:2 [0] NCCL INFO Using network IB\n"
+        "h:1:2 [0] NCCL INFO Channel 00/1 : 1[1] -> 0[0] [receive] via NET/IB/0/GDRDMA\n"
+        "h:1:2 [0] NCCL INFO Channel 01/1 : 1[1b000] -> 0[3d000] [receive] via NET/IB/0/GDRDMA\n"
+        "h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read\n"
+    )
+    assert xtray.nccl_choice(str(tmp_path)) == (["NET/IB/0/GDRDMA", "P2P/CUMEM/read"], ["IB"])
+    assert (
+        xtray.parse_size("1G") == 1 << 30
+        and xtray.parse_size("4MiB") == 4 << 20
+        and xtray.parse_size("512") == 512
+    )
+
+
+def test_tcp_bandwidth_between_two_ranks() -> None:
+    xtray = load("nccl_xtray_test")
+    a, b = socket.socketpair()
+    sizes, out = [1 << 16, 1 << 20], {}
+    t = threading.Thread(target=lambda: out.update(r1=xtray.tcp_bandwidth(b, 1, sizes, 3)))
+    t.start()
+    out["r0"] = xtray.tcp_bandwidth(a, 0, sizes, 3)
+    t.join(10)
+    assert out["r0"] == out["r1"] and len(out["r0"]) == 2 and all(x > 0 for x in out["r0"])
+
+
+def test_bench_layouts_are_8b_shaped() -> None:
+    bench = load("bench_handoff")
+    llama = bench.layout_of("llama8b")
+    assert (llama.num_full_layers, llama.num_swa_layers, llama.page_bytes) == (
+        32,
+        0,
+        16 << 20,
+    )  # 128 KiB per token
+    hybrid = bench.layout_of("hybrid8b")
+    assert hybrid.num_full_layers + hybrid.num_swa_layers == 32 and hybrid.window == 1024
+    exp = bench.synthetic_export(hybrid, 200, bench.torch.device("cpu"))
+    assert exp.pages.shape[0] == 2 and exp.state is not None and exp.num_computed == 200
