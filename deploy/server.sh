@@ -20,7 +20,7 @@ START_TIMEOUT_S="${PDSERVE_START_TIMEOUT_S:-900}"
 die() { echo "server.sh: $*" >&2; exit 1; }
 
 usage() {
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     exit "${1:-0}"
 }
 

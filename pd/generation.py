@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -82,7 +83,7 @@ class Generation:
             self._timing[s.request_id] = _Timing(self.arrival_s)
             await self.rank.submit(s.request_id, s.prompt_token_ids, s.params, self.queue, s.use_prefix_cache)
 
-    async def updates(self):  # type: ignore[no-untyped-def]  # AsyncIterator[ChoiceUpdate]
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Yields updates until every choice is finished; raises ApiError on rejection or rank death."""
         while self._open:
             rid, event = await self.queue.get()
