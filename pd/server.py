@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from engine.errors import ModelNotFoundError
 from pd.chat_api import chat_completions
 from pd.completions_api import completions
 from pd.config import ServerConfig
@@ -117,7 +118,11 @@ async def serve(cfg: ServerConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    co = Coordinator(cfg, await asyncio.to_thread(load_tokenizer, cfg.model))
+    try:
+        co = Coordinator(cfg, await asyncio.to_thread(load_tokenizer, cfg.model))
+    except (ModelNotFoundError, OSError, ValueError) as e:
+        log.error("cannot load the tokenizer or chat template of %s: %s", cfg.model, e)
+        return 1
     runner = web.AppRunner(make_app(co), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
