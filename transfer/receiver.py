@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -31,7 +31,6 @@ from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
 log = logging.getLogger("transfer.receiver")
-T = TypeVar("T")
 
 # on_handoff: the buffers to receive into (transfer.handoff.allocate_payload shapes), or None to refuse.
 OnHandoff = Callable[[HandoffHeader], "Awaitable[list[torch.Tensor] | None] | list[torch.Tensor] | None"]
