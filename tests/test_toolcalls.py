@@ -289,7 +289,9 @@ def test_hermes_lenient_small_model_output():
     # SmolLM2-135M's greedy answer to a forced call: the outer brace never closed, the tag cut short
     text = '<tool_call>\n{"name": "get_weather", "arguments": \n{"city": "Paris"}\n</tool'
     out = HermesParser().parse(text)
-    assert out.tool_calls[0].name == "get_weather" and json.loads(out.tool_calls[0].arguments) == {"city": "Paris"}
+    assert out.tool_calls[0].name == "get_weather" and json.loads(out.tool_calls[0].arguments) == {
+        "city": "Paris"
+    }
 
 
 def test_forced_arguments():
