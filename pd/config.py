@@ -31,6 +31,7 @@ class ServerConfig:
     kv_cache_gb: float | None = None
     hicache_gb: float | None = None  # host prefix cache per rank; 0 turns it off; None: the engine's default
     dtype: str = "auto"
+    load_format: str = "auto"  # auto | dummy (random weights: smoke tests without a checkpoint's weights)
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     max_body_bytes: int = 4 * 1024 * 1024
@@ -66,6 +67,7 @@ class ServerConfig:
             "kv_cache_gb": self.kv_cache_gb,
             "hicache_gb": self.hicache_gb,
             "dtype": self.dtype,
+            "load_format": self.load_format,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "seed": self.seed,
         }
@@ -92,6 +94,7 @@ class ServerConfig:
         p.add_argument("--hicache-gb", type=float, default=None, help="host prefix cache per rank; 0: off")
         p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
         p.add_argument("--rank-start-timeout-s", type=float, default=600.0)
