@@ -46,7 +46,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
             keys, values, k_pos0 = _sliding_keys(ctx, spec, c, k[rows], v[rows])
         else:
             keys, values, k_pos0 = _paged_keys(ctx, spec, c)
-        attend = tiled_attend if ctx.is_deterministic else sdpa_attend
+        attend = tiled_attend if ctx.numerics.is_deterministic else sdpa_attend
         out[rows] = attend(q[rows], keys, values, c.start_pos, k_pos0, spec.window, spec.scale, ctx.kv.block_size)
     if spec.is_sliding:
         for c in ctx.chunks:
@@ -151,15 +151,16 @@ def tiled_attend(
     pad_front = k_pos0 - a0
     num_kt = math.ceil((pad_front + keys.shape[0]) / tk)
     pad_back = num_kt * tk - pad_front - keys.shape[0]
-    kt = F.pad(keys, (0, 0, 0, 0, pad_front, pad_back)).view(num_kt, tk, num_kv, dim).permute(0, 2, 3, 1)
-    vt = F.pad(values, (0, 0, 0, 0, pad_front, pad_back)).view(num_kt, tk, num_kv, dim).transpose(1, 2)
+    # NOTE: float32 throughout: bf16 scores (values ~10-30) would be rounded by ~0.1 before softmax.
+    kt = F.pad(keys.float(), (0, 0, 0, 0, pad_front, pad_back)).view(num_kt, tk, num_kv, dim).permute(0, 2, 3, 1)
+    vt = F.pad(values.float(), (0, 0, 0, 0, pad_front, pad_back)).view(num_kt, tk, num_kv, dim).transpose(1, 2)
     k_pos = torch.arange(a0, a0 + num_kt * tk, device=dev)
     k_pos = torch.where((k_pos >= k_pos0) & (k_pos < k_pos0 + keys.shape[0]), k_pos, torch.iinfo(torch.long).max)
     k_pos = k_pos.view(num_kt, tk)
 
     num_qt = math.ceil(n / tq)
     # [tiles, tq, kv_heads, group, dim] -> [tiles, kv_heads, group * tq, dim]; row = g * tq + t
-    qt = F.pad(q, (0, 0, 0, 0, 0, num_qt * tq - n)).view(num_qt, tq, num_kv, group, dim).permute(0, 2, 3, 1, 4)
+    qt = F.pad(q.float(), (0, 0, 0, 0, 0, num_qt * tq - n)).view(num_qt, tq, num_kv, group, dim).permute(0, 2, 3, 1, 4)
     qt = qt.reshape(num_qt, num_kv, group * tq, dim)
     out = torch.empty((num_qt, num_kv, group * tq, dim), dtype=q.dtype, device=dev)
     neg_inf = torch.tensor(float("-inf"), device=dev)
@@ -174,14 +175,14 @@ def tiled_attend(
             first, last = a0 + ki * tk, a0 + ki * tk + tk - 1
             if first > hi or last <= lo:  # invisible to every row of this query tile: an exact no-op
                 continue
-            s = torch.matmul(qt[qi], kt[ki]).float() * scale  # [kv_heads, group*tq, tk]
+            s = torch.matmul(qt[qi], kt[ki]) * scale  # [kv_heads, group*tq, tk]
             s = torch.where(_visible(q_pos, k_pos[ki], window)[None], s, neg_inf)
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
             alpha = torch.exp(m - m_safe)
             p = torch.exp(s - m_safe[..., None])
             denom = denom * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + torch.matmul(p.to(vt.dtype), vt[ki]).float()
+            acc = acc * alpha[..., None] + torch.matmul(p, vt[ki])
             m = m_new
         out[qi] = (acc / denom[..., None]).to(q.dtype)
     # back to [n, heads, dim]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCache
+from engine.numerics import Numerics
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class SeqChunk:
 class ForwardContext:
     chunks: list[SeqChunk]
     kv: KVCache
-    is_deterministic: bool
+    numerics: Numerics
     # Where each new token's K/V goes in the paged pool (full-attention layers): page id and offset.
     page_ids: torch.Tensor
     page_offsets: torch.Tensor
@@ -51,7 +52,7 @@ def get_context() -> ForwardContext:
 
 
 @contextmanager
-def forward_context(chunks: list[SeqChunk], kv: KVCache, is_deterministic: bool) -> Iterator[ForwardContext]:
+def forward_context(chunks: list[SeqChunk], kv: KVCache, numerics: Numerics) -> Iterator[ForwardContext]:
     global _CONTEXT
     page_ids: list[int] = []
     page_offsets: list[int] = []
@@ -65,7 +66,7 @@ def forward_context(chunks: list[SeqChunk], kv: KVCache, is_deterministic: bool)
     _CONTEXT = ForwardContext(
         chunks=chunks,
         kv=kv,
-        is_deterministic=is_deterministic,
+        numerics=numerics,
         page_ids=torch.tensor(page_ids, dtype=torch.long, device=device),
         page_offsets=torch.tensor(page_offsets, dtype=torch.long, device=device),
     )

@@ -18,6 +18,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache, KVLayout
 from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
+from engine.numerics import Numerics, probe_padded_is_invariant
 from engine.prefix_cache import PrefixIndex
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from engine.runner import ModelRunner
@@ -71,6 +72,7 @@ class LLMEngine:
         self.model = build_model(
             self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy", config.seed
         )
+        self.numerics = self._pick_numerics()
         self.layout = KVLayout.of(self.arch, config.block_size, self.dtype)
         self.memory = self._plan_memory()
         self.kv = KVCache(self.layout, self.memory.num_blocks, self.memory.num_swa_slots, self.device)
@@ -89,7 +91,7 @@ class LLMEngine:
             on_admit=self._restore_prefix,
         )
         self.host_kv, self.prefix_index = self._make_prefix_cache()
-        self.runner = ModelRunner(self.model, self.kv, config.is_deterministic)
+        self.runner = ModelRunner(self.model, self.kv, self.numerics)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
         self._parked: dict[str, Sequence] = {}  # prefill-only sequences waiting to be exported
@@ -97,6 +99,12 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    def _pick_numerics(self) -> Numerics:
+        if not self.config.is_deterministic:
+            return Numerics.DEFAULT
+        fast = probe_padded_is_invariant(self.model.row_functions(), self.dtype, self.device)
+        return Numerics.PADDED if fast else Numerics.TILED
 
     # ---- memory -------------------------------------------------------------------------------
 
@@ -185,7 +193,7 @@ class LLMEngine:
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        ModelRunner(self.model, scratch, self.config.is_deterministic).run([seq], [n])
+        ModelRunner(self.model, scratch, self.numerics).run([seq], [n])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del scratch
@@ -329,14 +337,18 @@ class LLMEngine:
 
     # ---- export / import ----------------------------------------------------------------------
 
-    def export_sequence(self, request_id: str) -> SequenceExport:
-        """A running sequence's state after its prefill (every token but the last is in the cache)."""
+    def export_sequence(self, request_id: str, device: str | torch.device | None = "cpu") -> SequenceExport:
+        """A prefilled sequence's state (every token but the last is in the cache). device=None
+        keeps the gathered pages on the engine's device (NCCL/IPC transports send from there)."""
         seq = self._parked.get(request_id) or self.scheduler.find(request_id)
         if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.PARKED) or seq.num_uncomputed != 1:
             raise InvalidRequestError(f"request {request_id!r} is not a prefilled sequence between steps")
         n_pages = self.scheduler.blocks_for(seq.num_computed)
-        pages = self.kv.read_pages(seq.block_ids[:n_pages]).cpu()
-        state = self.kv.read_state(seq.state_slot).cpu() if seq.state_slot >= 0 else None
+        pages = self.kv.read_pages(seq.block_ids[:n_pages])
+        state = self.kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
+        if device is not None:
+            pages = pages.to(device)
+            state = state.to(device) if state is not None else None
         return SequenceExport(
             request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
             seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt,

@@ -3,13 +3,15 @@
 Parameter names follow Hugging Face's, so loading is a direct mapping. forward(input_ids, positions)
 reads the step's sequence layout from the forward context (engine/context.py).
 
-In deterministic mode every row-local computation (norms, projections, rotary, MLP, logits) runs on
-fixed tiles of ROW_TILE rows, so a row's numerics never depend on how many rows share the call.
+In deterministic mode every row-local computation (norms, projections, rotary, MLP, logits) runs
+under batch-invariant numerics (engine/numerics.py), so a row's result never depends on how many
+rows share the call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -18,20 +20,14 @@ from torch import nn
 from engine.attention import AttnSpec, paged_attention
 from engine.context import get_context
 from engine.model_config import SLIDING, ModelArch
+from engine.numerics import run_rows
 
-ROW_TILE = 16
+PROBE_VOCAB_ROWS = 8192
 
 
 def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-    """fn(*xs) for row-local fn; in deterministic mode on zero-padded tiles of ROW_TILE rows."""
-    ctx = get_context()
-    if not ctx.is_deterministic:
-        return fn(*xs)
-    n = xs[0].shape[0]
-    pad = (-n) % ROW_TILE
-    padded = [F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) for x in xs]
-    outs = [fn(*(x[i : i + ROW_TILE] for x in padded)) for i in range(0, n + pad, ROW_TILE)]
-    return torch.cat(outs)[:n]
+    """fn(*xs) for a row-local fn, under the step's numerics."""
+    return run_rows(fn, xs, get_context().numerics)
 
 
 class RMSNorm(nn.Module):
@@ -199,6 +195,19 @@ class CausalLM(nn.Module):
             cos, sin = tables[t]
             x = layer(x, cos, sin)
         return rowwise(self.model.norm, x)
+
+    def row_functions(self) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
+        """Every kind of row-local function this model runs, with its input widths (for the probe)."""
+        a = self.arch
+        fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = []
+        for t in sorted(set(a.layer_types)):
+            layer = cast(DecoderLayer, self.model.layers[a.layer_types.index(t)])
+            fns.append((lambda x, c, s, lyr=layer: lyr._pre(x, c, s).flatten(1), [a.hidden_size, a.head_dim, a.head_dim]))
+            fns.append((layer._post, [a.hidden_size, a.num_heads * a.head_dim]))
+        head = self.lm_head_weight[:PROBE_VOCAB_ROWS]  # a slice keeps the probe cheap for 262k vocabularies
+        fns.append((self.model.norm, [a.hidden_size]))
+        fns.append((lambda h: F.linear(h, head).float(), [a.hidden_size]))
+        return fns
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits for the given rows."""

@@ -8,14 +8,15 @@ import torch
 from engine.context import SeqChunk, forward_context
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
+from engine.numerics import Numerics
 from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, is_deterministic: bool) -> None:
+    def __init__(self, model: CausalLM, kv: KVCache, numerics: Numerics) -> None:
         self.model = model
         self.kv = kv
-        self.is_deterministic = is_deterministic
+        self.numerics = numerics
         self.device = kv.device
 
     @torch.inference_mode()
@@ -37,7 +38,7 @@ class ModelRunner:
                 last_rows.append(len(input_ids) - 1)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with forward_context(chunks, self.kv, self.is_deterministic):
+        with forward_context(chunks, self.kv, self.numerics):
             hidden = self.model(ids_t, pos_t)
             if not sampled:
                 return [], None
