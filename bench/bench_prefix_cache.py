@@ -46,11 +46,11 @@ def _time_cuda(fn, reps: int = 10) -> float:
 
 def copy_bench(page_bytes: int, num_pages_list: list[int]) -> list[dict]:
     big = 1 << 30
-    host = torch.empty(big, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(big, dtype=torch.uint8, device="cuda")
-    h2d = big / _time_cuda(lambda: dev.copy_(host, non_blocking=True)) / 1e9
-    d2h = big / _time_cuda(lambda: host.copy_(dev, non_blocking=True)) / 1e9
-    del host, dev
+    pinned = torch.empty(big, dtype=torch.uint8).pin_memory()
+    device_buf = torch.empty(big, dtype=torch.uint8, device="cuda")
+    h2d = big / _time_cuda(lambda: device_buf.copy_(pinned, non_blocking=True)) / 1e9
+    d2h = big / _time_cuda(lambda: pinned.copy_(device_buf, non_blocking=True)) / 1e9
+    pinned = device_buf = torch.empty(0)
     rows = []
     pool = 512
     elems = page_bytes // 2
@@ -59,8 +59,8 @@ def copy_bench(page_bytes: int, num_pages_list: list[int]) -> list[dict]:
     for n in num_pages_list:
         src = torch.randperm(pool)[:n].tolist()
         dst = torch.randperm(pool)[:n].tolist()
-        t_in = _time_cuda(lambda: copy_units(cpu, src, gpu, dst))
-        t_out = _time_cuda(lambda: copy_units(gpu, src, cpu, dst))
+        t_in = _time_cuda(lambda s=src, d=dst: copy_units(cpu, s, gpu, d))
+        t_out = _time_cuda(lambda s=src, d=dst: copy_units(gpu, s, cpu, d))
         gb = n * page_bytes / 1e9
         rows.append(dict(pages=n, mib=n * page_bytes / 2**20, h2d_gbs=gb / t_in, d2h_gbs=gb / t_out, h2d_ceiling=h2d, d2h_ceiling=d2h))
     return rows
@@ -75,7 +75,9 @@ def ttft_bench(config: Path, context: int, new: int, hicache_gb: float) -> dict:
     )
     gen = torch.Generator().manual_seed(0)
     history = torch.randint(100, 30000, (context,), generator=gen).tolist()
-    turn = history + torch.randint(100, 30000, (new,), generator=gen).tolist()
+
+    def turn() -> list[int]:  # a fresh new message each run: only the history can hit
+        return history + torch.randint(100, 30000, (new,), generator=gen).tolist()
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def first_token_s(rid: str, prompt: list[int], use_cache: bool) -> tuple[float, int]:
@@ -91,8 +93,8 @@ def ttft_bench(config: Path, context: int, new: int, hicache_gb: float) -> dict:
 
     first_token_s("warm", history[:2048], False)
     first_token_s("turn1", history, True)  # writes the conversation through to host memory
-    off = sorted(first_token_s(f"off{i}", turn, False)[0] for i in range(3))[1]
-    on_runs = [first_token_s(f"on{i}", turn, True) for i in range(3)]
+    off = sorted(first_token_s(f"off{i}", turn(), False)[0] for i in range(3))[1]
+    on_runs = [first_token_s(f"on{i}", turn(), True) for i in range(3)]
     on = sorted(t for t, _ in on_runs)[1]
     st = eng.stats()
     return dict(context=context, new_tokens=new, ttft_off_s=off, ttft_on_s=on, ratio=on / off, cached_tokens=on_runs[-1][1],
