@@ -26,7 +26,7 @@ def test_copy_units_matches_torch(direction: str, unit_shape: tuple[int, ...]) -
     else:
         src = src.pin_memory()
     dst = dst.cuda() if direction in ("h2d", "d2d") else dst.pin_memory()
-    for trial in range(3):
+    for _ in range(3):
         k = int(torch.randint(1, n_src, (1,), generator=gen))
         src_ids = torch.randperm(n_src, generator=gen)[:k].tolist()
         dst_ids = torch.randperm(n_dst, generator=gen)[:k].tolist()

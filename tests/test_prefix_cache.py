@@ -8,6 +8,7 @@ import torch
 
 from engine.prefix_cache import PrefixIndex, chain_hashes
 from engine.request import SamplingParams
+
 from engine_utils import small_engine
 
 BS = 4
