@@ -73,7 +73,7 @@ async def completions(co: Coordinator, request: web.Request) -> web.StreamRespon
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": co.model_name}
     echo = [prompt_texts[k // n] if req.echo else "" for k in range(len(subs))]
     num_prompt = sum(len(ids) for ids in prompt_ids)
-    async with Generation(rank, co.metrics, arrival_s) as gen:
+    async with Generation(rank, co.metrics, arrival_s, co.pd) as gen:
         await gen.submit(subs)
         if req.sampling.stream:
             return await _stream(co, request, req, gen, head, echo, num_prompt)

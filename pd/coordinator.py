@@ -15,7 +15,9 @@ from typing import Any
 
 import zmq.asyncio
 
+from pd.cluster_metrics import ClusterMetrics
 from pd.config import ServerConfig
+from pd.disaggregation import DisaggregatedPath
 from pd.errors import bad_request, model_not_found, unavailable
 from pd.metrics import RankSnapshot, ServerMetrics
 from pd.prompt_renderer import PromptRenderer
@@ -42,6 +44,8 @@ class Coordinator:
         self.renderer = PromptRenderer(tokenizer, template)
         self.router = make_router(cfg.routing)
         self.metrics = ServerMetrics(self.snapshot)
+        self.cluster_metrics = ClusterMetrics(self.metrics.registry) if cfg.is_pd else None
+        self.pd: DisaggregatedPath | None = None  # the CE's P/D generation path (set by start)
         self.ranks: list[RankClient] = []
         self.created = int(time.time())
         self._ctx: zmq.asyncio.Context | None = None
@@ -58,8 +62,30 @@ class Coordinator:
         self._ctx = zmq.asyncio.Context()
         self._socket_dir = tempfile.mkdtemp(prefix="pdserve-")
         kwargs = self.cfg.engine_kwargs()
+        if self.cfg.role == "ce":
+            from pd.prefill_client import PrefillClient
+            from transfer.auth import load_token
+
+            token = (
+                load_token(token_file=self.cfg.cluster_token_file)
+                if self.cfg.cluster_token_file
+                else load_token()
+            )
+            cm = self.cluster_metrics
+            assert cm is not None
+            client = PrefillClient(
+                self.cfg.prefill_url,
+                token,
+                self.cfg.prefill_timeout_s,
+                on_state=lambda up: cm.prefill_engine_up.set(1.0 if up else 0.0),
+            )
+            await client.start()
+            self.pd = DisaggregatedPath(self.cfg, client, cm)
         self.ranks = [
-            RankClient(i, self.cfg.dp, kwargs, self._socket_dir, self._ctx) for i in range(self.cfg.dp)
+            RankClient(
+                i, self.cfg.dp, kwargs, self._socket_dir, self._ctx, self.cfg.role, self.cfg.role_config(i)
+            )
+            for i in range(self.cfg.dp)
         ]
         for r in self.ranks:
             await r.start()
@@ -69,6 +95,8 @@ class Coordinator:
             raise RuntimeError(f"ranks disagree on max_model_len: {sorted(lens)}")
 
     async def stop(self) -> None:
+        if self.pd is not None:
+            await self.pd.client.stop()
         await asyncio.gather(*(r.stop() for r in self.ranks), return_exceptions=True)
         if self._ctx is not None:
             self._ctx.term()
@@ -98,7 +126,17 @@ class Coordinator:
             status = "degraded"
         else:
             status = "down"
-        body = {"status": status, "model": self.model_name, "ranks": [r.describe() for r in self.ranks]}
+        body: dict[str, Any] = {
+            "status": status,
+            "role": self.cfg.role,
+            "model": self.model_name,
+            "ranks": [r.describe() for r in self.ranks],
+        }
+        if self.pd is not None:
+            pe = self.pd.client.describe()
+            body["prefill_engine"] = pe
+            if status == "ok" and pe["state"] != "up" and not self.cfg.fallback_local_prefill:
+                body["status"] = "degraded"
         return (200 if num_up else 503), body
 
     # ---- request checks -----------------------------------------------------------------------

@@ -5,6 +5,9 @@ into one stream of per-choice updates, and whatever is unfinished aborted when t
     async with Generation(rank, metrics, arrival_s) as gen:
         await gen.submit(subrequests)
         async for update in gen.updates(): ...
+
+With `pd` (a CE coordinator), each engine request runs as a task of pd/disaggregation.py (reserve on
+the CE rank, prefill on the PE, then the CE's decode): the task puts the same events on the queue.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from pd.disaggregation import DisaggregatedPath, PhaseError
 from pd.errors import ApiError, bad_request, internal
 from pd.messages import RequestRejected
 from pd.metrics import ServerMetrics
@@ -61,7 +66,9 @@ class Generation:
     rank: RankClient
     metrics: ServerMetrics
     arrival_s: float
-    queue: asyncio.Queue[tuple[str, RankEvent]] = field(default_factory=asyncio.Queue)
+    pd: DisaggregatedPath | None = None
+    queue: asyncio.Queue[tuple[str, RankEvent | PhaseError]] = field(default_factory=asyncio.Queue)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _subs: dict[str, SubRequest] = field(default_factory=dict)
     _open: set[str] = field(default_factory=set)
     _timing: dict[str, _Timing] = field(default_factory=dict)
@@ -72,6 +79,8 @@ class Generation:
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        for t in self._tasks:
+            t.cancel()  # a pending /prefill is cancelled: the PE aborts its side
         if self._open:
             open_ids, self._open = list(self._open), set()
             await asyncio.shield(self.rank.abort(open_ids))
@@ -81,18 +90,28 @@ class Generation:
             self._subs[s.request_id] = s
             self._open.add(s.request_id)
             self._timing[s.request_id] = _Timing(self.arrival_s)
-            await self.rank.submit(s.request_id, s.prompt_token_ids, s.params, self.queue, s.use_prefix_cache)
+            if self.pd is not None:
+                run = self.pd.run(self.rank, s, self.queue, self.arrival_s)  # type: ignore[arg-type]
+                self._tasks.append(asyncio.create_task(run))
+            else:
+                queue: Any = self.queue  # RankEvents only: PhaseError comes from self.pd alone
+                await self.rank.submit(s.request_id, s.prompt_token_ids, s.params, queue, s.use_prefix_cache)
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Yields updates until every choice is finished; raises ApiError on rejection or rank death."""
         while self._open:
             rid, event = await self.queue.get()
+            if isinstance(event, PhaseError):
+                self._open.discard(rid)
+                raise event.error
             if isinstance(event, RankDown):
                 self._open.clear()
                 raise engine_down_error(event.message)
             if isinstance(event, RequestRejected):
                 self._open.discard(rid)
                 raise bad_request(event.message, event.param)
+            if not isinstance(event, RequestOutput):
+                continue
             if event.is_finished:
                 self._open.discard(rid)
                 if event.finish_reason in ("abort", "error"):

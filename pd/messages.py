@@ -5,6 +5,11 @@ version outright rather than guessing at a layout it does not know.
 
     HTTP process ── AddRequest / AbortRequests / Shutdown ──────────────► rank
     HTTP process ◄── RankReady / StepOutputs / RequestRejected / RankStats / RankFatal ── rank
+
+P/D roles add (pd/ce_rank.py, pd/pe_rank.py):
+
+    CE coordinator ── Reserve ──► CE rank ── Reserved ──► (then StepOutputs as for AddRequest)
+    PE server      ── Prefill ──► PE rank ── PrefillResult ──► (one per Prefill)
 """
 
 from __future__ import annotations
@@ -41,13 +46,123 @@ class AddRequest:
 
     @classmethod
     def from_body(cls, b: dict[str, Any]) -> AddRequest:
-        known = {f.name for f in fields(SamplingParams)}
-        params: dict[str, Any] = {
-            k: tuple(v) if isinstance(v, list) else v for k, v in b["params"].items() if k in known
-        }
         return cls(
-            b["request_id"], tuple(b["prompt_token_ids"]), SamplingParams(**params), b["use_prefix_cache"]
+            b["request_id"],
+            tuple(b["prompt_token_ids"]),
+            _params_from_wire(b["params"]),
+            b["use_prefix_cache"],
         )
+
+
+def _params_from_wire(d: dict[str, Any]) -> SamplingParams:
+    known = {f.name for f in fields(SamplingParams)}
+    kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known}
+    return SamplingParams(**kw)
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """CE: hold KV memory for a sequence of num_tokens that a handoff will bring (granted in arrival
+    order when memory frees: Reserved), and count num_commit_tokens (prompt + max_tokens) against the
+    pool so the sequence can decode to its end without preempting anyone. Dropped after ttl_s if no
+    handoff has arrived by then (the request ends with an error)."""
+
+    TYPE: ClassVar[str] = "reserve"
+    request_id: str
+    num_tokens: int
+    num_commit_tokens: int
+    ttl_s: float
+
+    def to_body(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_body(cls, b: dict[str, Any]) -> Reserve:
+        return cls(b["request_id"], int(b["num_tokens"]), int(b["num_commit_tokens"]), float(b["ttl_s"]))
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """CE rank: the reservation is held; the receiver now takes this request's handoff."""
+
+    TYPE: ClassVar[str] = "reserved"
+    request_id: str
+
+    def to_body(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_body(cls, b: dict[str, Any]) -> Reserved:
+        return cls(b["request_id"])
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """PE: prefill, sample the first token, hand the sequence to the KV receiver at `receiver`
+    ("host:port") within lease_s, then free it. seed None: the engine draws one (it travels along)."""
+
+    TYPE: ClassVar[str] = "prefill"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    receiver: str
+    lease_s: float
+    use_prefix_cache: bool = True
+    seed: int | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "params": asdict(self.params),
+            "receiver": self.receiver,
+            "lease_s": self.lease_s,
+            "use_prefix_cache": self.use_prefix_cache,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_body(cls, b: dict[str, Any]) -> Prefill:
+        return cls(
+            b["request_id"],
+            tuple(b["prompt_token_ids"]),
+            _params_from_wire(b["params"]),
+            b["receiver"],
+            float(b["lease_s"]),
+            bool(b["use_prefix_cache"]),
+            b["seed"],
+        )
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """PE rank: how a Prefill ended. is_handed_off: the CE acknowledged the handoff. Otherwise either
+    `output` is set (the first token already finished the request: nothing to hand off) or `code`
+    says what failed (a transfer.errors code, "aborted", "rejected")."""
+
+    TYPE: ClassVar[str] = "prefill_result"
+    request_id: str
+    is_handed_off: bool
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prefill_s: float = 0.0  # Prefill received -> first token sampled (queue on the PE included)
+    transfer_s: float = 0.0  # export + send until the CE's ack
+    payload_bytes: int = 0
+    transport: str = ""
+    code: str | None = None
+    message: str = ""
+    output: RequestOutput | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        b = {f.name: getattr(self, f.name) for f in fields(self)}
+        b["output"] = output_to_wire(self.output) if self.output is not None else None
+        return b
+
+    @classmethod
+    def from_body(cls, b: dict[str, Any]) -> PrefillResult:
+        kw = {f.name: b[f.name] for f in fields(cls)}
+        kw["output"] = output_from_wire(b["output"]) if b["output"] is not None else None
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -106,13 +221,13 @@ class RankReady:
         )
 
 
-def _output_to_wire(o: RequestOutput) -> dict[str, Any]:
+def output_to_wire(o: RequestOutput) -> dict[str, Any]:
     d = {f.name: getattr(o, f.name) for f in fields(o)}
     d["logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in o.logprobs]
     return d
 
 
-def _output_from_wire(d: dict[str, Any]) -> RequestOutput:
+def output_from_wire(d: dict[str, Any]) -> RequestOutput:
     known = {f.name for f in fields(RequestOutput)}
     kw = {k: v for k, v in d.items() if k in known}
     kw["logprobs"] = [TokenLogprob(t, lp, tuple((i, x) for i, x in top)) for t, lp, top in d["logprobs"]]
@@ -130,14 +245,14 @@ class StepOutputs:
 
     def to_body(self) -> dict[str, Any]:
         return {
-            "outputs": [_output_to_wire(o) for o in self.outputs],
+            "outputs": [output_to_wire(o) for o in self.outputs],
             "stats": self.stats,
             "queue_times_s": self.queue_times_s,
         }
 
     @classmethod
     def from_body(cls, b: dict[str, Any]) -> StepOutputs:
-        return cls(tuple(_output_from_wire(d) for d in b["outputs"]), b["stats"], b["queue_times_s"])
+        return cls(tuple(output_from_wire(d) for d in b["outputs"]), b["stats"], b["queue_times_s"])
 
 
 @dataclass(frozen=True)
@@ -188,7 +303,18 @@ class RankFatal:
 
 
 Message = (
-    AddRequest | AbortRequests | Shutdown | RankReady | StepOutputs | RequestRejected | RankStats | RankFatal
+    AddRequest
+    | AbortRequests
+    | Shutdown
+    | RankReady
+    | StepOutputs
+    | RequestRejected
+    | RankStats
+    | RankFatal
+    | Reserve
+    | Reserved
+    | Prefill
+    | PrefillResult
 )
 _TYPES: dict[str, Any] = {
     c.TYPE: c
@@ -201,6 +327,10 @@ _TYPES: dict[str, Any] = {
         RequestRejected,
         RankStats,
         RankFatal,
+        Reserve,
+        Reserved,
+        Prefill,
+        PrefillResult,
     )
 }
 

@@ -6,6 +6,10 @@ The loop: take every queued AddRequest/AbortRequests, run one engine step while 
 that step's outputs (tokens stream back as they are sampled). When idle it blocks on the inbox and
 sends its stats once a second as a heartbeat. It dies with its parent (PR_SET_PDEATHSIG), so no rank
 outlives the server holding memory.
+
+`--role pe|ce` adds a RankRole (pd/pe_rank.py, pd/ce_rank.py): the P/D messages it takes, the threads
+it runs (KV sender or receiver) and what it does with the engine's outputs. A role's threads never touch
+the engine: they queue their news and ring `role.wake`; the role applies it on this thread in tick().
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, fields
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -71,12 +75,43 @@ def engine_config(kwargs: dict[str, Any], rank: int, dp: int) -> Any:
     return EngineConfig(**{k: v for k, v in kw.items() if k in names})
 
 
+class RankRole(Protocol):
+    """What a P/D role adds to the rank loop. Every method runs on the engine thread."""
+
+    wake: zmq.Socket  # readable when the role's threads have news for tick()
+
+    def handle(self, msg: Message) -> bool:
+        """Takes a message the role owns (True), or does its bookkeeping and lets the loop apply it."""
+        ...
+
+    def tick(self) -> None:
+        """Applies what the role's threads queued; expires what is overdue."""
+        ...
+
+    def on_outputs(self, outputs: list[Any]) -> list[Any]:
+        """The engine step's outputs that go to the HTTP process."""
+        ...
+
+    def poll_timeout_s(self) -> float:
+        """How long the idle loop may block before tick() must run again."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Numbers the role adds to the rank's stats (exported as pdserve_engine_<name>)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class RankWorker:
-    def __init__(self, rank: int, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+    def __init__(
+        self, rank: int, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket, role: RankRole | None = None
+    ) -> None:
         self.rank = rank
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
+        self.role = role
         self.last_stats_s = 0.0
         self.added_s: dict[str, float] = {}  # request id -> when it was added, until its first output
 
@@ -85,10 +120,15 @@ class RankWorker:
 
     def stats(self) -> dict[str, Any]:
         self.last_stats_s = time.monotonic()
-        return asdict(self.engine.stats())
+        stats = asdict(self.engine.stats())
+        if self.role is not None:
+            stats.update(self.role.stats())
+        return stats
 
     def handle(self, msg: Message) -> bool:
         """Applies one message; False on Shutdown."""
+        if self.role is not None and self.role.handle(msg):
+            return True
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(
@@ -113,10 +153,22 @@ class RankWorker:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
+        role = self.role
+        if role is not None:
+            poller.register(role.wake, zmq.POLLIN)
         parent = os.getppid()
         while True:
             busy = self.engine.has_unfinished()
-            if poller.poll(0 if busy else int(HEARTBEAT_S * 1000)):
+            idle_s = HEARTBEAT_S if role is None else min(HEARTBEAT_S, role.poll_timeout_s())
+            ready = poller.poll(0 if busy else int(idle_s * 1000))
+            if role is not None:
+                while True:
+                    try:
+                        role.wake.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                role.tick()
+            if ready:
                 while True:
                     try:
                         data = self.inbox.recv(zmq.NOBLOCK)
@@ -133,6 +185,8 @@ class RankWorker:
                     for o in outputs
                     if o.request_id in self.added_s and (o.new_token_ids or o.is_finished)
                 }
+                if role is not None:
+                    outputs = role.on_outputs(outputs)
                 now = time.monotonic()
                 finished = any(o.is_finished for o in outputs)
                 stats = self.stats() if finished or now - self.last_stats_s >= BUSY_STATS_EVERY_S else None
@@ -144,6 +198,23 @@ class RankWorker:
                 self.send(RankStats(self.stats()))
 
 
+def make_role(
+    name: str, config: dict[str, Any], engine: Any, ctx: zmq.Context, outbox: zmq.Socket
+) -> RankRole | None:
+    def send(msg: Message) -> None:
+        outbox.send(encode(msg))
+
+    if name == "pe":
+        from pd.pe_rank import PrefillRole
+
+        return PrefillRole(engine, ctx, send, config)
+    if name == "ce":
+        from pd.ce_rank import DecodeRole
+
+        return DecodeRole(engine, ctx, send, config)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pd.rank")
     p.add_argument("--rank", type=int, required=True)
@@ -151,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inbox", required=True, help="ZeroMQ address the server pushes requests to")
     p.add_argument("--outbox", required=True, help="ZeroMQ address the rank pushes outputs to")
     p.add_argument("--engine-config", required=True, help="EngineConfig fields as JSON")
+    p.add_argument("--role", choices=("single", "pe", "ce"), default="single")
+    p.add_argument("--role-config", default="{}", help="the P/D role's settings as JSON")
     args = p.parse_args(argv)
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
@@ -167,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         engine = LLMEngine(cfg)
         log.info("engine %s on %s ready in %.1f s", engine.model_name, cfg.device, time.monotonic() - t0)
-        worker = RankWorker(args.rank, engine, inbox, outbox)
+        role = make_role(args.role, json.loads(args.role_config), engine, ctx, outbox)
+        worker = RankWorker(args.rank, engine, inbox, outbox, role)
         eos = tuple(sorted(engine.eos_token_ids))
         worker.send(
             RankReady(
@@ -180,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                 worker.stats(),
             )
         )
-        worker.run()
+        try:
+            worker.run()
+        finally:
+            if role is not None:
+                role.close()
     except KeyboardInterrupt:
         return 130
     except BaseException:

@@ -2,7 +2,8 @@
 notices its death at once (it awaits the process's exit), failing that rank's in-flight requests.
 
 Outputs are delivered per request to the asyncio.Queue given at submit, as (request_id, event) pairs,
-where event is a RequestOutput, a RequestRejected, or a RankDown.
+where event is a RequestOutput, a RequestRejected, or a RankDown; P/D ranks add Reserved (CE, then
+outputs as for submit) and PrefillResult (PE, the last event of a prefill).
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ from engine.request import RequestOutput, SamplingParams
 from pd.messages import (
     AbortRequests,
     AddRequest,
+    Message,
     MessageError,
+    Prefill,
+    PrefillResult,
     RankFatal,
     RankReady,
     RankStats,
     RequestRejected,
+    Reserve,
+    Reserved,
     Shutdown,
     StepOutputs,
     decode,
@@ -52,16 +58,25 @@ class RankDown:
     message: str
 
 
-RankEvent = RequestOutput | RequestRejected | RankDown
+RankEvent = RequestOutput | RequestRejected | RankDown | Reserved | PrefillResult
 
 
 class RankClient:
     def __init__(
-        self, index: int, dp: int, engine_kwargs: dict[str, Any], socket_dir: str, ctx: zmq.asyncio.Context
+        self,
+        index: int,
+        dp: int,
+        engine_kwargs: dict[str, Any],
+        socket_dir: str,
+        ctx: zmq.asyncio.Context,
+        role: str = "single",
+        role_config: dict[str, Any] | None = None,
     ) -> None:
         self.index = index
         self.dp = dp
         self.engine_kwargs = engine_kwargs
+        self.role = role
+        self.role_config = role_config or {}
         self.inbox_addr = f"ipc://{socket_dir}/rank{index}-in"
         self.outbox_addr = f"ipc://{socket_dir}/rank{index}-out"
         self.ctx = ctx
@@ -127,6 +142,10 @@ class RankClient:
             self.outbox_addr,
             "--engine-config",
             json.dumps(self.engine_kwargs),
+            "--role",
+            self.role,
+            "--role-config",
+            json.dumps(self.role_config),
             env=os.environ.copy(),
         )
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
@@ -173,6 +192,32 @@ class RankClient:
             encode(AddRequest(request_id, tuple(prompt_token_ids), params, use_prefix_cache))
         )
 
+    async def reserve(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_commit_tokens: int,
+        ttl_s: float,
+        queue: asyncio.Queue[tuple[str, RankEvent]],
+    ) -> None:
+        """CE: asks for memory for a handed-off sequence; Reserved (or a rejection) arrives on queue."""
+        await self._request(request_id, Reserve(request_id, num_tokens, num_commit_tokens, ttl_s), queue)
+
+    async def prefill(self, msg: Prefill, queue: asyncio.Queue[tuple[str, RankEvent]]) -> None:
+        """PE: prefill and hand off; one PrefillResult (or RankDown) arrives on queue."""
+        await self._request(msg.request_id, msg, queue)
+
+    async def _request(
+        self, request_id: str, msg: Message, queue: asyncio.Queue[tuple[str, RankEvent]]
+    ) -> None:
+        if not self.is_up:
+            queue.put_nowait(
+                (request_id, RankDown(self.down_reason or f"engine rank {self.index} is {self.state.value}"))
+            )
+            return
+        self._streams[request_id] = queue
+        await self._push.send(encode(msg))
+
     async def abort(self, request_ids: list[str]) -> None:
         ids = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
         if ids and self.is_up:
@@ -203,6 +248,10 @@ class RankClient:
             elif isinstance(msg, RankStats):
                 self.stats = msg.stats
             elif isinstance(msg, RequestRejected):
+                self._deliver(msg.request_id, msg, True)
+            elif isinstance(msg, Reserved):
+                self._deliver(msg.request_id, msg, False)
+            elif isinstance(msg, PrefillResult):
                 self._deliver(msg.request_id, msg, True)
             elif isinstance(msg, RankReady):
                 self.info, self.stats = msg, msg.stats

@@ -1,6 +1,10 @@
-"""The OpenAI-compatible server over colocated engine ranks (single-engine mode).
+"""The OpenAI-compatible server over colocated engine ranks (single-engine mode), or one side of a
+P/D pair: `--role ce` (decode engines behind the same OpenAI API, prefills asked of the PE) or
+`--role pe` (prefill engines behind POST /prefill on port 8889).
 
     python -m pd.server --model smollm2-135m-instruct --dp 2 --port 8888
+    python -m pd.server --role pe                                   # PE: 127.0.0.1:8889
+    python -m pd.server --role ce --prefill-url http://127.0.0.1:8889  # CE: 8888, KV on 8900+rank
 
 It listens at once (/health says "starting" with 503 until every rank is ready), then serves until
 SIGTERM/SIGINT, when it stops its ranks. A rank that fails to start makes the server exit with 1.
@@ -24,6 +28,7 @@ from pd.coordinator import Coordinator, load_tokenizer
 from pd.errors import ApiError, internal
 from pd.http_io import error_response, json_response
 from pd.metrics import CONTENT_TYPE
+from pd.prefill_server import TOKEN, prefill
 
 log = logging.getLogger("pd.server")
 COORDINATOR = web.AppKey("coordinator", Coordinator)
@@ -113,6 +118,18 @@ def make_app(co: Coordinator) -> web.Application:
     return app
 
 
+def make_prefill_app(co: Coordinator, token: bytes) -> web.Application:
+    """The PE's app: /prefill (cluster token required), /health, /metrics, /v1/models."""
+    app = web.Application(client_max_size=co.cfg.max_body_bytes, middlewares=[openai_errors])
+    app[COORDINATOR] = co
+    app[TOKEN] = token
+    app.router.add_post("/prefill", _handler(prefill))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
 async def serve(cfg: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -123,7 +140,17 @@ async def serve(cfg: ServerConfig) -> int:
     except (ModelNotFoundError, OSError, ValueError) as e:
         log.error("cannot load the tokenizer or chat template of %s: %s", cfg.model, e)
         return 1
-    runner = web.AppRunner(make_app(co), handler_cancellation=True, access_log=None)
+    token = b""
+    if cfg.is_pd:
+        from transfer.auth import load_token
+
+        try:
+            token = load_token(token_file=cfg.cluster_token_file) if cfg.cluster_token_file else load_token()
+        except (ValueError, OSError) as e:
+            log.error("--role %s needs the cluster token: %s", cfg.role, e)
+            return 2
+    app = make_prefill_app(co, token) if cfg.role == "pe" else make_app(co)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port).start()
@@ -132,7 +159,7 @@ async def serve(cfg: ServerConfig) -> int:
         await runner.cleanup()
         return 1
     url = f"http://{cfg.host}:{cfg.port}"
-    log.info("listening on %s; starting %d engine rank(s) of %s", url, cfg.dp, cfg.model)
+    log.info("listening on %s (role %s); starting %d engine rank(s) of %s", url, cfg.role, cfg.dp, cfg.model)
     code = 0
     try:
         starting = asyncio.create_task(co.start())

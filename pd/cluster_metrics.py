@@ -1,0 +1,64 @@
+"""Prometheus metrics of the P/D roles, in the server's registry next to ServerMetrics.
+
+CE coordinator: TTFT split by phase, handoffs as the PE reported them, reservations in flight, the PE's
+reachability. PE server: the handoffs it made (bytes, duration, failures by transport and code).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TTFT_PHASES = ("queue", "prefill", "transfer", "first_decode")
+
+
+class ClusterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.ttft_phase_s = Histogram(
+            "pdserve_ttft_phase_seconds",
+            "TTFT split: queue (arrival to decode memory reserved), prefill (PE: request to first token), "
+            "transfer (KV handoff to the CE's ack), first_decode (ack to the first token out of the CE)",
+            ["phase"],
+            buckets=_PHASE_BUCKETS_S,
+            registry=r,
+        )
+        self.handoff_bytes = Counter(
+            "pdserve_handoff_bytes", "KV payload bytes handed off", ["transport"], registry=r
+        )
+        self.handoff_s = Histogram(
+            "pdserve_handoff_duration_seconds",
+            "One handoff: export checksum, transfer, verification and import, until the ack",
+            ["transport"],
+            buckets=_PHASE_BUCKETS_S,
+            registry=r,
+        )
+        self.handoffs = Counter(
+            "pdserve_handoffs", "Handoffs acknowledged by the CE", ["transport"], registry=r
+        )
+        self.handoff_failures = Counter(
+            "pdserve_handoff_failures",
+            "Prefills that did not end in a handoff, by transport and reason (transfer.errors codes, "
+            "pe_unreachable, prefill_timeout, ...)",
+            ["transport", "code"],
+            registry=r,
+        )
+        self.reservations = Gauge(
+            "pdserve_reservations_inflight",
+            "CE: requests waiting for decode memory (waiting) or holding it until their handoff (held)",
+            ["state"],
+            registry=r,
+        )
+        self.local_prefills = Counter(
+            "pdserve_local_prefills",
+            "CE: requests prefilled on the CE (--fallback-local-prefill)",
+            registry=r,
+        )
+        self.prefill_engine_up = Gauge(
+            "pdserve_prefill_engine_up", "CE: 1 while the PE answers its health check", registry=r
+        )
+        self.unauthenticated = Counter(
+            "pdserve_unauthenticated_requests", "Requests refused for lacking the cluster token", registry=r
+        )
+        for state in ("waiting", "held"):
+            self.reservations.labels(state).set(0)

@@ -1,0 +1,197 @@
+"""The CE coordinator's path for one engine request in P/D mode (what Generation runs per choice).
+
+    reserve on the CE rank ──► POST /prefill to the PE ──► the CE rank streams the decode
+    (waits while the CE is     (token ids, sampling,        (its first output re-reports the
+     full; 429 past the queue   request id, the rank's       PE's first token; cached tokens
+     limit, 503 past the        KV receiver)                 are the PE's)
+     queue timeout)
+
+Every failure before the first token reaches the client as an ApiError (PhaseError event), never as
+a hang: the CE's reservation is dropped (AbortRequests) and, with --fallback-local-prefill, a failed
+or unreachable PE makes the CE prefill the request itself. Cancelling the task (the client went away)
+cancels the POST, so the PE aborts too; Generation aborts the CE side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from engine.request import RequestOutput, SamplingParams
+from pd.cluster_metrics import ClusterMetrics
+from pd.config import ServerConfig
+from pd.errors import ApiError, bad_request, internal
+from pd.messages import RequestRejected, Reserved
+from pd.prefill_client import PrefillClient, PrefillFailed, PrefillResponse
+from pd.rank_client import RankClient, RankDown, RankEvent
+
+log = logging.getLogger("pd.disaggregation")
+RESERVATION_MARGIN_S = 5.0  # a reservation outlives the coordinator's wait for /prefill by this much
+
+
+@dataclass(frozen=True)
+class PhaseError:
+    """The request failed before its decode began; `error` is what the client gets."""
+
+    error: ApiError
+
+
+class PDRequest(Protocol):
+    """One engine request (generation.SubRequest)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def use_prefix_cache(self) -> bool: ...
+
+
+def _prefill_error(e: PrefillFailed) -> ApiError:
+    msg = f"prefill failed: {e.message}"
+    if e.status is None:
+        if e.code == "prefill_timeout":
+            return ApiError(504, msg, type="server_error", code="prefill_timeout")
+        return ApiError(503, msg, type="server_error", code="prefill_unavailable")
+    if e.status == 400:
+        return bad_request(e.message, code=e.code)
+    return ApiError(
+        502 if e.status < 500 or e.status == 502 else e.status, msg, type="server_error", code=e.code
+    )
+
+
+class DisaggregatedPath:
+    def __init__(self, cfg: ServerConfig, client: PrefillClient, metrics: ClusterMetrics) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.metrics = metrics
+        self.num_waiting = 0  # reservations asked for, not granted yet
+        self.num_held = 0  # reservations granted, handoff not arrived yet
+
+    def _gauge(self) -> None:
+        self.metrics.reservations.labels("waiting").set(self.num_waiting)
+        self.metrics.reservations.labels("held").set(self.num_held)
+
+    async def run(
+        self,
+        rank: RankClient,
+        req: PDRequest,
+        out: asyncio.Queue[tuple[str, object]],
+        arrival_s: float,
+    ) -> None:
+        """Runs one request to its end, putting its events on `out` as Generation expects them."""
+        rid = req.request_id
+        events: asyncio.Queue[tuple[str, RankEvent]] = asyncio.Queue()
+        try:
+            await self._reserve(rank, req, events)
+            self.metrics.ttft_phase_s.labels("queue").observe(time.monotonic() - arrival_s)
+            self.num_held += 1
+            self._gauge()
+            try:
+                res = await self._prefill(rank, req)
+            except PrefillFailed as e:
+                self.metrics.handoff_failures.labels(self.cfg.transport, e.code).inc()
+                if not self.cfg.fallback_local_prefill or e.status == 400:
+                    raise _prefill_error(e) from None
+                log.warning("prefill of %s failed (%s); prefilling it on the CE", rid, e)
+                self.metrics.local_prefills.inc()
+                await rank.submit(rid, req.prompt_token_ids, req.params, events, req.use_prefix_cache)
+                await self._forward(events, out, None)
+                return
+            finally:
+                self.num_held -= 1
+                self._gauge()
+            if res.output is not None:  # the first token ended the request: nothing to decode
+                await rank.abort([rid])
+                res.output.num_cached_tokens = res.num_cached_tokens
+                out.put_nowait((rid, res.output))
+                return
+            acked_s = time.monotonic()
+            m, t = self.metrics, res.transport
+            m.ttft_phase_s.labels("prefill").observe(res.prefill_s)
+            m.ttft_phase_s.labels("transfer").observe(res.transfer_s)
+            m.handoffs.labels(t).inc()
+            m.handoff_bytes.labels(t).inc(res.payload_bytes)
+            m.handoff_s.labels(t).observe(res.transfer_s)
+            await self._forward(events, out, res.num_cached_tokens, acked_s)
+        except ApiError as e:
+            await rank.abort([rid])
+            out.put_nowait((rid, PhaseError(e)))
+
+    async def _reserve(
+        self, rank: RankClient, req: PDRequest, events: asyncio.Queue[tuple[str, RankEvent]]
+    ) -> None:
+        if self.num_waiting >= self.cfg.max_queued_requests:
+            raise ApiError(
+                429,
+                f"the decode engines are full and {self.num_waiting} requests are already waiting "
+                "for memory; retry later",
+                type="server_error",
+                code="queue_full",
+            )
+        num_prompt = len(req.prompt_token_ids)
+        max_tokens = req.params.max_tokens
+        ttl_s = self.cfg.prefill_timeout_s + RESERVATION_MARGIN_S
+        self.num_waiting += 1
+        self._gauge()
+        try:
+            await rank.reserve(req.request_id, num_prompt + 1, num_prompt + max_tokens, ttl_s, events)
+            try:
+                _, ev = await asyncio.wait_for(events.get(), self.cfg.queue_timeout_s)
+            except asyncio.TimeoutError:
+                raise ApiError(
+                    503,
+                    f"no decode memory became free within {self.cfg.queue_timeout_s:g} s; retry later",
+                    type="server_error",
+                    code="queue_timeout",
+                ) from None
+        finally:
+            self.num_waiting -= 1
+            self._gauge()
+        if isinstance(ev, Reserved):
+            return
+        if isinstance(ev, RankDown):
+            raise ApiError(503, ev.message, type="server_error", code="engine_down")
+        if isinstance(ev, RequestRejected):
+            raise bad_request(ev.message, ev.param)
+        raise internal(getattr(ev, "error", None) or f"unexpected event while reserving: {type(ev).__name__}")
+
+    async def _prefill(self, rank: RankClient, req: PDRequest) -> PrefillResponse:
+        body = {
+            "request_id": req.request_id,
+            "prompt_token_ids": req.prompt_token_ids,
+            "params": asdict(req.params),
+            "receiver": self.cfg.kv_address(rank.index),
+            "use_prefix_cache": req.use_prefix_cache,
+            "seed": None,  # the PE uses the request's seed, or draws one that travels with the KV
+            "lease_s": self.cfg.handoff_lease_s,
+        }
+        return await self.client.prefill(body)
+
+    async def _forward(
+        self,
+        events: asyncio.Queue[tuple[str, RankEvent]],
+        out: asyncio.Queue[tuple[str, object]],
+        num_cached_tokens: int | None,
+        acked_s: float | None = None,
+    ) -> None:
+        """Passes the CE rank's events on until the request's last one, with the PE's cached count."""
+        while True:
+            rid, ev = await events.get()
+            if isinstance(ev, RequestOutput):
+                if num_cached_tokens is not None:
+                    ev.num_cached_tokens = num_cached_tokens
+                if acked_s is not None and ev.new_token_ids:
+                    self.metrics.ttft_phase_s.labels("first_decode").observe(time.monotonic() - acked_s)
+                    acked_s = None
+                out.put_nowait((rid, ev))
+                if ev.is_finished:
+                    return
+            elif isinstance(ev, (RankDown, RequestRejected)):
+                out.put_nowait((rid, ev))
+                return

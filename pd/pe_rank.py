@@ -1,0 +1,200 @@
+"""The PE (prefill) side of a rank: prefill-only requests handed to a CE rank's KV receiver.
+
+    Prefill ─► engine (prefill_only, prefix cache on) ─► parked after the first token
+           ─► export ─► KVSender.send(receiver) in the LoopThread (lease: lease_s)
+           ─► ack: finish_handoff (the CE owns it now)   | failure or lease over: abort (freed here)
+           ─► one PrefillResult to the prefill server
+
+The PE keeps the sequence's KV until the CE acknowledges or the lease runs out. A first token that
+already ends the request (EOS, a stop, max_tokens 1) is not handed off: its output goes back in the
+PrefillResult. Nothing a PE rank computes streams to the HTTP process; it answers once per request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from engine.errors import InvalidRequestError
+from engine.request import RequestOutput
+from pd.loop_thread import LoopThread
+from pd.messages import AbortRequests, Message, Prefill, PrefillResult
+from transfer.auth import load_token
+from transfer.config import TransferConfig
+from transfer.errors import TRANSPORT, HandoffError
+from transfer.handoff import model_fingerprint
+from transfer.sender import Ack, KVSender
+
+log = logging.getLogger("pd.pe_rank")
+ABORTED = "aborted"
+REJECTED = "rejected"
+
+
+@dataclass
+class _Job:
+    msg: Prefill
+    added_s: float
+    ready_s: float = 0.0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    sending: concurrent.futures.Future[None] | None = None
+
+
+@dataclass
+class _Sent:
+    request_id: str
+    ack: Ack | None
+    error: HandoffError | None
+
+
+class PrefillRole:
+    def __init__(self, engine: Any, ctx: zmq.Context, send: Any, config: dict[str, Any]) -> None:
+        self.engine = engine
+        self.send = send
+        token_file = config.get("token_file")
+        token = load_token(token_file=token_file) if token_file else load_token()
+        transfer = TransferConfig(
+            transport=str(config.get("transport", "tcp")),
+            connect_timeout_s=float(config.get("connect_timeout_s", 5.0)),
+            idle_timeout_s=float(config.get("idle_timeout_s", 30.0)),
+        )
+        self.sender = KVSender(token, engine.layout, model=model_fingerprint(engine.folder), config=transfer)
+        self.export_device: str | None = "cpu" if transfer.transport == "tcp" else None
+        self.lt = LoopThread(ctx, "kv-sender")
+        self.wake = self.lt.wake
+        self.jobs: dict[str, _Job] = {}
+        self.counters = {"handoffs_sent_total": 0, "handoff_failures_total": 0, "handoff_bytes_sent_total": 0}
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def handle(self, msg: Message) -> bool:
+        if isinstance(msg, Prefill):
+            try:
+                self.engine.add_request(
+                    msg.request_id,
+                    list(msg.prompt_token_ids),
+                    msg.params,
+                    use_prefix_cache=msg.use_prefix_cache,
+                    prefill_only=True,
+                    seed=msg.seed,
+                )
+            except InvalidRequestError as e:
+                self.send(PrefillResult(msg.request_id, False, code=REJECTED, message=str(e)))
+                return True
+            self.jobs[msg.request_id] = _Job(msg, time.monotonic())
+            return True
+        if isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                job = self.jobs.pop(rid, None)
+                if job is not None and job.sending is not None:
+                    job.sending.cancel()  # closes the connection: the CE drops the partial payload
+            return False  # the loop's engine.abort frees the sequence in whatever phase it is
+        return False
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for o in outputs:
+            job = self.jobs.get(o.request_id)
+            if job is None:
+                continue
+            if o.is_handoff_ready:
+                job.ready_s = time.monotonic()
+                job.num_prompt_tokens, job.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
+                try:
+                    export = self.engine.export_sequence(o.request_id, device=self.export_device)
+                except Exception as e:
+                    log.exception("export of %r failed", o.request_id)
+                    self._fail(job, HandoffError(TRANSPORT, f"export failed: {e!r}"))
+                    continue
+                job.sending = self.lt.submit(self._send_one(job.msg, export))
+            elif o.is_finished:
+                del self.jobs[o.request_id]
+                if o.finish_reason in ("abort", "error"):
+                    self.send(PrefillResult(o.request_id, False, code=ABORTED, message=o.error or "aborted"))
+                else:  # the first token ended it: no handoff, the output itself goes back
+                    self.send(
+                        PrefillResult(
+                            o.request_id,
+                            False,
+                            num_prompt_tokens=o.num_prompt_tokens,
+                            num_cached_tokens=o.num_cached_tokens,
+                            prefill_s=time.monotonic() - job.added_s,
+                            output=o,
+                        )
+                    )
+        return []
+
+    def tick(self) -> None:
+        for sent in self.lt.drain():
+            job = self.jobs.pop(sent.request_id, None)
+            if job is None:
+                continue  # aborted meanwhile: already freed
+            if sent.ack is not None:
+                self.engine.finish_handoff(sent.request_id)
+                self.counters["handoffs_sent_total"] += 1
+                self.counters["handoff_bytes_sent_total"] += sent.ack.payload_bytes
+                self.send(
+                    PrefillResult(
+                        sent.request_id,
+                        True,
+                        num_prompt_tokens=job.num_prompt_tokens,
+                        num_cached_tokens=job.num_cached_tokens,
+                        prefill_s=job.ready_s - job.added_s,
+                        transfer_s=sent.ack.elapsed_s,
+                        payload_bytes=sent.ack.payload_bytes,
+                        transport=sent.ack.transport,
+                    )
+                )
+            else:
+                assert sent.error is not None
+                self.jobs[sent.request_id] = job
+                self._fail(job, sent.error)
+
+    def _fail(self, job: _Job, error: HandoffError) -> None:
+        rid = job.msg.request_id
+        log.warning("handoff of %r to %s failed: %s", rid, job.msg.receiver, error)
+        self.jobs.pop(rid, None)
+        self.engine.abort(rid)  # its final "abort" output is dropped: the job is gone
+        self.counters["handoff_failures_total"] += 1
+        self.send(
+            PrefillResult(
+                rid,
+                False,
+                num_prompt_tokens=job.num_prompt_tokens,
+                num_cached_tokens=job.num_cached_tokens,
+                prefill_s=job.ready_s - job.added_s if job.ready_s else 0.0,
+                transport=self.sender.transport.name,
+                code=error.code,
+                message=error.message,
+            )
+        )
+
+    def poll_timeout_s(self) -> float:
+        return 1.0
+
+    def stats(self) -> dict[str, Any]:
+        inflight = sum(1 for j in self.jobs.values() if j.sending is not None)
+        return {**self.counters, "num_handoffs_inflight": inflight}
+
+    def close(self) -> None:
+        for job in self.jobs.values():
+            if job.sending is not None:
+                job.sending.cancel()
+        self.sender.close()
+        self.lt.stop()
+
+    # ---- loop thread ----------------------------------------------------------------------------
+
+    async def _send_one(self, msg: Prefill, export: Any) -> None:
+        try:
+            ack = await self.sender.send(msg.receiver, export, timeout_s=msg.lease_s)
+        except HandoffError as e:
+            self.lt.post(_Sent(msg.request_id, None, e))
+        except Exception as e:
+            self.lt.post(_Sent(msg.request_id, None, HandoffError(TRANSPORT, repr(e))))
+        else:
+            self.lt.post(_Sent(msg.request_id, ack, None))

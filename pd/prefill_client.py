@@ -1,0 +1,179 @@
+"""The CE coordinator's client of the PE's prefill server: POST /prefill with the cluster token, and a
+health watch with backoff (the PE's state is never "failed for good": it is probed until it answers).
+
+POST /prefill (JSON; `Authorization: Bearer <cluster token>`):
+
+    {"request_id", "prompt_token_ids": [int], "params": {SamplingParams fields}, "receiver": "host:port",
+     "use_prefix_cache": bool, "seed": int | null, "lease_s": float | null}
+    200 -> {"handed_off": bool, "num_prompt_tokens", "num_cached_tokens", "prefill_s", "transfer_s",
+            "payload_bytes", "transport", "output": RequestOutput (messages.output_to_wire) | null}
+    4xx/5xx -> OpenAI's error object; code: a transfer.errors code on 502, engine_down, unauthorized...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from engine.request import RequestOutput
+from pd.messages import output_from_wire
+
+log = logging.getLogger("pd.prefill_client")
+HEALTH_EVERY_S = 2.0
+MAX_BACKOFF_S = 10.0
+
+
+@dataclass(frozen=True)
+class PrefillResponse:
+    is_handed_off: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    prefill_s: float
+    transfer_s: float
+    payload_bytes: int
+    transport: str
+    output: RequestOutput | None  # the first token ended the request on the PE: nothing was handed off
+
+
+class PrefillFailed(Exception):
+    """The PE did not hand the sequence off. status None: no HTTP answer (unreachable or timed out)."""
+
+    def __init__(self, code: str, message: str, status: int | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.status = status
+
+
+class PrefillClient:
+    def __init__(
+        self,
+        url: str,
+        token: bytes,
+        timeout_s: float,
+        connect_timeout_s: float = 5.0,
+        on_state: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.on_state = on_state  # told True/False when the PE comes up or goes down
+        self._auth = {"Authorization": "Bearer " + token.decode()}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.state = "unknown"  # unknown | up | down
+        self.error: str | None = None
+        self.changed_s = time.monotonic()
+        self._session: aiohttp.ClientSession | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._poke = asyncio.Event()
+
+    @property
+    def is_up(self) -> bool:
+        return self.state == "up"
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(json_serialize=lambda o: orjson.dumps(o).decode())
+        self._watch_task = asyncio.create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        if self._session is not None:
+            await self._session.close()
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"url": self.url, "state": self.state}
+        if self.error:
+            d["error"] = self.error
+        return d
+
+    async def prefill(self, body: dict[str, Any]) -> PrefillResponse:
+        """Raises PrefillFailed for anything but a completed handoff (or a request the PE finished)."""
+        assert self._session is not None
+        try:
+            async with self._session.post(
+                self.url + "/prefill", data=orjson.dumps(body), headers=self._auth, timeout=self.timeout
+            ) as r:
+                raw = await r.read()
+                status = r.status
+        except asyncio.TimeoutError:
+            raise PrefillFailed(
+                "prefill_timeout",
+                f"the prefill engine at {self.url} did not answer within {self.timeout.total} s",
+            ) from None
+        except (aiohttp.ClientError, OSError) as e:
+            self._set("down", f"{type(e).__name__}: {e}")
+            raise PrefillFailed(
+                "pe_unreachable", f"the prefill engine at {self.url} is unreachable: {e}"
+            ) from None
+        self._set("up", None)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise PrefillFailed(
+                "bad_response", f"the prefill engine answered {status} with no JSON", status
+            ) from None
+        if status != 200:
+            err = data.get("error", {}) if isinstance(data, dict) else {}
+            raise PrefillFailed(
+                str(err.get("code") or "prefill_failed"), str(err.get("message") or raw[:200]), status
+            )
+        out = data.get("output")
+        return PrefillResponse(
+            bool(data["handed_off"]),
+            int(data["num_prompt_tokens"]),
+            int(data["num_cached_tokens"]),
+            float(data["prefill_s"]),
+            float(data["transfer_s"]),
+            int(data["payload_bytes"]),
+            str(data["transport"]),
+            output_from_wire(out) if out is not None else None,
+        )
+
+    def _set(self, state: str, error: str | None) -> None:
+        if state != self.state:
+            (log.info if state == "up" else log.warning)(
+                "prefill engine %s is %s%s", self.url, state, f": {error}" if error else ""
+            )
+            self.changed_s = time.monotonic()
+            if self.on_state is not None:
+                self.on_state(state == "up")
+            if state == "down":
+                self._poke.set()  # probe again soon (with backoff) rather than at the next period
+        self.state, self.error = state, error
+
+    async def _probe(self) -> tuple[bool, str | None]:
+        assert self._session is not None
+        try:
+            async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                body = await r.read()
+                if r.status == 200:
+                    return True, None
+                return False, f"/health answered {r.status}: {body[:200]!r}"
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            return False, f"{type(e).__name__}: {e}"
+
+    async def _watch(self) -> None:
+        """Probes /health: every HEALTH_EVERY_S while up; with doubling backoff (to MAX_BACKOFF_S) while
+        down, so a PE that comes back is seen within seconds and a dead one is not hammered."""
+        backoff_s = 0.25
+        while True:
+            ok, error = await self._probe()
+            self._set("up" if ok else "down", error)
+            if ok:
+                backoff_s = 0.25
+                wait_s = HEALTH_EVERY_S
+            else:
+                wait_s = backoff_s
+                backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+            self._poke.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), wait_s)

@@ -1,0 +1,129 @@
+"""The PE's HTTP side (`python -m pd.server --role pe`, port 8889): POST /prefill, /health, /metrics.
+
+/prefill (see pd/prefill_client.py for the body and the answer) takes only callers that present the
+cluster token as `Authorization: Bearer <token>`; others get 401 and are logged. The request goes to a
+PE rank (affinity on the prompt's first tokens, so a conversation's turns meet their cached prefix);
+the answer comes once the CE has acknowledged the handoff (or it failed). A caller that goes away
+(the CE's client disconnected, an abort) cancels the handler, which aborts the rank's request in
+whatever phase it is: queued, prefilling, or in transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from engine.errors import InvalidRequestError
+from engine.request import SamplingParams
+from pd.coordinator import Coordinator
+from pd.errors import ApiError, bad_request
+from pd.http_io import json_response, read_json
+from pd.messages import Prefill, PrefillResult, RequestRejected, output_to_wire
+from pd.rank_client import RankDown, RankEvent
+
+log = logging.getLogger("pd.prefill_server")
+TOKEN = web.AppKey("cluster_token", bytes)
+AFFINITY_TOKENS = 1024
+
+
+def _unauthorized() -> ApiError:
+    return ApiError(
+        401,
+        "this endpoint needs the cluster token (Authorization: Bearer ...)",
+        type="authentication_error",
+        code="unauthorized",
+    )
+
+
+def check_token(request: web.Request, token: bytes) -> None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
+        log.warning("refused unauthenticated %s %s from %s", request.method, request.path, request.remote)
+        raise _unauthorized()
+
+
+def parse_prefill(body: Any, default_lease_s: float) -> Prefill:
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+
+    def need(name: str, kind: type | tuple[type, ...]) -> Any:
+        v = body.get(name)
+        if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+            raise bad_request(f"'{name}' is missing or has the wrong type", name)
+        return v
+
+    rid = need("request_id", str)
+    ids = need("prompt_token_ids", list)
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request("'prompt_token_ids' must be a non-empty list of integers", "prompt_token_ids")
+    raw = need("params", dict)
+    receiver = need("receiver", str)
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise bad_request("'seed' must be an integer or null", "seed")
+    lease_s = body.get("lease_s") or default_lease_s
+    if not isinstance(lease_s, (int, float)) or lease_s <= 0:
+        raise bad_request("'lease_s' must be a positive number", "lease_s")
+    try:
+        known = SamplingParams.__dataclass_fields__
+        kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
+        params = SamplingParams(**kw)
+    except (InvalidRequestError, TypeError) as e:
+        raise bad_request(f"bad sampling params: {e}", "params") from None
+    return Prefill(
+        rid, tuple(ids), params, receiver, float(lease_s), bool(body.get("use_prefix_cache", True)), seed
+    )
+
+
+async def prefill(co: Coordinator, request: web.Request) -> web.Response:
+    metrics = co.cluster_metrics
+    assert metrics is not None
+    try:
+        check_token(request, request.app[TOKEN])
+    except ApiError:
+        metrics.unauthenticated.inc()
+        raise
+    msg = parse_prefill(await read_json(request, co.cfg.max_body_bytes), co.cfg.handoff_lease_s)
+    rank = co.pick_rank(",".join(map(str, msg.prompt_token_ids[:AFFINITY_TOKENS])))
+    events: asyncio.Queue[tuple[str, RankEvent]] = asyncio.Queue()
+    await rank.prefill(msg, events)
+    try:
+        _, ev = await events.get()
+    except asyncio.CancelledError:  # the caller went away: free the request on the rank, in any phase
+        await asyncio.shield(rank.abort([msg.request_id]))
+        raise
+    if isinstance(ev, RankDown):
+        raise ApiError(503, ev.message, type="server_error", code="engine_down")
+    if isinstance(ev, RequestRejected):
+        raise bad_request(ev.message, ev.param)
+    if not isinstance(ev, PrefillResult):
+        raise ApiError(500, f"unexpected rank event {type(ev).__name__}", type="server_error")
+    transport = ev.transport or co.cfg.transport
+    if ev.is_handed_off:
+        metrics.handoffs.labels(transport).inc()
+        metrics.handoff_bytes.labels(transport).inc(ev.payload_bytes)
+        metrics.handoff_s.labels(transport).observe(ev.transfer_s)
+        metrics.ttft_phase_s.labels("prefill").observe(ev.prefill_s)
+        metrics.ttft_phase_s.labels("transfer").observe(ev.transfer_s)
+    elif ev.output is None:
+        metrics.handoff_failures.labels(transport, ev.code or "unknown").inc()
+        if ev.code == "rejected":
+            raise bad_request(ev.message)
+        raise ApiError(502, f"handoff failed: {ev.message}", type="server_error", code=ev.code)
+    return json_response(
+        {
+            "handed_off": ev.is_handed_off,
+            "num_prompt_tokens": ev.num_prompt_tokens,
+            "num_cached_tokens": ev.num_cached_tokens,
+            "prefill_s": ev.prefill_s,
+            "transfer_s": ev.transfer_s,
+            "payload_bytes": ev.payload_bytes,
+            "transport": transport,
+            "output": output_to_wire(ev.output) if ev.output is not None else None,
+        }
+    )
