@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""The same multi-turn trace against several endpoints or server configurations, side by side.
+
+Each target is a running endpoint (`--target NAME=URL`, e.g. the P/D pair's CE) or a single-engine
+server this script starts for its turn and stops after (`--launch NAME='pd.server flags'`, e.g. the
+colocated engine with the same total ranks, or the prefix cache off). `--extra NAME=JSON` adds fields
+to that target's requests (`'{"prefix_cache": false}'`: pdserve's per-request cache switch). Targets
+run one after another, never at once, each at every load point of the sweep (`--concurrency 1,4,8` or
+`--request-rate ...`), with the trace and request flags of bench/load.py (`--help` lists them).
+
+    python bench/compare.py --target colocated=http://127.0.0.1:8888 --target pd=http://127.0.0.1:8889 \\
+        --trace synthetic --conversations 32 --turns 6 --concurrency 1,4,8 --out bench/results/compare
+    python bench/compare.py --launch 'dp2=--model smollm2-135m-instruct --dp 2' \\
+        --launch 'dp2-nocache=--model smollm2-135m-instruct --dp 2 --hicache-gb 0' --concurrency 2,4 ...
+
+Every run of a comparison starts its conversations with a marker of the target and load point (a few
+tokens in front of the first user message), so no run hits prefix-cache entries an earlier run left.
+Writes into --out what bench/load.py writes (results.json with one run per target and load point,
+labelled `NAME c=4`, summary.txt, distributions.png, throughput.png, sweep.png with one line per
+target) and compare.png (p90 TTFT, p90 ITL and output tokens/s per target at each load point).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shlex
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+import load  # noqa: E402  (bench/load.py)
+
+
+def _named(items: Sequence[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"{flag} takes NAME=VALUE, not {item!r}")
+        out[name] = value
+    return out
+
+
+@contextlib.contextmanager
+def endpoint(url: str | None, launch_args: str | None, log_dir: Path | None) -> Iterator[str]:
+    """The URL of a running target, or of a server started for the duration of the block."""
+    if url is not None:
+        yield url
+        return
+    from pd.testing import ServerProcess
+
+    log = log_dir / "server.log" if log_dir else None
+    if log:
+        log.parent.mkdir(parents=True, exist_ok=True)
+    with ServerProcess(*shlex.split(launch_args or ""), log_path=log) as server:
+        yield server.url
+
+
+def plot_compare(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
+    """Grouped bars: p90 TTFT, p90 ITL and output tokens/s of each target at each load point."""
+    plt = load._plt()
+    points = sorted({load.load_of(r) for runs in series.values() for r in runs})
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    width = 0.8 / max(1, len(series))
+    panels = (
+        ("TTFT p90 (ms)", lambda s: s["ttft_ms"]["p90"]),
+        ("inter-token gap p90 (ms)", lambda s: s["itl_ms"]["p90"]),
+        ("output tokens/s", lambda s: s["output_tokens_per_s"]),
+    )
+    for ax, (title, get) in zip(axes, panels):
+        for k, (name, runs) in enumerate(series.items()):
+            by_load = {load.load_of(r): get(r["summary"]) for r in runs}
+            xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(points))]
+            ax.bar(xs, [by_load.get(p) or 0.0 for p in points], width, label=name)
+        ax.set_xticks(range(len(points)), [f"{p:g}" for p in points])
+        ax.set_xlabel("load (concurrency or conversations/s)")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    ap.add_argument("--target", action="append", default=[], help="NAME=URL of a running endpoint")
+    ap.add_argument(
+        "--launch", action="append", default=[], help="NAME='pd.server flags': started for its runs"
+    )
+    ap.add_argument(
+        "--extra", action="append", default=[], help="NAME=JSON merged into that target's requests"
+    )
+    ap.add_argument("--out", type=Path, required=True)
+    load.add_trace_args(ap)
+    load.add_request_args(ap)
+    args = ap.parse_args(argv)
+    urls, launches = _named(args.target, "--target"), _named(args.launch, "--launch")
+    extras = {k: json.loads(v) for k, v in _named(args.extra, "--extra").items()}
+    names = list(urls) + [n for n in launches if n not in urls]
+    if not names or set(urls) & set(launches) or set(extras) - set(names):
+        ap.error("give distinct target names with --target/--launch; --extra names one of them")
+    convs, trace_info = load.trace_from_args(args)
+    points = load.load_points(args)
+    base_extra = load.extra_body_from_args(args)
+    runs: list[load.RunResult] = []
+    series_names: list[str] = []
+    for name in names:
+        with endpoint(urls.get(name), launches.get(name), args.out / "servers" / name) as url:
+            chat = load.chat_url(url)
+            model = args.model or load.server_model(chat)
+            extra = base_extra | extras.get(name, {})
+            asyncio.run(load.warm_up(chat, model, args.warmup, extra))
+            for i, (c, r) in enumerate(points):
+                label = f"{name} {load.point_label(c, r)}"
+                cfg = load.LoadConfig(
+                    chat,
+                    model,
+                    c,
+                    r,
+                    args.max_requests,
+                    args.duration_s,
+                    args.grace_s,
+                    args.timeout_s,
+                    args.temperature,
+                    args.logprobs,
+                    extra,
+                    args.seed,
+                    label,
+                    salt=load.run_salt(name, i),
+                )
+                runs.append(asyncio.run(load.run_load(cfg, convs)))
+                series_names.append(name)
+                s = load.summarize(runs[-1].requests, args.slo_ttft_ms, args.slo_itl_ms)
+                print(load.format_table([(label, s)]).splitlines()[-1], flush=True)
+    doc = load.results_doc(
+        runs, trace_info, args.slo_ttft_ms, args.slo_itl_ms, sys.argv if argv is None else argv
+    )
+    series: dict[str, list[dict[str, Any]]] = {}
+    for name, run in zip(series_names, doc["runs"]):
+        run["target"] = name
+        series.setdefault(name, []).append(run)
+    table = load.write_outputs(args.out, doc, series, plots=not args.no_plots)
+    if not args.no_plots:
+        plot_compare(args.out / "compare.png", series)
+    print(f"\n{table}\n\nresults in {args.out}/")
+    return 1 if any(r["summary"]["num_errors"] for r in doc["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

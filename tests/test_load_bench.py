@@ -1,0 +1,396 @@
+"""bench/load.py: the seeded trace and its aiperf formats, the summary's arithmetic, the runner against
+a fake streaming endpoint (history, bounds, errors, cancellation), and a small run against a real
+server whose numbers must agree with the server's usage and its /metrics counters."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from aiohttp import web
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+load = _load("load")
+
+
+# ---- trace ----------------------------------------------------------------------------------------
+
+
+def test_synthetic_trace_is_seeded_and_has_the_stated_shape() -> None:
+    spec = load.SyntheticSpec(num_conversations=300, num_turns=6, seed=3, max_context_tokens=10**6)
+    convs = load.synthetic_trace(spec)
+    assert convs == load.synthetic_trace(spec)
+    assert convs != load.synthetic_trace(load.SyntheticSpec(num_conversations=300, num_turns=6, seed=4))
+    assert len(convs) == 300 and all(len(c.turns) == 6 for c in convs)
+    assert len({c.system for c in convs}) == 1  # one shared system prompt
+    firsts = [c.turns[0] for c in convs]
+    assert all(
+        t.kind == "user" and t.delay_s == 0 and t.content.startswith(f"Task {i}: ")
+        for i, t in enumerate(firsts)
+    )
+    later = [t for c in convs for t in c.turns[1:]]
+    tools = [t for t in later if t.kind == "tool"]
+    assert abs(len(tools) / len(later) - spec.tool_fraction) < 0.05
+    user_words = [
+        len(t.content.split()) - (2 if t in firsts else 0) for c in convs for t in c.turns if t.kind == "user"
+    ]
+    assert abs(statistics.mean(user_words) / spec.user_tokens - 1) < 0.1
+    assert abs(statistics.mean(t.max_tokens for t in later) / spec.output_tokens - 1) < 0.1
+    assert max(t.max_tokens for t in later) <= 4 * spec.output_tokens
+    user_delays = [t.delay_s for t in later if t.kind == "user"]
+    assert abs(statistics.mean(user_delays) / spec.think_s - 1) < 0.15
+    assert abs(statistics.mean(t.delay_s for t in tools) / spec.tool_latency_s - 1) < 0.2
+
+
+def test_context_cap_ends_conversations() -> None:
+    spec = load.SyntheticSpec(num_conversations=20, num_turns=8, tool_tokens=800, max_context_tokens=2048)
+    convs = load.synthetic_trace(spec)
+    assert any(len(c.turns) < 8 for c in convs) and all(c.turns for c in convs)
+    uncapped = load.synthetic_trace(replace(spec, max_context_tokens=10**6))
+    assert all(len(c.turns) == 8 for c in uncapped)
+    # a capped conversation is a prefix of the same draws
+    assert all(c.turns == u.turns[: len(c.turns)] for c, u in zip(convs, uncapped))
+
+
+@pytest.mark.parametrize("fmt", ["pdserve", "multi_turn", "mooncake_trace"])
+def test_trace_formats_round_trip(tmp_path: Path, fmt: str) -> None:
+    convs = load.synthetic_trace(
+        load.SyntheticSpec(num_conversations=4, num_turns=3, tool_fraction=0.5, seed=1)
+    )
+    path = tmp_path / "t.jsonl"
+    load.write_trace(path, convs, fmt)
+    back = load.read_trace(path)
+    if fmt == "mooncake_trace":  # no system prompt in the format: it leads the first message
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        assert [set(x) for x in lines[:2]] == [
+            {"session_id", "text_input", "output_length"},
+            {"session_id", "text_input", "output_length", "delay"},
+        ]
+        assert back[0].turns[0].content == f"{convs[0].system}\n\n{convs[0].turns[0].content}"
+        back = [
+            load.Conversation(b.id, (replace(b.turns[0], content=c.turns[0].content), *b.turns[1:]), c.system)
+            for b, c in zip(back, convs)
+        ]
+    if fmt == "multi_turn":
+        first = json.loads(path.read_text().splitlines()[0])
+        assert first["session_id"] == convs[0].id and first["turns"][0] == {
+            "role": "system",
+            "text": convs[0].system,
+        }
+        assert first["turns"][1] == {
+            "text": convs[0].turns[0].content,
+            "output_length": convs[0].turns[0].max_tokens,
+        }
+        assert first["turns"][2]["delay"] == pytest.approx(convs[0].turns[1].delay_s * 1000)
+    assert back == convs
+
+
+# ---- summary --------------------------------------------------------------------------------------
+
+
+def _rec(turn: int, status: str = "ok", **kw: object) -> object:
+    r = load.RequestRecord("c", turn, "user", 4, status=status)
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+def test_summary_counts_percentiles_goodput_and_hit_rate() -> None:
+    recs = [
+        _rec(
+            0,
+            start_s=0.0,
+            ttft_s=0.1,
+            e2e_s=0.4,
+            itl_s=[0.1, 0.1, 0.1],
+            num_chunks=4,
+            prompt_tokens=100,
+            cached_tokens=0,
+            completion_tokens=4,
+        ),
+        _rec(
+            1,
+            start_s=1.0,
+            ttft_s=0.3,
+            e2e_s=1.0,
+            itl_s=[0.2, 0.3, 0.2],
+            num_chunks=4,
+            prompt_tokens=200,
+            cached_tokens=100,
+            completion_tokens=4,
+        ),
+        _rec(2, "error", start_s=2.0, error="HTTP 500"),
+        _rec(3, "skipped"),
+    ]
+    s = load.summarize(recs, slo_ttft_ms=200, slo_itl_ms=150)
+    counts = ("num_planned", "num_sent", "num_ok", "num_errors", "num_skipped")
+    assert [s[k] for k in counts] == [4, 3, 2, 1, 1]
+    assert s["duration_s"] == pytest.approx(2.0)  # first send to last ok end
+    assert s["ttft_ms"]["p50"] == pytest.approx(200) and s["ttft_ms"]["p99"] == pytest.approx(298)
+    assert s["itl_ms"]["mean"] == pytest.approx(1000 * 1.0 / 6)
+    assert s["tpot_ms"]["p50"] == pytest.approx(1000 * (0.1 + 0.7 / 3) / 2)
+    assert (s["prompt_tokens"], s["cached_tokens"], s["completion_tokens"]) == (300, 100, 8)
+    assert s["output_tokens_per_s"] == pytest.approx(4.0) and s["requests_per_s"] == pytest.approx(1.0)
+    # only the first meets both SLOs
+    assert s["goodput_fraction"] == 0.5 and s["goodput_requests_per_s"] == pytest.approx(0.5)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(1 / 3)
+    assert load.summarize(recs)["goodput_fraction"] == 1.0  # no SLO: every ok request is good
+    table = load.format_table([("x", s)])
+    assert "200 / " in table and "33.3%" in table and "0.50 (50%)" in table
+
+
+# ---- the runner against a fake endpoint -----------------------------------------------------------
+
+
+class FakeEndpoint:
+    """Streams max_tokens one-word chunks, then usage (prompt tokens = words in the messages)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        text = body["messages"][-1]["content"]
+        if "FAIL" in text:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        delay = 5.0 if "SLOW" in text else 0.002
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(delay)
+            delta = {"role": "assistant", "content": f" w{i}"} if i == 0 else {"content": f" w{i}"}
+            chunk = {
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": delta,
+                        "finish_reason": "length" if i == body["max_tokens"] - 1 else None,
+                    }
+                ]
+            }
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        num_prompt = sum(len(m["content"].split()) for m in body["messages"])
+        usage = {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": body["max_tokens"],
+            "prompt_tokens_details": {"cached_tokens": 1},
+        }
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+
+@pytest.fixture
+async def fake():
+    from aiohttp.test_utils import TestServer
+
+    ep = FakeEndpoint()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", ep.chat)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    ep.url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    yield ep
+    await server.close()
+
+
+def _conv(cid: str, *texts: str, max_tokens: int = 3) -> object:
+    return load.Conversation(
+        cid, tuple(load.Turn(t, max_tokens, 0.01 if k else 0) for k, t in enumerate(texts)), "sys"
+    )
+
+
+async def test_runner_sends_history_and_counts(fake) -> None:
+    cfg = load.LoadConfig(fake.url, "m", concurrency=2, extra_body={"ignore_eos": True})
+    convs = [_conv("a", "one two", "three"), _conv("b", "four", "five six", "seven")]
+    run = await load.run_load(cfg, convs)
+    assert [(r.conversation, r.turn, r.status) for r in run.requests] == [
+        ("a", 0, "ok"),
+        ("a", 1, "ok"),
+        ("b", 0, "ok"),
+        ("b", 1, "ok"),
+        ("b", 2, "ok"),
+    ]
+    last = next(b for b in fake.bodies if b["messages"][-1]["content"] == "seven")
+    assert last["messages"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "four"},
+        {"role": "assistant", "content": " w0 w1 w2"},
+        {"role": "user", "content": "five six"},
+        {"role": "assistant", "content": " w0 w1 w2"},
+        {"role": "user", "content": "seven"},
+    ]
+    assert last["stream"] and last["stream_options"] == {"include_usage": True} and last["ignore_eos"]
+    assert last["temperature"] == 0 and last["max_tokens"] == 3
+    for r in run.requests:
+        assert r.num_chunks == 3 and len(r.itl_s) == 2 and r.completion_tokens == 3 and r.cached_tokens == 1
+        assert 0 < r.ttft_s <= r.e2e_s and r.ttft_s + sum(r.itl_s) <= r.e2e_s
+    assert run.requests[-1].prompt_tokens == 1 + 1 + 3 + 2 + 3 + 1
+
+
+async def test_runner_bounds_errors_and_cancellation(fake) -> None:
+    base = load.LoadConfig(fake.url, "m", concurrency=4)
+    run = await load.run_load(replace(base, max_requests=3), [_conv("a", "x", "y"), _conv("b", "x", "y")])
+    assert sorted(r.status for r in run.requests) == ["ok", "ok", "ok", "skipped"]
+    run = await load.run_load(base, [_conv("a", "x", "FAIL", "z"), _conv("b", "x")])
+    assert [r.status for r in run.requests] == ["ok", "error", "skipped", "ok"]
+    assert run.requests[1].http_status == 500 and "boom" in run.requests[1].error
+    run = await load.run_load(
+        replace(base, duration_s=0.3, grace_s=0.2), [_conv("a", "SLOW"), _conv("b", "x", "y")]
+    )
+    assert [r.status for r in run.requests] == ["cancelled", "ok", "ok"]
+    s = load.summarize(run.requests)
+    assert (s["num_planned"], s["num_ok"], s["num_cancelled"]) == (3, 2, 1)
+    rate = await load.run_load(
+        load.LoadConfig(fake.url, "m", request_rate=50.0), [_conv(str(i), "x") for i in range(5)]
+    )
+    assert [r.status for r in rate.requests] == ["ok"] * 5
+
+
+async def test_outputs_json_table_and_plots(fake, tmp_path: Path) -> None:
+    runs = []
+    for c in (1, 2):
+        cfg = load.LoadConfig(fake.url, "m", concurrency=c, label=f"c={c}")
+        runs.append(await load.run_load(cfg, [_conv("a", "x", "y"), _conv("b", "z")]))
+    doc = load.results_doc(runs, {"source": "test"}, 1000.0, None, ["load.py"])
+    table = load.write_outputs(tmp_path, doc, {"fake": doc["runs"]})
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["schema"] == load.SCHEMA and [r["label"] for r in saved["runs"]] == ["c=1", "c=2"]
+    assert saved["runs"][1]["load"] == {"concurrency": 2, "request_rate": None}
+    assert saved["runs"][0]["summary"]["num_ok"] == 3 and len(saved["runs"][0]["requests"]) == 3
+    assert (tmp_path / "summary.txt").read_text().strip() == table
+    for name in ("distributions.png", "throughput.png", "sweep.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    tokens = sum(n for r in saved["runs"][0]["requests"] for _, n in load.token_times(r))
+    assert tokens == saved["runs"][0]["summary"]["completion_tokens"]
+
+
+@pytest.fixture
+def fake_in_thread():
+    """The fake endpoint on its own event loop in a thread, for the command lines (they call asyncio.run)."""
+    import threading
+
+    from aiohttp.test_utils import TestServer
+
+    ep, loop, ready = FakeEndpoint(), asyncio.new_event_loop(), threading.Event()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", ep.chat)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "fake-model"}]})
+
+    app.router.add_get("/v1/models", models)
+    server = TestServer(app, host="127.0.0.1", loop=loop)
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.start_server())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    ep.url = f"http://127.0.0.1:{server.port}"
+    yield ep
+    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+SMALL = "--conversations 3 --turns 2 --output-tokens 4 --output-sigma 0 --think-s 0.01 --tool-latency-s 0.01"
+
+
+def test_load_command_line_sweep(fake_in_thread, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    flags = f'--url {fake_in_thread.url}/v1 --out {out} --concurrency 1,3 --warmup 2 --extra-body {{"x":1}} {SMALL}'
+    assert load.main(flags.split()) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in doc["runs"]] == ["c=1", "c=3"] and doc["runs"][0]["model"] == "fake-model"
+    assert all(r["summary"]["num_ok"] == r["summary"]["num_planned"] == 6 for r in doc["runs"])
+    assert (out / "sweep.png").exists() and "c=3" in capsys.readouterr().out
+    bodies = fake_in_thread.bodies
+    assert len(bodies) == 2 + 12 and all(b["x"] == 1 and b["model"] == "fake-model" for b in bodies)
+    # each point of a sweep starts its conversations with its own marker: no cache hits across runs
+    firsts = {b["messages"][1]["content"].split("]")[0] for b in bodies[2:] if len(b["messages"]) == 2}
+    assert len(firsts) == 2
+
+
+def test_compare_two_targets_side_by_side(fake_in_thread, tmp_path: Path) -> None:
+    compare = _load("compare")
+    out = tmp_path / "cmp"
+    url = fake_in_thread.url
+    flags = (
+        f'--target a={url} --target b={url}/v1 --extra b={{"prefix_cache":false}} --concurrency 2 --warmup 0'
+    )
+    assert compare.main([*flags.split(), "--out", str(out), *SMALL.split()]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [(r["label"], r["target"]) for r in doc["runs"]] == [("a c=2", "a"), ("b c=2", "b")]
+    assert doc["runs"][1]["config"]["extra_body"] == {"prefix_cache": False}
+    assert sum(b.get("prefix_cache") is False for b in fake_in_thread.bodies) == 6
+    for name in ("compare.png", "distributions.png", "throughput.png", "summary.txt"):
+        assert (out / name).exists()
+
+
+# ---- a real server --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_small_trace_against_a_real_server(tmp_path: Path) -> None:
+    from pd.testing import ServerProcess, rank_metrics, wait_idle
+
+    args = ("--model", "smollm2-135m-instruct", "--max-model-len", "2048", "--kv-cache-gb", "0.25")
+    with ServerProcess(*args, log_path=tmp_path / "server.log") as server:
+        before = rank_metrics(server.port)
+        flags = (
+            "--trace synthetic --conversations 3 --turns 2 --output-tokens 8 --output-sigma 0 --system-tokens 40"
+            " --user-tokens 10 --tool-fraction 0 --think-s 0.05 --concurrency 3 --ignore-eos --logprobs"
+            " --warmup 0 --slo-ttft-ms 60000 --slo-itl-ms 60000"
+        )
+        rc = load.main(["--url", server.url, "--out", str(tmp_path / "out"), *flags.split()])
+        after = wait_idle(server.port)
+    assert rc == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    (run,) = doc["runs"]
+    reqs, s = run["requests"], run["summary"]
+    assert doc["trace"]["num_turns"] == len(reqs) == 6 and s["num_ok"] == 6 and s["num_errors"] == 0
+    assert [(r["conversation"], r["turn"]) for r in reqs] == [
+        (f"conv-{c:04d}", k) for c in range(3) for k in range(2)
+    ]
+    for r in reqs:  # streamed tokens, the usage and max_tokens agree
+        assert r["completion_tokens"] == r["stream_tokens"] == r["num_chunks"] == 8 and len(r["itl_s"]) == 7
+        assert r["finish_reason"] == "length" and 0 < r["ttft_s"] <= r["e2e_s"]
+    for first, second in zip(reqs[::2], reqs[1::2]):  # turn 2 carries turn 1, its answer and a new message
+        assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
+        assert second["start_s"] >= first["start_s"] + first["e2e_s"]
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert s["prompt_tokens"] == sum(r["prompt_tokens"] for r in reqs) == delta("pdserve_prompt_tokens_total")
+    assert s["completion_tokens"] == 48 == delta("pdserve_generation_tokens_total")
+    assert s["cached_tokens"] == delta("pdserve_cached_prompt_tokens_total")
+    assert s["prefix_cache_hit_rate"] == pytest.approx(s["cached_tokens"] / s["prompt_tokens"])
+    assert s["goodput_fraction"] == 1.0
+    assert s["output_tokens_per_s"] == pytest.approx(48 / s["duration_s"])
+    assert all(
+        (tmp_path / "out" / f).exists() for f in ("distributions.png", "throughput.png", "summary.txt")
+    )
