@@ -66,8 +66,10 @@ class KVCache:
         lo = layout
         page_shape = (num_blocks, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim)
         state_shape = (num_slots, lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim)
-        self.pages = torch.zeros(page_shape, dtype=lo.dtype, device=device, pin_memory=pin_memory)
-        self.swa = torch.zeros(state_shape, dtype=lo.dtype, device=device, pin_memory=pin_memory)
+        # NOTE: uninitialized on purpose (no memset, and on the CPU no resident pages until used):
+        # attention only ever reads positions a sequence has written.
+        self.pages = torch.empty(page_shape, dtype=lo.dtype, device=device, pin_memory=pin_memory)
+        self.swa = torch.empty(state_shape, dtype=lo.dtype, device=device, pin_memory=pin_memory)
 
     @property
     def block_size(self) -> int:
