@@ -605,6 +605,17 @@ def _plt() -> Any:
     return plt
 
 
+def _log_axis(ax: Any, which: str) -> None:
+    """Log scale, labelled at 1, 2 and 5 of each decade as plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _cdf(ax: Any, xs: Sequence[float], label: str) -> None:
     if xs:
         s = sorted(xs)
@@ -634,7 +645,7 @@ def plot_runs(out_dir: Path, runs: Sequence[dict[str, Any]]) -> list[Path]:
         _cdf(a1, [r["ttft_s"] * 1e3 for r in ok if r["ttft_s"] is not None], run["label"])
         _cdf(a2, [g * 1e3 for r in ok for g in r["itl_s"]], run["label"])
     for ax, name in ((a1, "TTFT (ms)"), (a2, "inter-token gap (ms)")):
-        ax.set_xscale("log")
+        _log_axis(ax, "x")
         ax.set_xlabel(name)
         ax.set_ylabel("fraction of requests" if ax is a1 else "fraction of gaps")
         ax.grid(alpha=0.3)
@@ -645,16 +656,16 @@ def plot_runs(out_dir: Path, runs: Sequence[dict[str, Any]]) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    for run in runs:
-        bins: dict[int, float] = {}
-        for r in run["requests"]:
-            for t, n in token_times(r):
-                bins[int(t)] = bins.get(int(t), 0.0) + n
-        if bins:
-            xs = list(range(max(bins) + 1))
-            ax.plot(xs, [bins.get(x, 0.0) for x in xs], drawstyle="steps-post", label=run["label"])
+    times = {run["label"]: [tn for r in run["requests"] for tn in token_times(r)] for run in runs}
+    end_s = max((t for tns in times.values() for t, _ in tns), default=1.0)
+    bin_s = max(1, round(end_s / 60))  # about 60 bins
+    for label, tns in times.items():
+        bins = [0.0] * (int(end_s // bin_s) + 1)
+        for t, n in tns:
+            bins[int(t // bin_s)] += n / bin_s
+        ax.plot([i * bin_s for i in range(len(bins))], bins, drawstyle="steps-post", label=label)
     ax.set_xlabel("time since the run's start (s)")
-    ax.set_ylabel("output tokens/s")
+    ax.set_ylabel(f"output tokens/s ({bin_s} s bins)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -691,10 +702,12 @@ def plot_sweep(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
                 color=line.get_color(),
                 label=f"{name} p90",
             )
+    loads = sorted({load_of(r) for runs in series.values() for r in runs})
     for ax, title in zip(axes, ("TTFT (ms)", "inter-token gap (ms)")):
+        ax.set_xticks(loads, [f"{x:g}" for x in loads])
         ax.set_xlabel(xlabel)
         ax.set_ylabel(title)
-        ax.set_yscale("log")
+        _log_axis(ax, "y")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
