@@ -378,6 +378,8 @@ async def _stream_one(
                         rec.itl_s.append(now - last)
                     last = now
                     rec.num_chunks += 1
+                elif ch.get("finish_reason") and rec.ttft_s is None:
+                    rec.ttft_s = now - start  # an answer without text (EOS first): TTFT is its end
                 rec.finish_reason = ch.get("finish_reason") or rec.finish_reason
     rec.e2e_s = time.perf_counter() - start
     if cfg.logprobs:

@@ -175,7 +175,11 @@ class FakeEndpoint:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         delay = 5.0 if "SLOW" in text else 0.002
-        for i in range(body["max_tokens"]):
+        num_tokens = 0 if "EMPTY" in text else body["max_tokens"]
+        if not num_tokens:  # EOS first: one chunk with a finish reason and no text
+            chunk = {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": "stop"}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        for i in range(num_tokens):
             await asyncio.sleep(delay)
             delta = {"role": "assistant", "content": f" w{i}"} if i == 0 else {"content": f" w{i}"}
             chunk = {
@@ -259,6 +263,9 @@ async def test_runner_bounds_errors_and_cancellation(fake) -> None:
     assert [r.status for r in run.requests] == ["cancelled", "ok", "ok"]
     s = load.summarize(run.requests)
     assert (s["num_planned"], s["num_ok"], s["num_cancelled"]) == (3, 2, 1)
+    run = await load.run_load(base, [_conv("e", "EMPTY")])
+    (r,) = run.requests
+    assert r.status == "ok" and r.num_chunks == 0 and 0 < r.ttft_s <= r.e2e_s and r.finish_reason == "stop"
     rate = await load.run_load(
         load.LoadConfig(fake.url, "m", request_rate=50.0), [_conv(str(i), "x") for i in range(5)]
     )
