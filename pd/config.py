@@ -35,6 +35,7 @@ class ServerConfig:
     block_size: int = 128
     kv_cache_gb: float | None = None
     hicache_gb: float | None = None  # host prefix cache per rank; 0 turns it off; None: the engine's default
+    hicache_state_slots: int | None = None  # SWA state slots in it; None: the engine's default
     dtype: str = "auto"
     load_format: str = "auto"  # auto | dummy (random weights: smoke tests without a checkpoint's weights)
     gpu_memory_utilization: float = 0.9
@@ -116,6 +117,7 @@ class ServerConfig:
             "block_size": self.block_size,
             "kv_cache_gb": self.kv_cache_gb,
             "hicache_gb": self.hicache_gb,
+            "hicache_state_slots": self.hicache_state_slots,
             "dtype": self.dtype,
             "load_format": self.load_format,
             "gpu_memory_utilization": self.gpu_memory_utilization,
@@ -142,7 +144,10 @@ class ServerConfig:
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
         p.add_argument("--block-size", type=int, default=128)
         p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool per rank (default: engine's)")
-        p.add_argument("--hicache-gb", type=float, default=None, help="host prefix cache per rank; 0: off")
+        p.add_argument(
+            "--hicache-gb", "--hicache-size-gb", type=float, default=None, help="host prefix cache per rank; 0: off"
+        )
+        p.add_argument("--hicache-state-slots", type=int, default=None, help="SWA state slots of the host cache")
         p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
