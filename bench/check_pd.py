@@ -1,0 +1,476 @@
+#!/usr/bin/env python3
+"""Token identity between a single-engine server and a P/D pair (same model, both --deterministic).
+
+Every case is sent to both; the outputs must be identical token for token (compared through the
+logprobs' token bytes where the API gives them, and always as text, finish reason and completion token
+count). Cases: short and long prompts, stop strings, seeded sampling, n > 1, max_tokens 1 (the PE's
+first token ends it), completions, streaming, multi-turn conversations (each turn carries the
+reference's previous answer to both, so a difference shows at the turn it happens), and
+--concurrency conversations at once. A model without a chat template gets the completions cases only.
+Prints one line per case and a summary; exits 1 on any difference or failed request.
+
+    python bench/check_pd.py --ref http://127.0.0.1:8890 --pd http://127.0.0.1:8888
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+LONG_CONTEXT = "Notes for the discussion. " + " ".join(
+    f"Note {i}: the service on host {i % 7} answered in {10 + (i * 37) % 90} ms." for i in range(45)
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "List three colours.",
+    "Explain what a hash table is in two sentences.",
+    "Name a famous physicist and one discovery.",
+    "What is 17 times 3? Answer briefly.",
+    "Describe a cat in five words.",
+    "Give a short tip for writing clean code.",
+]
+FOLLOW_UPS = ["Tell me more.", "Summarise that in one line.", "Why?"]
+
+
+@dataclass(frozen=True)
+class Output:
+    """What must match: per choice, the text, finish reason and tokens (bytes), plus usage counts."""
+
+    choices: tuple[tuple[str, str | None, tuple[bytes, ...] | None], ...]
+    completion_tokens: int | None
+
+
+@dataclass
+class CaseResult:
+    name: str
+    diffs: list[str] = field(default_factory=list)
+    num_requests: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.diffs and self.error is None
+
+
+def _tokens(logprobs: Any) -> tuple[bytes, ...] | None:
+    if logprobs is None:
+        return None
+    content = getattr(logprobs, "content", None)
+    if content is not None:  # chat
+        return tuple(bytes(t.bytes or t.token.encode()) for t in content)
+    tokens = getattr(logprobs, "tokens", None)  # completions
+    return tuple(t.encode() for t in tokens) if tokens is not None else None
+
+
+def _extra(kw: dict[str, Any]) -> dict[str, Any]:
+    """Parameters the openai client does not know travel in extra_body."""
+    kw = dict(kw)
+    for k in ("top_k", "ignore_eos", "prefix_cache"):
+        if k in kw:
+            kw.setdefault("extra_body", {})[k] = kw.pop(k)
+    return kw
+
+
+def chat(client: Any, model: str, stream: bool, **kw: Any) -> Output:
+    kw = _extra(kw)
+    if not stream:
+        r = client.chat.completions.create(model=model, **kw)
+        return Output(
+            tuple(
+                (c.message.content or "", c.finish_reason, _tokens(c.logprobs))
+                for c in sorted(r.choices, key=lambda c: c.index)
+            ),
+            r.usage.completion_tokens if r.usage else None,
+        )
+    n = kw.get("n", 1)
+    texts, finish = [""] * n, [None] * n
+    toks: list[list[bytes] | None] = [[] if kw.get("logprobs") else None for _ in range(n)]
+    usage = None
+    for ch in client.chat.completions.create(
+        model=model, stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        if ch.usage is not None:
+            usage = ch.usage.completion_tokens
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish[c.index]
+            got = _tokens(c.logprobs)
+            if got is not None and toks[c.index] is not None:
+                toks[c.index] += list(got)  # type: ignore[operator]
+    return Output(
+        tuple((texts[i], finish[i], tuple(toks[i]) if toks[i] is not None else None) for i in range(n)),
+        usage,
+    )
+
+
+def complete(client: Any, model: str, stream: bool, **kw: Any) -> Output:
+    kw = _extra(kw)
+    if not stream:
+        r = client.completions.create(model=model, **kw)
+        return Output(
+            tuple(
+                (c.text, c.finish_reason, _tokens(c.logprobs))
+                for c in sorted(r.choices, key=lambda c: c.index)
+            ),
+            r.usage.completion_tokens if r.usage else None,
+        )
+    n = kw.get("n", 1)
+    texts, finish = [""] * n, [None] * n
+    toks: list[list[bytes] | None] = [[] if kw.get("logprobs") is not None else None for _ in range(n)]
+    usage = None
+    for ch in client.completions.create(
+        model=model, stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        if ch.usage is not None:
+            usage = ch.usage.completion_tokens
+        for c in ch.choices:
+            texts[c.index] += c.text or ""
+            finish[c.index] = c.finish_reason or finish[c.index]
+            got = _tokens(c.logprobs)
+            if got is not None and toks[c.index] is not None:
+                toks[c.index] += list(got)  # type: ignore[operator]
+    return Output(
+        tuple((texts[i], finish[i], tuple(toks[i]) if toks[i] is not None else None) for i in range(n)),
+        usage,
+    )
+
+
+def compare(turn: str, ref: Output, pd: Output) -> list[str]:
+    diffs = []
+    if len(ref.choices) != len(pd.choices):
+        return [f"{turn}: {len(ref.choices)} choices (ref) vs {len(pd.choices)} (pd)"]
+    for i, ((rt, rf, rtok), (pt, pf, ptok)) in enumerate(zip(ref.choices, pd.choices)):
+        if rtok is not None and ptok is not None and rtok != ptok:
+            k = next((j for j, (a, b) in enumerate(zip(rtok, ptok)) if a != b), min(len(rtok), len(ptok)))
+            diffs.append(
+                f"{turn} choice {i}: tokens differ at {k}: ref {rtok[k : k + 3]!r} vs pd {ptok[k : k + 3]!r} "
+                f"({len(rtok)} vs {len(ptok)} tokens)"
+            )
+        elif rt != pt:
+            k = next((j for j, (a, b) in enumerate(zip(rt, pt)) if a != b), min(len(rt), len(pt)))
+            diffs.append(
+                f"{turn} choice {i}: text differs at char {k}: ref {rt[k : k + 30]!r} vs pd {pt[k : k + 30]!r}"
+            )
+        if rf != pf:
+            diffs.append(f"{turn} choice {i}: finish_reason {rf!r} (ref) vs {pf!r} (pd)")
+    if ref.completion_tokens != pd.completion_tokens:
+        diffs.append(
+            f"{turn}: completion_tokens {ref.completion_tokens} (ref) vs {pd.completion_tokens} (pd)"
+        )
+    return diffs
+
+
+# A case: name -> function(ref_client, pd_client, model) -> CaseResult.
+Case = Callable[[Any, Any, str], CaseResult]
+
+
+def single(name: str, kind: str, stream: bool = False, **kw: Any) -> tuple[str, Case]:
+    call = chat if kind == "chat" else complete
+
+    def run(ref: Any, pd: Any, model: str) -> CaseResult:
+        res = CaseResult(name, num_requests=1)
+        res.diffs = compare("", call(ref, model, stream, **kw), call(pd, model, stream, **kw))
+        return res
+
+    return name, run
+
+
+def conversation(name: str, question: str, turns: int, stream: bool, **kw: Any) -> tuple[str, Case]:
+    """Multi-turn chat: each turn appends the reference's answer and a follow-up, for both sides."""
+
+    def run(ref: Any, pd: Any, model: str) -> CaseResult:
+        res = CaseResult(name)
+        messages: list[dict[str, str]] = [{"role": "user", "content": question}]
+        for t in range(turns):
+            a = chat(ref, model, stream, messages=messages, logprobs=True, **kw)
+            b = chat(pd, model, stream, messages=messages, logprobs=True, **kw)
+            res.num_requests += 1
+            res.diffs += compare(f"turn {t + 1}", a, b)
+            messages = messages + [
+                {"role": "assistant", "content": a.choices[0][0]},
+                {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]},
+            ]
+        return res
+
+    return name, run
+
+
+def text_conversation(name: str, prompt: str, turns: int, stream: bool, **kw: Any) -> tuple[str, Case]:
+    """Multi-turn without a chat template: the prompt grows by the reference's completion each turn."""
+
+    def run(ref: Any, pd: Any, model: str) -> CaseResult:
+        res = CaseResult(name)
+        text = prompt
+        for t in range(turns):
+            a = complete(ref, model, stream, prompt=text, logprobs=0, **kw)
+            b = complete(pd, model, stream, prompt=text, logprobs=0, **kw)
+            res.num_requests += 1
+            res.diffs += compare(f"turn {t + 1}", a, b)
+            text = text + a.choices[0][0] + "\n"
+        return res
+
+    return name, run
+
+
+def concurrent(name: str, inner: list[tuple[str, Case]], concurrency: int) -> tuple[str, Case]:
+    """The inner cases all at once against each side (the P/D side batches them; --deterministic
+    makes that irrelevant to the tokens)."""
+
+    def run(ref: Any, pd: Any, model: str) -> CaseResult:
+        res = CaseResult(name)
+        with ThreadPoolExecutor(concurrency) as ex:
+            results = list(ex.map(lambda c: c[1](ref, pd, model), inner))
+        for r in results:
+            res.num_requests += r.num_requests
+            res.diffs += [f"{r.name}: {d}" for d in r.diffs]
+            if r.error:
+                res.diffs.append(f"{r.name}: {r.error}")
+        return res
+
+    return name, run
+
+
+def chat_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]]:
+    m = max_tokens
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    long = user(LONG_CONTEXT + "\n\nWhich host answered fastest? Answer briefly.")
+    cases = [
+        single(
+            "chat short greedy",
+            "chat",
+            messages=user(QUESTIONS[0]),
+            max_tokens=m,
+            temperature=0,
+            logprobs=True,
+        ),
+        single(
+            "chat short stream",
+            "chat",
+            True,
+            messages=user(QUESTIONS[1]),
+            max_tokens=m,
+            temperature=0,
+            logprobs=True,
+        ),
+        single("chat long greedy", "chat", messages=long, max_tokens=m, temperature=0, logprobs=True),
+        single("chat long stream", "chat", True, messages=long, max_tokens=m, temperature=0, logprobs=True),
+        single(
+            "chat stop string",
+            "chat",
+            messages=user("Count from one to ten in words, separated by commas."),
+            max_tokens=m,
+            temperature=0,
+            stop=[", four", "ten"],
+        ),
+        single(
+            "chat seeded sampling",
+            "chat",
+            messages=user(QUESTIONS[2]),
+            max_tokens=m,
+            temperature=0.9,
+            top_p=0.9,
+            seed=1234,
+            logprobs=True,
+        ),
+        single(
+            "chat seeded stream n=2",
+            "chat",
+            True,
+            messages=user(QUESTIONS[3]),
+            max_tokens=m,
+            temperature=1.0,
+            top_k=40,
+            seed=7,
+            n=2,
+            logprobs=True,
+        ),
+        single(
+            "chat max_tokens 1",
+            "chat",
+            messages=user(QUESTIONS[4]),
+            max_tokens=1,
+            temperature=0,
+            logprobs=True,
+        ),
+        single(
+            "chat top_logprobs",
+            "chat",
+            messages=user(QUESTIONS[5]),
+            max_tokens=m,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+        ),
+        conversation("conversation greedy 3 turns", QUESTIONS[6], 3, False, max_tokens=m, temperature=0),
+        conversation(
+            "conversation seeded stream 3 turns",
+            QUESTIONS[7],
+            3,
+            True,
+            max_tokens=m,
+            temperature=0.8,
+            seed=99,
+        ),
+        conversation(
+            "conversation long 2 turns",
+            LONG_CONTEXT + "\n\nWhich host is mentioned first?",
+            2,
+            True,
+            max_tokens=m,
+            temperature=0,
+        ),
+    ]
+    if concurrency > 1:
+        inner = [
+            conversation(
+                f"#{i}",
+                QUESTIONS[i % len(QUESTIONS)] + f" (conversation {i})",
+                2,
+                i % 2 == 0,
+                max_tokens=m,
+                temperature=0 if i % 3 else 0.7,
+                seed=i,
+            )
+            for i in range(concurrency)
+        ]
+        cases.append(concurrent(f"{concurrency} concurrent conversations", inner, concurrency))
+    return cases
+
+
+def completion_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]]:
+    m = max_tokens
+    cases = [
+        single(
+            "completion greedy",
+            "completions",
+            prompt="The capital of France is",
+            max_tokens=m,
+            temperature=0,
+            logprobs=0,
+        ),
+        single(
+            "completion stream",
+            "completions",
+            True,
+            prompt="Once upon a time",
+            max_tokens=m,
+            temperature=0,
+            logprobs=0,
+        ),
+        single(
+            "completion long",
+            "completions",
+            prompt=LONG_CONTEXT + "\nThe fastest host was",
+            max_tokens=m,
+            temperature=0,
+            logprobs=0,
+        ),
+        single(
+            "completion seeded sampling",
+            "completions",
+            prompt="A list of fruits:",
+            max_tokens=m,
+            temperature=0.9,
+            seed=5,
+            logprobs=0,
+        ),
+        single("completion stop", "completions", prompt="1, 2, 3,", max_tokens=m, temperature=0, stop=[" 7"]),
+        single(
+            "completion max_tokens 1", "completions", prompt="Hello", max_tokens=1, temperature=0, logprobs=0
+        ),
+        text_conversation(
+            "completion multi-turn",
+            LONG_CONTEXT + "\nQ: Which host is first?\nA:",
+            3,
+            True,
+            max_tokens=m,
+            temperature=0,
+        ),
+    ]
+    if concurrency > 1:
+        inner = [
+            text_conversation(
+                f"#{i}",
+                f"Story {i}: " + QUESTIONS[i % len(QUESTIONS)],
+                2,
+                i % 2 == 1,
+                max_tokens=m,
+                temperature=0,
+                seed=i,
+            )
+            for i in range(concurrency)
+        ]
+        cases.append(concurrent(f"{concurrency} concurrent completion conversations", inner, concurrency))
+    return cases
+
+
+def has_chat_template(client: Any, model: str) -> bool:
+    import openai
+
+    try:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
+    except openai.BadRequestError as e:
+        if "no_chat_template" in str(e):
+            return False
+        raise
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/check_pd.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ref", required=True, help="single-engine server URL (http://host:port)")
+    p.add_argument("--pd", required=True, help="P/D pair's CE URL (http://host:port)")
+    p.add_argument("--model", default=None, help="default: the ref server's only model")
+    p.add_argument("--concurrency", type=int, default=16, help="conversations at once in the concurrent case")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--only", default=None, help="run only cases whose name contains this")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    args = p.parse_args(argv)
+
+    from openai import OpenAI
+
+    def client(url: str) -> Any:
+        return OpenAI(
+            base_url=url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=args.timeout_s
+        )
+
+    ref, pd = client(args.ref), client(args.pd)
+    model = args.model or ref.models.list().data[0].id
+    cases = completion_cases(args.concurrency, args.max_tokens)
+    if has_chat_template(ref, model):
+        cases = chat_cases(args.concurrency, args.max_tokens) + cases
+    else:
+        print(f"{model} has no chat template: completions cases only")
+    if args.only:
+        cases = [c for c in cases if args.only in c[0]]
+    print(f"check_pd: {len(cases)} cases, model {model}\n  ref {args.ref}\n  pd  {args.pd}")
+    results = []
+    for name, run in cases:
+        t0 = time.perf_counter()
+        try:
+            r = run(ref, pd, model)
+        except Exception as e:  # a failed request is a failed check, reported like a difference
+            r = CaseResult(name, error=f"{type(e).__name__}: {e}")
+        results.append(r)
+        status = "ok  " if r.ok else "DIFF" if r.diffs else "FAIL"
+        print(f"{status} {name:<45} {r.num_requests:>3} request(s) {time.perf_counter() - t0:6.1f} s")
+        for d in r.diffs[:10]:
+            print(f"       {d}")
+        if r.error:
+            print(f"       {r.error}")
+    bad = [r for r in results if not r.ok]
+    total = sum(r.num_requests for r in results)
+    print(f"{len(results) - len(bad)}/{len(results)} cases identical ({total} requests per side)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
