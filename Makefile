@@ -34,5 +34,5 @@ clean:
 .PHONY: demo
 demo: setup
 	$(BIN)/python -m engine.models fetch smollm2-135m-instruct
-	deploy/server.sh start
-	$(BIN)/python -m pd.demo --url http://127.0.0.1:8888/v1
+	deploy/pd_run.sh start localhost localhost
+	$(BIN)/python -m pd.demo --url http://127.0.0.1:8888/v1 --stop-command "deploy/pd_run.sh stop localhost localhost"

@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8888/v1")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stop-command", default="deploy/server.sh stop", help="how the user stops the server")
     args = p.parse_args(argv)
 
     from openai import OpenAI
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     u = reply.usage
     if u is not None:
         print(f"({u.prompt_tokens} prompt + {u.completion_tokens} completion tokens in {dt:.1f} s)")
-    print("The server keeps running; stop it with: deploy/server.sh stop")
+    print(f"The server keeps running; stop it with: {args.stop_command}")
     return 0
 
 
