@@ -4,14 +4,18 @@ BIN := $(VENV)/bin
 
 .PHONY: setup test test-fast lint models clean
 
-$(BIN)/python:
-	$(PY) -m venv $(VENV)
+STAMP := $(VENV)/.installed
+
+# Re-runs whenever pyproject.toml changes, so an existing venv picks up new dependencies.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The local CPU build; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,dev]'
+	touch $(STAMP)
 
-setup: $(BIN)/python
+setup: $(STAMP)
 
 models: setup
 	$(BIN)/python -m engine.models fetch smollm2-135m-instruct
