@@ -34,11 +34,19 @@ def get_json(url: str, timeout_s: float = 10.0) -> tuple[int, Any]:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, log_path: Path | None = None, ready_timeout_s: float = 600.0) -> None:
-        self.port = free_port()
+    def __init__(
+        self,
+        *args: str,
+        log_path: Path | None = None,
+        ready_timeout_s: float = 600.0,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port()
         self.args = ["--port", str(self.port), *args]
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -46,13 +54,22 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> ServerProcess:
-        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        return self.start().wait_ready()
+
+    def start(self) -> ServerProcess:
+        """Starts the process without waiting (start several, then wait_ready each: they load at once)."""
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pd.server", *self.args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=self.env,
         )
+        return self
+
+    def wait_ready(self) -> ServerProcess:
+        assert self.proc is not None
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -91,6 +108,100 @@ class ServerProcess:
         self.proc = None
 
 
+class PDPair:
+    """A P/D pair for tests: a PE and a CE (`--role pe|ce`) on free loopback ports, sharing a fresh
+    cluster token (in their environment), `args` to both. url is the CE's (the OpenAI endpoint)."""
+
+    def __init__(
+        self,
+        *args: str,
+        log_dir: Path | None = None,
+        pe_args: tuple[str, ...] = (),
+        ce_args: tuple[str, ...] = (),
+        token: str = "pd-test-cluster-token-0123456789",
+        ready_timeout_s: float = 600.0,
+    ) -> None:
+        self.token = token
+        self.env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": token}
+        self.env.pop("PDSERVE_CLUSTER_TOKEN_FILE", None)
+        self.kv_port = free_port()
+        self.args, self.pe_args = args, pe_args
+        self.log_dir = log_dir
+        self.ready_timeout_s = ready_timeout_s
+        self.pe = self._pe(None)
+        self.ce = ServerProcess(
+            "--role",
+            "ce",
+            *args,
+            *ce_args,
+            "--prefill-url",
+            self.pe.url,
+            "--kv-port-base",
+            str(self.kv_port),
+            log_path=log_dir / "ce.log" if log_dir else None,
+            ready_timeout_s=ready_timeout_s,
+            env=self.env,
+        )
+
+    def _pe(self, port: int | None) -> ServerProcess:
+        return ServerProcess(
+            "--role",
+            "pe",
+            *self.args,
+            *self.pe_args,
+            log_path=self.log_dir / "pe.log" if self.log_dir else None,
+            ready_timeout_s=self.ready_timeout_s,
+            env=self.env,
+            port=port,
+        )
+
+    @property
+    def url(self) -> str:
+        return self.ce.url
+
+    def start(self) -> PDPair:
+        self.pe.start()
+        self.ce.start()
+        return self
+
+    def wait_ready(self) -> PDPair:
+        self.pe.wait_ready()
+        self.ce.wait_ready()
+        self.wait_pe_seen()
+        return self
+
+    def wait_pe_seen(self, timeout_s: float = 30.0) -> None:
+        """Waits until the CE's health check sees the PE up."""
+        deadline = time.monotonic() + timeout_s
+        while get_json(self.ce.url + "/health")[1].get("prefill_engine", {}).get("state") != "up":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the CE does not see the PE after {timeout_s} s")
+            time.sleep(0.2)
+
+    def restart_pe(self) -> None:
+        """A new PE on the same port (after a kill), ready and seen by the CE."""
+        self.pe.stop()
+        self.pe = self._pe(self.pe.port)
+        self.pe.start().wait_ready()
+        self.wait_pe_seen()
+
+    def __enter__(self) -> PDPair:
+        try:
+            return self.start().wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.ce.stop()
+        self.pe.stop()
+
+
 def rank_metrics(port: int, rank: int = 0) -> dict[str, float]:
     """One rank's samples from /metrics, other labels summed away: name -> value."""
     import re
@@ -104,6 +215,14 @@ def rank_metrics(port: int, rank: int = 0) -> dict[str, float]:
     return out
 
 
+_PD_BUSY_GAUGES = (
+    "pdserve_engine_num_reservations_waiting",
+    "pdserve_engine_num_reservations_held",
+    "pdserve_engine_num_committed_blocks",
+    "pdserve_engine_num_handoffs_inflight",
+)
+
+
 def wait_idle(port: int, rank: int = 0, timeout_s: float = 20.0) -> dict[str, float]:
     """Waits until the rank runs nothing and its KV pool is all free; returns its metrics then."""
     deadline = time.monotonic() + timeout_s
@@ -111,7 +230,9 @@ def wait_idle(port: int, rank: int = 0, timeout_s: float = 20.0) -> dict[str, fl
         m = rank_metrics(port, rank)
         idle = m.get("pdserve_num_requests_running") == 0 and m.get("pdserve_num_requests_waiting") == 0
         free = m.get("pdserve_kv_free_blocks") == m.get("pdserve_kv_total_blocks")
-        if idle and free and m.get("pdserve_num_requests_inflight") == 0:
+        # P/D ranks: no reservation held or waiting, nothing committed, no handoff in flight
+        pd_busy = [k for k in _PD_BUSY_GAUGES if m.get(k, 0.0) != 0.0]
+        if idle and free and not pd_busy and m.get("pdserve_num_requests_inflight") == 0:
             return m
         if time.monotonic() > deadline:
             raise AssertionError(f"rank {rank} not idle after {timeout_s} s: {m}")
