@@ -418,7 +418,7 @@ def has_chat_template(client: Any, model: str) -> bool:
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1
         )
     except openai.BadRequestError as e:
-        if "no_chat_template" in str(e):
+        if e.code == "no_chat_template" or "no chat template" in str(e):
             return False
         raise
     return True
