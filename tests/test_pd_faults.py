@@ -177,7 +177,8 @@ class FakePE:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """(pair, fault_ce, fake_pe): a real pair, and a CE whose PE is the FakePE in front of the real PE."""
+    """(pair, fault_ce, fake_pe, fallback_ce): a real pair; a CE whose PE is the FakePE in front of the
+    real PE; a CE with --fallback-local-prefill and no PE."""
     logs = tmp_path_factory.mktemp("pd_faults")
     pair = PDPair(
         *ARGS,
@@ -203,12 +204,29 @@ def cluster(tmp_path_factory):
                 log_path=logs / "fault_ce.log",
                 env=pair.env,
             )
+            fallback_ce = ServerProcess(  # its PE is nowhere: it prefills everything itself
+                "--role",
+                "ce",
+                *ARGS,
+                "--kv-cache-gb",
+                "0.1",
+                "--prefill-url",
+                f"http://127.0.0.1:{free_port()}",
+                "--kv-port-base",
+                str(free_port()),
+                "--fallback-local-prefill",
+                log_path=logs / "fallback_ce.log",
+                env=pair.env,
+            )
             try:
                 fault_ce.start()
+                fallback_ce.start()
                 pair.wait_ready()
                 fault_ce.wait_ready()
-                yield pair, fault_ce, fake
+                fallback_ce.wait_ready()
+                yield pair, fault_ce, fake, fallback_ce
             finally:
+                fallback_ce.stop()
                 fault_ce.stop()
     finally:
         pair.stop()
@@ -283,7 +301,7 @@ def pe_has_it(pair: PDPair) -> bool:
 
 
 def test_abort_while_the_pe_prefills(cluster):
-    pair, _, _ = cluster
+    pair = cluster[0]
     sent = rank_metrics(pair.pe.port).get("pdserve_engine_handoffs_sent_total", 0)
     s = RawStream(pair.url, [{"role": "user", "content": LONG}], 8, temperature=0)
     wait_for(lambda: pe_has_it(pair), 60, "the PE to take the request")
@@ -294,7 +312,7 @@ def test_abort_while_the_pe_prefills(cluster):
 
 
 def test_abort_while_decoding(cluster):
-    pair, _, _ = cluster
+    pair = cluster[0]
     s = RawStream(pair.url, HI, 1000, temperature=0, ignore_eos=True)
     s.read_chunks(3)
     assert rank_metrics(pair.ce.port)["pdserve_num_requests_running"] == 1
@@ -304,7 +322,7 @@ def test_abort_while_decoding(cluster):
 
 
 def test_abort_while_waiting_for_decode_memory_and_queue_limit(cluster):
-    pair, _, _ = cluster
+    pair = cluster[0]
     # the CE pool holds 18 pages: A commits 16 of them for its whole decode, so B must wait for A,
     # and C finds the queue (limit 1) full
     a = RawStream(pair.url, HI, 1950, temperature=0, ignore_eos=True)
@@ -339,7 +357,7 @@ def urllib_text(url: str) -> str:
 
 
 def test_pe_killed_during_a_request_then_back(cluster):
-    pair, _, _ = cluster
+    pair = cluster[0]
     s = RawStream(pair.url, [{"role": "user", "content": "Again. " + LONG}], 8, temperature=0)
     wait_for(lambda: pe_has_it(pair), 60, "the PE to take the request")
     assert pair.pe.proc is not None
@@ -408,7 +426,7 @@ def prefill_body(receiver: str, lease_s: float) -> dict[str, Any]:
 
 
 async def test_pe_lease_expires_on_a_receiver_that_never_acks(cluster):
-    pair, _, _ = cluster
+    pair = cluster[0]
     async with stalling_receiver(pair) as (r, stall):
         auth = {"Authorization": f"Bearer {pair.token}"}
         async with aiohttp.ClientSession() as s:
@@ -425,7 +443,7 @@ async def test_pe_lease_expires_on_a_receiver_that_never_acks(cluster):
 
 
 async def test_abort_while_the_kv_is_in_transfer(cluster):
-    pair, _, _ = cluster
+    pair = cluster[0]
     async with stalling_receiver(pair) as (r, stall):
         auth = {"Authorization": f"Bearer {pair.token}"}
         async with aiohttp.ClientSession() as s:
@@ -457,7 +475,7 @@ async def test_abort_while_the_kv_is_in_transfer(cluster):
     ],
 )
 def test_broken_handoffs_are_refused(cluster, mode, status, code):
-    pair, fault_ce, fake = cluster
+    pair, fault_ce, fake = cluster[:3]
     assert ask(fault_ce.url)  # the proxy works: a real handoff from the real PE
     before = rank_metrics(fault_ce.port)
     fake.mode = mode
@@ -480,7 +498,7 @@ def test_broken_handoffs_are_refused(cluster, mode, status, code):
 
 
 def test_abort_while_waiting_for_the_pe(cluster):
-    pair, fault_ce, fake = cluster
+    pair, fault_ce, fake = cluster[:3]
     fake.mode = "silent"
     try:
         s = RawStream(fault_ce.url, HI, 4, temperature=0)
@@ -494,3 +512,13 @@ def test_abort_while_waiting_for_the_pe(cluster):
     finally:
         fake.mode = "proxy"
     assert ask(fault_ce.url)
+
+
+def test_fallback_local_prefill(cluster):
+    pair, fallback_ce = cluster[0], cluster[3]
+    status, health = get_json(fallback_ce.url + "/health")
+    assert status == 200 and health["prefill_engine"]["state"] == "down" and health["status"] == "ok"
+    question = "What is two plus two?"
+    assert ask(fallback_ce.url, question, 6) == ask(pair.url, question, 6)  # same tokens, prefilled on the CE
+    assert "pdserve_local_prefills_total 1.0" in urllib_text(fallback_ce.url + "/metrics")
+    idle(fallback_ce.port, pair.ce.port, pair.pe.port)
