@@ -75,7 +75,9 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_tail()}")
             with contextlib.suppress(OSError, ValueError):
-                if get_json(self.url + "/health", 2.0)[0] == 200:
+                status, body = get_json(self.url + "/health", 2.0)
+                # 200 comes with the first rank up: wait for every rank (routing sees them all)
+                if status == 200 and all(r.get("state") != "starting" for r in body.get("ranks", [])):
                     return self
             time.sleep(0.5)
         self.stop()
