@@ -302,12 +302,14 @@ def pe_has_it(pair: PDPair) -> bool:
 
 def test_abort_while_the_pe_prefills(cluster):
     pair = cluster[0]
-    sent = rank_metrics(pair.pe.port).get("pdserve_engine_handoffs_sent_total", 0)
+    time.sleep(1.5)  # an idle rank's stats are at most a heartbeat (1 s) old
+    sent = rank_metrics(pair.pe.port)["pdserve_engine_handoffs_sent_total"]
     s = RawStream(pair.url, [{"role": "user", "content": LONG}], 8, temperature=0)
     wait_for(lambda: pe_has_it(pair), 60, "the PE to take the request")
     s.close()  # a ~1700-token prefill is under way on the PE
     idle(pair.ce.port, pair.pe.port)
-    assert rank_metrics(pair.pe.port).get("pdserve_engine_handoffs_sent_total", 0) == sent
+    time.sleep(1.5)
+    assert rank_metrics(pair.pe.port)["pdserve_engine_handoffs_sent_total"] == sent
     assert ask(pair.url)
 
 
