@@ -262,7 +262,7 @@ class DecodeRole:
                 log.warning("handoff %r brings %d tokens, %d reserved", rid, num_tokens, held.num_tokens)
                 return None
             held.is_receiving = True
-        return allocate_payload(header)
+        return allocate_payload(header, self.engine.device)  # CUDA: the transports land it on the GPU
 
     async def _on_complete(self, header: HandoffHeader, export: Any) -> None:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
