@@ -92,20 +92,23 @@ class DisaggregatedPath:
             self.metrics.ttft_phase_s.labels("queue").observe(time.monotonic() - arrival_s)
             self.num_held += 1
             self._gauge()
+            failure: PrefillFailed | None = None
             try:
                 res = await self._prefill(rank, req)
             except PrefillFailed as e:
-                self.metrics.handoff_failures.labels(self.cfg.transport, e.code).inc()
-                if not self.cfg.fallback_local_prefill or e.status == 400:
-                    raise _prefill_error(e) from None
-                log.warning("prefill of %s failed (%s); prefilling it on the CE", rid, e)
+                failure = e
+            finally:
+                self.num_held -= 1
+                self._gauge()
+            if failure is not None:
+                self.metrics.handoff_failures.labels(self.cfg.transport, failure.code).inc()
+                if not self.cfg.fallback_local_prefill or failure.status == 400:
+                    raise _prefill_error(failure)
+                log.warning("prefill of %s failed (%s); prefilling it on the CE", rid, failure)
                 self.metrics.local_prefills.inc()
                 await rank.submit(rid, req.prompt_token_ids, req.params, events, req.use_prefix_cache)
                 await self._forward(events, out, None)
                 return
-            finally:
-                self.num_held -= 1
-                self._gauge()
             if res.output is not None:  # the first token ended the request: nothing to decode
                 await rank.abort([rid])
                 res.output.num_cached_tokens = res.num_cached_tokens
