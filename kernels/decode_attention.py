@@ -1,0 +1,268 @@
+"""Paged decode attention (Triton): one query token per sequence, K/V read in place.
+
+Full-attention layers read a sequence's keys through its block table from the paged pool; sliding
+layers read its SWA ring slot. Both caches have the same shape after the layer index,
+[units, 2 (k, v), unit_tokens, kv_heads, head_dim], so one kernel serves both: a ring is a "page" of
+`window` tokens whose block table is the sequence's state slot.
+
+    full layer, key j:  page = block_table[b, j // block_size], token j % block_size,  j < context_len
+    ring,       key j:  slot = block_table[b, 0],               index j,               j < min(context_len, window)
+
+(The ring holds positions [context_len - window, context_len) at index p % window; attention does not
+care about key order, only about which keys are visible, and after the new token is stored the ring
+holds exactly the window's visible keys.)
+
+One program per (sequence, kv head, split): the query heads of one KV head (GQA) are one tile of
+rows, softmax in float32. A sequence's keys are cut into splits that depend on its context length
+alone (never on the batch: see `split_bounds`), and a second kernel folds the splits in a fixed order,
+so a row's output is bit-identical whether it runs alone or in any batch; deterministic mode uses the
+same kernels. A row with context length 0 (a padded row of a CUDA graph) reads and stores nothing
+and gets zeros.
+
+`store_decode_kv` writes each sequence's new K/V at position context_len - 1 (page slot or ring index)
+before the attention reads it; padded rows are skipped there too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SPLITS = 16  # splits of one sequence's keys, at most
+MIN_SPLIT_TOKENS = 128  # a split gets at least this many keys (fewer splits for short contexts)
+BLOCK_N = 64  # keys per tile
+
+
+@triton.jit
+def _split_bounds(n, s, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split s of n keys: [start, end); start >= end means the split is empty. A function of n only."""
+    num_splits = tl.minimum(MAX_SPLITS, tl.cdiv(n, MIN_SPLIT))
+    split_len = tl.cdiv(tl.cdiv(n, tl.maximum(num_splits, 1)), BLOCK_N) * BLOCK_N
+    start = s * split_len
+    end = tl.minimum(n, start + split_len)
+    return num_splits, start, end
+
+
+@triton.jit
+def _num_keys(CTX, b, WINDOW: tl.constexpr):
+    n = tl.load(CTX + b)
+    if WINDOW > 0:
+        n = tl.minimum(n, WINDOW)
+    return n
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KV, BT, CTX, ACC, ML,
+    stride_qb, stride_qh,
+    stride_unit, stride_kv, stride_tok, stride_head,
+    stride_btb,
+    scale,
+    WINDOW: tl.constexpr,  # 0: full layer (paged); > 0: ring of this many tokens
+    UNIT_TOKENS: tl.constexpr,  # tokens per page (block_size) or per ring (window)
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    n = _num_keys(CTX, b, WINDOW)
+    num_splits, start, end = _split_bounds(n, s, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
+    if (s < num_splits) & (start < end):
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_h = offs_h < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_h
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        row = BT + b.to(tl.int64) * stride_btb
+        for j0 in range(start, end, BLOCK_N):
+            offs_n = j0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            if WINDOW > 0:
+                unit = tl.load(row + offs_n * 0, mask=mask_n, other=0)
+            else:
+                unit = tl.load(row + offs_n // UNIT_TOKENS, mask=mask_n, other=0)
+            base = unit.to(tl.int64) * stride_unit + (offs_n % UNIT_TOKENS) * stride_tok + kvh * stride_head
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(KV + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(mask_n[None, :], qk * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(KV + stride_kv + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        # partials: ACC [B, heads, MAX_SPLITS, BLOCK_D], ML [B, heads, MAX_SPLITS, 2]
+        part = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * MAX_SPLITS + s
+        tl.store(ACC + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_h[:, None])
+        tl.store(ML + part * 2, m_i, mask=mask_h)
+        tl.store(ML + part * 2 + 1, l_i, mask=mask_h)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    ACC, ML, CTX, OUT,
+    stride_ob, stride_oh,
+    num_heads,
+    WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    n = _num_keys(CTX, b, WINDOW)
+    num_splits, _, _ = _split_bounds(n, 0, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
+    part0 = (b.to(tl.int64) * num_heads + h) * MAX_SPLITS
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # NOTE: splits fold in index order, always: the sum's order is a function of n alone.
+    for s in range(0, num_splits):
+        _, start, end = _split_bounds(n, s, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
+        if start < end:
+            m_s = tl.load(ML + (part0 + s) * 2)
+            l_s = tl.load(ML + (part0 + s) * 2 + 1)
+            a_s = tl.load(ACC + (part0 + s) * BLOCK_D + offs_d)
+            m_new = tl.maximum(m, m_s)
+            alpha = tl.exp(m - m_new)
+            beta = tl.exp(m_s - m_new)
+            l_sum = l_sum * alpha + l_s * beta
+            acc = acc * alpha + a_s * beta
+            m = m_new
+    out = tl.where(l_sum > 0, acc / l_sum, 0.0)  # n == 0 (a padded row): zeros
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=mask_d)
+
+
+def _check_cache(cache: torch.Tensor, layer: int) -> torch.Tensor:
+    if cache.dim() != 6:
+        raise ValueError(f"cache must be [units, layers, 2, tokens, kv_heads, head_dim], got {tuple(cache.shape)}")
+    kv = cache[:, layer]
+    if kv.stride(-1) != 1:
+        raise ValueError("the cache's head_dim must be contiguous")
+    return kv
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [B, heads, head_dim], one token per sequence, its K/V already stored (store_decode_kv).
+    cache: the paged pool (window 0) or the SWA ring pool (window > 0), indexed by `layer`.
+    block_table: [B, max_blocks] int32 page ids, or [B, 1] state slots for a ring.
+    context_lens: [B] int32, the new token's position + 1; 0 marks a padded row (output zeros).
+    Returns [B, heads, head_dim] in q's dtype."""
+    kv = _check_cache(cache, layer)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = kv.shape[3]
+    if num_heads % num_kv_heads or kv.shape[4] != head_dim or q.stride(-1) != 1:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache's {num_kv_heads} kv heads x {kv.shape[4]}")
+    if window and kv.shape[2] != window:
+        raise ValueError(f"ring of {kv.shape[2]} tokens, window {window}")
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    acc = torch.empty((batch, num_heads, MAX_SPLITS, block_d), dtype=torch.float32, device=q.device)
+    ml = torch.empty((batch, num_heads, MAX_SPLITS, 2), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, MAX_SPLITS)](
+        q, kv, block_table, context_lens, acc, ml,
+        q.stride(0), q.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        block_table.stride(0),
+        scale,
+        WINDOW=window, UNIT_TOKENS=kv.shape[2],
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=MIN_SPLIT_TOKENS, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        acc, ml, context_lens, out,
+        out.stride(0), out.stride(1),
+        num_heads,
+        WINDOW=window, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=MIN_SPLIT_TOKENS,
+        num_warps=1,
+    )
+    return out
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KV, BT, CTX,
+    stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_unit, stride_kv, stride_tok, stride_head,
+    stride_btb,
+    IS_RING: tl.constexpr, UNIT_TOKENS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_KVH: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    ctx = tl.load(CTX + b)
+    if ctx > 0:
+        pos = ctx - 1
+        row = BT + b.to(tl.int64) * stride_btb
+        if IS_RING:
+            unit = tl.load(row)
+        else:
+            unit = tl.load(row + pos // UNIT_TOKENS)
+        offs_h = tl.arange(0, BLOCK_KVH)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+        dst = KV + unit.to(tl.int64) * stride_unit + (pos % UNIT_TOKENS) * stride_tok
+        dst = dst + offs_h[:, None] * stride_head + offs_d[None, :]
+        k = tl.load(K + b * stride_kb + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+        v = tl.load(V + b * stride_vb + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        tl.store(dst, k, mask=mask)
+        tl.store(dst + stride_kv, v, mask=mask)
+
+
+def store_decode_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    is_ring: bool,
+) -> None:
+    """Writes each row's k, v ([B, kv_heads, head_dim]) at position context_lens - 1: into its page
+    (block_table[b, pos // block_size], slot pos % block_size) or its ring (slot block_table[b, 0],
+    index pos % window). Rows with context length 0 are skipped."""
+    kv = _check_cache(cache, layer)
+    batch, num_kv_heads, head_dim = k.shape
+    if batch == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv.shape[3:] != k.shape[1:]:
+        raise ValueError(f"k {tuple(k.shape)} does not fit the cache's {tuple(kv.shape[3:])}")
+    _store_kv_kernel[(batch,)](
+        k, v, kv, block_table, context_lens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        block_table.stride(0),
+        IS_RING=is_ring, UNIT_TOKENS=kv.shape[2], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_KVH=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1,
+    )
