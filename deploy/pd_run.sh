@@ -21,11 +21,8 @@
 # server-PORT.* files are another name space, so a single-engine server runs beside the pair.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-RUN_DIR="${PDSERVE_RUN_DIR:-$ROOT/run}"
-PY="${PDSERVE_PYTHON:-$ROOT/.venv/bin/python}"
-[ -x "$PY" ] || PY=python3
-START_TIMEOUT_S="${PDSERVE_START_TIMEOUT_S:-900}"
+# shellcheck source=deploy/lib.sh
+. "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib.sh"
 SELF="$ROOT/deploy/pd_run.sh"
 
 die() { echo "pd_run.sh: $*" >&2; exit 1; }
@@ -36,19 +33,6 @@ usage() {
 }
 
 is_local() { case "$1" in localhost|127.*|::1) return 0 ;; *) return 1 ;; esac; }
-
-# A zombie (exited, not reaped: its parent, an earlier pd_run.sh, is gone) counts as dead.
-alive() {
-    [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != "Z" ]
-}
-
-group_alive() {  # group_alive PGID: a live (non-zombie) process is in the group
-    ps -eo pgid=,stat= 2>/dev/null | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
-}
-
-healthy() {  # healthy URL: /health answers 200
-    "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=3)' "$1" 2>/dev/null
-}
 
 # on HOST CMD...: runs this script's internal command CMD on HOST (here, or through ssh).
 on() {
@@ -68,59 +52,13 @@ on() {
 # _start ROLE PORT URL [server flags]: starts one side unless it runs; waits for /health.
 internal_start() {
     local role="$1" port="$2" url="$3"; shift 3
-    local pidfile="$RUN_DIR/pd-$role-$port.pid" log="$RUN_DIR/pd-$role-$port.log"
-    mkdir -p "$RUN_DIR"
+    local pidfile="$RUN_DIR/pd-$role-$port.pid"
     if [ -f "$pidfile" ] && alive "$(cat "$pidfile")"; then
         echo "$role already running on port $port (pid $(cat "$pidfile")): $url"
         return 0
     fi
-    # os.setsid() then exec: the server leads a new process group that its engine ranks join.
-    "$PY" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
-        "$PY" -m pd.server --role "$role" --port "$port" "$@" >"$log" 2>&1 </dev/null &
-    local pid=$!
-    echo "$pid" >"$pidfile"
-    echo "$url" >"$RUN_DIR/pd-$role-$port.url"
-    echo "starting the $role on $url, pid $pid, log $log ..."
-    local waited=0
-    until healthy "$url"; do
-        if ! alive "$pid"; then
-            rm -f "$pidfile" "$RUN_DIR/pd-$role-$port.url"
-            echo "the $role failed to start; the end of $log:" >&2
-            tail -n 30 "$log" >&2
-            exit 1
-        fi
-        if [ "$waited" -ge "$START_TIMEOUT_S" ]; then
-            echo "the $role is not ready after ${START_TIMEOUT_S}s; stopping it (log: $log)" >&2
-            stop_pidfile "$pidfile"
-            exit 1
-        fi
-        sleep 1
-        waited=$((waited + 1))
-    done
+    start_server "the $role" "$pidfile" "$url" -- --role "$role" --port "$port" "$@"
     echo "$role ready: $url"
-}
-
-stop_pidfile() {  # stop_pidfile PIDFILE
-    local pidfile="$1" pid name
-    pid="$(cat "$pidfile")"
-    name="$(basename "$pidfile" .pid)"
-    if group_alive "$pid"; then
-        kill -TERM -- "-$pid" 2>/dev/null || true
-        local i
-        for i in $(seq 1 60); do
-            group_alive "$pid" || break
-            sleep 0.5
-        done
-        if group_alive "$pid"; then
-            echo "process group $pid did not exit after SIGTERM; killing it"
-            kill -KILL -- "-$pid" 2>/dev/null || true
-            sleep 0.5
-        fi
-        echo "stopped $name (process group $pid)"
-    else
-        echo "not running: $name (removed stale pid file)"
-    fi
-    rm -f "$pidfile" "${pidfile%.pid}.url"
 }
 
 pidfiles() {  # pidfiles ROLE [PORT]
@@ -145,28 +83,10 @@ internal_stop() {
 
 # _status ROLE [PORT]: exit 3 when nothing runs
 internal_status() {
-    local files f pid p url any=1
+    local files any=0
     files="$(pidfiles "$1" "${2:-}")"
-    for f in $files; do
-        pid="$(cat "$f")"
-        p="${f##*/pd-$1-}"
-        p="${p%.pid}"
-        url="$(cat "$RUN_DIR/pd-$1-$p.url" 2>/dev/null || echo "http://127.0.0.1:$p")"
-        if alive "$pid"; then
-            any=0
-            echo "$1 running: $url, pid $pid, log $RUN_DIR/pd-$1-$p.log"
-            "$PY" -c 'import sys, urllib.request, urllib.error
-try:
-    print("  health:", urllib.request.urlopen(sys.argv[1], timeout=3).read().decode())
-except urllib.error.HTTPError as e:
-    print("  health:", e.code, e.read().decode())
-except OSError as e:
-    print("  health: no answer:", e)' "$url/health"
-        else
-            echo "$1 not running: port $p (stale pid file removed)"
-            rm -f "$f" "${f%.pid}.url"
-        fi
-    done
+    # shellcheck disable=SC2086
+    status_pidfiles "$1" "pd-$1-" $files || any=1
     if [ "$any" -ne 0 ]; then
         echo "no $1 running${2:+ on port $2} ($(hostname))"
         return 3

@@ -11,25 +11,14 @@
 # RUN_DIR is $PDSERVE_RUN_DIR, or run/ in the repository.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-RUN_DIR="${PDSERVE_RUN_DIR:-$ROOT/run}"
-PY="${PDSERVE_PYTHON:-$ROOT/.venv/bin/python}"
-[ -x "$PY" ] || PY=python3
-START_TIMEOUT_S="${PDSERVE_START_TIMEOUT_S:-900}"
+# shellcheck source=deploy/lib.sh
+. "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib.sh"
 
 die() { echo "server.sh: $*" >&2; exit 1; }
 
 usage() {
     sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     exit "${1:-0}"
-}
-
-alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
-
-group_alive() { kill -0 -- "-$1" 2>/dev/null; }
-
-healthy() {  # healthy URL: /health answers 200
-    "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=3)' "$1" 2>/dev/null
 }
 
 pid_files() {  # pid_files [PORT]
@@ -54,7 +43,7 @@ cmd_start() {
             *) args+=("$1"); shift ;;
         esac
     done
-    local pidfile="$RUN_DIR/server-$port.pid" log="$RUN_DIR/server-$port.log"
+    local pidfile="$RUN_DIR/server-$port.pid"
     local show_host="$host"
     [ "$host" = "0.0.0.0" ] && show_host=127.0.0.1
     local url="http://$show_host:$port"
@@ -62,55 +51,9 @@ cmd_start() {
         echo "pdserve is already running on port $port (pid $(cat "$pidfile")): $url/v1"
         return 0
     fi
-    mkdir -p "$RUN_DIR"
-    # os.setsid() then exec: the server leads a new process group that its engine ranks join.
-    "$PY" -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
-        "$PY" -m pd.server --model "$model" --host "$host" --port "$port" ${args[@]+"${args[@]}"} \
-        >"$log" 2>&1 </dev/null &
-    local pid=$!
-    echo "$pid" >"$pidfile"
-    echo "$url" >"$RUN_DIR/server-$port.url"
-    echo "starting pdserve ($model) on $url, pid $pid, log $log ..."
-    local waited=0
-    until healthy "$url"; do
-        if ! alive "$pid"; then
-            rm -f "$pidfile"
-            echo "pdserve failed to start; the end of $log:" >&2
-            tail -n 30 "$log" >&2
-            exit 1
-        fi
-        if [ "$waited" -ge "$START_TIMEOUT_S" ]; then
-            echo "pdserve not ready after ${START_TIMEOUT_S}s; stopping it (log: $log)" >&2
-            stop_one "$pidfile"
-            exit 1
-        fi
-        sleep 1
-        waited=$((waited + 1))
-    done
+    start_server pdserve "$pidfile" "$url" -- --model "$model" --host "$host" --port "$port" ${args[@]+"${args[@]}"}
     echo "pdserve is ready: $url/v1 (model $model)"
     echo "stop it with: deploy/server.sh stop"
-}
-
-stop_one() {  # stop_one PIDFILE
-    local pidfile="$1" pid
-    pid="$(cat "$pidfile")"
-    if group_alive "$pid"; then
-        kill -TERM -- "-$pid" 2>/dev/null || true
-        local i
-        for i in $(seq 1 60); do
-            group_alive "$pid" || break
-            sleep 0.5
-        done
-        if group_alive "$pid"; then
-            echo "process group $pid did not exit after SIGTERM; killing it"
-            kill -KILL -- "-$pid" 2>/dev/null || true
-            sleep 0.5
-        fi
-        echo "stopped pdserve (process group $pid, $(basename "$pidfile" .pid))"
-    else
-        echo "not running: $(basename "$pidfile" .pid) (removed stale pid file)"
-    fi
-    rm -f "$pidfile" "${pidfile%.pid}.url"
 }
 
 cmd_stop() {
@@ -130,7 +73,7 @@ cmd_stop() {
         return 0
     fi
     local f
-    for f in $files; do stop_one "$f"; done
+    for f in $files; do stop_pidfile "$f"; done
 }
 
 cmd_status() {
@@ -143,28 +86,10 @@ cmd_status() {
             *) die "status: unknown argument $1" ;;
         esac
     done
-    local files f pid p url any=1
+    local files any=0
     files="$(pid_files "$port")"
-    for f in $files; do
-        pid="$(cat "$f")"
-        p="${f##*/server-}"
-        p="${p%.pid}"
-        url="$(cat "$RUN_DIR/server-$p.url" 2>/dev/null || echo "http://127.0.0.1:$p")"
-        if alive "$pid"; then
-            any=0
-            echo "running: $url/v1, pid $pid, log $RUN_DIR/server-$p.log"
-            "$PY" -c 'import sys, urllib.request, urllib.error
-try:
-    print("  health:", urllib.request.urlopen(sys.argv[1], timeout=3).read().decode())
-except urllib.error.HTTPError as e:
-    print("  health:", e.code, e.read().decode())
-except OSError as e:
-    print("  health: no answer:", e)' "$url/health"
-        else
-            echo "not running: port $p (stale pid file removed)"
-            rm -f "$f" "${f%.pid}.url"
-        fi
-    done
+    # shellcheck disable=SC2086
+    status_pidfiles pdserve server- $files || any=1
     if [ "$any" -ne 0 ]; then
         echo "no pdserve server is running${port:+ on port $port}"
         return 3
