@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.context import ForwardContext, SeqChunk, get_context
+from engine.decode import decode_attention
 
 QUERY_TILE = 16
 
@@ -35,7 +36,20 @@ class AttnSpec:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
-    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] for the new tokens. Returns [tokens, heads, dim]."""
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] for the new tokens. Returns [tokens, heads, dim].
+
+    The chunks' tokens come first; a CUDA step's decode rows (ctx.decode), if any, are the last rows."""
+    dec = get_context().decode
+    if dec is None:
+        return chunked_attention(q, k, v, spec)
+    n = q.shape[0] - dec.num_rows
+    out = decode_attention(q[n:], k[n:], v[n:], spec.is_sliding, spec.cache_index, spec.window, spec.scale,
+                           get_context().kv, dec)
+    return out if n == 0 else torch.cat([chunked_attention(q[:n], k[:n], v[:n], spec), out])
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
+    """Attention of the context's chunks (prefill, and decode on the CPU): same arguments as paged_attention."""
     ctx = get_context()
     if not spec.is_sliding:
         _store_pages(ctx, spec.cache_index, k, v)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.decode import DecodeMeta
 from engine.kv_cache import KVCache
 from engine.numerics import Numerics
 
@@ -40,6 +41,8 @@ class ForwardContext:
     # Where each new token's K/V goes in the paged pool (full-attention layers): page id and offset.
     page_ids: torch.Tensor
     page_offsets: torch.Tensor
+    # CUDA: the step's decode rows, after the chunks' tokens (engine/decode.py); chunks excludes them.
+    decode: DecodeMeta | None = None
 
 
 _CONTEXT: ForwardContext | None = None
@@ -52,7 +55,9 @@ def get_context() -> ForwardContext:
 
 
 @contextmanager
-def forward_context(chunks: list[SeqChunk], kv: KVCache, numerics: Numerics) -> Iterator[ForwardContext]:
+def forward_context(
+    chunks: list[SeqChunk], kv: KVCache, numerics: Numerics, decode: DecodeMeta | None = None
+) -> Iterator[ForwardContext]:
     global _CONTEXT
     page_ids: list[int] = []
     page_offsets: list[int] = []
@@ -69,6 +74,7 @@ def forward_context(chunks: list[SeqChunk], kv: KVCache, numerics: Numerics) -> 
         numerics=numerics,
         page_ids=torch.tensor(page_ids, dtype=torch.long, device=device),
         page_offsets=torch.tensor(page_offsets, dtype=torch.long, device=device),
+        decode=decode,
     )
     try:
         yield _CONTEXT

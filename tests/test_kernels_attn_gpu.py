@@ -176,7 +176,7 @@ def test_decode_bandwidth_report() -> None:
         table = torch.randperm(batch * need, generator=gen).view(batch, need).to(torch.int32).to(DEVICE)
         ctx = torch.full((batch,), n, dtype=torch.int32, device=DEVICE)
         q = _rand(gen, batch, heads, dim)
-        ms = do_bench(lambda: paged_decode_attention(q, cache, 0, table, ctx, 0.09), warmup=25, rep=100,
-                      return_mode="median")
+        args = (q, cache, 0, table, ctx, 0.09)
+        ms = do_bench(lambda a=args: paged_decode_attention(*a), warmup=25, rep=100, return_mode="median")
         kv_bytes = batch * n * 2 * kv_heads * dim * 2
         print(f"decode attention b={batch} ctx={n}: {ms * 1e3:.1f} us, {kv_bytes / ms / 1e6:,.0f} GB/s of KV read")

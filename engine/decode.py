@@ -1,0 +1,118 @@
+"""Decode rows on CUDA: their per-step metadata in static device buffers, and their attention.
+
+A decode row is one generated token of one sequence (a prompt's tokens, even a one-token chunk of
+them, always take the chunked path in engine/attention.py, so a prompt's K/V never depend on how it
+was chunked). The step puts its decode rows last in the flattened batch and describes them with
+`DecodeMeta`: int32 tensors that live in one static buffer (`DecodeInputs`), filled on the host in
+pinned memory and copied to the device in two copies. CUDA graphs (engine/cuda_graphs.py) capture
+views of that buffer, so a replay only needs the buffer refilled.
+
+    device buffer (int32), R = max rows, W = max blocks per sequence:
+    | input ids [R] | positions [R] | context lens [R] | state slots [R] | block table [R, W] |
+      a padded row: id 0, position 0, context len 0 (the kernels skip it), slot -1
+
+The attention reads K/V in place through kernels/decode_attention.py (full layers: pages through the
+block table; sliding layers: the sequence's ring slot), after storing the row's new K/V there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kv_cache import KVCache
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class DecodeMeta:
+    """The decode rows of a step (the last num_rows tokens of the flattened batch), on the device."""
+
+    num_rows: int
+    input_ids: torch.Tensor  # [num_rows] int32
+    positions: torch.Tensor  # [num_rows] int32
+    context_lens: torch.Tensor  # [num_rows] int32: position + 1; 0 marks a padded row
+    state_slots: torch.Tensor  # [num_rows, 1] int32: each row's ring slot (-1: none)
+    block_table: torch.Tensor  # [num_rows, max_blocks] int32
+
+
+def is_decode_row(seq: Sequence, num_new_tokens: int) -> bool:
+    """One generated token (its position is past the prompt)."""
+    return num_new_tokens == 1 and seq.num_computed >= seq.num_prompt_tokens
+
+
+class DecodeInputs:
+    """Static buffers for up to max_rows decode rows (see the module docstring)."""
+
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.max_rows, self.max_blocks, self.block_size = max_rows, max(1, max_blocks), block_size
+        size = 4 * max_rows + max_rows * self.max_blocks
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
+        self._np = self.host.numpy()
+        self._copied = torch.cuda.Event()
+        self._head = 4 * max_rows
+
+    def _field(self, buf: torch.Tensor | np.ndarray, i: int, rows: int):  # type: ignore[no-untyped-def]
+        return buf[i * self.max_rows : i * self.max_rows + rows]
+
+    def _table(self, buf: torch.Tensor | np.ndarray, rows: int):  # type: ignore[no-untyped-def]
+        return buf[self._head : self._head + rows * self.max_blocks].reshape(rows, self.max_blocks)
+
+    def meta(self, rows: int) -> DecodeMeta:
+        """Views of the device buffer for the first `rows` rows (what a graph of that size captures)."""
+        d = self.device_buf
+        return DecodeMeta(
+            num_rows=rows,
+            input_ids=self._field(d, 0, rows),
+            positions=self._field(d, 1, rows),
+            context_lens=self._field(d, 2, rows),
+            state_slots=self._field(d, 3, rows).view(rows, 1),
+            block_table=self._table(d, rows),
+        )
+
+    def fill(self, seqs: list[Sequence], padded_rows: int) -> DecodeMeta:
+        """Writes the rows of `seqs` (then padding up to padded_rows) and copies them to the device."""
+        n = len(seqs)
+        if not n <= padded_rows <= self.max_rows:
+            raise ValueError(f"{n} decode rows padded to {padded_rows}; the buffers hold {self.max_rows}")
+        self._copied.synchronize()  # NOTE: the previous step's copy must be done before the host rewrites
+        h = self._np
+        ids, pos, ctx, slots = (self._field(h, i, padded_rows) for i in range(4))
+        table = self._table(h, padded_rows)
+        bs = self.block_size
+        for i, seq in enumerate(seqs):
+            p = seq.num_computed
+            ids[i] = seq.output_token_ids[p - seq.num_prompt_tokens]  # a decode row's token is generated
+            pos[i] = p
+            ctx[i] = p + 1
+            slots[i] = seq.state_slot
+            if seq.block_ids:
+                k = p // bs + 1
+                table[i, :k] = seq.block_ids[:k]
+        ids[n:] = 0
+        pos[n:] = 0
+        ctx[n:] = 0
+        slots[n:] = -1
+        for i in range(4):
+            self._field(self.device_buf, i, padded_rows).copy_(self._field(self.host, i, padded_rows), non_blocking=True)
+        rows = padded_rows * self.max_blocks
+        self.device_buf[self._head : self._head + rows].copy_(self.host[self._head : self._head + rows], non_blocking=True)
+        self._copied.record()
+        return self.meta(padded_rows)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_sliding: bool, cache_index: int,
+                     window: int | None, scale: float, kv: KVCache, meta: DecodeMeta) -> torch.Tensor:
+    """Stores the rows' new K/V, then attends over each row's cached keys. q: [rows, heads, dim]."""
+    from kernels.decode_attention import paged_decode_attention, store_decode_kv
+
+    if is_sliding:
+        assert window is not None
+        cache, table, ring = kv.swa, meta.state_slots, window
+    else:
+        cache, table, ring = kv.pages, meta.block_table, 0
+    store_decode_kv(k, v, cache, cache_index, table, meta.context_lens, is_ring=is_sliding)
+    return paged_decode_attention(q, cache, cache_index, table, meta.context_lens, scale, window=ring)
