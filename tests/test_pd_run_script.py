@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
 
 from pd.testing import free_port, get_json
+
+from server_fixtures import openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def group_alive(pgid: int) -> bool:
 
 
 def ask(port: int) -> str:
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai_client(f"http://127.0.0.1:{port}", timeout_s=300)
     r = client.chat.completions.create(
         model="smollm2-135m-instruct",
         messages=[{"role": "user", "content": "Hi"}],

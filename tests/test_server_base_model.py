@@ -8,6 +8,8 @@ import pytest
 
 from pd.testing import ServerProcess
 
+from server_fixtures import openai_client
+
 pytestmark = pytest.mark.slow
 
 MODEL = "gemma3-270m"
@@ -18,7 +20,7 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfo
 def client(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     with ServerProcess("--model", MODEL, "--max-model-len", "512", "--kv-cache-gb", "0.1", log_path=log) as s:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        yield openai_client(s.url, timeout_s=300)
 
 
 def test_base_model_completes_and_refuses_chat(client):
@@ -48,7 +50,7 @@ def test_chat_template_file(tmp_path):
         str(path),
         log_path=log,
     ) as s:
-        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        c = openai_client(s.url, timeout_s=300)
         r = c.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
         )

@@ -8,29 +8,26 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from pd.testing import ServerProcess, wait_idle
+from pd.testing import wait_idle
+
+from server_fixtures import module_server, openai_client
 
 MODEL = "smollm2-135m-instruct"
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = (
-        "--model",
-        MODEL,
-        "--deterministic",
-        "--max-model-len",
-        "2048",
-        "--kv-cache-gb",
-        "0.25",
-        "--max-num-seqs",
-        "16",
-    )
-    with ServerProcess(*args, log_path=log) as s:
-        yield s
+server = module_server(
+    "--model",
+    MODEL,
+    "--deterministic",
+    "--max-model-len",
+    "2048",
+    "--kv-cache-gb",
+    "0.25",
+    "--max-num-seqs",
+    "16",
+)
 
 
 def stream_text(client: OpenAI, **kw) -> tuple[str, str | None]:
@@ -43,7 +40,7 @@ def stream_text(client: OpenAI, **kw) -> tuple[str, str | None]:
 
 
 def test_concurrent_streams_match_sequential(server):
-    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    client = openai_client(server.url, timeout_s=900)
     prompts = [f"Write one short sentence about the number {i}." for i in range(16)]
 
     def run(p: str) -> tuple[str, str | None]:

@@ -8,10 +8,11 @@ import http.client
 import json
 
 import pytest
-from openai import OpenAI
 
-from pd.testing import ServerProcess, get_json, rank_metrics
+from pd.testing import get_json, rank_metrics
 from pd.testing import wait_idle as _wait_idle
+
+from server_fixtures import module_server, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -27,27 +28,22 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = (
-        "--model",
-        MODEL,
-        "--deterministic",
-        "--max-model-len",
-        "2048",
-        "--kv-cache-gb",
-        "0.25",
-        "--max-num-seqs",
-        "32",
-    )
-    with ServerProcess(*args, log_path=log) as s:
-        yield s
+server = module_server(
+    "--model",
+    MODEL,
+    "--deterministic",
+    "--max-model-len",
+    "2048",
+    "--kv-cache-gb",
+    "0.25",
+    "--max-num-seqs",
+    "32",
+)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")

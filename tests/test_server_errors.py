@@ -11,7 +11,9 @@ from typing import Any
 import openai
 import pytest
 
-from pd.testing import ServerProcess, get_json
+from pd.testing import get_json
+
+from server_fixtures import module_server
 
 pytestmark = pytest.mark.slow
 
@@ -21,21 +23,16 @@ MAX_BODY_BYTES = 65536
 HI = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = (
-        "--model",
-        MODEL,
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-body-bytes",
-        str(MAX_BODY_BYTES),
-        "--kv-cache-gb",
-        "0.1",
-    )
-    with ServerProcess(*args, log_path=log) as s:
-        yield s
+server = module_server(
+    "--model",
+    MODEL,
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-body-bytes",
+    str(MAX_BODY_BYTES),
+    "--kv-cache-gb",
+    "0.1",
+)
 
 
 def request(server, path: str, body: Any = None, method: str = "POST") -> tuple[int, Any]:

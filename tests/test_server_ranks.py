@@ -11,35 +11,23 @@ import time
 import openai
 import pytest
 
-from pd.testing import ServerProcess, get_json, rank_metrics
+from pd.testing import get_json, rank_metrics
+
+from server_fixtures import module_server, openai_client
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    args = (
-        "--model",
-        MODEL,
-        "--dp",
-        "2",
-        "--routing",
-        "affinity",
-        "--max-model-len",
-        "1024",
-        "--kv-cache-gb",
-        "0.1",
-    )
-    with ServerProcess(*args, log_path=log) as s:
-        yield s
+server = module_server(
+    "--model", MODEL, "--dp", "2", "--routing", "affinity", "--max-model-len", "1024", "--kv-cache-gb", "0.1"
+)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server.url, timeout_s=300)
 
 
 def finished_per_rank(server) -> list[float]:
