@@ -4,9 +4,14 @@
 Each target is a running endpoint (`--target NAME=URL`, e.g. the P/D pair's CE) or a single-engine
 server this script starts for its turn and stops after (`--launch NAME='pd.server flags'`, e.g. the
 colocated engine with the same total ranks, or the prefix cache off). `--extra NAME=JSON` adds fields
-to that target's requests (`'{"prefix_cache": false}'`: pdserve's per-request cache switch). Targets
-run one after another, never at once, each at every load point of the sweep (`--concurrency 1,4,8` or
-`--request-rate ...`), with the trace and request flags of bench/load.py (`--help` lists them).
+to that target's requests (`'{"prefix_cache": false}'`: pdserve's per-request cache switch);
+`--setup NAME=CMD` and `--teardown NAME=CMD` are shell commands run before and after each of that
+target's runs (e.g. pinning the target's processes to cores with taskset, and unpinning them). Runs
+never overlap. By default each target runs every load point of the sweep (`--concurrency 1,4,8` or
+`--request-rate ...`) before the next target starts; `--interleave` runs every target at one load
+point before the next point (all targets up at once), so a slow drift of the machine (other work on
+shared cores) spreads over every target instead of landing on one. The trace and request flags are
+bench/load.py's (`--help` lists them).
 
     python bench/compare.py --target colocated=http://127.0.0.1:8888 --target pd=http://127.0.0.1:8889 \\
         --trace synthetic --conversations 32 --turns 6 --concurrency 1,4,8 --out bench/results/compare
@@ -17,7 +22,9 @@ Every run of a comparison starts its conversations with a marker of the target a
 tokens in front of the first user message), so no run hits prefix-cache entries an earlier run left.
 Writes into --out what bench/load.py writes (results.json with one run per target and load point,
 labelled `NAME c=4`, summary.txt, distributions.png, throughput.png, sweep.png with one line per
-target) and compare.png (p90 TTFT, p90 ITL and output tokens/s per target at each load point).
+target), compare.png (p90 TTFT, p90 ITL, p90 ITL of the gaps that overlap a long prefill, and output
+tokens/s, per target at each load point) and itl_timeline.png (at the highest load point, every
+inter-token gap of each target against time, the long prefills shaded).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import shlex
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -62,15 +70,24 @@ def endpoint(url: str | None, launch_args: str | None, log_dir: Path | None) -> 
         yield server.url
 
 
+def run_hook(cmd: str | None, what: str) -> None:
+    """A --setup/--teardown command; its failure ends the comparison."""
+    if cmd:
+        print(f"[{what}] {cmd}", flush=True)
+        subprocess.run(cmd, shell=True, check=True)
+
+
 def plot_compare(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
-    """Grouped bars: p90 TTFT, p90 ITL and output tokens/s of each target at each load point."""
+    """Grouped bars: p90 TTFT, p90 ITL (all gaps, and those overlapping a long prefill) and output
+    tokens/s of each target at each load point."""
     plt = load._plt()
     points = sorted({load.load_of(r) for runs in series.values() for r in runs})
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
     width = 0.8 / max(1, len(series))
     panels = (
         ("TTFT p90 (ms)", lambda s: s["ttft_ms"]["p90"]),
         ("inter-token gap p90 (ms)", lambda s: s["itl_ms"]["p90"]),
+        ("gap p90 during long prefills (ms)", lambda s: s["itl_in_long_prefill_ms"]["p90"]),
         ("output tokens/s", lambda s: s["output_tokens_per_s"]),
     )
     for ax, (title, get) in zip(axes, panels):
@@ -83,6 +100,34 @@ def plot_compare(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
         ax.set_ylabel(title)
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def plot_itl_timeline(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
+    """At the highest load point: every inter-token gap (ms, at the time it ended) of each target,
+    one panel a target, with the spans of long prefills shaded."""
+    plt = load._plt()
+    fig, axes = plt.subplots(len(series), 1, figsize=(10, 2.4 * len(series)), squeeze=False, sharey=True)
+    for ax, runs in zip(axes[:, 0], series.values()):
+        run = max(runs, key=load.load_of)
+        reqs = [load.RequestRecord(**r) for r in run["requests"]]
+        s = run["summary"]
+        for a, b in load.long_prefills(reqs, s["long_prompt_tokens"]):
+            ax.axvspan(a, b, color="tab:orange", alpha=0.15, lw=0)
+        ends = [(b, (b - a) * 1e3) for r in reqs if r.status == "ok" for a, b in load.gap_spans(r)]
+        ax.scatter([t for t, _ in ends], [g for _, g in ends], s=2, color="tab:blue")
+        ax.set_title(
+            f"{run['label']}: {s['num_long_prefills']} long prefills (>= {s['long_prompt_tokens']} new "
+            "prompt tokens, shaded)",
+            fontsize=9,
+        )
+        ax.set_ylabel("gap (ms)")
+        load._log_axis(ax, "y")
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("time since the run's start (s)")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -102,31 +147,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--extra", action="append", default=[], help="NAME=JSON merged into that target's requests"
     )
+    ap.add_argument("--setup", action="append", default=[], help="NAME=CMD run before each of its runs")
+    ap.add_argument("--teardown", action="append", default=[], help="NAME=CMD run after each of its runs")
+    ap.add_argument(
+        "--interleave", action="store_true", help="every target at a load point before the next point"
+    )
     ap.add_argument("--out", type=Path, required=True)
     load.add_trace_args(ap)
     load.add_request_args(ap)
     args = ap.parse_args(argv)
     urls, launches = _named(args.target, "--target"), _named(args.launch, "--launch")
     extras = {k: json.loads(v) for k, v in _named(args.extra, "--extra").items()}
+    setups, teardowns = _named(args.setup, "--setup"), _named(args.teardown, "--teardown")
     names = list(urls) + [n for n in launches if n not in urls]
-    if not names or set(urls) & set(launches) or set(extras) - set(names):
-        ap.error("give distinct target names with --target/--launch; --extra names one of them")
+    if not names or set(urls) & set(launches) or (set(extras) | set(setups) | set(teardowns)) - set(names):
+        ap.error("give distinct target names with --target/--launch; --extra/--setup/--teardown name one")
     convs, trace_info = load.trace_from_args(args)
     points = load.load_points(args)
     base_extra = load.extra_body_from_args(args)
+    # (target, load point index) in the order they run: target-major, or point-major with --interleave
+    order = [(n, i) for i in range(len(points)) for n in names] if args.interleave else None
+    groups = [order] if order else [[(n, i) for i in range(len(points))] for n in names]
     runs: list[load.RunResult] = []
     series_names: list[str] = []
-    for name in names:
-        with endpoint(urls.get(name), launches.get(name), args.out / "servers" / name) as url:
-            chat = load.chat_url(url)
-            model = args.model or load.server_model(chat)
-            extra = base_extra | extras.get(name, {})
-            asyncio.run(load.warm_up(chat, model, args.warmup, extra))
-            for i, (c, r) in enumerate(points):
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            chats: dict[str, tuple[str, str]] = {}  # name -> (chat URL, model)
+            for name in dict.fromkeys(n for n, _ in group):
+                url = stack.enter_context(
+                    endpoint(urls.get(name), launches.get(name), args.out / "servers" / name)
+                )
+                chat = load.chat_url(url)
+                chats[name] = (chat, args.model or load.server_model(chat))
+                extra = base_extra | extras.get(name, {})
+                run_hook(setups.get(name), f"setup {name}")
+                asyncio.run(load.warm_up(chat, chats[name][1], args.warmup, extra))
+                run_hook(teardowns.get(name), f"teardown {name}")
+            for name, i in group:
+                c, r = points[i]
                 label = f"{name} {load.point_label(c, r)}"
                 cfg = load.LoadConfig(
-                    chat,
-                    model,
+                    chats[name][0],
+                    chats[name][1],
                     c,
                     r,
                     args.max_requests,
@@ -135,17 +197,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.timeout_s,
                     args.temperature,
                     args.logprobs,
-                    extra,
+                    base_extra | extras.get(name, {}),
                     args.seed,
                     label,
                     salt=load.run_salt(name, i),
                 )
-                runs.append(asyncio.run(load.run_load(cfg, convs)))
+                run_hook(setups.get(name), f"setup {name}")
+                try:
+                    runs.append(asyncio.run(load.run_load(cfg, convs)))
+                finally:
+                    run_hook(teardowns.get(name), f"teardown {name}")
                 series_names.append(name)
-                s = load.summarize(runs[-1].requests, args.slo_ttft_ms, args.slo_itl_ms)
+                s = load.summarize(
+                    runs[-1].requests, args.slo_ttft_ms, args.slo_itl_ms, args.long_prompt_tokens
+                )
                 print(load.format_table([(label, s)]).splitlines()[-1], flush=True)
+                print(load.format_itl_split([(label, s)]).splitlines()[-1], flush=True)
     doc = load.results_doc(
-        runs, trace_info, args.slo_ttft_ms, args.slo_itl_ms, sys.argv if argv is None else argv
+        runs,
+        trace_info,
+        args.slo_ttft_ms,
+        args.slo_itl_ms,
+        sys.argv if argv is None else argv,
+        args.long_prompt_tokens,
     )
     series: dict[str, list[dict[str, Any]]] = {}
     for name, run in zip(series_names, doc["runs"]):
@@ -154,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = load.write_outputs(args.out, doc, series, plots=not args.no_plots)
     if not args.no_plots:
         plot_compare(args.out / "compare.png", series)
+        plot_itl_timeline(args.out / "itl_timeline.png", series)
     print(f"\n{table}\n\nresults in {args.out}/")
     return 1 if any(r["summary"]["num_errors"] for r in doc["runs"]) else 0
 

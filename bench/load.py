@@ -37,6 +37,12 @@ back; `--logprobs` counts tokens exactly). Goodput: requests per second that are
 TTFT <= --slo-ttft-ms and mean inter-token gap (TPOT) <= --slo-itl-ms; a missing SLO is not applied.
 Prefix-cache hit rate: cached / prompt tokens, from usage.
 
+Long prefills: a request whose uncached prompt (prompt - cached tokens, from usage) has at least
+--long-prompt-tokens is prefilled from its send to its first token; every inter-token gap of the run is
+put in one of two sets, gaps that overlap some long prefill and gaps that overlap none, and the summary
+has the percentiles of each (`itl_in_long_prefill_ms`, `itl_outside_long_prefill_ms`). A server whose
+decode steps stall behind prefills shows it in the first set.
+
 Outputs in --out: results.json (schema `pdserve-load/1`, see `results_doc`), summary.txt (the table
 printed), distributions.png (TTFT and ITL CDFs), throughput.png (output tokens/s over time) and, for a
 sweep, sweep.png (latency against load).
@@ -62,6 +68,7 @@ SCHEMA = "pdserve-load/1"
 # `path:line:` head and newline HEAD_TOKENS (SmolLM2's tokenizer: 1.01 tokens a word; tool results within 5%).
 HEAD_TOKENS = 12
 TURN_TOKENS = 8  # the chat template's markers around one message
+LONG_PROMPT_TOKENS = 512  # default --long-prompt-tokens: an uncached prompt this long is a long prefill
 
 _WORDS = (
     "the of and to in is that for it as with was on be by at this from are or an which have not but "
@@ -239,7 +246,9 @@ def read_trace(path: Path, default_max_tokens: int = 128) -> list[Conversation]:
                 system = turns.pop(0).get("text")
             new = tuple(_turn_from_aiperf(t, default_max_tokens) for t in turns)
             old = convs.get(cid)
-            convs[cid] = Conversation(cid, (old.turns if old else ()) + new, system or (old and old.system))
+            convs[cid] = Conversation(
+                cid, (old.turns if old else ()) + new, system or (old.system if old else None)
+            )
         elif "text_input" in rec:  # aiperf mooncake_trace, one turn a line
             cid = str(rec.get("session_id", f"line-{num}"))
             old = convs.get(cid)
@@ -459,15 +468,54 @@ def _pcts(xs: Sequence[float], scale: float = 1e3) -> dict[str, float | None]:
     import numpy as np
 
     if not xs:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "max": None}
     a = np.asarray(xs, dtype=float) * scale
     p50, p90, p99 = (float(v) for v in np.percentile(a, [50, 90, 99]))
-    return {"p50": p50, "p90": p90, "p99": p99, "mean": float(a.mean())}
+    return {"p50": p50, "p90": p90, "p99": p99, "mean": float(a.mean()), "max": float(a.max())}
 
 
 def tpot_s(r: RequestRecord) -> float | None:
     """Mean gap between token-carrying chunks of one request (None with fewer than two chunks)."""
     return sum(r.itl_s) / len(r.itl_s) if r.itl_s else None
+
+
+def long_prefills(reqs: Sequence[RequestRecord], min_new_tokens: int) -> list[tuple[float, float]]:
+    """(send, first token) in seconds since the run's start, of each ok request whose uncached prompt
+    has at least `min_new_tokens` tokens: the spans in which a long prompt was being prefilled."""
+    return sorted(
+        (r.start_s, r.start_s + r.ttft_s)
+        for r in reqs
+        if r.status == "ok"
+        and r.start_s is not None
+        and r.ttft_s is not None
+        and (r.prompt_tokens or 0) - (r.cached_tokens or 0) >= min_new_tokens
+    )
+
+
+def gap_spans(r: RequestRecord) -> list[tuple[float, float]]:
+    """(begin, end) of each inter-token gap of a request, in seconds since the run's start."""
+    if r.start_s is None or r.ttft_s is None:
+        return []
+    t, out = r.start_s + r.ttft_s, []
+    for g in r.itl_s:
+        out.append((t, t + g))
+        t += g
+    return out
+
+
+def split_gaps(
+    reqs: Sequence[RequestRecord], windows: Sequence[tuple[float, float]]
+) -> tuple[list[float], list[float]]:
+    """Inter-token gaps (s) of the ok requests that overlap one of `windows`, and those that overlap none."""
+    inside: list[float] = []
+    outside: list[float] = []
+    for r in reqs:
+        if r.status != "ok":
+            continue
+        for a, b in gap_spans(r):
+            # NOTE: a request's own prefill ends at its first token, before its first gap begins
+            (inside if any(a < w1 and b > w0 for w0, w1 in windows) else outside).append(b - a)
+    return inside, outside
 
 
 def is_good(r: RequestRecord, slo_ttft_ms: float | None, slo_itl_ms: float | None) -> bool:
@@ -480,9 +528,13 @@ def is_good(r: RequestRecord, slo_ttft_ms: float | None, slo_itl_ms: float | Non
 
 
 def summarize(
-    reqs: Sequence[RequestRecord], slo_ttft_ms: float | None = None, slo_itl_ms: float | None = None
+    reqs: Sequence[RequestRecord],
+    slo_ttft_ms: float | None = None,
+    slo_itl_ms: float | None = None,
+    long_prompt_tokens: int = LONG_PROMPT_TOKENS,
 ) -> dict[str, Any]:
-    """The run's numbers: counts, latency percentiles (ms), throughput over the busy span, goodput."""
+    """The run's numbers: counts, latency percentiles (ms), throughput over the busy span, goodput,
+    and the inter-token gaps split by whether a long prefill ran meanwhile."""
     ok = [r for r in reqs if r.status == "ok"]
     sent = [r for r in reqs if r.start_s is not None]
     ends = [r.start_s + r.e2e_s for r in ok if r.start_s is not None and r.e2e_s is not None]
@@ -491,6 +543,8 @@ def summarize(
     cached = sum(r.cached_tokens or 0 for r in ok)
     completion = sum(r.completion_tokens or 0 for r in ok)
     num_good = sum(is_good(r, slo_ttft_ms, slo_itl_ms) for r in ok)
+    windows = long_prefills(reqs, long_prompt_tokens)
+    gaps_in, gaps_out = split_gaps(reqs, windows)
 
     def per_s(x: float) -> float | None:
         return x / span_s if span_s > 0 else None
@@ -505,6 +559,10 @@ def summarize(
         "duration_s": span_s,
         "ttft_ms": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_ms": _pcts([g for r in ok for g in r.itl_s]),
+        "itl_in_long_prefill_ms": _pcts(gaps_in),
+        "itl_outside_long_prefill_ms": _pcts(gaps_out),
+        "long_prompt_tokens": long_prompt_tokens,
+        "num_long_prefills": len(windows),
         "tpot_ms": _pcts([t for r in ok if (t := tpot_s(r)) is not None]),
         "e2e_ms": _pcts([r.e2e_s for r in ok if r.e2e_s is not None]),
         "prompt_tokens": prompt,
@@ -521,6 +579,16 @@ def summarize(
 
 def _f(x: float | None, fmt: str = ".0f") -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell: the first left-aligned, the others right-aligned."""
+    widths = [max(len(r[c]) for r in (head, *body)) for c in range(len(head))]
+
+    def fmt(row: Sequence[str]) -> str:
+        return " | ".join(v.ljust(w) if c == 0 else v.rjust(w) for c, (v, w) in enumerate(zip(row, widths)))
+
+    return "\n".join([fmt(head), "-+-".join("-" * w for w in widths), *map(fmt, body)])
 
 
 def format_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
@@ -553,15 +621,35 @@ def format_table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
                 "-" if s["prefix_cache_hit_rate"] is None else f"{s['prefix_cache_hit_rate'] * 100:.1f}%",
             )
         )
-    widths = [max(len(r[c]) for r in (head, *body)) for c in range(len(head))]
-
-    def fmt(row: Sequence[str]) -> str:
-        return " | ".join(v.ljust(w) if c == 0 else v.rjust(w) for c, (v, w) in enumerate(zip(row, widths)))
-
-    return "\n".join([fmt(head), "-+-".join("-" * w for w in widths), *map(fmt, body)])
+    return _grid(head, body)
 
 
-def run_doc(run: RunResult, slo_ttft_ms: float | None, slo_itl_ms: float | None) -> dict[str, Any]:
+def format_itl_split(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """One line per run: inter-token gaps that overlap a long prefill, and the others."""
+    head = (
+        "run",
+        "long prefills",
+        "ITL in long prefill p50/p90/p99/max ms",
+        "ITL otherwise p50/p90/p99/max ms",
+    )
+    body = []
+    for label, s in rows:
+        cells = []
+        for key in ("itl_in_long_prefill_ms", "itl_outside_long_prefill_ms"):
+            p = s.get(key) or {}
+            cells.append(" / ".join(_f(p.get(q), ".0f") for q in ("p50", "p90", "p99", "max")))
+        body.append(
+            (label, f"{s.get('num_long_prefills', 0)} (>= {s.get('long_prompt_tokens')} new)", *cells)
+        )
+    return _grid(head, body)
+
+
+def run_doc(
+    run: RunResult,
+    slo_ttft_ms: float | None,
+    slo_itl_ms: float | None,
+    long_prompt_tokens: int = LONG_PROMPT_TOKENS,
+) -> dict[str, Any]:
     cfg = run.config
     return {
         "label": cfg.label,
@@ -570,7 +658,7 @@ def run_doc(run: RunResult, slo_ttft_ms: float | None, slo_itl_ms: float | None)
         "load": {"concurrency": cfg.concurrency, "request_rate": cfg.request_rate},
         "config": asdict(cfg),
         "started_unix_s": run.started_unix_s,
-        "summary": summarize(run.requests, slo_ttft_ms, slo_itl_ms),
+        "summary": summarize(run.requests, slo_ttft_ms, slo_itl_ms, long_prompt_tokens),
         "requests": [asdict(r) for r in run.requests],
     }
 
@@ -581,6 +669,7 @@ def results_doc(
     slo_ttft_ms: float | None,
     slo_itl_ms: float | None,
     argv: Sequence[str],
+    long_prompt_tokens: int = LONG_PROMPT_TOKENS,
 ) -> dict[str, Any]:
     """results.json: {schema, created_unix_s, command, trace, slo, runs: [{label, url, model, load,
     config, started_unix_s, summary, requests: [RequestRecord fields]}]}. Times in requests are
@@ -591,7 +680,7 @@ def results_doc(
         "command": list(argv),
         "trace": trace,
         "slo": {"ttft_ms": slo_ttft_ms, "itl_ms": slo_itl_ms},
-        "runs": [run_doc(r, slo_ttft_ms, slo_itl_ms) for r in runs],
+        "runs": [run_doc(r, slo_ttft_ms, slo_itl_ms, long_prompt_tokens) for r in runs],
     }
 
 
@@ -724,9 +813,10 @@ def write_outputs(
     series: dict[str, list[dict[str, Any]]] | None = None,
     plots: bool = True,
 ) -> str:
-    """results.json, summary.txt and the plots; returns the table."""
+    """results.json, summary.txt and the plots; returns the tables (the summary, then the ITL split)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = format_table([(r["label"], r["summary"]) for r in doc["runs"]])
+    rows = [(r["label"], r["summary"]) for r in doc["runs"]]
+    table = format_table(rows) + "\n\n" + format_itl_split(rows)
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
     (out_dir / "summary.txt").write_text(table + "\n")
     if plots:
@@ -812,6 +902,12 @@ def add_request_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=1, help="short requests sent first, not recorded")
     g.add_argument("--slo-ttft-ms", type=float, default=None)
     g.add_argument("--slo-itl-ms", type=float, default=None)
+    g.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=LONG_PROMPT_TOKENS,
+        help="uncached prompt tokens that make a long prefill (ITL is split by overlap with those)",
+    )
     g.add_argument("--no-plots", action="store_true")
 
 
@@ -832,7 +928,8 @@ def trace_from_args(args: argparse.Namespace) -> tuple[list[Conversation], dict[
             args.tool_latency_s,
             args.max_context_tokens,
         )
-        convs, info = synthetic_trace(spec), {"source": "synthetic", "spec": asdict(spec)}
+        convs = synthetic_trace(spec)
+        info: dict[str, Any] = {"source": "synthetic", "spec": asdict(spec)}
     else:
         convs = read_trace(Path(args.trace), round(args.output_tokens))[: args.conversations]
         if args.turns:
@@ -943,17 +1040,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = asyncio.run(run_load(cfg, convs))
         if len(points) > 1:  # progress: the table's row of each point as it ends
             lines = format_table(
-                [(label, summarize(run.requests, args.slo_ttft_ms, args.slo_itl_ms))]
+                [(label, summarize(run.requests, args.slo_ttft_ms, args.slo_itl_ms, args.long_prompt_tokens))]
             ).splitlines()
             print("\n".join(lines if i == 0 else lines[-1:]), flush=True)
         runs.append(run)
-    doc = results_doc(runs, trace_info, args.slo_ttft_ms, args.slo_itl_ms, sys.argv if argv is None else argv)
+    doc = results_doc(
+        runs,
+        trace_info,
+        args.slo_ttft_ms,
+        args.slo_itl_ms,
+        sys.argv if argv is None else argv,
+        args.long_prompt_tokens,
+    )
     series = {args.label or "run": doc["runs"]}
     if args.out:
         table = write_outputs(args.out, doc, series, plots=not args.no_plots)
         print(f"\n{table}\n\nresults in {args.out}/")
     else:
-        print("\n" + format_table([(r["label"], r["summary"]) for r in doc["runs"]]))
+        rows = [(r["label"], r["summary"]) for r in doc["runs"]]
+        print("\n" + format_table(rows) + "\n\n" + format_itl_split(rows))
     errors = sum(r["summary"]["num_errors"] for r in doc["runs"])
     return 1 if errors else 0
 

@@ -8,6 +8,7 @@ import asyncio
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -155,6 +156,49 @@ def test_summary_counts_percentiles_goodput_and_hit_rate() -> None:
     assert load.summarize(recs)["goodput_fraction"] == 1.0  # no SLO: every ok request is good
     table = load.format_table([("x", s)])
     assert "200 / " in table and "33.3%" in table and "0.50 (50%)" in table
+
+
+def test_gaps_split_by_overlap_with_long_prefills() -> None:
+    long_one = _rec(  # 900 new prompt tokens: prefilled from 1.0 to 3.0
+        0,
+        start_s=1.0,
+        ttft_s=2.0,
+        e2e_s=2.5,
+        itl_s=[0.5],
+        num_chunks=2,
+        prompt_tokens=1000,
+        cached_tokens=100,
+    )
+    short = _rec(  # 50 new tokens: not a long prefill
+        1, start_s=0.0, ttft_s=0.2, e2e_s=0.3, itl_s=[0.1], num_chunks=2, prompt_tokens=50, cached_tokens=0
+    )
+    # first token at 0.5; gaps end at 0.7, 2.9 (stalled across 0.7..2.9, inside the prefill), 3.0, 3.1
+    streaming = _rec(
+        2,
+        start_s=0.0,
+        ttft_s=0.5,
+        e2e_s=3.1,
+        itl_s=[0.2, 2.2, 0.1, 0.1],
+        num_chunks=5,
+        prompt_tokens=40,
+        cached_tokens=0,
+    )
+    recs = [long_one, short, streaming]
+    assert load.long_prefills(recs, 512) == [(1.0, 3.0)]
+    spans = [t for span in load.gap_spans(streaming) for t in span]
+    assert spans == pytest.approx([0.5, 0.7, 0.7, 2.9, 2.9, 3.0, 3.0, 3.1])
+    inside, outside = load.split_gaps(recs, load.long_prefills(recs, 512))
+    # the long request's own gap (3.0..3.5) starts at its first token, after its prefill
+    assert sorted(inside) == pytest.approx([0.1, 2.2]) and sorted(outside) == pytest.approx(
+        [0.1, 0.1, 0.2, 0.5]
+    )
+    s = load.summarize(recs, long_prompt_tokens=512)
+    assert s["num_long_prefills"] == 1 and s["itl_in_long_prefill_ms"]["max"] == pytest.approx(2200)
+    assert s["itl_outside_long_prefill_ms"]["max"] == pytest.approx(500)
+    assert load.summarize(recs, long_prompt_tokens=10)["num_long_prefills"] == 3
+    none = load.summarize(recs, long_prompt_tokens=5000)
+    assert none["num_long_prefills"] == 0 and none["itl_in_long_prefill_ms"]["p50"] is None
+    assert "1 (>= 512 new)" in load.format_itl_split([("x", s)])
 
 
 # ---- the runner against a fake endpoint -----------------------------------------------------------
@@ -353,8 +397,29 @@ def test_compare_two_targets_side_by_side(fake_in_thread, tmp_path: Path) -> Non
     assert [(r["label"], r["target"]) for r in doc["runs"]] == [("a c=2", "a"), ("b c=2", "b")]
     assert doc["runs"][1]["config"]["extra_body"] == {"prefix_cache": False}
     assert sum(b.get("prefix_cache") is False for b in fake_in_thread.bodies) == 6
-    for name in ("compare.png", "distributions.png", "throughput.png", "summary.txt"):
+    for name in ("compare.png", "distributions.png", "throughput.png", "summary.txt", "itl_timeline.png"):
         assert (out / name).exists()
+
+
+def test_compare_interleaves_points_with_setup_and_teardown(fake_in_thread, tmp_path: Path) -> None:
+    compare = _load("compare")
+    out, log = tmp_path / "cmp", tmp_path / "hooks.log"
+    url = fake_in_thread.url
+    args = [
+        *f"--target a={url} --target b={url} --concurrency 1,2 --warmup 0 --interleave --out {out}".split(),
+        *("--setup", f"b=echo setup >> {log}", "--teardown", f"b=echo teardown >> {log}"),
+        *SMALL.split(),
+    ]
+    assert compare.main(args) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in doc["runs"]] == ["a c=1", "b c=1", "a c=2", "b c=2"]
+    assert all(r["summary"]["num_ok"] == 6 for r in doc["runs"])
+    # around each of b's runs, not a's; no warm-up requests asked for, but the warm-up step is hooked too
+    assert log.read_text().split() == ["setup", "teardown"] * 3
+    assert "ITL in long prefill" in (out / "summary.txt").read_text()
+    failing = [*args[: args.index("--setup")], "--setup", "b=exit 3", *SMALL.split()]
+    with pytest.raises(subprocess.CalledProcessError):
+        compare.main(failing)
 
 
 # ---- a real server --------------------------------------------------------------------------------
