@@ -108,8 +108,10 @@ def plot_compare(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
 
 def plot_itl_timeline(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
     """At the highest load point: every inter-token gap (ms, at the time it ended) of each target,
-    one panel a target, with the spans of long prefills shaded."""
+    one panel a target, with the spans of long prefills shaded (overlaps darker)."""
     plt = load._plt()
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
     fig, axes = plt.subplots(len(series), 1, figsize=(10, 2.4 * len(series)), squeeze=False, sharey=True)
     for ax, runs in zip(axes[:, 0], series.values()):
         run = max(runs, key=load.load_of)
@@ -117,7 +119,8 @@ def plot_itl_timeline(path: Path, series: dict[str, list[dict[str, Any]]]) -> Pa
         s = run["summary"]
         for a, b in load.long_prefills(reqs, s["long_prompt_tokens"]):
             ax.axvspan(a, b, color="tab:orange", alpha=0.15, lw=0)
-        ends = [(b, (b - a) * 1e3) for r in reqs if r.status == "ok" for a, b in load.gap_spans(r)]
+        # gaps under 1 ms (chunks that arrived together) drawn at 1 ms: the axis is logarithmic
+        ends = [(b, max(1.0, (b - a) * 1e3)) for r in reqs if r.status == "ok" for a, b in load.gap_spans(r)]
         ax.scatter([t for t, _ in ends], [g for _, g in ends], s=2, color="tab:blue")
         ax.set_title(
             f"{run['label']}: {s['num_long_prefills']} long prefills (>= {s['long_prompt_tokens']} new "
@@ -125,7 +128,9 @@ def plot_itl_timeline(path: Path, series: dict[str, list[dict[str, Any]]]) -> Pa
             fontsize=9,
         )
         ax.set_ylabel("gap (ms)")
-        load._log_axis(ax, "y")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("time since the run's start (s)")
     fig.tight_layout()
@@ -213,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 print(load.format_table([(label, s)]).splitlines()[-1], flush=True)
                 print(load.format_itl_split([(label, s)]).splitlines()[-1], flush=True)
+                if runs[-1].host_loadavg_1m:
+                    a, b = runs[-1].host_loadavg_1m
+                    print(f"host load average {a:.1f} -> {b:.1f}", flush=True)
     doc = load.results_doc(
         runs,
         trace_info,

@@ -55,6 +55,7 @@ import asyncio
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -316,6 +317,8 @@ class RunResult:
     config: LoadConfig
     started_unix_s: float
     requests: list[RequestRecord]
+    # the host's 1-minute load average at the start and the end: other work on the machine shows here
+    host_loadavg_1m: tuple[float, float] | None = None
 
 
 class _Budget:
@@ -431,6 +434,7 @@ async def run_load(cfg: LoadConfig, convs: Sequence[Conversation]) -> RunResult:
 
     recs = [[RequestRecord(c.id, k, t.kind, t.max_tokens) for k, t in enumerate(c.turns)] for c in convs]
     budget = _Budget(cfg.max_requests, cfg.duration_s)
+    load_before = os.getloadavg()[0]
     started = time.time()
     t0 = time.perf_counter()
     gate = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
@@ -458,7 +462,7 @@ async def run_load(cfg: LoadConfig, convs: Sequence[Conversation]) -> RunResult:
             for t in pending:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    return RunResult(cfg, started, [r for rs in recs for r in rs])
+    return RunResult(cfg, started, [r for rs in recs for r in rs], (load_before, os.getloadavg()[0]))
 
 
 # ---- summary --------------------------------------------------------------------------------------
@@ -658,6 +662,7 @@ def run_doc(
         "load": {"concurrency": cfg.concurrency, "request_rate": cfg.request_rate},
         "config": asdict(cfg),
         "started_unix_s": run.started_unix_s,
+        "host_loadavg_1m": run.host_loadavg_1m,
         "summary": summarize(run.requests, slo_ttft_ms, slo_itl_ms, long_prompt_tokens),
         "requests": [asdict(r) for r in run.requests],
     }
@@ -672,7 +677,7 @@ def results_doc(
     long_prompt_tokens: int = LONG_PROMPT_TOKENS,
 ) -> dict[str, Any]:
     """results.json: {schema, created_unix_s, command, trace, slo, runs: [{label, url, model, load,
-    config, started_unix_s, summary, requests: [RequestRecord fields]}]}. Times in requests are
+    config, started_unix_s, host_loadavg_1m, summary, requests: [RequestRecord fields]}]}. Times in requests are
     seconds (start_s since the run's start); latencies in summaries are milliseconds."""
     return {
         "schema": SCHEMA,
