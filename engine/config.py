@@ -25,6 +25,7 @@ class EngineConfig:
     hicache_gb: float | None = None  # host prefix cache; 0 turns it off; default 1 GiB (CPU) / 32 GiB (CUDA)
     hicache_state_slots: int | None = None  # default: what a quarter of hicache_gb holds
     is_deterministic: bool = False
+    enforce_eager: bool = False  # CUDA: no decode graphs (every step launched kernel by kernel)
     seed: int = 0
 
     def __post_init__(self) -> None:

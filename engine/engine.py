@@ -13,6 +13,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, EngineStats, MemoryPlan
+from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache, KVLayout
@@ -91,7 +92,12 @@ class LLMEngine:
             on_admit=self._restore_prefix,
         )
         self.host_kv, self.prefix_index = self._make_prefix_cache()
-        self.runner = ModelRunner(self.model, self.kv, self.numerics)
+        self.runner = ModelRunner(
+            self.model, self.kv, self.numerics, max_decode_rows=config.max_num_seqs, max_model_len=self.max_model_len
+        )
+        self.graph_stats: GraphCaptureStats | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
         self._parked: dict[str, Sequence] = {}  # prefill-only sequences waiting to be exported

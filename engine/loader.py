@@ -37,6 +37,8 @@ def build_model(
         assert folder is not None
         _load_safetensors(model, folder)
     model.rotary.build(max_positions, dtype, device)
+    if device.type == "cuda":
+        model.fuse_projections()
     model.eval().requires_grad_(False)
     return model
 

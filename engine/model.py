@@ -6,11 +6,18 @@ reads the step's sequence layout from the forward context (engine/context.py).
 In deterministic mode every row-local computation (norms, projections, rotary, MLP, logits) runs
 under batch-invariant numerics (engine/numerics.py), so a row's result never depends on how many
 rows share the call.
+
+On CUDA, after loading, `fuse_projections()` stacks q/k/v into one `qkv_proj` and gate/up into one
+`gate_up_proj` (one matrix-vector product each instead of three and two in a decode step), and the
+norms, rotary and SiLU-and-mul run as one Triton kernel each (kernels/fused_ops.py). Loading, the KV
+layout and everything outside the model are unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
+from types import ModuleType
 from typing import cast
 
 import torch
@@ -23,6 +30,32 @@ from engine.model_config import SLIDING, ModelArch
 from engine.numerics import run_rows
 
 PROBE_VOCAB_ROWS = 8192
+
+
+@cache
+def _fused_ops() -> ModuleType | None:
+    try:
+        from kernels import fused_ops
+    except ImportError:  # no triton
+        return None
+    return fused_ops
+
+
+def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
+    """kernels.fused_ops when x is on CUDA and triton is there, else None (the torch code runs)."""
+    return _fused_ops() if x.is_cuda else None
+
+
+def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output is the given linears' outputs side by side."""
+    has_bias = linears[0].bias is not None
+    out_features = sum(lin.out_features for lin in linears)
+    with torch.device("meta"):
+        fused = nn.Linear(linears[0].in_features, out_features, bias=has_bias)
+    fused.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([cast(torch.Tensor, lin.bias) for lin in linears]), requires_grad=False)
+    return fused
 
 
 def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
@@ -38,6 +71,9 @@ class RMSNorm(nn.Module):
         self.is_gemma = is_gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops_for(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps, self.is_gemma)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.is_gemma:  # (x * (1 + w)) in float32, then cast, as Gemma 3 does
@@ -63,9 +99,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, arch.rms_norm_eps, arch.gemma_norm)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps, arch.gemma_norm)
         self.has_qk_norm = arch.qk_norm
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Row-local: normed hidden -> q, k, v with rotary applied, packed along the head axis."""
+        if self.qkv_proj is not None:
+            return self._fused_qkv(h, cos, sin)
         q = self.q_proj(h).view(-1, self.num_heads, self.head_dim)
         k = self.k_proj(h).view(-1, self.num_kv_heads, self.head_dim)
         v = self.v_proj(h).view(-1, self.num_kv_heads, self.head_dim)
@@ -75,6 +118,21 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return torch.cat([q, k, v], dim=1)
+
+    def _fused_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        assert self.qkv_proj is not None
+        h_q, h_k = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(h).view(-1, h_q + 2 * h_k, self.head_dim)
+        if self.has_qk_norm:
+            qkv[:, :h_q] = self.q_norm(qkv[:, :h_q])
+            qkv[:, h_q : h_q + h_k] = self.k_norm(qkv[:, h_q : h_q + h_k])
+        qk = qkv[:, : h_q + h_k]
+        ops = fused_ops_for(h)
+        if ops is not None:
+            ops.rotary_(qk, cos, sin)
+        else:
+            qk.copy_(qk * cos[:, None] + rotate_half(qk) * sin[:, None])
+        return qkv
 
 
 class MLP(nn.Module):
@@ -92,9 +150,22 @@ class MLP(nn.Module):
             self.act = F.silu
         else:
             raise ValueError(f"unsupported activation {act!r}")
+        self.is_silu = act == "silu"
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        ops = fused_ops_for(x)
+        if ops is not None and self.is_silu:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -178,6 +249,13 @@ class CausalLM(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = Rotary(inv_freqs)
+
+    def fuse_projections(self) -> None:
+        """Stacks each layer's q/k/v and gate/up weights (after loading: parameter names change)."""
+        for layer in self.model.layers:
+            layer = cast(DecoderLayer, layer)
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -1,11 +1,19 @@
 """Runs the model on a scheduled batch: flattens the sequences' new tokens, sets the forward
-context, returns the float32 logits of every sequence whose chunk reaches its last token."""
+context, returns the float32 logits of every sequence whose chunk reaches its last token.
+
+On CUDA, decode rows (engine/decode.py) go last in the flattened batch and attend through the paged
+decode kernel; a step made only of decode rows replays a CUDA graph (engine/cuda_graphs.py) when one
+of its size was captured."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from engine.context import SeqChunk, forward_context
+from engine.cuda_graphs import DecodeGraphs, GraphCaptureStats
+from engine.decode import DecodeInputs, is_decode_row
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.numerics import Numerics
@@ -13,21 +21,45 @@ from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCache, numerics: Numerics) -> None:
+    def __init__(
+        self, model: CausalLM, kv: KVCache, numerics: Numerics, max_decode_rows: int = 0, max_model_len: int = 0
+    ) -> None:
+        """max_decode_rows > 0 on CUDA: decode rows use the paged decode kernel (max_model_len sizes
+        the block tables); 0 keeps every row on the chunked path."""
         self.model = model
         self.kv = kv
         self.numerics = numerics
         self.device = kv.device
+        self.decode_inputs: DecodeInputs | None = None
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and max_decode_rows > 0:
+            max_blocks = math.ceil((max_model_len + 1) / kv.block_size) if kv.num_full_layers else 1
+            self.decode_inputs = DecodeInputs(max_decode_rows, max_blocks, kv.block_size, self.device)
+
+    def capture_graphs(self, batch_sizes: list[int]) -> GraphCaptureStats:
+        if self.decode_inputs is None:
+            raise RuntimeError("CUDA graphs need the decode kernel path (CUDA, max_decode_rows > 0)")
+        sizes = [b for b in batch_sizes if b <= self.decode_inputs.max_rows]
+        self.graphs = DecodeGraphs(self.model, self.kv, self.numerics, self.decode_inputs)
+        return self.graphs.capture(sizes)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Returns (indices into seqs that get a sampled token, their logits [k, vocab])."""
+        decode: list[int] = []
+        if self.decode_inputs is not None and len(seqs) <= self.decode_inputs.max_rows:
+            decode = [i for i, (s, n) in enumerate(zip(seqs, num_new_tokens)) if is_decode_row(s, n)]
+        if decode and len(decode) == len(seqs) and self.graphs is not None and self.graphs.bucket(len(seqs)):
+            return decode, self.graphs.run(seqs)
+        is_decode = set(decode)
         input_ids: list[int] = []
         positions: list[int] = []
         chunks: list[SeqChunk] = []
         last_rows: list[int] = []
         sampled: list[int] = []
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            if i in is_decode:
+                continue
             start = seq.num_computed
             tokens = seq.all_token_ids[start : start + n]
             chunks.append(SeqChunk(len(input_ids), n, start, seq.block_ids, seq.state_slot))
@@ -38,7 +70,15 @@ class ModelRunner:
                 last_rows.append(len(input_ids) - 1)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with forward_context(chunks, self.kv, self.numerics):
+        meta = None
+        if decode:
+            assert self.decode_inputs is not None
+            meta = self.decode_inputs.fill([seqs[i] for i in decode], len(decode))
+            ids_t = torch.cat([ids_t, meta.input_ids.long()])
+            pos_t = torch.cat([pos_t, meta.positions.long()])
+            sampled += decode
+            last_rows += range(len(input_ids), len(input_ids) + len(decode))
+        with forward_context(chunks, self.kv, self.numerics, decode=meta):
             hidden = self.model(ids_t, pos_t)
             if not sampled:
                 return [], None

@@ -27,6 +27,7 @@ class ServerConfig:
     dp: int = 1  # engine ranks (processes); one per GPU on CUDA
     device: str = "auto"
     deterministic: bool = False
+    enforce_eager: bool = False  # CUDA: no decode graphs (vLLM's --enforce-eager)
     routing: str = "affinity"
     chat_template: str | None = None  # path of a Jinja file that replaces the checkpoint's template
     max_model_len: int | None = None
@@ -111,6 +112,7 @@ class ServerConfig:
             "model": self.model,
             "device": self.device,
             "deterministic": self.deterministic,
+            "enforce_eager": self.enforce_eager,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -137,6 +139,7 @@ class ServerConfig:
         p.add_argument("--dp", type=int, default=1, help="engine ranks (one process each)")
         p.add_argument("--device", default="auto", help="auto | cpu | cuda")
         p.add_argument("--deterministic", action="store_true", help="batch-invariant numerics")
+        p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
         p.add_argument("--routing", choices=ROUTING_POLICIES, default="affinity")
         p.add_argument("--chat-template", default=None, help="Jinja chat template file")
         p.add_argument("--max-model-len", type=int, default=None)

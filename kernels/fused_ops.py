@@ -1,0 +1,114 @@
+"""Row-local fused kernels (Triton) for the model's small ops on CUDA: RMSNorm, rotary, SiLU-and-mul.
+
+In eager torch each of these is several elementwise kernels (RMSNorm: cast, square, mean, rsqrt,
+two multiplies, casts; rotary: split, negate, concatenate, multiply, add, for q and k). In a decode step
+of an 8B model those launches cost about as much as reading the weights, so each becomes one kernel.
+
+Each kernel reproduces the torch code's roundings (the same casts to the activation dtype at the same
+points), so it differs from the torch path only where float32 reductions sum in another order (the
+norm's mean of squares). Every kernel is one program per row: a row's result never depends on the
+other rows, which keeps deterministic mode's batch invariance.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, n_cols, eps, IS_GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / n_cols + eps)
+    if IS_GEMMA:  # (x * (1 + w)) in float32, then cast
+        y = x * r * (1.0 + w)
+    else:  # weight * (normed cast to the dtype), the product rounded to the dtype
+        y = (x * r).to(OUT.dtype.element_ty).to(tl.float32) * w
+    tl.store(OUT + row * stride_o + offs, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool) -> torch.Tensor:
+    """RMSNorm over the last axis (engine.model.RMSNorm's arithmetic). x: [..., n]."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight, out, x2.stride(0), out.stride(0), shape[-1], eps,
+            IS_GEMMA=is_gemma, BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 4096 else 8,
+        )
+    return out.view(shape)
+
+
+@triton.jit
+def _rotary_kernel(X, COS, SIN, stride_xt, stride_xh, stride_c, num_heads, HALF: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    c1 = tl.load(COS + t * stride_c + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + t * stride_c + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + t * stride_c + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + t * stride_c + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    dt = X.dtype.element_ty
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = h0 + offs_h
+        mask = (heads[:, None] < num_heads) & mask_d[None, :]
+        p = X + t * stride_xt + heads[:, None] * stride_xh + offs_d[None, :]
+        x1 = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p + HALF, mask=mask, other=0.0).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, every product and the sum rounded to the dtype as torch does
+        o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
+        o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
+        tl.store(p, o1.to(dt), mask=mask)
+        tl.store(p + HALF, o2.to(dt), mask=mask)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: x[t, h] = x[t, h] * cos[t] + rotate_half(x[t, h]) * sin[t]. x: [tokens, heads, dim]
+    (a strided view of a packed projection is fine); cos, sin: [tokens, dim]."""
+    tokens, num_heads, dim = x.shape
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        raise ValueError("rotary_ needs the head_dim axis contiguous and cos/sin laid out alike")
+    if tokens:
+        half = dim // 2
+        _rotary_kernel[(tokens,)](
+            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), num_heads,
+            HALF=half, BLOCK_H=min(16, triton.next_power_of_2(num_heads)), BLOCK_HALF=triton.next_power_of_2(half),
+            num_warps=4,
+        )
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    g = tl.load(GU + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_g + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = OUT.dtype.element_ty
+    a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu in the dtype, then the product
+    tl.store(OUT + row * stride_o + offs, (a * u).to(dt), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last axis: [tokens, 2n] -> [tokens, n]."""
+    tokens, width = gate_up.shape
+    n = width // 2
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if tokens:
+        _silu_mul_kernel[(tokens, triton.cdiv(n, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        )
+    return out

@@ -1,0 +1,73 @@
+"""kernels/fused_ops.py against the torch code it replaces (engine/model.py), on random inputs with
+poisoned outputs (skipped without CUDA; TRITON_INTERPRET=1 runs it on the CPU in float32)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from engine.model import RMSNorm, rotate_half  # noqa: E402
+from kernels.fused_ops import rms_norm, rotary_, silu_mul  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+
+
+def _rand(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen) * scale).to(DEVICE, DTYPE)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in units of the dtype's spacing at b's magnitude."""
+    eps = torch.finfo(b.dtype).eps
+    return float(((a.float() - b.float()).abs() / (b.float().abs().clamp_min(1e-3) * eps)).max())
+
+
+@pytest.mark.parametrize("is_gemma", [False, True])
+@pytest.mark.parametrize("rows,cols", [(1, 4096), (37, 640), (5, 100)])
+def test_rms_norm_matches_torch(is_gemma: bool, rows: int, cols: int) -> None:
+    gen = torch.Generator().manual_seed(rows * cols + is_gemma)
+    norm = RMSNorm(cols, 1e-6, is_gemma).to(DEVICE, DTYPE)
+    norm.weight.data = _rand(gen, cols, scale=0.3) + (0.0 if is_gemma else 1.0)
+    x = _rand(gen, rows, cols, scale=3.0)
+    # torch's own arithmetic, bypassing the CUDA dispatch in RMSNorm.forward
+    xf = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref = (xf * (1.0 + norm.weight.float())).to(DTYPE) if is_gemma else norm.weight * xf.to(DTYPE)
+    got = rms_norm(x, norm.weight, 1e-6, is_gemma)
+    assert not got.isnan().any()
+    # the mean of squares sums in another order: a bf16 result may round the other way (twice at most)
+    assert _ulps(got, ref) <= (2.0 if DTYPE == torch.bfloat16 else 8.0), _ulps(got, ref)
+
+
+def test_rotary_matches_torch() -> None:
+    gen = torch.Generator().manual_seed(11)
+    tokens, q_heads, kv_heads, dim = 7, 8, 2, 128
+    packed = _rand(gen, tokens, q_heads + 2 * kv_heads, dim)
+    cos, sin = _rand(gen, tokens, dim), _rand(gen, tokens, dim)
+    qk = packed[:, : q_heads + kv_heads].clone()
+    ref = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
+    v_before = packed[:, q_heads + kv_heads :].clone()
+    rotary_(packed[:, : q_heads + kv_heads], cos, sin)
+    if DEVICE.type == "cuda":
+        assert torch.equal(packed[:, : q_heads + kv_heads], ref)  # the same roundings as torch
+    else:
+        torch.testing.assert_close(packed[:, : q_heads + kv_heads], ref)
+    assert torch.equal(packed[:, q_heads + kv_heads :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("rows,n", [(1, 14336), (9, 1000)])
+def test_silu_mul_matches_torch(rows: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows + n)
+    gate_up = _rand(gen, rows, 2 * n, scale=2.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    got = silu_mul(gate_up)
+    assert got.shape == ref.shape and not got.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=2 * torch.finfo(DTYPE).eps, atol=1e-6)
