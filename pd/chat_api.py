@@ -9,11 +9,10 @@ from aiohttp import web
 
 from engine.request import TokenLogprob
 from pd.coordinator import Coordinator
-from pd.errors import ApiError
 from pd.generation import ChoiceUpdate, Generation, SubRequest
 from pd.http_io import json_response, new_id, read_json, usage
 from pd.protocol import ChatRequest, parse_chat_request
-from pd.sse import DONE, HEADERS, sse_event
+from pd.sse import stream_choices
 from pd.toolcalls import ParsedOutput, ToolStreamFilter, parse_forced_arguments
 
 _LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
@@ -136,10 +135,6 @@ async def _stream(
     prefix: str,
 ) -> web.StreamResponse:
     n = req.sampling.n
-    updates = gen.updates()
-    first = await updates.__anext__()  # a rejection before any token is still a plain HTTP error
-    resp = web.StreamResponse(headers=HEADERS)
-    await resp.prepare(request)
     head = {**head, "object": "chat.completion.chunk"}
     filters = None
     if req.uses_tools:
@@ -183,20 +178,9 @@ async def _stream(
             c["usage"] = None
         return c
 
-    try:
-        c = chunk(first)
-        if c is not None:
-            await resp.write(sse_event(c))
-        async for u in updates:
-            c = chunk(u)
-            if c is not None:
-                await resp.write(sse_event(c))
-    except ApiError as e:  # the stream has begun: the error goes in-band, and no [DONE]
-        await resp.write(sse_event(e.to_dict()))
-        return resp
-    if req.sampling.include_usage:
-        await resp.write(
-            sse_event({**head, "choices": [], "usage": usage(num_prompt, sum(num_out), num_cached)})
-        )
-    await resp.write(DONE)
-    return resp
+    def final_usage() -> dict[str, Any] | None:
+        if not req.sampling.include_usage:
+            return None
+        return {**head, "choices": [], "usage": usage(num_prompt, sum(num_out), num_cached)}
+
+    return await stream_choices(request, gen, chunk, final_usage)

@@ -9,11 +9,11 @@ from aiohttp import web
 
 from engine.request import TokenLogprob
 from pd.coordinator import Coordinator
-from pd.errors import ApiError, bad_request
+from pd.errors import bad_request
 from pd.generation import ChoiceUpdate, Generation, SubRequest
 from pd.http_io import json_response, new_id, read_json, usage
 from pd.protocol import CompletionRequest, parse_completion_request
-from pd.sse import DONE, HEADERS, sse_event
+from pd.sse import stream_choices
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _LOGPROB_FLOOR = -9999.0
@@ -127,10 +127,6 @@ async def _stream(
     echo: list[str],
     num_prompt: int,
 ) -> web.StreamResponse:
-    updates = gen.updates()
-    first = await updates.__anext__()  # a rejection before any token is still a plain HTTP error
-    resp = web.StreamResponse(headers=HEADERS)
-    await resp.prepare(request)
     k = len(echo)
     is_started = [False] * k
     writers = [_LogprobWriter(co, len(e)) for e in echo]
@@ -157,20 +153,9 @@ async def _stream(
             c["usage"] = None
         return c
 
-    try:
-        c = chunk(first)
-        if c is not None:
-            await resp.write(sse_event(c))
-        async for u in updates:
-            c = chunk(u)
-            if c is not None:
-                await resp.write(sse_event(c))
-    except ApiError as e:
-        await resp.write(sse_event(e.to_dict()))
-        return resp
-    if req.sampling.include_usage:
-        await resp.write(
-            sse_event({**head, "choices": [], "usage": usage(num_prompt, sum(num_out), sum(cached.values()))})
-        )
-    await resp.write(DONE)
-    return resp
+    def final_usage() -> dict[str, Any] | None:
+        if not req.sampling.include_usage:
+            return None
+        return {**head, "choices": [], "usage": usage(num_prompt, sum(num_out), sum(cached.values()))}
+
+    return await stream_choices(request, gen, chunk, final_usage)
