@@ -1,7 +1,9 @@
 """Attention over the paged KV pool and the SWA ring buffers.
 
-`paged_attention` stores the step's new K/V, gathers each sequence's visible keys in position order
-and hands them to a backend. Two backends:
+`paged_attention` stores the step's new K/V and attends. On CUDA (with Triton) every chunk of the
+step runs in one launch of kernels/prefill_attention.py, which reads keys in place from the pages and
+rings; it is batch- and chunk-invariant by construction, so default and deterministic mode share it.
+Elsewhere each sequence's visible keys are gathered in position order and handed to a backend:
 
 - `sdpa_attend`: torch's scaled_dot_product_attention with an explicit mask (default mode).
 - `tiled_attend`: deterministic mode. Queries in fixed tiles of QUERY_TILE rows, keys in fixed tiles
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -54,19 +58,57 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: A
     if not spec.is_sliding:
         _store_pages(ctx, spec.cache_index, k, v)
     out = torch.empty_like(q)
-    for c in ctx.chunks:
-        rows = slice(c.token_start, c.token_start + c.num_tokens)
-        if spec.is_sliding:
-            keys, values, k_pos0 = _sliding_keys(ctx, spec, c, k[rows], v[rows])
-        else:
-            keys, values, k_pos0 = _paged_keys(ctx, spec, c)
-        attend = tiled_attend if ctx.numerics.is_deterministic else sdpa_attend
-        out[rows] = attend(q[rows], keys, values, c.start_pos, k_pos0, spec.window, spec.scale, ctx.kv.block_size)
+    kern = _prefill_kernel() if q.is_cuda else None
+    if kern is not None:
+        _flash_chunks(kern, ctx, spec, q, k, v, out)
+    else:
+        for c in ctx.chunks:
+            rows = slice(c.token_start, c.token_start + c.num_tokens)
+            if spec.is_sliding:
+                keys, values, k_pos0 = _sliding_keys(ctx, spec, c, k[rows], v[rows])
+            else:
+                keys, values, k_pos0 = _paged_keys(ctx, spec, c)
+            attend = tiled_attend if ctx.numerics.is_deterministic else sdpa_attend
+            out[rows] = attend(q[rows], keys, values, c.start_pos, k_pos0, spec.window, spec.scale, ctx.kv.block_size)
     if spec.is_sliding:
         for c in ctx.chunks:
             rows = slice(c.token_start, c.token_start + c.num_tokens)
             _store_state(ctx, spec, c, k[rows], v[rows])
     return out
+
+
+@cache
+def _prefill_kernel() -> ModuleType | None:
+    try:
+        from kernels import prefill_attention
+    except ImportError:  # no triton
+        return None
+    return prefill_attention
+
+
+# The current step's chunk metadata, built once and read by every layer: (context, tile tokens, meta).
+# NOTE: holding the context itself (not its id) keeps a later step's context from matching by id reuse.
+_step_meta: tuple[ForwardContext, int, object] | None = None
+
+
+def _flash_chunks(
+    kern: ModuleType, ctx: ForwardContext, spec: AttnSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Every chunk in one launch of kernels/prefill_attention.py, keys read in place."""
+    global _step_meta
+    if not ctx.chunks:
+        return
+    tile_tokens = kern.tile_config(q.shape[1], k.shape[1], q.shape[2]).tile_tokens
+    if _step_meta is None or _step_meta[0] is not ctx or _step_meta[1] != tile_tokens:
+        cs = ctx.chunks
+        meta = kern.chunk_meta(
+            [c.token_start for c in cs], [c.num_tokens for c in cs], [c.start_pos for c in cs],
+            [c.block_ids for c in cs], [c.state_slot for c in cs], tile_tokens, ctx.kv.block_size, ctx.kv.device,
+        )
+        _step_meta = (ctx, tile_tokens, meta)
+    cache = ctx.kv.swa if spec.is_sliding else ctx.kv.pages
+    kern.prefill_attention(q, k, v, cache, spec.cache_index, _step_meta[2], spec.scale, spec.window or 0, out=out)
 
 
 def _store_pages(ctx: ForwardContext, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
