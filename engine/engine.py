@@ -19,7 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache, KVLayout
 from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
-from engine.numerics import Numerics, probe_padded_is_invariant
+from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
 from engine.prefix_cache import PrefixIndex
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from engine.runner import ModelRunner
@@ -109,6 +109,8 @@ class LLMEngine:
     def _pick_numerics(self) -> Numerics:
         if not self.config.is_deterministic:
             return Numerics.DEFAULT
+        if batch_invariant_available(self.device):
+            return Numerics.BATCH_INVARIANT
         fast = probe_padded_is_invariant(self.model.row_functions(), self.dtype, self.device)
         return Numerics.PADDED if fast else Numerics.TILED
 

@@ -1,16 +1,20 @@
 """Deterministic mode: a sequence's logits are bit-identical whatever else is in the batch, where it
-sits in the batch, and however its prompt is chunked; decode steps likewise."""
+sits in the batch, and however its prompt is chunked; decode steps likewise. On the CPU (float32) and,
+where there is one, on CUDA (bfloat16, the batch-invariant Triton kernels)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.numerics import Numerics, run_rows
 from engine.request import SamplingParams
 
 from engine_utils import prompt_logits, small_engine
 
 FAMILIES = ["llama", "gemma3_hybrid", "qwen3_hybrid"]
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 def _prompts(n: int, lengths: list[int], seed: int = 3) -> list[list[int]]:
@@ -18,9 +22,12 @@ def _prompts(n: int, lengths: list[int], seed: int = 3) -> list[list[int]]:
     return [torch.randint(3, 512, (L,), generator=gen).tolist() for L in lengths[:n]]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prefill_logits_batch_and_chunk_invariant(tiny_model_dir, family: str) -> None:
-    eng = small_engine(tiny_model_dir(family), is_deterministic=True)
+def test_prefill_logits_batch_and_chunk_invariant(tiny_model_dir, family: str, device: str) -> None:
+    eng = small_engine(tiny_model_dir(family), is_deterministic=True, device=device)
+    if device == "cuda":
+        assert eng.numerics is Numerics.BATCH_INVARIANT
     target, *others = _prompts(4, [77, 5, 130, 33])
     (alone,) = prompt_logits(eng, [target])
     batched = prompt_logits(eng, [others[0], target, others[1], others[2]])[1]
@@ -32,10 +39,11 @@ def test_prefill_logits_batch_and_chunk_invariant(tiny_model_dir, family: str) -
     eng.check_idle()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_logits_batch_invariant(tiny_model_dir, family: str) -> None:
+def test_decode_logits_batch_invariant(tiny_model_dir, family: str, device: str) -> None:
     """The same request's decode-step logits alone and among requests of other lengths."""
-    eng = small_engine(tiny_model_dir(family), is_deterministic=True, max_num_batched_tokens=48)
+    eng = small_engine(tiny_model_dir(family), is_deterministic=True, max_num_batched_tokens=48, device=device)
     captured: dict[str, list[torch.Tensor]] = {}
     run = eng.runner.run
 
@@ -60,6 +68,24 @@ def test_decode_logits_batch_invariant(tiny_model_dir, family: str) -> None:
     for a, b in zip(captured["alone"], captured["batched"]):
         assert torch.equal(a, b), (a - b).abs().max()
     eng.check_idle()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_row_functions_batch_invariant_on_cuda(tiny_model_dir, family: str) -> None:
+    """Every row-local function of the model (norms, projections, rotary, MLP, logits) under
+    BATCH_INVARIANT: row i of an M-row call equals row i computed alone, for several M."""
+    eng = small_engine(tiny_model_dir(family), is_deterministic=True, device="cuda")
+    gen = torch.Generator().manual_seed(9)
+    for fn, widths in eng.model.row_functions():
+        xs = [torch.randn(200, w, generator=gen).to("cuda", eng.dtype) for w in widths]
+        with torch.inference_mode():
+            alone = torch.cat([run_rows(fn, tuple(x[i : i + 1] for x in xs), Numerics.BATCH_INVARIANT)
+                               for i in range(200)])
+            for m in (1, 3, 16, 17, 64, 200):
+                rows = run_rows(fn, tuple(x[:m] for x in xs), Numerics.BATCH_INVARIANT)
+                assert torch.equal(rows, alone[:m]), (fn, m)
 
 
 def test_default_mode_is_close_but_may_differ(tiny_model_dir) -> None:
