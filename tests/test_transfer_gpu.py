@@ -1,0 +1,134 @@
+"""The transports' CUDA paths on a real GPU (skipped without one): the checksum on the device against
+the CPU's, TCP from and to GPU memory through the pinned staging buffers, and CUDA IPC between two
+processes (a sender in a child process, the receiver here), twice from the same memory so a stale
+mapping or a missing ordering event would show as the first payload arriving again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_transfer_format import make_export
+from test_transfer_tcp import TOKEN, Sink, receiver
+
+from engine.engine import SequenceExport
+from engine.kv_cache import KVLayout
+from transfer.checksum import CHUNK_BYTES, GPU_GROUP_CHUNKS, SegmentHasher, fold, payload_checksum
+from transfer.config import TransferConfig
+from transfer.handoff import HandoffHeader, allocate_payload, payload_segments
+from transfer.sender import KVSender
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+ROOT = Path(__file__).resolve().parent.parent
+# Several 1 MiB TCP chunks per segment (both staging buffers in use, a partial last chunk).
+LAYOUT = KVLayout(
+    num_full_layers=4, num_swa_layers=2, block_size=32, window=48, num_kv_heads=4, head_dim=64,
+    dtype=torch.bfloat16,
+)  # fmt: skip
+CONFIG = TransferConfig(
+    chunk_bytes=CHUNK_BYTES, idle_timeout_s=20.0, handshake_timeout_s=20.0, send_timeout_s=60.0
+)
+
+
+def cuda_export(seed: int, num_prompt: int = 300) -> SequenceExport:
+    exp = make_export(LAYOUT, num_prompt=num_prompt, seed=seed)
+    exp.pages = exp.pages.to("cuda", torch.bfloat16)
+    exp.state = exp.state.to("cuda", torch.bfloat16) if exp.state is not None else None
+    return exp
+
+
+def host_payload(exp: SequenceExport) -> list[torch.Tensor]:
+    return [t.cpu() for t in payload_segments(exp, LAYOUT)]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class CudaSink(Sink):
+    """Receives into GPU memory (the CE rank does)."""
+
+    def on_handoff(self, header: HandoffHeader) -> list[torch.Tensor] | None:
+        self.offered.append(header.request_id)
+        return allocate_payload(header, "cuda") if header.request_id in self.expected else None
+
+
+@pytest.mark.parametrize("nbytes", [8, 4096 + 8, 3 * CHUNK_BYTES + 40, (GPU_GROUP_CHUNKS + 3) * CHUNK_BYTES])
+def test_checksum_on_the_gpu_equals_the_cpu(nbytes: int) -> None:
+    g = torch.Generator().manual_seed(nbytes)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    assert payload_checksum([data.cuda()]) == payload_checksum([data])
+    hasher = SegmentHasher(nbytes)  # in pieces, as a receiver hashes chunks on the way in
+    for off in range(0, nbytes, 2 * CHUNK_BYTES):
+        hasher.update(data[off : off + 2 * CHUNK_BYTES].cuda())
+    assert fold([hasher.result()]) == payload_checksum([data])
+    flipped = data.clone()
+    flipped[nbytes // 2] ^= 0x80
+    assert payload_checksum([flipped.cuda()]) != payload_checksum([data])
+
+
+@pytest.mark.parametrize("src, dst", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+async def test_tcp_moves_gpu_memory_through_pinned_staging(src: str, dst: str) -> None:
+    exp = cuda_export(seed=1)
+    want = host_payload(exp)
+    if src == "cpu":
+        exp.pages, exp.state = want[0], want[1]
+    sink = (CudaSink if dst == "cuda" else Sink)("r1", "r2")
+    async with receiver(sink, layout=LAYOUT, config=CONFIG) as r:
+        sender = KVSender(TOKEN, LAYOUT, config=CONFIG)
+        ack = await sender.send(r.address, exp)
+        assert ack.payload_bytes == sum(t.numel() * t.element_size() for t in want) > 4 * CHUNK_BYTES
+        if src == "cuda":  # the staging buffers are reused: a second handoff of other bytes
+            exp.pages.neg_()
+            exp.request_id = "r2"
+            await sender.send(r.address, exp)
+    assert sink.delivered["r1"].pages.device.type == dst
+    assert same(host_payload(sink.delivered["r1"]), want)
+    if src == "cuda":
+        assert same(host_payload(sink.delivered["r2"]), [-want[0], want[1]])
+
+
+# The child: exports two sequences from one GPU buffer (the second after overwriting it) over ipc.
+_SENDER = """
+import asyncio, sys, torch
+sys.path[:0] = [{tests!r}, {root!r}]
+from test_transfer_gpu import CONFIG, LAYOUT, TOKEN, cuda_export
+from dataclasses import replace
+from transfer.sender import KVSender
+
+async def main():
+    sender = KVSender(TOKEN, LAYOUT, config=replace(CONFIG, transport="ipc"))
+    exp = cuda_export(seed=2)
+    a1 = await sender.send({addr!r}, exp)
+    exp.pages.neg_()
+    exp.state.neg_()
+    exp.request_id = "i2"
+    a2 = await sender.send({addr!r}, exp)
+    print("acks", a1.transport, a2.transport, a1.payload_bytes)
+
+asyncio.run(main())
+"""
+
+
+async def test_ipc_between_two_processes() -> None:
+    want = host_payload(cuda_export(seed=2))
+    sink = CudaSink("i1", "i2")
+    async with receiver(sink, layout=LAYOUT, config=CONFIG) as r:
+        script = _SENDER.format(tests=str(ROOT / "tests"), root=str(ROOT), addr=r.address)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    assert b"acks ipc ipc" in out
+    assert not sink.errors
+    assert same(host_payload(sink.delivered["i1"]), want)
+    assert same(host_payload(sink.delivered["i2"]), [-t for t in want])
