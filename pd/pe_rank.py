@@ -64,7 +64,10 @@ class PrefillRole:
             idle_timeout_s=float(config.get("idle_timeout_s", 30.0)),
         )
         self.sender = KVSender(token, engine.layout, model=model_fingerprint(engine.folder), config=transfer)
-        self.export_device: str | None = "cpu" if transfer.transport == "tcp" else None
+        # NOTE: the export stays where the KV is, whatever the transport: on a GPU, tcp then stages it
+        # through pinned buffers in the sender's thread and the checksum runs on the device, instead
+        # of a whole-sequence copy to pageable host memory on the engine thread (which stalls decode).
+        self.export_device: str | None = None
         self.lt = LoopThread(ctx, "kv-sender")
         self.wake = self.lt.wake
         self.jobs: dict[str, _Job] = {}
