@@ -1,0 +1,578 @@
+#!/usr/bin/env python3
+"""The P/D pair on one GPU machine, in one go: issue 6's GPU checks and issue 7's GPU load run.
+
+Device time is short and every call starts a bare machine, so one script does all of it and always
+ends with one summary table, whatever failed on the way:
+
+  model    SmolLM2-135M-Instruct converted here from its GGUF (--gguf, parts joined by '+') into
+           $PDSERVE_HOME/models (what `--model smollm2-135m-instruct` resolves to); with no GGUF and
+           --fallback-folder (config.json + tokenizer files), that model's shape with random weights
+  tests    tests/test_transfer_gpu.py: the checksum, TCP and CUDA IPC paths on the GPU
+  handoff  bench/bench_handoff.py: a --handoff-tokens sequence of the llama8b layout over tcp and ipc,
+           against the raw socket and the device-copy ceilings measured in the same run
+  check    a single-engine server and one P/D pair per --transports, all --deterministic and all on
+           this GPU (PE and CE as two processes), then bench/check_pd.py against each pair at once
+  load     an 8B-shaped dummy model (bench/configs/llama8b.json, SmolLM2's tokenizer and vocabulary)
+           as a PE and a CE sharing the GPU, and bench/load.py's synthetic trace against the CE
+
+The 8B pair is started with the check step's servers (loading overlaps the checks) and runs its
+trace once they are gone. Memory: two 8B processes on one GPU get explicit pools (--load-kv-gb
+each): --gpu-memory-utilization sizes a pool as (memory free at start) - (1 - util) x total - peak,
+so for two processes starting together the split depends on which one measures first (with 0.9 the
+second finds nothing left); a fixed pool per process does not.
+
+Logs and results go to a work folder; --out gets summary.md, summary.json and logs.tgz (everything),
+rewritten after each step so a run cut short still returns what it did.
+
+    bench/h200_pd.sh --out $OUT --steps model,check,load --gguf a.part1+a.part2     # on the GPU machine
+    python bench/h200_pd.py --tiny --out /tmp/pd_rehearsal                           # CPU rehearsal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pd.testing import PDPair, ServerProcess  # noqa: E402
+
+STEPS = ("model", "tests", "handoff", "check", "load")
+SMOLLM2 = "smollm2-135m-instruct"
+TINY_8B = dict(  # --tiny: the llama8b family at toy size, for a CPU rehearsal of the load step
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16,
+)  # fmt: skip
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class Run:
+    """The step results, the deadline, and the files that go back (rewritten after every step)."""
+
+    def __init__(self, out: Path, work: Path, budget_s: float) -> None:
+        self.out, self.work = out, work
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + budget_s
+        self.results: dict[str, dict[str, Any]] = {}
+        self.environment: dict[str, Any] = {}
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def step(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        t0 = time.monotonic()
+        log(f"step {name} ({self.left_s():.0f} s left)")
+        try:
+            res = {"status": "ok", **fn()}
+        except Exception as e:  # a failed step is reported; the next steps still run
+            res = {"status": "failed", "error": f"{type(e).__name__}: {e}"[-2000:]}
+            log(f"step {name} failed: {res['error']}")
+        res["seconds"] = round(time.monotonic() - t0, 1)
+        self.results[name] = res
+        self.save()
+
+    def save(self) -> None:
+        doc = {"environment": self.environment, "steps": self.results}
+        (self.work / "summary.json").write_text(json.dumps(doc, indent=2, default=str))
+        (self.work / "summary.md").write_text(summary_table(doc))
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name in ("summary.json", "summary.md"):
+            shutil.copy(self.work / name, self.out / name)
+        with tarfile.open(self.out / "logs.tgz", "w:gz") as tar:
+            tar.add(self.logs, arcname="logs")
+
+
+def sh(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
+    """Runs cmd with its output in log_path; returns its exit code (124 when it ran out of time)."""
+    with log_path.open("ab") as f:
+        f.write(f"$ {' '.join(cmd)}\n".encode())
+        f.flush()
+        try:
+            return subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=max(1.0, timeout_s), cwd=REPO, env=env
+            ).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\n[timed out after {timeout_s:.0f} s]\n".encode())
+            return 124
+
+
+def tail(path: Path, num_lines: int = 3) -> str:
+    lines = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+    return " | ".join(lines[-num_lines:])
+
+
+# ---- environment and model -----------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    """Versions that the numbers depend on (each one best effort)."""
+    import torch
+
+    env: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__}
+    probes: dict[str, Callable[[], Any]] = {
+        "gpu": lambda: torch.cuda.get_device_name(0),
+        "gpu_memory_mib": lambda: torch.cuda.get_device_properties(0).total_memory >> 20,
+        "cuda": lambda: torch.version.cuda,
+        "driver": lambda: subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip(),
+        "nccl_torch": lambda: ".".join(map(str, torch.cuda.nccl.version())),
+        "cupy": lambda: __import__("cupy").__version__,
+        "nccl_cupy": lambda: (lambda v: f"{v // 10000}.{v // 100 % 100}.{v % 100}")(
+            __import__("cupy.cuda.nccl", fromlist=["nccl"]).get_version()
+        ),
+        "triton": lambda: __import__("triton").__version__,
+        "transformers": lambda: __import__("transformers").__version__,
+        "alloc_conf": lambda: os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
+    for name, probe in probes.items():
+        if name in ("gpu", "gpu_memory_mib", "nccl_torch", "driver") and not torch.cuda.is_available():
+            continue
+        try:
+            env[name] = probe()
+        except Exception as e:
+            env[name] = f"n/a ({type(e).__name__})"
+    return env
+
+
+def prepare_smollm2(gguf: str | None, fallback: Path | None) -> dict[str, Any]:
+    """The SmolLM2 checkpoint the check step serves: converted from the GGUF parts, else already
+    converted, else the fallback folder's shape with dummy weights."""
+    from engine.models import models_home
+    from engine.models.store import is_converted
+
+    folder = models_home() / SMOLLM2
+    parts = [Path(p) for p in gguf.split("+")] if gguf else []
+    if is_converted(folder):
+        return {"model": SMOLLM2, "folder": str(folder), "weights": "real (already converted)", "flags": []}
+    if parts and all(p.exists() for p in parts):
+        from engine.models.convert import gguf_to_hf
+
+        scratch = Path(
+            tempfile.mkdtemp(prefix="smollm2-", dir=folder.parent if folder.parent.exists() else None)
+        )
+        joined = scratch / "smollm2.gguf"
+        with joined.open("wb") as f:
+            for p in parts:
+                with p.open("rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 24)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        gguf_to_hf(joined, scratch / "hf", log)
+        (scratch / "hf").rename(folder)
+        shutil.rmtree(scratch, ignore_errors=True)
+        num_bytes = sum(p.stat().st_size for p in parts)
+        return {
+            "model": SMOLLM2,
+            "folder": str(folder),
+            "weights": f"real (from a {num_bytes / 2**20:.0f} MiB GGUF)",
+            "flags": [],
+        }
+    if fallback is not None and (fallback / "config.json").exists():
+        return {
+            "model": str(fallback),
+            "folder": str(fallback),
+            "weights": "DUMMY (no GGUF here)",
+            "flags": ["--load-format", "dummy"],
+        }
+    raise FileNotFoundError(f"no GGUF parts ({gguf}) and no fallback folder: cannot serve {SMOLLM2}")
+
+
+def make_8b_folder(dst: Path, tokenizer_from: Path, tiny: bool) -> Path:
+    """bench/configs/llama8b.json with SmolLM2's vocabulary and special ids, and its tokenizer files
+    (the server needs a tokenizer and a chat template; the KV layout, what the handoff moves, is the
+    8B model's: 32 layers x 8 KV heads x 128)."""
+    config = json.loads((REPO / "bench/configs/llama8b.json").read_text())
+    small = json.loads((tokenizer_from / "config.json").read_text())
+    for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if k in small:
+            config[k] = small[k]
+    if tiny:
+        config.update(TINY_8B)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in tokenizer_from.iterdir():
+        if f.is_file() and f.name != "config.json" and f.suffix in (".json", ".jinja", ".txt", ".model"):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+# ---- steps ---------------------------------------------------------------------------------------
+
+
+def step_tests(run: Run) -> dict[str, Any]:
+    path = run.logs / "tests.log"
+    rc = sh(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/test_transfer_gpu.py"],
+        path,
+        min(180.0, run.left_s()),
+    )
+    return {"rc": rc, "result": tail(path, 1), **({"status": "failed"} if rc else {})}
+
+
+def step_handoff(run: Run, tokens: str, repeats: int) -> dict[str, Any]:
+    path, js = run.logs / "handoff.log", run.logs / "handoff.json"
+    rc = sh(
+        [
+            sys.executable,
+            "bench/bench_handoff.py",
+            "--tokens",
+            tokens,
+            "--repeats",
+            str(repeats),
+            "--json",
+            str(js),
+        ],
+        path,
+        min(240.0, run.left_s()),
+    )
+    res: dict[str, Any] = {"rc": rc}
+    if js.exists():
+        res.update(json.loads(js.read_text()))
+    if rc:
+        res.update(status="failed", error=tail(path, 5))
+    return res
+
+
+def pd_pair(args: tuple[str, ...], logs: Path, transport: str) -> PDPair:
+    logs.mkdir(parents=True, exist_ok=True)
+    return PDPair(*args, log_dir=logs, pe_args=("--transport", transport))
+
+
+def load_pair(run: Run, model: dict[str, Any], opts: argparse.Namespace) -> PDPair:
+    folder = make_8b_folder(run.work / "llama8b-dummy", Path(model["folder"]), opts.tiny)
+    args = (
+        "--model", str(folder), "--load-format", "dummy", "--kv-cache-gb", str(opts.load_kv_gb),
+        "--hicache-gb", str(opts.load_hicache_gb), "--max-model-len", str(opts.load_max_model_len),
+        "--max-num-seqs", "32",
+    )  # fmt: skip
+    return pd_pair(args, run.logs / "load_pair", opts.load_transport)
+
+
+def wait_all(servers: dict[str, Any], run: Run) -> dict[str, str]:
+    """Waits for each server (a pair: both sides); returns name -> 'ready' or why it is not."""
+    state = {}
+    for name, s in servers.items():
+        for proc in [s.pe, s.ce] if isinstance(s, PDPair) else [s]:
+            proc.ready_timeout_s = max(10.0, run.left_s() - 60)
+        try:
+            s.wait_ready()
+            state[name] = "ready"
+        except Exception as e:
+            state[name] = f"{type(e).__name__}: {str(e)[-600:]}"
+            log(f"{name} not ready: {state[name]}")
+    return state
+
+
+def step_check(
+    run: Run, model: dict[str, Any], opts: argparse.Namespace, pending: dict[str, Any]
+) -> dict[str, Any]:
+    """Starts a reference server and a pair per transport (and the load step's pair, so that its
+    loading overlaps), then runs check_pd against every pair at once, each against its own reference
+    (a reference serving two checkers would be the bottleneck)."""
+    args = (
+        "--model", model["model"], *model["flags"], "--deterministic", "--max-model-len", "4096",
+        "--kv-cache-gb", str(opts.check_kv_gb), "--hicache-gb", "0.5", "--max-num-seqs", "32",
+    )  # fmt: skip
+    servers: dict[str, Any] = {}
+    for t in opts.transports:
+        servers[f"ref_{t}"] = ServerProcess(*args, log_path=run.logs / f"check_ref_{t}.log")
+        servers[f"pd_{t}"] = pd_pair(args, run.logs / f"check_pd_{t}", t)
+    t0 = time.monotonic()
+    for s in servers.values():
+        s.start()
+    if "load" in opts.steps:
+        try:
+            pending["load_pair"] = load_pair(run, model, opts).start()
+        except Exception as e:
+            pending["load_pair_error"] = f"{type(e).__name__}: {e}"
+    res: dict[str, Any] = {"model": model["weights"], "transports": {}}
+    reserve_s = 30 + (opts.load_reserve_s if "load" in opts.steps else 0)
+    try:
+        state = wait_all(servers, run)
+        res["start_s"] = round(time.monotonic() - t0, 1)
+        procs = {}
+        for t in opts.transports:
+            ref, pair = servers[f"ref_{t}"], servers[f"pd_{t}"]
+            if state[f"ref_{t}"] != "ready" or state[f"pd_{t}"] != "ready":
+                res["transports"][t] = {
+                    "status": "failed",
+                    "error": f"ref: {state[f'ref_{t}']}; pd: {state[f'pd_{t}']}",
+                }
+                continue
+            cmd = [
+                sys.executable, "bench/check_pd.py", "--ref", ref.url, "--pd", pair.url,
+                "--max-tokens", str(opts.check_max_tokens), "--concurrency", str(opts.check_concurrency),
+                "--timeout-s", "300",
+            ]  # fmt: skip
+            f = (run.logs / f"check_pd_{t}.log").open("wb")
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+            procs[t] = (p, f, time.monotonic())
+        for t, (p, f, started) in procs.items():
+            try:
+                rc = p.wait(
+                    max(1.0, min(opts.check_time_s - (time.monotonic() - t0), run.left_s() - reserve_s))
+                )
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = 124
+            f.close()
+            res["transports"][t] = {
+                "status": "ok" if rc == 0 else "failed",
+                "rc": rc,
+                **check_counts(run.logs / f"check_pd_{t}.log", cut=rc == 124),
+                "seconds": round(time.monotonic() - started, 1),
+                "handoffs": handoff_metrics(servers[f"pd_{t}"]),
+            }
+    finally:
+        for s in servers.values():
+            s.stop()
+    if len(res["transports"]) < len(opts.transports) or any(
+        v["status"] != "ok" for v in res["transports"].values()
+    ):
+        res["status"] = "failed"
+    return res
+
+
+def check_counts(path: Path, cut: bool) -> dict[str, Any]:
+    """check_pd's verdict from its log: cases identical, different, failed (and whether it was cut)."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    n = {k: sum(ln.startswith(k) for ln in lines) for k in ("ok  ", "DIFF", "FAIL")}
+    summary = [ln for ln in lines if "cases identical" in ln]
+    result = summary[-1] if summary else f"{n['ok  ']} cases identical so far"
+    if cut:
+        result += " (cut at the time limit)"
+    return {"result": result, "num_ok": n["ok  "], "num_diff": n["DIFF"], "num_failed": n["FAIL"]}
+
+
+def metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def handoff_metrics(pair: PDPair) -> dict[str, Any]:
+    """From the CE's /metrics: handoffs by transport, their bytes and mean duration, and the mean
+    TTFT phases (the coordinator's split)."""
+    out: dict[str, Any] = {}
+    try:
+        text = metrics_text(pair.ce.port)
+    except Exception as e:
+        return {"error": repr(e)}
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        for key in (
+            "pdserve_handoffs_total", "pdserve_handoff_bytes_total", "pdserve_handoff_duration_seconds_sum",
+            "pdserve_handoff_duration_seconds_count", "pdserve_ttft_phase_seconds_sum", "pdserve_ttft_phase_seconds_count",
+        ):  # fmt: skip
+            if name.startswith(key + "{") or name == key:
+                label = name[len(key) :]
+                sums[key + label] = sums.get(key + label, 0.0) + float(value)
+    out["raw"] = sums
+    n = sum(v for k, v in sums.items() if k.startswith("pdserve_handoffs_total"))
+    b = sum(v for k, v in sums.items() if k.startswith("pdserve_handoff_bytes_total"))
+    ds = sum(v for k, v in sums.items() if k.startswith("pdserve_handoff_duration_seconds_sum"))
+    out.update(num_handoffs=n, mean_bytes=b / n if n else None, mean_handoff_ms=1e3 * ds / n if n else None)
+    phases = {}
+    for k, v in sums.items():
+        if k.startswith("pdserve_ttft_phase_seconds_sum"):
+            phase = k.split('phase="')[1].split('"')[0] if 'phase="' in k else k
+            cnt = sums.get(k.replace("_sum", "_count"), 0.0)
+            phases[phase] = round(1e3 * v / cnt, 2) if cnt else None
+    out["ttft_phase_mean_ms"] = phases
+    return out
+
+
+def step_load(
+    run: Run, model: dict[str, Any], opts: argparse.Namespace, pending: dict[str, Any]
+) -> dict[str, Any]:
+    if "load_pair_error" in pending:
+        raise RuntimeError(pending["load_pair_error"])
+    pair = pending.get("load_pair") or load_pair(run, model, opts).start()
+    try:
+        state = wait_all({"load_pair": pair}, run)
+        if state["load_pair"] != "ready":
+            raise RuntimeError(state["load_pair"])
+        out_dir = run.logs / "load"
+        budget = max(30.0, run.left_s() - 15)  # load.py's own start, warm-up and plots: ~10 s
+        grace_s = 15.0
+        cmd = [
+            sys.executable, "bench/load.py", "--url", pair.url, "--trace", "synthetic",
+            "--conversations", str(opts.load_conversations), "--turns", str(opts.load_turns),
+            "--concurrency", str(opts.load_concurrency), "--output-tokens", str(opts.load_output_tokens),
+            "--output-sigma", "0", "--think-s", "0.5", "--tool-latency-s", "0.2", "--ignore-eos",
+            "--max-context-tokens", str(opts.load_max_model_len - 256),
+            "--duration-s", str(round(min(opts.load_duration_s, budget - grace_s - 10))), "--grace-s", str(grace_s),
+            "--slo-ttft-ms", "2000", "--slo-itl-ms", "200", "--label", f"pd-{opts.load_transport}-1gpu",
+            "--out", str(out_dir),
+        ]  # fmt: skip
+        rc = sh(cmd, run.logs / "load.log", budget)
+        res: dict[str, Any] = {"rc": rc, "handoffs": handoff_metrics(pair)}
+        results = out_dir / "results.json"
+        if results.exists():
+            doc = json.loads(results.read_text())
+            res["summary"] = doc["runs"][0]["summary"]
+            res["trace"] = doc.get("trace")
+        if rc:
+            res.update(status="failed", error=tail(run.logs / "load.log", 5))
+        return res
+    finally:
+        pair.stop()
+
+
+# ---- summary -------------------------------------------------------------------------------------
+
+
+def _f(x: Any, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def summary_table(doc: dict[str, Any]) -> str:
+    env, steps = doc["environment"], doc["steps"]
+    lines = [
+        "| step | status | result |",
+        "| --- | --- | --- |",
+    ]
+    for name, r in steps.items():
+        status = r.get("status", "?")
+        if name == "model":
+            lines.append(f"| model | {status} | {r.get('weights', r.get('error', ''))} ({r['seconds']} s) |")
+        elif name == "tests":
+            lines.append(f"| tests | {status} | {r.get('result', r.get('error', ''))} ({r['seconds']} s) |")
+        elif name == "handoff":
+            for row in r.get("rows", []):
+                frac = f"{row['of_ceiling']:.0%} of {row['ceiling']}" if row.get("of_ceiling") else ""
+                lines.append(
+                    f"| handoff {row['tokens']} tok | {row['what']} | {row['bytes'] / 2**20:.0f} MiB in "
+                    f"{row['s'] * 1e3:.2f} ms = {row['bytes'] / row['s'] / 1e9:.2f} GB/s {frac} |"
+                )
+            if not r.get("rows"):
+                lines.append(f"| handoff | {status} | {r.get('error', '')} |")
+        elif name == "check":
+            lines.append(
+                f"| check | {status} | {r.get('model', r.get('error', ''))}, servers up in {r.get('start_s', '-')} s |"
+            )
+            for t, tr in r.get("transports", {}).items():
+                h = tr.get("handoffs", {})
+                lines.append(
+                    f"| check_pd {t} | {tr['status']} | {tr.get('result', tr.get('error', ''))}, "
+                    f"{tr.get('num_diff', '-')} different, {tr.get('num_failed', '-')} failed; "
+                    f"{_f(h.get('num_handoffs'), '.0f')} handoffs, mean {_f(h.get('mean_handoff_ms'), '.2f')} ms "
+                    f"({tr.get('seconds', '-')} s) |"
+                )
+        elif name == "load":
+            s = r.get("summary")
+            if s:
+                lines.append(
+                    f"| load | {status} | {s['num_ok']}/{s['num_planned']} ok, {s['num_errors']} errors; TTFT p50/p90 "
+                    f"{_f(s['ttft_ms']['p50'], '.0f')}/{_f(s['ttft_ms']['p90'], '.0f')} ms; ITL p50/p90 "
+                    f"{_f(s['itl_ms']['p50'], '.1f')}/{_f(s['itl_ms']['p90'], '.1f')} ms; "
+                    f"{_f(s['output_tokens_per_s'], '.1f')} output tok/s; cache hit {_f(s['prefix_cache_hit_rate'], '.2f')} |"
+                )
+                phases = r.get("handoffs", {}).get("ttft_phase_mean_ms", {})
+                lines.append(
+                    f"| load TTFT phases (mean ms) | | {', '.join(f'{k} {v}' for k, v in phases.items())} |"
+                )
+            else:
+                lines.append(f"| load | {status} | {r.get('error', '')} |")
+        else:
+            lines.append(f"| {name} | {status} | {r.get('error', '')} |")
+    head = ", ".join(f"{k} {v}" for k, v in env.items())
+    return f"# P/D on one GPU\n\n{head}\n\n" + "\n".join(lines) + "\n"
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="summary.md, summary.json and logs.tgz go here")
+    p.add_argument("--work", type=Path, default=None, help="logs and scratch (default: a temporary folder)")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)}")
+    p.add_argument("--budget-s", type=float, default=540.0, help="the whole run's time; steps shrink to fit")
+    p.add_argument(
+        "--home", type=Path, default=None, help="PDSERVE_HOME for the converted model (default: as set)"
+    )
+    p.add_argument("--gguf", default=None, help="SmolLM2's GGUF, or its parts joined by '+'")
+    p.add_argument(
+        "--fallback-folder", type=Path, default=None, help="config + tokenizer: dummy weights if no GGUF"
+    )
+    p.add_argument("--tiny", action="store_true", help="CPU rehearsal: toy dims for the load step's model")
+    p.add_argument("--handoff-tokens", default="16384")
+    p.add_argument("--handoff-repeats", type=int, default=3)
+    p.add_argument("--transports", default="tcp,ipc", help="one P/D pair each in the check step")
+    p.add_argument("--check-max-tokens", type=int, default=12)
+    p.add_argument("--check-concurrency", type=int, default=8)
+    p.add_argument("--check-kv-gb", type=float, default=2.0)
+    p.add_argument(
+        "--check-time-s", type=float, default=240.0, help="the check step at most (start included)"
+    )
+    p.add_argument(
+        "--load-reserve-s", type=float, default=90.0, help="time the check step leaves the load step"
+    )
+    p.add_argument("--load-transport", default="ipc")
+    p.add_argument("--load-kv-gb", type=float, default=24.0, help="KV pool of each 8B process")
+    p.add_argument("--load-hicache-gb", type=float, default=2.0)
+    p.add_argument("--load-max-model-len", type=int, default=8192)
+    p.add_argument("--load-conversations", type=int, default=6)
+    p.add_argument("--load-turns", type=int, default=3)
+    p.add_argument("--load-concurrency", type=int, default=4)
+    p.add_argument("--load-output-tokens", type=int, default=32)
+    p.add_argument("--load-duration-s", type=float, default=90.0)
+    args = p.parse_args(argv)
+    args.steps = [s for s in args.steps.split(",") if s]
+    args.transports = [t for t in args.transports.split(",") if t]
+    if bad := [s for s in args.steps if s not in STEPS]:
+        p.error(f"unknown steps {bad}; known: {STEPS}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse_args(argv)
+    if opts.home is not None:
+        os.environ["PDSERVE_HOME"] = str(opts.home)
+    work = opts.work or Path(tempfile.mkdtemp(prefix="h200_pd-"))
+    run = Run(opts.out, work, opts.budget_s)
+    run.environment = environment()
+    log(f"work folder {work}; {run.environment}")
+    model: dict[str, Any] = {}
+    pending: dict[str, Any] = {}
+    if {"model", "check", "load"} & set(opts.steps):
+        run.step(
+            "model", lambda: model.update(prepare_smollm2(opts.gguf, opts.fallback_folder)) or dict(model)
+        )
+    if "tests" in opts.steps:
+        run.step("tests", lambda: step_tests(run))
+    if "handoff" in opts.steps:
+        run.step("handoff", lambda: step_handoff(run, opts.handoff_tokens, opts.handoff_repeats))
+    if model and "check" in opts.steps:
+        run.step("check", lambda: step_check(run, model, opts, pending))
+    if model and "load" in opts.steps:
+        run.step("load", lambda: step_load(run, model, opts, pending))
+    run.save()
+    print("\n" + (work / "summary.md").read_text(), flush=True)
+    return 0 if all(r["status"] == "ok" for r in run.results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
