@@ -2,6 +2,7 @@
 
     handoff.py    the header (msgpack) and payload layout; layout checks
     checksum.py   the payload checksum (torch/numpy, same value on CPU and GPU)
+    checksum_gpu.py  the same in one pass on a GPU (Triton), used once it matches torch there
     auth.py       the cluster token and the HMAC challenge-response
     wire.py       control-connection framing and message flow
     sender.py     KVSender.send(addr, export) -> Ack

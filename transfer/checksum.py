@@ -19,9 +19,9 @@ changes down into the low bits, so two flips of the same high bit in different w
 (they would in a purely linear sum). S is linear over chunks, so a receiver can hash whole chunks as
 they arrive (SegmentHasher) and get the same value as one pass over the finished buffer.
 
-Cost per word: 4 elementwise ops + a sum over a chunk that stays in cache, so it runs near memory
-bandwidth on a GPU (a few ms for a 2 GiB sequence) and at about zlib.crc32's speed on one CPU core
-(numbers in bench/bench_handoff.py's table).
+Cost per word: 4 elementwise ops + a sum over a chunk that stays in cache, so one pass runs near
+memory bandwidth on a GPU (checksum_gpu.py; torch's separate elementwise passes move about ten times
+the bytes) and at about zlib.crc32's speed on one CPU core (numbers in bench/bench_handoff.py's table).
 """
 
 from __future__ import annotations
@@ -92,13 +92,19 @@ def segment_sum(words: torch.Tensor, first_chunk: int = 0) -> int:
 
     The run must be whole chunks, except that the last chunk of a segment may be partial. On the
     CPU this runs in numpy, single-threaded, one cache-sized chunk at a time (about twice torch's
-    speed there: lower per-op overhead, no thread-pool handoff); elsewhere in torch, 64 chunks per
-    launch. Both compute the same definition; tests check they agree bit for bit.
+    speed there: lower per-op overhead, no thread-pool handoff); on CUDA in one pass through a Triton
+    kernel (checksum_gpu.py) where it has matched torch on that device; elsewhere in torch, 64
+    chunks per launch. All compute the same definition; tests check they agree bit for bit.
     """
     if words.numel() == 0:
         return 0
     if words.device.type == "cpu":
         return _numpy_segment_sum(words, first_chunk)
+    if words.device.type == "cuda":
+        from transfer import checksum_gpu
+
+        if checksum_gpu.usable(words.device):
+            return checksum_gpu.segment_sum(words, first_chunk)
     return _torch_segment_sum(words, first_chunk)
 
 
