@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.engine import SequenceExport  # noqa: E402
 from engine.kv_cache import KVLayout  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from transfer.checksum import payload_checksum  # noqa: E402
+from transfer.checksum import _torch_segment_sum, as_words, fold, payload_checksum  # noqa: E402
 from transfer.config import TransferConfig  # noqa: E402
 from transfer.handoff import (  # noqa: E402
     HandoffHeader,
@@ -289,6 +289,9 @@ def measure(
     if copy_s is not None:
         rows.append(row("d2d copy", copy_s))
     rows.append(row(f"checksum ({device.type})", ck_s))
+    if device.type == "cuda":  # the torch path, which the one-pass kernel replaces where it matches
+        ck_torch_s = best(lambda: _timed(lambda: torch_checksum(segments), device), repeats)
+        rows.append(row("checksum (torch path)", ck_torch_s))
     for name, sender in senders.items():
         ack = best(lambda s=sender: _ack(loop, s, addr, exp), repeats)[1]
         ceiling, ceiling_s = ("raw tcp socket", raw_s) if name == "tcp" else ("d2d copy", copy_s)
@@ -296,6 +299,10 @@ def measure(
         rows.append(row(f"  payload+verify {name}", ack.recv_s + ack.verify_s, ceiling, ceiling_s))
         rows.append(row(f"  payload {name}", ack.recv_s, ceiling, ceiling_s))
     return rows
+
+
+def torch_checksum(segments: list[torch.Tensor]) -> int:
+    return fold([(t.numel() * t.element_size(), _torch_segment_sum(as_words(t), 0)) for t in segments])
 
 
 def _timed(fn: Any, device: torch.device) -> float:

@@ -74,6 +74,13 @@ def test_checksum_on_the_gpu_equals_the_cpu(nbytes: int) -> None:
     assert payload_checksum([flipped.cuda()]) != payload_checksum([data])
 
 
+def test_the_one_pass_checksum_kernel_runs_here() -> None:
+    pytest.importorskip("triton")
+    from transfer.checksum_gpu import usable
+
+    assert usable(torch.device("cuda"))  # it built and matched the torch path (else: torch is used)
+
+
 @pytest.mark.parametrize("src, dst", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
 async def test_tcp_moves_gpu_memory_through_pinned_staging(src: str, dst: str) -> None:
     exp = cuda_export(seed=1)
