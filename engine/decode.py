@@ -4,7 +4,7 @@ A decode row is one generated token of one sequence (a prompt's tokens, even a o
 them, always take the chunked path in engine/attention.py, so a prompt's K/V never depend on how it
 was chunked). The step puts its decode rows last in the flattened batch and describes them with
 `DecodeMeta`: int32 tensors that live in one static buffer (`DecodeInputs`), filled on the host in
-pinned memory and copied to the device in two copies. CUDA graphs (engine/cuda_graphs.py) capture
+pinned memory and copied to the device in one copy. CUDA graphs (engine/cuda_graphs.py) capture
 views of that buffer, so a replay only needs the buffer refilled.
 
     device buffer (int32), R = max rows, W = max blocks per sequence:
@@ -12,7 +12,7 @@ views of that buffer, so a replay only needs the buffer refilled.
       a padded row: id 0, position 0, context len 0 (the kernels skip it), slot -1
 
 The attention reads K/V in place through kernels/decode_attention.py (full layers: pages through the
-block table; sliding layers: the sequence's ring slot), after storing the row's new K/V there.
+block table; sliding layers: the sequence's ring slot), storing the row's new K/V there as it goes.
 """
 
 from __future__ import annotations
@@ -96,23 +96,20 @@ class DecodeInputs:
         pos[n:] = 0
         ctx[n:] = 0
         slots[n:] = -1
-        for i in range(4):
-            self._field(self.device_buf, i, padded_rows).copy_(self._field(self.host, i, padded_rows), non_blocking=True)
-        rows = padded_rows * self.max_blocks
-        self.device_buf[self._head : self._head + rows].copy_(self.host[self._head : self._head + rows], non_blocking=True)
+        end = self._head + padded_rows * self.max_blocks  # the four fields whole, then the table's rows
+        self.device_buf[:end].copy_(self.host[:end], non_blocking=True)
         self._copied.record()
         return self.meta(padded_rows)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_sliding: bool, cache_index: int,
                      window: int | None, scale: float, kv: KVCache, meta: DecodeMeta) -> torch.Tensor:
-    """Stores the rows' new K/V, then attends over each row's cached keys. q: [rows, heads, dim]."""
-    from kernels.decode_attention import paged_decode_attention, store_decode_kv
+    """Stores the rows' new K/V and attends over each row's cached keys, in one kernel pass. q: [rows, heads, dim]."""
+    from kernels.decode_attention import paged_decode_attention
 
     if is_sliding:
         assert window is not None
         cache, table, ring = kv.swa, meta.state_slots, window
     else:
         cache, table, ring = kv.pages, meta.block_table, 0
-    store_decode_kv(k, v, cache, cache_index, table, meta.context_lens, is_ring=is_sliding)
-    return paged_decode_attention(q, cache, cache_index, table, meta.context_lens, scale, window=ring)
+    return paged_decode_attention(q, cache, cache_index, table, meta.context_lens, scale, window=ring, k_new=k, v_new=v)

@@ -190,6 +190,11 @@ class DecoderLayer(nn.Module):
         if self.is_sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        ops = fused_ops_for(x)
+        if ops is not None:
+            norm = self.post_attention_layernorm
+            x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
+            return x + self.mlp(normed)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 

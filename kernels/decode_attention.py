@@ -19,8 +19,9 @@ so a row's output is bit-identical whether it runs alone or in any batch; determ
 same kernels. A row with context length 0 (a padded row of a CUDA graph) reads and stores nothing
 and gets zeros.
 
-`store_decode_kv` writes each sequence's new K/V at position context_len - 1 (page slot or ring index)
-before the attention reads it; padded rows are skipped there too.
+The new token's K/V (position context_len - 1) go into the cache in the same launch: the one program
+whose split holds that key stores them and uses them in place of the cache's stale entry, and no other
+program reads that key, so nothing races (`store_decode_kv` does the same store as a kernel of its own).
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def _num_keys(CTX, b, WINDOW: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, KV, BT, CTX, ACC, ML,
-    stride_qb, stride_qh,
+    Q, K_NEW, V_NEW, KV, BT, CTX, ACC, ML,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_unit, stride_kv, stride_tok, stride_head,
     stride_btb,
     scale,
@@ -63,6 +64,7 @@ def _decode_split_kernel(
     UNIT_TOKENS: tl.constexpr,  # tokens per page (block_size) or per ring (window)
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_NEW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -81,6 +83,18 @@ def _decode_split_kernel(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         row = BT + b.to(tl.int64) * stride_btb
+        ctx = tl.load(CTX + b)
+        j_new = ctx - 1  # the new token's key index
+        if WINDOW > 0:
+            j_new = j_new % UNIT_TOKENS
+        if HAS_NEW:
+            k_new = tl.load(K_NEW + b * stride_kb + kvh * stride_kh + offs_d, mask=mask_d, other=0.0)
+            v_new = tl.load(V_NEW + b * stride_vb + kvh * stride_vh + offs_d, mask=mask_d, other=0.0)
+            if (start <= j_new) & (j_new < end):  # this program owns the new key: it stores it
+                unit_new = tl.load(row + j_new // UNIT_TOKENS)  # a ring's j_new < window: its slot
+                dst = KV + unit_new.to(tl.int64) * stride_unit + (j_new % UNIT_TOKENS) * stride_tok + kvh * stride_head
+                tl.store(dst + offs_d, k_new, mask=mask_d)
+                tl.store(dst + stride_kv + offs_d, v_new, mask=mask_d)
         for j0 in range(start, end, BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
@@ -91,6 +105,8 @@ def _decode_split_kernel(
             base = unit.to(tl.int64) * stride_unit + (offs_n % UNIT_TOKENS) * stride_tok + kvh * stride_head
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(KV + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if HAS_NEW:
+                k = tl.where((offs_n == j_new)[:, None], k_new[None, :], k)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -101,6 +117,8 @@ def _decode_split_kernel(
             p = tl.exp(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(KV + stride_kv + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if HAS_NEW:
+                v = tl.where((offs_n == j_new)[:, None], v_new[None, :], v)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -167,8 +185,11 @@ def paged_decode_attention(
     scale: float,
     window: int = 0,
     out: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B, heads, head_dim], one token per sequence, its K/V already stored (store_decode_kv).
+    """q: [B, heads, head_dim], one token per sequence. k_new, v_new ([B, kv_heads, head_dim]): its
+    K/V, stored into the cache by this call; without them they must be stored already (store_decode_kv).
     cache: the paged pool (window 0) or the SWA ring pool (window > 0), indexed by `layer`.
     block_table: [B, max_blocks] int32 page ids, or [B, 1] state slots for a ring.
     context_lens: [B] int32, the new token's position + 1; 0 marks a padded row (output zeros).
@@ -186,18 +207,25 @@ def paged_decode_attention(
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
+    has_new = k_new is not None and v_new is not None
+    if has_new:
+        assert k_new is not None and v_new is not None
+        if k_new.shape != (batch, num_kv_heads, head_dim) or k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+            raise ValueError(f"k_new {tuple(k_new.shape)} does not fit q {tuple(q.shape)} and the cache")
+    else:
+        k_new = v_new = q  # unused
     acc = torch.empty((batch, num_heads, MAX_SPLITS, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((batch, num_heads, MAX_SPLITS, 2), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, MAX_SPLITS)](
-        q, kv, block_table, context_lens, acc, ml,
-        q.stride(0), q.stride(1),
+        q, k_new, v_new, kv, block_table, context_lens, acc, ml,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         block_table.stride(0),
         scale,
         WINDOW=window, UNIT_TOKENS=kv.shape[2],
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=MIN_SPLIT_TOKENS, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        HAS_NEW=has_new, num_warps=4, num_stages=2,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         acc, ml, context_lens, out,

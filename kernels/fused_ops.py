@@ -4,9 +4,10 @@ In eager torch each of these is several elementwise kernels (RMSNorm: cast, squa
 two multiplies, casts; rotary: split, negate, concatenate, multiply, add, for q and k). In a decode step
 of an 8B model those launches cost about as much as reading the weights, so each becomes one kernel.
 
-Each kernel reproduces the torch code's roundings (the same casts to the activation dtype at the same
-points), so it differs from the torch path only where float32 reductions sum in another order (the
-norm's mean of squares). Every kernel is one program per row: a row's result never depends on the
+Each kernel casts to the activation dtype at the points where the torch code rounds, so it differs
+from the torch path by a rounding at most: where float32 reductions sum in another order (the norm's
+mean of squares) or where the compiler keeps a product unrounded inside a sum (rotary, measured on the
+H200: not bit-identical to torch's three rounded ops). Every kernel is one program per row: a row's result never depends on the
 other rows, which keeps deterministic mode's batch invariance.
 """
 
@@ -18,11 +19,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, OUT, stride_x, stride_o, n_cols, eps, IS_GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, H, SUM, W, OUT, stride_x, stride_h, stride_s, stride_o, n_cols, eps,
+                     IS_GEMMA: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ADD:  # x + h rounded to the dtype (the residual), then normed
+        x = x + tl.load(H + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(SUM.dtype.element_ty)
+        tl.store(SUM + row * stride_s + offs, x, mask=mask)
+        x = x.to(tl.float32)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / n_cols + eps)
     if IS_GEMMA:  # (x * (1 + w)) in float32, then cast
@@ -41,10 +48,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool) 
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, weight, out, x2.stride(0), out.stride(0), shape[-1], eps,
-            IS_GEMMA=is_gemma, BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 4096 else 8,
+            x2, x2, x2, weight, out, x2.stride(0), 0, 0, out.stride(0), shape[-1], eps,
+            IS_GEMMA=is_gemma, HAS_ADD=False, BLOCK=triton.next_power_of_2(shape[-1]),
+            num_warps=4 if shape[-1] <= 4096 else 8,
         )
     return out.view(shape)
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
+                 is_gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, rms_norm(x + h)) in one pass. x, h: [rows, n], contiguous rows."""
+    if x.dim() != 2 or x.shape != h.shape or x.stride(-1) != 1 or h.stride(-1) != 1:
+        raise ValueError(f"add_rms_norm needs two [rows, n] tensors, got {tuple(x.shape)} and {tuple(h.shape)}")
+    total = torch.empty_like(x)
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](
+            x, h, total, weight, out, x.stride(0), h.stride(0), total.stride(0), out.stride(0), x.shape[1], eps,
+            IS_GEMMA=is_gemma, HAS_ADD=True, BLOCK=triton.next_power_of_2(x.shape[1]),
+            num_warps=4 if x.shape[1] <= 4096 else 8,
+        )
+    return total, out
 
 
 @triton.jit

@@ -180,3 +180,31 @@ def test_decode_bandwidth_report() -> None:
         ms = do_bench(lambda a=args: paged_decode_attention(*a), warmup=25, rep=100, return_mode="median")
         kv_bytes = batch * n * 2 * kv_heads * dim * 2
         print(f"decode attention b={batch} ctx={n}: {ms * 1e3:.1f} us, {kv_bytes / ms / 1e6:,.0f} GB/s of KV read")
+
+
+@pytest.mark.parametrize("window", [0, 48])
+def test_attention_stores_the_new_token(window: int) -> None:
+    """With k_new/v_new the kernel stores them (the cache's entry there was stale: NaN) and attends with
+    them: the same output as storing first with store_decode_kv, and the same cache afterwards."""
+    gen = _gen("fused-store", window)
+    heads, kv_heads, dim, block_size = 8, 2, 64, 16
+    ctx_lens = [1, 17, 300, 0, 49, 96] if window else [1, 17, 300, 0, 33, 160]
+    if window:
+        cache = _rand(gen, len(ctx_lens) + 1, 2, 2, window, kv_heads, dim)
+        table = torch.arange(1, len(ctx_lens) + 1, dtype=torch.int32, device=DEVICE).view(-1, 1)
+    else:
+        cache, table = _paged_setup(gen, ctx_lens, block_size, kv_heads, dim)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    k_new, v_new = _rand(gen, len(ctx_lens), kv_heads, dim), _rand(gen, len(ctx_lens), kv_heads, dim)
+    stored = cache.clone()
+    store_decode_kv(k_new, v_new, stored, 1, table, ctx, is_ring=bool(window))
+    for b, n in enumerate(ctx_lens):  # poison each new token's slot in the cache the kernel gets
+        if n:
+            unit = int(table[b, 0]) if window else int(table[b, (n - 1) // block_size])
+            cache[unit, 1, :, (n - 1) % (window or block_size)] = float("nan")
+    q = _rand(gen, len(ctx_lens), heads, dim)
+    expect = paged_decode_attention(q, stored, 1, table, ctx, 0.125, window=window)
+    got = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, 1, table, ctx, 0.125, window=window, out=got, k_new=k_new, v_new=v_new)
+    assert torch.equal(got, expect)
+    assert torch.equal(cache.nan_to_num(7.0), stored.nan_to_num(7.0))

@@ -1,0 +1,137 @@
+"""Where a decode step's time goes, on the GPU: the wall time of `engine.step()`, the GPU time of the
+step's CUDA graph replayed alone (the difference is host work: scheduling, filling the decode buffers,
+sampling, bookkeeping), and the GPU time of each kernel in one replay (torch.profiler), for an
+8B-shaped dummy model (bench/configs) at a few batch sizes and one context length.
+
+    python bench/profile_decode.py --model llama8b --batches 1,64 --context 1024 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+
+def _bench_engine() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_engine", REPO / "bench" / "bench_engine.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _median_ms(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _kernel_table(graph: torch.cuda.CUDAGraph, reps: int) -> tuple[list[dict[str, Any]], float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.count:
+            rows.append({"kernel": e.key[:90], "per_step": e.count / reps, "us_per_step": t / reps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows, sum(r["us_per_step"] for r in rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama8b")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    be = _bench_engine()
+    batches = [int(b) for b in args.batches.split(",")]
+    report: dict[str, Any] = {"model": args.model, "context": args.context, "rows": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        ns = argparse.Namespace(tiny=False)
+        folder = be.model_folder(args.model, ns, Path(scratch))
+        max_len = args.context + 64
+        eng = LLMEngine(EngineConfig(
+            model=str(folder), load_format="dummy", max_num_seqs=max(batches), max_model_len=max_len,
+            kv_cache_gb=max(batches) * (max_len / 128 + 2) * eng_page_gib(folder), hicache_gb=0,
+            is_deterministic=args.deterministic,
+        ))
+        print(f"graphs: {eng.graph_stats}", flush=True)
+        for b in batches:
+            ids = [f"p{b}-{i}" for i in range(b)]
+            params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+            for rid, prompt in zip(ids, be.random_prompts(b, args.context, eng.arch.vocab_size, 0)):
+                eng.add_request(rid, prompt, params)
+            be.admit_prefilled(eng)
+            for _ in range(3):
+                eng.step()
+            step_ms = _median_ms(eng.step, 15)
+            assert eng.runner.graphs is not None
+            bucket = eng.runner.graphs.bucket(b)
+            graph = eng.runner.graphs._graphs[bucket][0]
+            replay_ms = _replay_ms(graph, 15)
+            kernels, kernel_us = _kernel_table(graph, 3)
+            be.release_all(eng, ids)
+            row = {"batch": b, "step_ms": step_ms, "replay_ms": replay_ms, "host_ms": step_ms - replay_ms,
+                   "kernel_ms": kernel_us / 1e3, "num_kernels": sum(k["per_step"] for k in kernels),
+                   "kernels": kernels[:25]}
+            report["rows"].append(row)
+            print(f"\nb={b}: step {step_ms:.3f} ms wall, graph replay {replay_ms:.3f} ms GPU (host {step_ms - replay_ms:.3f} ms), "
+                  f"kernels {kernel_us / 1e3:.3f} ms in {row['num_kernels']:.0f} launches", flush=True)
+            for k in kernels[:18]:
+                print(f"  {k['us_per_step']:9.1f} us  x{k['per_step']:<5.0f} {k['kernel']}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"profile_decode_{args.model}.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def eng_page_gib(folder: Path) -> float:
+    from engine.kv_cache import KVLayout
+    from engine.model_config import arch_from_hf, load_hf_config
+
+    return KVLayout.of(arch_from_hf(load_hf_config(folder)), 128, torch.bfloat16).page_bytes / 2**30
+
+
+if __name__ == "__main__":
+    sys.exit(main())
