@@ -19,11 +19,11 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
 
-from kernels.bi_matmul import bi_linear, bi_matmul  # noqa: E402
+from kernels.bi_matmul import MatmulConfig, bi_linear, bi_matmul, matmul_config  # noqa: E402
 
 ROW_COUNTS = [1, 3, 16, 17, 64, 200]
-# (N, K): narrow and wide outputs, K a multiple of the K step and not
-SHAPES = [(96, 64), (1000, 200), (256, 4096) if DEVICE.type == "cuda" else (256, 320)]
+# (N, K): narrow and wide outputs, K a multiple of the K step and not, K split into 1, 4 and 8 ranges
+SHAPES = [(96, 64), (1000, 200)] + ([(256, 4096), (1024, 14336)] if DEVICE.type == "cuda" else [(256, 320)])
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -65,3 +65,23 @@ def test_strided_operands() -> None:
     b = torch.randn(128, 72, generator=gen).to(DTYPE).to(DEVICE)
     assert torch.equal(bi_matmul(a, b), bi_matmul(a.contiguous(), b.t().contiguous().t()))
     assert rel_err(bi_matmul(a, b), a.double() @ b.double()) < TOL
+
+
+@pytest.mark.parametrize("split,k", [(2, 256), (3, 200), (4, 100)])
+def test_split_k_matches_reference(split: int, k: int) -> None:
+    """Explicit split configurations, even and uneven (the last range short or empty), with bias."""
+    gen = torch.Generator().manual_seed(split * k)
+    x = torch.randn(33, k, generator=gen).to(DTYPE).to(DEVICE)
+    w = torch.randn(70, k, generator=gen).to(DTYPE).to(DEVICE)
+    b = torch.randn(70, generator=gen).to(DTYPE).to(DEVICE)
+    cfg = MatmulConfig(64, 64, 32, 4, 2, split_k=split)
+    out = bi_matmul(x, w.t(), b, config=cfg)
+    ref = x.double() @ w.double().t() + b.double()
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL
+
+
+def test_config_depends_on_weight_shape_only() -> None:
+    """The 8B model's narrow projections split K (decode needs the programs), wide ones do not."""
+    assert matmul_config(4096, 14336).split_k > 1 and matmul_config(6144, 4096).split_k > 1
+    assert matmul_config(28672, 4096).split_k == 1 and matmul_config(128256, 4096).split_k == 1
