@@ -17,6 +17,13 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
+def _engine(folder, device: str, **kw):
+    # NOTE: no host prefix cache on CUDA: its default 32 GiB of pinned memory takes seconds to allocate,
+    # and the properties here do not involve it.
+    return small_engine(folder, is_deterministic=True, device=device, **({"hicache_gb": 0.0} if device == "cuda" else {}),
+                        **kw)
+
+
 def _prompts(n: int, lengths: list[int], seed: int = 3) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 512, (L,), generator=gen).tolist() for L in lengths[:n]]
@@ -25,7 +32,7 @@ def _prompts(n: int, lengths: list[int], seed: int = 3) -> list[list[int]]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_logits_batch_and_chunk_invariant(tiny_model_dir, family: str, device: str) -> None:
-    eng = small_engine(tiny_model_dir(family), is_deterministic=True, device=device)
+    eng = _engine(tiny_model_dir(family), device)
     if device == "cuda":
         assert eng.numerics is Numerics.BATCH_INVARIANT
     target, *others = _prompts(4, [77, 5, 130, 33])
@@ -43,7 +50,7 @@ def test_prefill_logits_batch_and_chunk_invariant(tiny_model_dir, family: str, d
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_logits_batch_invariant(tiny_model_dir, family: str, device: str) -> None:
     """The same request's decode-step logits alone and among requests of other lengths."""
-    eng = small_engine(tiny_model_dir(family), is_deterministic=True, max_num_batched_tokens=48, device=device)
+    eng = _engine(tiny_model_dir(family), device, max_num_batched_tokens=48)
     captured: dict[str, list[torch.Tensor]] = {}
     run = eng.runner.run
 
@@ -76,7 +83,7 @@ def test_decode_logits_batch_invariant(tiny_model_dir, family: str, device: str)
 def test_row_functions_batch_invariant_on_cuda(tiny_model_dir, family: str) -> None:
     """Every row-local function of the model (norms, projections, rotary, MLP, logits) under
     BATCH_INVARIANT: row i of an M-row call equals row i computed alone, for several M."""
-    eng = small_engine(tiny_model_dir(family), is_deterministic=True, device="cuda")
+    eng = _engine(tiny_model_dir(family), "cuda")
     gen = torch.Generator().manual_seed(9)
     for fn, widths in eng.model.row_functions():
         xs = [torch.randn(200, w, generator=gen).to("cuda", eng.dtype) for w in widths]
