@@ -33,6 +33,7 @@ def _bench_engine() -> Any:
     spec = importlib.util.spec_from_file_location("bench_engine", REPO / "bench" / "bench_engine.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_engine"] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
