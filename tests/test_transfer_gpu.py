@@ -1,7 +1,8 @@
 """The transports' CUDA paths on a real GPU (skipped without one): the checksum on the device against
 the CPU's, TCP from and to GPU memory through the pinned staging buffers, and CUDA IPC between two
 processes (a sender in a child process, the receiver here), twice from the same memory so a stale
-mapping or a missing ordering event would show as the first payload arriving again."""
+mapping or a missing ordering event would show as the first payload arriving again. The tests are
+plain functions around asyncio.run: the GPU machine need not have pytest-asyncio."""
 
 from __future__ import annotations
 
@@ -37,15 +38,16 @@ CONFIG = TransferConfig(
 )
 
 
-def cuda_export(seed: int, num_prompt: int = 300) -> SequenceExport:
+def cuda_export(seed: int, request_id: str, num_prompt: int = 1200) -> SequenceExport:
     exp = make_export(LAYOUT, num_prompt=num_prompt, seed=seed)
+    exp.request_id = request_id
     exp.pages = exp.pages.to("cuda", torch.bfloat16)
     exp.state = exp.state.to("cuda", torch.bfloat16) if exp.state is not None else None
     return exp
 
 
 def host_payload(exp: SequenceExport) -> list[torch.Tensor]:
-    return [t.cpu() for t in payload_segments(exp, LAYOUT)]
+    return [t.to("cpu", copy=True) for t in payload_segments(exp, LAYOUT)]
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -82,8 +84,12 @@ def test_the_one_pass_checksum_kernel_runs_here() -> None:
 
 
 @pytest.mark.parametrize("src, dst", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
-async def test_tcp_moves_gpu_memory_through_pinned_staging(src: str, dst: str) -> None:
-    exp = cuda_export(seed=1)
+def test_tcp_moves_gpu_memory_through_pinned_staging(src: str, dst: str) -> None:
+    asyncio.run(tcp_round_trip(src, dst))
+
+
+async def tcp_round_trip(src: str, dst: str) -> None:
+    exp = cuda_export(seed=1, request_id="r1")
     want = host_payload(exp)
     if src == "cpu":
         exp.pages, exp.state = want[0], want[1]
@@ -112,7 +118,7 @@ from transfer.sender import KVSender
 
 async def main():
     sender = KVSender(TOKEN, LAYOUT, config=replace(CONFIG, transport="ipc"))
-    exp = cuda_export(seed=2)
+    exp = cuda_export(seed=2, request_id="i1")
     a1 = await sender.send({addr!r}, exp)
     exp.pages.neg_()
     exp.state.neg_()
@@ -124,8 +130,12 @@ asyncio.run(main())
 """
 
 
-async def test_ipc_between_two_processes() -> None:
-    want = host_payload(cuda_export(seed=2))
+def test_ipc_between_two_processes() -> None:
+    asyncio.run(ipc_from_a_child_process())
+
+
+async def ipc_from_a_child_process() -> None:
+    want = host_payload(cuda_export(seed=2, request_id="i1"))
     sink = CudaSink("i1", "i2")
     async with receiver(sink, layout=LAYOUT, config=CONFIG) as r:
         script = _SENDER.format(tests=str(ROOT / "tests"), root=str(ROOT), addr=r.address)
