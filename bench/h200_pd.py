@@ -7,7 +7,8 @@ ends with one summary table, whatever failed on the way:
   model    SmolLM2-135M-Instruct converted here from its GGUF (--gguf, parts joined by '+') into
            $PDSERVE_HOME/models (what `--model smollm2-135m-instruct` resolves to); with no GGUF and
            --fallback-folder (config.json + tokenizer files), that model's shape with random weights
-  tests    tests/test_transfer_gpu.py: the checksum, TCP and CUDA IPC paths on the GPU
+  tests    tests/test_transfer_gpu.py: the checksum, TCP and CUDA IPC paths on the GPU (in the
+           background from the start, collected before the handoff step or after the check step)
   handoff  bench/bench_handoff.py: a --handoff-tokens sequence of the llama8b layout over tcp and ipc,
            against the raw socket and the device-copy ceilings measured in the same run
   check    a single-engine server and one P/D pair per --transports, all --deterministic and all on
@@ -218,14 +219,33 @@ def make_8b_folder(dst: Path, tokenizer_from: Path, tiny: bool) -> Path:
 # ---- steps ---------------------------------------------------------------------------------------
 
 
-def step_tests(run: Run) -> dict[str, Any]:
-    path = run.logs / "tests.log"
-    rc = sh(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/test_transfer_gpu.py"],
-        path,
-        min(180.0, run.left_s()),
-    )
-    return {"rc": rc, "result": tail(path, 1), **({"status": "failed"} if rc else {})}
+class Tests:
+    """tests/test_transfer_gpu.py in a child process, started first: it runs beside the model's
+    conversion and the servers' start, and is collected before anything that is timed."""
+
+    def __init__(self, run: Run) -> None:
+        self.path = run.logs / "tests.log"
+        self.log = self.path.open("wb")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rs",
+            "tests/test_transfer_gpu.py",
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def result(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            rc = self.proc.wait(max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = 124
+        self.log.close()
+        return {"rc": rc, "result": tail(self.path, 1), **({"status": "failed"} if rc else {})}
 
 
 def step_handoff(run: Run, tokens: str, repeats: int) -> dict[str, Any]:
@@ -267,12 +287,14 @@ def load_pair(run: Run, model: dict[str, Any], opts: argparse.Namespace) -> PDPa
     return pd_pair(args, run.logs / "load_pair", opts.load_transport)
 
 
-def wait_all(servers: dict[str, Any], run: Run) -> dict[str, str]:
-    """Waits for each server (a pair: both sides); returns name -> 'ready' or why it is not."""
+def wait_all(servers: dict[str, Any], timeout_s: float) -> dict[str, str]:
+    """Waits for each server (a pair: both sides) until timeout_s from now; returns name -> 'ready'
+    or why it is not."""
     state = {}
+    deadline = time.monotonic() + timeout_s
     for name, s in servers.items():
         for proc in [s.pe, s.ce] if isinstance(s, PDPair) else [s]:
-            proc.ready_timeout_s = max(10.0, run.left_s() - 60)
+            proc.ready_timeout_s = max(5.0, deadline - time.monotonic())
         try:
             s.wait_ready()
             state[name] = "ready"
@@ -307,7 +329,7 @@ def step_check(
     res: dict[str, Any] = {"model": model["weights"], "transports": {}}
     reserve_s = 30 + (opts.load_reserve_s if "load" in opts.steps else 0)
     try:
-        state = wait_all(servers, run)
+        state = wait_all(servers, min(opts.check_time_s, run.left_s() - reserve_s))
         res["start_s"] = round(time.monotonic() - t0, 1)
         procs = {}
         for t in opts.transports:
@@ -410,7 +432,7 @@ def step_load(
         raise RuntimeError(pending["load_pair_error"])
     pair = pending.get("load_pair") or load_pair(run, model, opts).start()
     try:
-        state = wait_all({"load_pair": pair}, run)
+        state = wait_all({"load_pair": pair}, run.left_s() - 20)
         if state["load_pair"] != "ready":
             raise RuntimeError(state["load_pair"])
         out_dir = run.logs / "load"
@@ -553,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PDSERVE_HOME"] = str(opts.home)
     work = opts.work or Path(tempfile.mkdtemp(prefix="h200_pd-"))
     run = Run(opts.out, work, opts.budget_s)
+    tests = Tests(run) if "tests" in opts.steps else None
     run.environment = environment()
     log(f"work folder {work}; {run.environment}")
     model: dict[str, Any] = {}
@@ -561,12 +584,14 @@ def main(argv: list[str] | None = None) -> int:
         run.step(
             "model", lambda: model.update(prepare_smollm2(opts.gguf, opts.fallback_folder)) or dict(model)
         )
-    if "tests" in opts.steps:
-        run.step("tests", lambda: step_tests(run))
+    if tests is not None and "handoff" in opts.steps:
+        run.step("tests", lambda: tests.result(min(180.0, run.left_s())))
     if "handoff" in opts.steps:
         run.step("handoff", lambda: step_handoff(run, opts.handoff_tokens, opts.handoff_repeats))
     if model and "check" in opts.steps:
         run.step("check", lambda: step_check(run, model, opts, pending))
+    if tests is not None and "tests" not in run.results:
+        run.step("tests", lambda: tests.result(min(180.0, run.left_s())))
     if model and "load" in opts.steps:
         run.step("load", lambda: step_load(run, model, opts, pending))
     run.save()
