@@ -8,7 +8,8 @@ ends with one summary table, whatever failed on the way:
            $PDSERVE_HOME/models (what `--model smollm2-135m-instruct` resolves to); with no GGUF and
            --fallback-folder (config.json + tokenizer files), that model's shape with random weights
   tests    tests/test_transfer_gpu.py: the checksum, TCP and CUDA IPC paths on the GPU (in the
-           background from the start, collected before the handoff step or after the check step)
+           background from the start, collected before the handoff step, or after the check step
+           with --handoff-last, which runs the handoff step at the end, alone)
   handoff  bench/bench_handoff.py: a --handoff-tokens sequence of the llama8b layout over tcp and ipc,
            against the raw socket and the device-copy ceilings measured in the same run
   check    a single-engine server and one P/D pair per --transports, all --deterministic and all on
@@ -188,6 +189,7 @@ def prepare_smollm2(gguf: str | None, fallback: Path | None) -> dict[str, Any]:
             "flags": [],
         }
     if fallback is not None and (fallback / "config.json").exists():
+        fallback = fallback.resolve()
         return {
             "model": str(fallback),
             "folder": str(fallback),
@@ -327,7 +329,9 @@ def step_check(
         except Exception as e:
             pending["load_pair_error"] = f"{type(e).__name__}: {e}"
     res: dict[str, Any] = {"model": model["weights"], "transports": {}}
-    reserve_s = 30 + (opts.load_reserve_s if "load" in opts.steps else 0)
+    reserve_s = 10 + (opts.load_reserve_s if "load" in opts.steps else 0)
+    if opts.handoff_last and "handoff" in opts.steps:
+        reserve_s += opts.handoff_reserve_s
     try:
         state = wait_all(servers, min(opts.check_time_s, run.left_s() - reserve_s))
         res["start_s"] = round(time.monotonic() - t0, 1)
@@ -436,7 +440,8 @@ def step_load(
         if state["load_pair"] != "ready":
             raise RuntimeError(state["load_pair"])
         out_dir = run.logs / "load"
-        budget = max(30.0, run.left_s() - 15)  # load.py's own start, warm-up and plots: ~10 s
+        after = opts.handoff_reserve_s if opts.handoff_last and "handoff" in opts.steps else 0.0
+        budget = max(30.0, run.left_s() - 15 - after)  # load.py's own start, warm-up and plots: ~10 s
         grace_s = 15.0
         cmd = [
             sys.executable, "bench/load.py", "--url", pair.url, "--trace", "synthetic",
@@ -542,6 +547,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CPU rehearsal: toy dims for the load step's model")
     p.add_argument("--handoff-tokens", default="16384")
     p.add_argument("--handoff-repeats", type=int, default=3)
+    p.add_argument(
+        "--handoff-last",
+        action="store_true",
+        help="the handoff step after the load step (tests then overlap the servers' start)",
+    )
+    p.add_argument(
+        "--handoff-reserve-s",
+        type=float,
+        default=40.0,
+        help="with --handoff-last: time the load step leaves it",
+    )
     p.add_argument("--transports", default="tcp,ipc", help="one P/D pair each in the check step")
     p.add_argument("--check-max-tokens", type=int, default=12)
     p.add_argument("--check-concurrency", type=int, default=8)
@@ -584,16 +600,19 @@ def main(argv: list[str] | None = None) -> int:
         run.step(
             "model", lambda: model.update(prepare_smollm2(opts.gguf, opts.fallback_folder)) or dict(model)
         )
-    if tests is not None and "handoff" in opts.steps:
+    handoff = lambda: step_handoff(run, opts.handoff_tokens, opts.handoff_repeats)  # noqa: E731
+    if tests is not None and "handoff" in opts.steps and not opts.handoff_last:
         run.step("tests", lambda: tests.result(min(180.0, run.left_s())))
-    if "handoff" in opts.steps:
-        run.step("handoff", lambda: step_handoff(run, opts.handoff_tokens, opts.handoff_repeats))
+    if "handoff" in opts.steps and not opts.handoff_last:
+        run.step("handoff", handoff)
     if model and "check" in opts.steps:
         run.step("check", lambda: step_check(run, model, opts, pending))
     if tests is not None and "tests" not in run.results:
         run.step("tests", lambda: tests.result(min(180.0, run.left_s())))
     if model and "load" in opts.steps:
         run.step("load", lambda: step_load(run, model, opts, pending))
+    if "handoff" in opts.steps and opts.handoff_last:
+        run.step("handoff", handoff)
     run.save()
     print("\n" + (work / "summary.md").read_text(), flush=True)
     return 0 if all(r["status"] == "ok" for r in run.results.values()) else 1
