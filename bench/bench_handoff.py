@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -124,7 +125,7 @@ def _raw_sink(lst: socket.socket) -> None:
 
 
 def receiver_main(conn: Any, layout: dict[str, Any], device: str, token: bytes) -> None:
-    if device.startswith("cuda"):
+    if torch.device(device).index is not None:  # "cuda" alone: the current device
         torch.cuda.set_device(torch.device(device))
     lst = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_sink, args=(lst,), daemon=True).start()
@@ -149,6 +150,18 @@ def receiver_main(conn: Any, layout: dict[str, Any], device: str, token: bytes) 
 
 
 # ---- the sending process -----------------------------------------------------------------------
+
+
+def first_answer(conn: Any, proc: Any, timeout_s: float) -> Any:
+    """The receiving process's first message (its ports). Raises, rather than waiting forever, if
+    it exits first (its traceback is on stderr) or says nothing within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"the receiving process exited ({proc.exitcode}) before it was ready")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the receiving process was not ready within {timeout_s:.0f} s")
+    return conn.recv()
 
 
 def raw_send(port: int, host: list[torch.Tensor]) -> float:
@@ -221,11 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         target=receiver_main, args=(child, layout_fields(layout), recv_device, TOKEN), daemon=True
     )
     proc.start()
-    kv_port, raw_port = parent.recv()
-    addr = f"127.0.0.1:{kv_port}"
     rows: list[dict[str, Any]] = []
     loop = asyncio.new_event_loop()
     try:
+        kv_port, raw_port = first_answer(parent, proc, 120.0)
+        addr = f"127.0.0.1:{kv_port}"
         cfg = TransferConfig(send_timeout_s=600.0, idle_timeout_s=120.0)
         senders = {"tcp": KVSender(TOKEN, layout, config=cfg)}
         if device.type == "cuda":
@@ -237,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                 synthetic_export(layout, tokens, device), layout, senders, addr, raw_port, args.repeats, loop
             )
     finally:
-        parent.send("stop")
+        with contextlib.suppress(OSError):  # a receiver that died has closed its end
+            parent.send("stop")
         proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
         loop.close()
     _print(rows)
     checked = bars(rows)

@@ -61,3 +61,18 @@ def test_bench_layouts_are_8b_shaped() -> None:
     assert hybrid.num_full_layers + hybrid.num_swa_layers == 32 and hybrid.window == 1024
     exp = bench.synthetic_export(hybrid, 200, bench.torch.device("cpu"))
     assert exp.pages.shape[0] == 2 and exp.state is not None and exp.num_computed == 200
+
+
+def test_bench_handoff_fails_fast_when_its_receiver_dies() -> None:
+    import multiprocessing as mp
+
+    import pytest
+
+    bench = load("bench_handoff")
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=sys.exit, args=(3,))  # dies before it answers, as a failed CUDA init did
+    proc.start()
+    with pytest.raises(RuntimeError, match="exited"):
+        bench.first_answer(parent, proc, 30.0)
+    proc.join()
