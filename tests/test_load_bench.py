@@ -422,6 +422,72 @@ def test_compare_interleaves_points_with_setup_and_teardown(fake_in_thread, tmp_
         compare.main(failing)
 
 
+def test_aiperf_records_pair_with_load_records(tmp_path: Path) -> None:
+    pair = _load("aiperf_vs_load")
+    reqs = [
+        load.RequestRecord(
+            "conv-0000",
+            0,
+            "user",
+            3,
+            "ok",
+            start_s=0.0,
+            ttft_s=0.5,
+            e2e_s=0.7,
+            itl_s=[0.1, 0.1],
+            num_chunks=3,
+            prompt_tokens=100,
+            cached_tokens=0,
+            completion_tokens=3,
+        ),
+        load.RequestRecord(
+            "conv-0000",
+            1,
+            "tool",
+            3,
+            "ok",
+            start_s=1.0,
+            ttft_s=0.2,
+            e2e_s=0.6,
+            itl_s=[0.1, 0.3],
+            num_chunks=3,
+            prompt_tokens=300,
+            cached_tokens=128,
+            completion_tokens=3,
+        ),
+        load.RequestRecord("conv-0001", 0, "user", 3, "error", start_s=0.0, error="HTTP 500"),
+    ]
+    doc = load.results_doc(
+        [load.RunResult(load.LoadConfig("u", "m", concurrency=1), 0.0, reqs)], {}, None, None, []
+    )
+    (tmp_path / "load.json").write_text(json.dumps(doc))
+
+    def line(turn: int, ttft_ms: float, cached: int, gaps: list[float]) -> str:
+        metrics = {
+            "time_to_first_token": ttft_ms,
+            "inter_token_latency": sum(gaps) / len(gaps),
+            "inter_chunk_latency": gaps,
+            "usage_prompt_tokens": [100, 300][turn],
+            "usage_prompt_cache_read_tokens": cached,
+            "usage_completion_tokens": 3,
+        }
+        meta = {"conversation_id": "conv-0000", "turn_index": turn}
+        return json.dumps({"metadata": meta, "metrics": {k: {"value": v} for k, v in metrics.items()}})
+
+    failed = json.dumps({"metadata": {"conversation_id": "conv-0001", "turn_index": 0}, "metrics": {}})
+    lines = [line(0, 1000.0, 0, [100.0, 100.0]), line(1, 200.0, 0, [200.0, 200.0]), failed]
+    (tmp_path / "aiperf.jsonl").write_text("\n".join(lines) + "\n")
+    mine, theirs = pair.read_load(tmp_path / "load.json"), pair.read_aiperf(tmp_path / "aiperf.jsonl")
+    assert set(mine) == set(theirs) == {("conv-0000", 0), ("conv-0000", 1)}
+    assert (
+        mine[("conv-0000", 1)].mean_gap_ms == pytest.approx(200) and theirs[("conv-0000", 0)].ttft_ms == 1000
+    )
+    table = pair.compare([("load.py #1", mine), ("aiperf #1", theirs)])
+    # the second turn's cached tokens differ (128 vs 0): 1 of the 2 paired requests is the same
+    assert "2 of 2 (1)" in table.splitlines()[-1] and "2 of 2 (2)" in table.splitlines()[-2]
+    assert table.splitlines()[-1].endswith("1.50 (1.10-1.90)")  # TTFT ratios 2.0 and 1.0
+
+
 # ---- a real server --------------------------------------------------------------------------------
 
 
