@@ -7,7 +7,10 @@
    and SDPA's flash backend with a lower-right causal mask over gathered keys (full layers only: it
    has no sliding window). TFLOP/s count 4 x heads x head_dim per visible (query, key) pair.
 2. kernels/bi_matmul.py at the 8B model's projection shapes, for several row counts, against cuBLAS
-   (F.linear): TFLOP/s, and for small M the weight bytes read per second.
+   (F.linear): TFLOP/s, and for small M the weight bytes read per second. Each time is one eager call:
+   at small M a split-K weight (two Triton launches from Python) is bound by launch overhead here
+   (seen on an H200: 0.11-0.14 ms for 20-60 us of reading), while the engine replays decode steps as
+   CUDA graphs, where it is not: bench_engine.py's deterministic decode rows are the number that counts.
 3. Whether torch's own RMSNorm arithmetic (the model's CPU code, run on CUDA) is batch-invariant.
 
     python bench/bench_prefill_kernels.py [--quick] [--out DIR]
