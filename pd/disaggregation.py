@@ -93,13 +93,23 @@ class DisaggregatedPath:
             self.num_held += 1
             self._gauge()
             failure: PrefillFailed | None = None
+            prefill = asyncio.create_task(self._prefill(rank, req))
             try:
-                res = await self._prefill(rank, req)
+                held, is_decoding = await self._while_prefilling(prefill, events, out)
+                res = prefill.result()
             except PrefillFailed as e:
                 failure = e
             finally:
+                if not prefill.done():  # this task was cancelled (the client went away): so is the POST
+                    prefill.cancel()
                 self.num_held -= 1
                 self._gauge()
+            if failure is not None and is_decoding:
+                # NOTE: the CE only decodes from KV it verified, so its tokens stand whatever the PE says.
+                log.warning("prefill of %s reported %s after the CE began decoding it", rid, failure)
+                self.metrics.handoff_failures.labels(self.cfg.transport, failure.code).inc()
+                await self._forward(events, out, None, held=held)
+                return
             if failure is not None:
                 self.metrics.handoff_failures.labels(self.cfg.transport, failure.code).inc()
                 if not self.cfg.fallback_local_prefill or failure.status == 400:
@@ -107,7 +117,7 @@ class DisaggregatedPath:
                 log.warning("prefill of %s failed (%s); prefilling it on the CE", rid, failure)
                 self.metrics.local_prefills.inc()
                 await rank.submit(rid, req.prompt_token_ids, req.params, events, req.use_prefix_cache)
-                await self._forward(events, out, None)
+                await self._forward(events, out, None, held=held)
                 return
             if res.output is not None:  # the first token ended the request: nothing to decode
                 await rank.abort([rid])
@@ -121,7 +131,7 @@ class DisaggregatedPath:
             m.handoffs.labels(t).inc()
             m.handoff_bytes.labels(t).inc(res.payload_bytes)
             m.handoff_s.labels(t).observe(res.transfer_s)
-            await self._forward(events, out, res.num_cached_tokens, acked_s)
+            await self._forward(events, out, res.num_cached_tokens, None if is_decoding else acked_s, held)
         except ApiError as e:
             await rank.abort([rid])
             out.put_nowait((rid, PhaseError(e)))
@@ -176,16 +186,46 @@ class DisaggregatedPath:
         }
         return await self.client.prefill(body)
 
+    async def _while_prefilling(
+        self,
+        prefill: asyncio.Task[PrefillResponse],
+        events: asyncio.Queue[tuple[str, RankEvent]],
+        out: asyncio.Queue[tuple[str, object]],
+    ) -> tuple[list[tuple[str, RankEvent]], bool]:
+        """Until the PE answers /prefill, passes on the CE rank's decode outputs: the CE decodes as soon
+        as it has verified the KV, and the PE's answer can come later (its server busy with the next
+        prefill), so waiting for it would hold the first tokens back. A finished output (it needs the
+        PE's cached count) and any other event wait for the answer. Returns (the events held back,
+        whether decode outputs were passed on)."""
+        held: list[tuple[str, RankEvent]] = []
+        is_decoding = False
+        while not prefill.done():
+            get = asyncio.ensure_future(events.get())
+            await asyncio.wait({prefill, get}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()  # a cancelled get takes nothing off the queue
+                continue
+            rid, ev = get.result()
+            if isinstance(ev, RequestOutput) and not ev.is_finished and not held:
+                out.put_nowait((rid, ev))
+                is_decoding = True
+            else:
+                held.append((rid, ev))
+        return held, is_decoding
+
     async def _forward(
         self,
         events: asyncio.Queue[tuple[str, RankEvent]],
         out: asyncio.Queue[tuple[str, object]],
         num_cached_tokens: int | None,
         acked_s: float | None = None,
+        held: list[tuple[str, RankEvent]] | None = None,
     ) -> None:
-        """Passes the CE rank's events on until the request's last one, with the PE's cached count."""
+        """Passes the CE rank's events on (`held` ones first) until the request's last one, with the PE's
+        cached count."""
+        pending = list(held or [])
         while True:
-            rid, ev = await events.get()
+            rid, ev = pending.pop(0) if pending else await events.get()
             if isinstance(ev, RequestOutput):
                 if num_cached_tokens is not None:
                     ev.num_cached_tokens = num_cached_tokens

@@ -281,3 +281,81 @@ def test_pe_abort_in_every_phase_and_unreachable_receiver(pd):
     assert pe.role.stats()["handoff_failures_total"] == 1
     assert pe.take(PrefillResult, "q") is None  # an aborted request gets no answer: its caller left
     idle(pe, ce)
+
+
+# ---- the coordinator's P/D path: decode tokens do not wait for the PE's answer -----------------------
+
+
+class _Rank:
+    """The CE rank as DisaggregatedPath sees it: grants the reservation, then decodes once told to."""
+
+    index = 0
+
+    def __init__(self) -> None:
+        self.events: Any = None
+        self.aborted: list[str] = []
+
+    async def reserve(self, rid: str, num_prompt: int, num_total: int, ttl_s: float, events: Any) -> None:
+        self.events = events
+        events.put_nowait((rid, Reserved(rid)))
+
+    async def abort(self, rids: list[str]) -> None:
+        self.aborted += rids
+
+    def decode(self, rid: str, token: int, is_finished: bool) -> None:
+        self.events.put_nowait(
+            (rid, RequestOutput(rid, [token], is_finished=is_finished, num_prompt_tokens=3))
+        )
+
+
+class _PE:
+    """The PE's /prefill whose answer comes only when `answer` is set (its server busy elsewhere)."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.answer = asyncio.Event()
+
+    async def prefill(self, body: dict[str, Any]) -> Any:
+        from pd.prefill_client import PrefillResponse
+
+        await self.answer.wait()
+        return PrefillResponse(True, 3, 2, 0.1, 0.01, 1000, "tcp", None)
+
+
+def test_decode_tokens_are_not_held_back_by_a_late_prefill_answer():
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from pd.cluster_metrics import ClusterMetrics
+    from pd.disaggregation import DisaggregatedPath
+
+    class Req:
+        request_id = "r"
+        prompt_token_ids = [1, 2, 3]
+        params = SamplingParams(max_tokens=3)
+        use_prefix_cache = True
+
+    async def main() -> list[Any]:
+        rank, pe = _Rank(), _PE()
+        path = DisaggregatedPath(ServerConfig(role="ce"), pe, ClusterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        out: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        task = asyncio.create_task(path.run(rank, Req(), out, time.monotonic()))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        rank.decode("r", 7, False)  # the CE verified the KV and decodes: the PE has not answered yet
+        rank.decode("r", 8, False)
+        first = [await asyncio.wait_for(out.get(), 2.0) for _ in range(2)]
+        rank.decode("r", 9, True)  # the last one waits for the PE's cached count
+        await asyncio.sleep(0.05)
+        assert out.empty() and not task.done()
+        pe.answer.set()
+        last = await asyncio.wait_for(out.get(), 2.0)
+        await asyncio.wait_for(task, 2.0)
+        assert path.num_held == 0 and not rank.aborted
+        return first + [last]
+
+    got = asyncio.run(main())
+    outs = [ev for _, ev in got]
+    assert [o.new_token_ids for o in outs] == [[7], [8], [9]]  # type: ignore[attr-defined]
+    assert outs[-1].is_finished and outs[-1].num_cached_tokens == 2  # type: ignore[attr-defined]
