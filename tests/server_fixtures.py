@@ -9,6 +9,17 @@ from openai import OpenAI
 
 from pd.testing import ServerProcess
 
+# A small deterministic server: what the identity tests (single engine and P/D pairs) run with.
+SMALL_DETERMINISTIC = (
+    "--deterministic",
+    "--max-model-len",
+    "2048",
+    "--kv-cache-gb",
+    "0.25",
+    "--max-num-seqs",
+    "32",
+)
+
 
 def module_server(*args: str) -> Callable[..., Iterator[ServerProcess]]:
     """A fixture named `server` for the module: one server with these flags, stopped after the module."""

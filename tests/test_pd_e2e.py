@@ -13,9 +13,10 @@ from pathlib import Path
 
 import orjson
 import pytest
-from openai import OpenAI
 
 from pd.testing import PDPair, ServerProcess, get_json, rank_metrics, wait_idle
+
+from server_fixtures import SMALL_DETERMINISTIC, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +24,7 @@ MODEL = "smollm2-135m-instruct"
 ARGS = (
     "--model",
     MODEL,
-    "--deterministic",
-    "--max-model-len",
-    "2048",
-    "--kv-cache-gb",
-    "0.25",
-    "--max-num-seqs",
-    "32",
+    *SMALL_DETERMINISTIC,
 )
 ROOT = Path(__file__).resolve().parent.parent
 LONG = "Background: " + " ".join(f"Fact {i}: the value of item {i} is {i * 7 % 13}." for i in range(60))
@@ -51,10 +46,6 @@ def servers(tmp_path_factory):
         ref.stop()
 
 
-def client(url: str) -> OpenAI:
-    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-
-
 def wait_pair_idle(pair: PDPair) -> None:
     wait_idle(pair.ce.port, timeout_s=60)
     wait_idle(pair.pe.port, timeout_s=60)
@@ -67,7 +58,7 @@ def test_roles_and_health(servers):
     assert ce["prefill_engine"] == {"url": pair.pe.url, "state": "up"}
     status, pe = get_json(pair.pe.url + "/health")
     assert status == 200 and pe["role"] == "pe"
-    assert [m.id for m in client(pair.url).models.list().data] == [MODEL]
+    assert [m.id for m in openai_client(pair.url).models.list().data] == [MODEL]
     # the PE serves no OpenAI generation: a CE never prefills, a PE never decodes
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(pair.pe.url + "/v1/chat/completions", data=b"{}"))
@@ -78,9 +69,9 @@ def test_chat_matches_single_engine_with_usage_and_cached_tokens(servers):
     ref, pair = servers
     messages = [{"role": "user", "content": LONG + "\n\nWhat is the value of item 12?"}]
     kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
-    first = client(pair.url).chat.completions.create(**kw)
-    again = client(pair.url).chat.completions.create(**kw)
-    want = client(ref.url).chat.completions.create(**kw)
+    first = openai_client(pair.url).chat.completions.create(**kw)
+    again = openai_client(pair.url).chat.completions.create(**kw)
+    want = openai_client(ref.url).chat.completions.create(**kw)
     assert (
         first.choices[0].message.content
         == again.choices[0].message.content
@@ -93,7 +84,7 @@ def test_chat_matches_single_engine_with_usage_and_cached_tokens(servers):
     assert cached >= 256 and cached % 128 == 0 and cached < again.usage.prompt_tokens
     # streamed, with usage at the end
     text, usage = "", None
-    for ch in client(pair.url).chat.completions.create(
+    for ch in openai_client(pair.url).chat.completions.create(
         stream=True, stream_options={"include_usage": True}, **kw
     ):
         if ch.usage is not None:
@@ -187,7 +178,7 @@ async def test_cluster_token_required(servers):
         assert time.monotonic() < deadline
         time.sleep(0.3)
     # and the cluster keeps serving
-    r = client(pair.url).chat.completions.create(
+    r = openai_client(pair.url).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
     )
     assert r.choices[0].message.content

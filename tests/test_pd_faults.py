@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
-from openai import APIStatusError, OpenAI
+from openai import APIStatusError
 
 from engine.engine import SequenceExport
 from engine.kv_cache import KVLayout
@@ -44,6 +44,8 @@ from transfer.handoff import allocate_payload, make_header, model_fingerprint, p
 from transfer.receiver import KVReceiver
 from transfer.tcp import TcpTransport, byte_view
 from transfer.wire import Channel
+
+from server_fixtures import openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -232,12 +234,8 @@ def cluster(tmp_path_factory):
         pair.stop()
 
 
-def client(url: str, timeout_s: float = 300) -> OpenAI:
-    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
-
-
 def ask(url: str, content: str = "Hi", max_tokens: int = 4) -> str:
-    r = client(url).chat.completions.create(
+    r = openai_client(url).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0
     )
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -483,7 +481,7 @@ def test_broken_handoffs_are_refused(cluster, mode, status, code):
     fake.mode = mode
     try:
         with pytest.raises(APIStatusError) as e:
-            client(fault_ce.url, 60).chat.completions.create(
+            openai_client(fault_ce.url, 60).chat.completions.create(
                 model=MODEL, messages=HI, max_tokens=4, temperature=0
             )
     finally:

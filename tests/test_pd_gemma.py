@@ -12,19 +12,15 @@ import pytest
 
 from pd.testing import PDPair, ServerProcess, rank_metrics, wait_idle
 
+from server_fixtures import SMALL_DETERMINISTIC
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = (
     "--model",
     "gemma3-270m",
-    "--deterministic",
-    "--max-model-len",
-    "2048",
-    "--kv-cache-gb",
-    "0.25",
-    "--max-num-seqs",
-    "32",
+    *SMALL_DETERMINISTIC,
 )
 
 

@@ -12,7 +12,7 @@ import pytest
 from pd.testing import get_json, rank_metrics
 from pd.testing import wait_idle as _wait_idle
 
-from server_fixtures import module_server, openai_client
+from server_fixtures import SMALL_DETERMINISTIC, module_server, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +31,7 @@ WEATHER = {
 server = module_server(
     "--model",
     MODEL,
-    "--deterministic",
-    "--max-model-len",
-    "2048",
-    "--kv-cache-gb",
-    "0.25",
-    "--max-num-seqs",
-    "32",
+    *SMALL_DETERMINISTIC,
 )
 
 
