@@ -88,25 +88,10 @@ def chat(client: Any, model: str, stream: bool, **kw: Any) -> Output:
             ),
             r.usage.completion_tokens if r.usage else None,
         )
-    n = kw.get("n", 1)
-    texts, finish = [""] * n, [None] * n
-    toks: list[list[bytes] | None] = [[] if kw.get("logprobs") else None for _ in range(n)]
-    usage = None
-    for ch in client.chat.completions.create(
+    chunks = client.chat.completions.create(
         model=model, stream=True, stream_options={"include_usage": True}, **kw
-    ):
-        if ch.usage is not None:
-            usage = ch.usage.completion_tokens
-        for c in ch.choices:
-            texts[c.index] += c.delta.content or ""
-            finish[c.index] = c.finish_reason or finish[c.index]
-            got = _tokens(c.logprobs)
-            if got is not None and toks[c.index] is not None:
-                toks[c.index] += list(got)  # type: ignore[operator]
-    return Output(
-        tuple((texts[i], finish[i], tuple(toks[i]) if toks[i] is not None else None) for i in range(n)),
-        usage,
     )
+    return _streamed(chunks, kw.get("n", 1), bool(kw.get("logprobs")), lambda c: c.delta.content or "")
 
 
 def complete(client: Any, model: str, stream: bool, **kw: Any) -> Output:
@@ -120,17 +105,20 @@ def complete(client: Any, model: str, stream: bool, **kw: Any) -> Output:
             ),
             r.usage.completion_tokens if r.usage else None,
         )
-    n = kw.get("n", 1)
+    chunks = client.completions.create(model=model, stream=True, stream_options={"include_usage": True}, **kw)
+    return _streamed(chunks, kw.get("n", 1), kw.get("logprobs") is not None, lambda c: c.text or "")
+
+
+def _streamed(chunks: Any, n: int, with_tokens: bool, text_of: Callable[[Any], str]) -> Output:
+    """An Output from a stream of chunks (chat or completions: `text_of` reads a choice's new text)."""
     texts, finish = [""] * n, [None] * n
-    toks: list[list[bytes] | None] = [[] if kw.get("logprobs") is not None else None for _ in range(n)]
+    toks: list[list[bytes] | None] = [[] if with_tokens else None for _ in range(n)]
     usage = None
-    for ch in client.completions.create(
-        model=model, stream=True, stream_options={"include_usage": True}, **kw
-    ):
+    for ch in chunks:
         if ch.usage is not None:
             usage = ch.usage.completion_tokens
         for c in ch.choices:
-            texts[c.index] += c.text or ""
+            texts[c.index] += text_of(c)
             finish[c.index] = c.finish_reason or finish[c.index]
             got = _tokens(c.logprobs)
             if got is not None and toks[c.index] is not None:

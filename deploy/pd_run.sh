@@ -157,36 +157,35 @@ cmd_start() {
     echo "stop it with: deploy/pd_run.sh stop $pe_host $ce_host"
 }
 
+parse_side_ports() {  # parse_side_ports COMMAND [--port P] [--pe-port P]: sets CE_PORT_ARG PE_PORT_ARG
+    local cmd="$1"; shift
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --port) CE_PORT_ARG="${2:?}"; shift 2 ;;
+            --pe-port) PE_PORT_ARG="${2:?}"; shift 2 ;;
+            *) die "$cmd: unknown argument $1" ;;
+        esac
+    done
+}
+
 cmd_stop() {
     [ $# -ge 2 ] || usage 2 >&2
     local pe_host="$1" ce_host="$2"; shift 2
-    local ce_port="" pe_port=""
-    while [ $# -gt 0 ]; do
-        case "$1" in
-            --port) ce_port="${2:?}"; shift 2 ;;
-            --pe-port) pe_port="${2:?}"; shift 2 ;;
-            *) die "stop: unknown argument $1" ;;
-        esac
-    done
+    local CE_PORT_ARG="" PE_PORT_ARG=""
+    parse_side_ports stop "$@"
     # The CE first: its clients get an error rather than waiting on a PE that is gone.
-    on "$ce_host" _stop ce "$ce_port"
-    on "$pe_host" _stop pe "$pe_port"
+    on "$ce_host" _stop ce "$CE_PORT_ARG"
+    on "$pe_host" _stop pe "$PE_PORT_ARG"
 }
 
 cmd_status() {
     local pe_host=localhost ce_host=localhost
     if [ $# -ge 2 ] && [ "${1#-}" = "$1" ]; then pe_host="$1" ce_host="$2"; shift 2; fi
-    local ce_port="" pe_port=""
-    while [ $# -gt 0 ]; do
-        case "$1" in
-            --port) ce_port="${2:?}"; shift 2 ;;
-            --pe-port) pe_port="${2:?}"; shift 2 ;;
-            *) die "status: unknown argument $1" ;;
-        esac
-    done
+    local CE_PORT_ARG="" PE_PORT_ARG=""
+    parse_side_ports status "$@"
     local rc=0
-    on "$pe_host" _status pe "$pe_port" || rc=3
-    on "$ce_host" _status ce "$ce_port" || rc=3
+    on "$pe_host" _status pe "$PE_PORT_ARG" || rc=3
+    on "$ce_host" _status ce "$CE_PORT_ARG" || rc=3
     return "$rc"
 }
 

@@ -88,8 +88,9 @@ class KVCache:
         return self.swa.shape[0]
 
     def read_pages(self, block_ids: list[int]) -> torch.Tensor:
-        """Copies of the given pages, [n, num_full_layers, 2, block_size, kv_heads, head_dim]."""
-        return self.pages[torch.tensor(block_ids, dtype=torch.long, device=self.device)].clone()
+        """Copies of the given pages, [n, num_full_layers, 2, block_size, kv_heads, head_dim] (indexing with a
+        tensor gathers into new memory: no clone needed)."""
+        return self.pages[torch.tensor(block_ids, dtype=torch.long, device=self.device)]
 
     def write_pages(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.pages[torch.tensor(block_ids, dtype=torch.long, device=self.device)] = data.to(self.device, self.layout.dtype)

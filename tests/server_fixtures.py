@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
-from pd.testing import ServerProcess
+from pd.testing import PDPair, ServerProcess, wait_idle
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 # A small deterministic server: what the identity tests (single engine and P/D pairs) run with.
 SMALL_DETERMINISTIC = (
@@ -35,3 +39,40 @@ def module_server(*args: str) -> Callable[..., Iterator[ServerProcess]]:
 def openai_client(url: str, timeout_s: float = 600) -> OpenAI:
     """No retries: a test sees every error the server gives."""
     return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+
+
+def module_ref_and_pair(*args: str) -> Callable[..., Iterator[tuple[ServerProcess, PDPair]]]:
+    """A fixture named `servers` for the module: a single-engine reference server and a P/D pair with the
+    same flags, started side by side, stopped after the module."""
+
+    @pytest.fixture(scope="module")
+    def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, PDPair]]:
+        logs = tmp_path_factory.mktemp("pd")
+        ref = ServerProcess(*args, log_path=logs / "ref.log")
+        pair = PDPair(*args, log_dir=logs)
+        try:
+            ref.start()
+            pair.start()
+            ref.wait_ready()
+            pair.wait_ready()
+            yield ref, pair
+        finally:
+            pair.stop()
+            ref.stop()
+
+    return servers
+
+
+def run_check_pd(ref: ServerProcess, pair: PDPair, *args: str) -> int:
+    """bench/check_pd.py's exit code, reference against pair, 8 tokens a request."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import check_pd
+    finally:
+        sys.path.remove(str(BENCH))
+    return int(check_pd.main(["--ref", ref.url, "--pd", pair.url, "--max-tokens", "8", *args]))
+
+
+def wait_pair_idle(pair: PDPair) -> None:
+    wait_idle(pair.ce.port, timeout_s=60)
+    wait_idle(pair.pe.port, timeout_s=60)

@@ -5,18 +5,22 @@ required on /prefill and on the KV receiver; both pools back to idle afterwards.
 
 from __future__ import annotations
 
-import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import orjson
 import pytest
 
-from pd.testing import PDPair, ServerProcess, get_json, rank_metrics, wait_idle
+from pd.testing import PDPair, get_json, rank_metrics
 
-from server_fixtures import SMALL_DETERMINISTIC, openai_client
+from server_fixtures import (
+    SMALL_DETERMINISTIC,
+    module_ref_and_pair,
+    openai_client,
+    run_check_pd,
+    wait_pair_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -26,29 +30,10 @@ ARGS = (
     MODEL,
     *SMALL_DETERMINISTIC,
 )
-ROOT = Path(__file__).resolve().parent.parent
 LONG = "Background: " + " ".join(f"Fact {i}: the value of item {i} is {i * 7 % 13}." for i in range(60))
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("pd")
-    ref = ServerProcess(*ARGS, log_path=logs / "ref.log")
-    pair = PDPair(*ARGS, log_dir=logs)
-    try:
-        ref.start()
-        pair.start()
-        ref.wait_ready()
-        pair.wait_ready()
-        yield ref, pair
-    finally:
-        pair.stop()
-        ref.stop()
-
-
-def wait_pair_idle(pair: PDPair) -> None:
-    wait_idle(pair.ce.port, timeout_s=60)
-    wait_idle(pair.pe.port, timeout_s=60)
+servers = module_ref_and_pair(*ARGS)
 
 
 def test_roles_and_health(servers):
@@ -99,19 +84,10 @@ def test_chat_matches_single_engine_with_usage_and_cached_tokens(servers):
     wait_pair_idle(pair)
 
 
-def run_check_pd(ref: ServerProcess, pair: PDPair, *args: str) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import check_pd
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    assert check_pd.main(["--ref", ref.url, "--pd", pair.url, "--max-tokens", "8", *args]) == 0
-
-
 @pytest.mark.timeout(1800)
 def test_check_pd_every_case(servers, capsys):
     ref, pair = servers
-    run_check_pd(ref, pair, "--concurrency", "1")
+    assert run_check_pd(ref, pair, "--concurrency", "1") == 0
     out = capsys.readouterr().out
     assert "DIFF" not in out and "FAIL" not in out and "stream" in out and "conversation" in out
     wait_pair_idle(pair)
@@ -120,7 +96,7 @@ def test_check_pd_every_case(servers, capsys):
 @pytest.mark.timeout(1800)
 def test_check_pd_16_concurrent_conversations(servers, capsys):
     ref, pair = servers
-    run_check_pd(ref, pair, "--concurrency", "16", "--only", "concurrent")
+    assert run_check_pd(ref, pair, "--concurrency", "16", "--only", "concurrent") == 0
     out = capsys.readouterr().out
     assert "16 concurrent conversations" in out and "16 concurrent completion conversations" in out
     wait_pair_idle(pair)

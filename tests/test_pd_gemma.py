@@ -5,18 +5,14 @@ the 512-token window included), streaming and 16 concurrent conversations among 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-from pd.testing import PDPair, ServerProcess, rank_metrics, wait_idle
+from pd.testing import rank_metrics
 
-from server_fixtures import SMALL_DETERMINISTIC
+from server_fixtures import SMALL_DETERMINISTIC, module_ref_and_pair, run_check_pd, wait_pair_idle
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 ARGS = (
     "--model",
     "gemma3-270m",
@@ -24,35 +20,16 @@ ARGS = (
 )
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("pd_gemma")
-    ref = ServerProcess(*ARGS, log_path=logs / "ref.log")
-    pair = PDPair(*ARGS, log_dir=logs)
-    try:
-        ref.start()
-        pair.start()
-        ref.wait_ready()
-        pair.wait_ready()
-        yield ref, pair
-    finally:
-        pair.stop()
-        ref.stop()
+servers = module_ref_and_pair(*ARGS)
 
 
 @pytest.mark.timeout(2400)
 def test_check_pd_gemma(servers, capsys):
     ref, pair = servers
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import check_pd
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    code = check_pd.main(["--ref", ref.url, "--pd", pair.url, "--max-tokens", "8", "--concurrency", "16"])
+    code = run_check_pd(ref, pair, "--concurrency", "16")
     out = capsys.readouterr().out
     assert code == 0, out
     assert "completions cases only" in out and "16 concurrent completion conversations" in out
     m = rank_metrics(pair.ce.port)
     assert m["pdserve_engine_handoffs_imported_total"] > 16
-    wait_idle(pair.ce.port, timeout_s=60)
-    wait_idle(pair.pe.port, timeout_s=60)
+    wait_pair_idle(pair)
