@@ -191,21 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, i in group:
                 c, r = points[i]
                 label = f"{name} {load.point_label(c, r)}"
-                cfg = load.LoadConfig(
-                    chats[name][0],
-                    chats[name][1],
-                    c,
-                    r,
-                    args.max_requests,
-                    args.duration_s,
-                    args.grace_s,
-                    args.timeout_s,
-                    args.temperature,
-                    args.logprobs,
-                    base_extra | extras.get(name, {}),
-                    args.seed,
-                    label,
-                    salt=load.run_salt(name, i),
+                extra = base_extra | extras.get(name, {})
+                cfg = load.LoadConfig.from_args(
+                    args, chats[name][0], chats[name][1], c, r, extra, label, load.run_salt(name, i)
                 )
                 run_hook(setups.get(name), f"setup {name}")
                 try:

@@ -284,6 +284,36 @@ class LoadConfig:
     label: str = "run"
     salt: str = ""  # put in front of each first user message: repeated runs miss each other's cache
 
+    @classmethod
+    def from_args(
+        cls,
+        args: argparse.Namespace,
+        url: str,
+        model: str,
+        concurrency: int | None,
+        request_rate: float | None,
+        extra_body: dict[str, Any],
+        label: str,
+        salt: str,
+    ) -> LoadConfig:
+        """One load point with the run-wide settings of load.py's (or compare.py's) command line."""
+        return cls(
+            url,
+            model,
+            concurrency,
+            request_rate,
+            args.max_requests,
+            args.duration_s,
+            args.grace_s,
+            args.timeout_s,
+            args.temperature,
+            args.logprobs,
+            extra_body,
+            args.seed,
+            label,
+            salt,
+        )
+
     def __post_init__(self) -> None:
         if self.concurrency is None and self.request_rate is None:
             raise ValueError("give a concurrency, a request rate, or both")
@@ -1026,22 +1056,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = []
     for i, (c, r) in enumerate(points):
         label = point_label(c, r) if len(points) > 1 or not args.label else args.label
-        cfg = LoadConfig(
-            url,
-            model,
-            c,
-            r,
-            args.max_requests,
-            args.duration_s,
-            args.grace_s,
-            args.timeout_s,
-            args.temperature,
-            args.logprobs,
-            extra,
-            args.seed,
-            label,
-            salt=run_salt(args.label or "run", i) if len(points) > 1 else "",
-        )
+        salt = run_salt(args.label or "run", i) if len(points) > 1 else ""
+        cfg = LoadConfig.from_args(args, url, model, c, r, extra, label, salt)
         run = asyncio.run(run_load(cfg, convs))
         if len(points) > 1:  # progress: the table's row of each point as it ends
             lines = format_table(
