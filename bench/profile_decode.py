@@ -77,6 +77,78 @@ def _kernel_table(graph: torch.cuda.CUDAGraph, reps: int) -> tuple[list[dict[str
     return rows, sum(r["us_per_step"] for r in rows)
 
 
+def _weights_floor(eng: LLMEngine, batch: int, reps: int) -> dict[str, Any]:
+    """The step's matrix products alone (every layer's fused qkv, o, gate_up, down and the lm head, in
+    order, through F.linear as the model calls them) captured in one graph: what the weights cost at
+    this batch, and the GB/s that reaches; the rest of the step is norms, rotary, attention, glue."""
+    import torch.nn.functional as F
+
+    model = eng.runner.model
+    weights = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        weights += [a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
+    weights.append(model.lm_head_weight)
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
+    by_shape: dict[tuple[int, int], float] = {}
+
+    def run() -> None:
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    ms = _replay_ms(graph, reps)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    # one shape at a time: 32 distinct weights of that shape (64 for the lm head's one: repeated)
+    for shape in sorted({tuple(w.shape) for w in weights}):
+        ws = [w for w in weights if tuple(w.shape) == shape]
+        g = torch.cuda.CUDAGraph()
+        x = xs[shape[1]]
+        for w in ws:
+            F.linear(x, w)
+        with torch.cuda.graph(g):
+            for w in ws:
+                F.linear(x, w)
+        t = _replay_ms(g, reps) / len(ws)
+        by_shape[f"{shape[0]}x{shape[1]}"] = {
+            "us": t * 1e3,
+            "GBps": shape[0] * shape[1] * 2 / (t / 1e3) / 1e9,
+        }
+    del graph
+    return {"ms": ms, "bytes": nbytes, "GBps": nbytes / (ms / 1e3) / 1e9, "by_shape": by_shape}
+
+
+def _copy_ceiling() -> float:
+    src = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    ms = _replay_ms_fn(copy, 10)
+    return 2 * 2**31 / (ms / 1e3) / 1e9
+
+
+def _replay_ms_fn(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama8b")
@@ -92,12 +164,20 @@ def main() -> int:
         ns = argparse.Namespace(tiny=False)
         folder = be.model_folder(args.model, ns, Path(scratch))
         max_len = args.context + 64
-        eng = LLMEngine(EngineConfig(
-            model=str(folder), load_format="dummy", max_num_seqs=max(batches), max_model_len=max_len,
-            kv_cache_gb=max(batches) * (max_len / 128 + 2) * eng_page_gib(folder), hicache_gb=0,
-            is_deterministic=args.deterministic,
-        ))
+        eng = LLMEngine(
+            EngineConfig(
+                model=str(folder),
+                load_format="dummy",
+                max_num_seqs=max(batches),
+                max_model_len=max_len,
+                kv_cache_gb=max(batches) * (max_len / 128 + 2) * eng_page_gib(folder),
+                hicache_gb=0,
+                is_deterministic=args.deterministic,
+            )
+        )
         print(f"graphs: {eng.graph_stats}", flush=True)
+        report["copy_GBps"] = copy_gbps = _copy_ceiling()
+        print(f"copy ceiling {copy_gbps:,.0f} GB/s (read + write)", flush=True)
         for b in batches:
             ids = [f"p{b}-{i}" for i in range(b)]
             params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
@@ -113,12 +193,31 @@ def main() -> int:
             replay_ms = _replay_ms(graph, 15)
             kernels, kernel_us = _kernel_table(graph, 3)
             be.release_all(eng, ids)
-            row = {"batch": b, "step_ms": step_ms, "replay_ms": replay_ms, "host_ms": step_ms - replay_ms,
-                   "kernel_ms": kernel_us / 1e3, "num_kernels": sum(k["per_step"] for k in kernels),
-                   "kernels": kernels[:25]}
+            floor = _weights_floor(eng, b, 15)
+            print(
+                f"b={b}: weights alone (F.linear graph) {floor['ms']:.3f} ms = {floor['GBps']:,.0f} GB/s "
+                f"({floor['GBps'] / copy_gbps:.1%} of copy); per shape: "
+                + ", ".join(
+                    f"{k} {v['us']:.1f} us {v['GBps']:,.0f} GB/s" for k, v in floor["by_shape"].items()
+                ),
+                flush=True,
+            )
+            row = {
+                "weights_floor": floor,
+                "batch": b,
+                "step_ms": step_ms,
+                "replay_ms": replay_ms,
+                "host_ms": step_ms - replay_ms,
+                "kernel_ms": kernel_us / 1e3,
+                "num_kernels": sum(k["per_step"] for k in kernels),
+                "kernels": kernels[:25],
+            }
             report["rows"].append(row)
-            print(f"\nb={b}: step {step_ms:.3f} ms wall, graph replay {replay_ms:.3f} ms GPU (host {step_ms - replay_ms:.3f} ms), "
-                  f"kernels {kernel_us / 1e3:.3f} ms in {row['num_kernels']:.0f} launches", flush=True)
+            print(
+                f"\nb={b}: step {step_ms:.3f} ms wall, graph replay {replay_ms:.3f} ms GPU (host {step_ms - replay_ms:.3f} ms), "
+                f"kernels {kernel_us / 1e3:.3f} ms in {row['num_kernels']:.0f} launches",
+                flush=True,
+            )
             for k in kernels[:18]:
                 print(f"  {k['us_per_step']:9.1f} us  x{k['per_step']:<5.0f} {k['kernel']}")
     out = Path(args.out)
