@@ -1,0 +1,105 @@
+"""One pass over int64 words that copies them (optionally) and returns the per-chunk sums of the
+payload checksum (transfer/checksum.py), so a copy that has to happen anyway hashes for free.
+
+Source addressing (word i of the segment, i in [0, num_words)):
+
+    flat:   src[i]
+    paged:  src[page_ids[i // page_words] * page_words + i % page_words]      (a pool of pages)
+
+    segment words: | page_ids[0] ......... | page_ids[1] ......... | ... |
+    chunks:        | chunk 0 (1 MiB) | chunk 1 | chunk 2 | ...            (need not align with pages)
+
+The destination, when given, is flat: dst[i]. sums[c] = sum_j x(w[c*CHUNK + j], keys[j]) over the
+chunk's live words, x = y ^ (y >> 31), y = (w ^ keys[j]) * MUL (wrapping int64, >> arithmetic):
+what the caller weights by chunk keys and folds (transfer/checksum_gpu.py).
+
+One program per chunk, BLOCK words per step. When BLOCK divides page_words, a step never crosses a
+page, so the page lookup is one scalar load per step (PAGE_STEPS); otherwise per word. Triton is
+imported on first use, so this module imports on a machine without it.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+
+MAX_BLOCK_WORDS = 2048  # 16 KiB per step of a program
+
+
+@cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_hash(
+        src_ptr, ids_ptr, dst_ptr, keys_ptr, out_ptr, num_words, page_words, num_pages,
+        CHUNK: tl.constexpr, BLOCK: tl.constexpr, MUL: tl.constexpr,
+        PAGED: tl.constexpr, PAGE_STEPS: tl.constexpr, WRITE: tl.constexpr,
+    ):  # fmt: skip
+        c = tl.program_id(0)
+        base = c.to(tl.int64) * CHUNK
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for j0 in range(0, CHUNK, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            idx = base + j
+            live = idx < num_words
+            if PAGED:
+                if PAGE_STEPS:  # the whole step lies in one page
+                    p = tl.minimum((base + j0) // page_words, num_pages - 1)
+                    page = tl.load(ids_ptr + p)
+                else:
+                    p = tl.minimum(idx // page_words, num_pages - 1)
+                    page = tl.load(ids_ptr + p, mask=live, other=0)
+                src = page * page_words + (idx - p * page_words)
+            else:
+                src = idx
+            w = tl.load(src_ptr + src, mask=live, other=0)
+            if WRITE:
+                tl.store(dst_ptr + idx, w, mask=live)
+            y = (w ^ tl.load(keys_ptr + j)) * MUL
+            acc += tl.where(live, y ^ (y >> 31), 0)
+        tl.store(out_ptr + c, tl.sum(acc, axis=0))
+
+    return copy_hash
+
+
+def _block_words(page_words: int) -> int:
+    """The largest power of two <= MAX_BLOCK_WORDS dividing page_words (steps stay in one page), or
+    MAX_BLOCK_WORDS when that is too small to be worth it (then pages are looked up per word)."""
+    b = MAX_BLOCK_WORDS
+    while b > 256 and page_words % b:
+        b //= 2
+    return b if page_words % b == 0 else MAX_BLOCK_WORDS
+
+
+def copy_hash(
+    src: torch.Tensor,
+    num_words: int,
+    keys: torch.Tensor,
+    mul: int,
+    chunk_words: int,
+    *,
+    dst: torch.Tensor | None = None,
+    page_ids: torch.Tensor | None = None,
+    page_words: int = 0,
+) -> torch.Tensor:
+    """Per-chunk sums (int64, [ceil(num_words / chunk_words)], on src's device) of num_words words
+    of src (int64, contiguous; a pool of pages of page_words words when page_ids, int64, is given),
+    copied to dst[:num_words] (int64, contiguous) on the way when dst is given. Queued on the
+    current stream; nothing waits for it."""
+    num_chunks = -(-num_words // chunk_words)
+    sums = torch.empty(num_chunks, dtype=torch.int64, device=src.device)
+    if num_chunks == 0:
+        return sums
+    paged = page_ids is not None
+    block = _block_words(page_words) if paged else MAX_BLOCK_WORDS
+    _kernel()[(num_chunks,)](
+        src, page_ids if paged else src, dst if dst is not None else src, keys, sums,
+        num_words, max(page_words, 1), page_ids.numel() if page_ids is not None else 1,
+        CHUNK=chunk_words, BLOCK=block, MUL=mul, PAGED=paged,
+        PAGE_STEPS=paged and page_words % block == 0, WRITE=dst is not None, num_warps=8,
+    )  # fmt: skip
+    return sums
