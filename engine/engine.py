@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,10 @@ class SequenceExport:
     state: torch.Tensor | None
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the exporter took from its prefix cache
+    # The handoff checksum's sum of the pages' bytes (transfer/checksum.py's S), when the export
+    # gather computed it on the way (CUDA): a 0-dim int64 device tensor, read by the sender. NOTE:
+    # whoever changes pages after the export must set it to None.
+    pages_sum: torch.Tensor | None = None
 
 
 class LLMEngine:
@@ -345,21 +350,36 @@ class LLMEngine:
 
     # ---- export / import ----------------------------------------------------------------------
 
-    def export_sequence(self, request_id: str, device: str | torch.device | None = "cpu") -> SequenceExport:
+    def export_sequence(
+        self,
+        request_id: str,
+        device: str | torch.device | None = "cpu",
+        alloc: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None = None,
+    ) -> SequenceExport:
         """A prefilled sequence's state (every token but the last is in the cache). device=None
-        keeps the gathered pages on the engine's device (NCCL/IPC transports send from there)."""
+        keeps the gathered pages on the engine's device (NCCL/IPC transports send from there).
+        alloc(shape, dtype, device): where the gathered tensors go (e.g. a slice of the ipc
+        transport's exported arena), or None for new memory; used only with device=None."""
         seq = self._parked.get(request_id) or self.scheduler.find(request_id)
         if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.PARKED) or seq.num_uncomputed != 1:
             raise InvalidRequestError(f"request {request_id!r} is not a prefilled sequence between steps")
         n_pages = self.scheduler.blocks_for(seq.num_computed)
-        pages = self.kv.read_pages(seq.block_ids[:n_pages])
-        state = self.kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
+        kv = self.kv
+        out = None
+        if alloc is not None and device is None and n_pages:
+            out = alloc((n_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
+        # on CUDA the gather also hashes the pages (the handoff's checksum, at no extra pass)
+        pages, pages_sum = kv.read_pages(seq.block_ids[:n_pages], out=out, with_checksum=True)
+        state = kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
+        if state is not None and alloc is not None and device is None:
+            st = alloc(tuple(state.shape), state.dtype, state.device)
+            state = st.copy_(state) if st is not None else state
         if device is not None:
             pages = pages.to(device)
             state = state.to(device) if state is not None else None
         return SequenceExport(
             request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
-            seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt,
+            seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt, pages_sum,
         )
 
     def finish_handoff(self, request_id: str) -> None:

@@ -87,10 +87,25 @@ class KVCache:
     def num_slots(self) -> int:
         return self.swa.shape[0]
 
-    def read_pages(self, block_ids: list[int]) -> torch.Tensor:
-        """Copies of the given pages, [n, num_full_layers, 2, block_size, kv_heads, head_dim] (indexing with a
-        tensor gathers into new memory: no clone needed)."""
-        return self.pages[torch.tensor(block_ids, dtype=torch.long, device=self.device)]
+    def read_pages(
+        self, block_ids: list[int], out: torch.Tensor | None = None, with_checksum: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Copies of the given pages, [n, num_full_layers, 2, block_size, kv_heads, head_dim], into out
+        if given (else new memory), and, if with_checksum and the one-pass kernel runs here (CUDA),
+        the handoff checksum's sum of their bytes (transfer/checksum.py's S of the pages segment, a
+        0-dim int64 device tensor, queued: no sync) computed in the same pass; else None."""
+        if with_checksum and self.device.type == "cuda" and block_ids:
+            from transfer.checksum_gpu import gather_pages
+
+            if out is None:
+                out = torch.empty((len(block_ids), *self.pages.shape[1:]), dtype=self.pages.dtype, device=self.device)
+            pages_sum = gather_pages(self.pages, block_ids, out)
+            if pages_sum is not None:
+                return out, pages_sum
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        if out is None:  # indexing with a tensor gathers into new memory: no clone needed
+            return self.pages[ids], None
+        return torch.index_select(self.pages, 0, ids, out=out), None
 
     def write_pages(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.pages[torch.tensor(block_ids, dtype=torch.long, device=self.device)] = data.to(self.device, self.layout.dtype)
