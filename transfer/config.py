@@ -19,6 +19,9 @@ class TransferConfig:
     idle_timeout_s: float = 30.0  # payload: this long without progress fails the handoff
     chunk_bytes: int = 8 << 20  # TCP: bytes per send/recv call and per pinned staging buffer (x2)
     max_workers: int = 8  # threads for blocking payload I/O, checksums and NCCL/IPC waits
+    # ipc sender: a device buffer exported once that exports are gathered into (0: none; every
+    # handoff then exports its tensors' own handles). Allocated on the first ipc export.
+    ipc_arena_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         names = (self.transport, *self.accept_transports)
@@ -31,5 +34,7 @@ class TransferConfig:
             raise ValueError("timeouts must be > 0")
         if self.chunk_bytes < CHUNK_BYTES or self.chunk_bytes % CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be a positive multiple of {CHUNK_BYTES} (the checksum chunk)")
+        if self.ipc_arena_bytes < 0:
+            raise ValueError("ipc_arena_bytes must be >= 0")
         if self.max_workers < 1:
             raise ValueError("max_workers must be >= 1")

@@ -30,7 +30,7 @@ import torch
 from engine.engine import SequenceExport
 from engine.kv_cache import KVLayout
 from engine.request import SamplingParams, TokenLogprob
-from transfer.checksum import payload_checksum
+from transfer.checksum import MASK64, as_words, fold, segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
 HEADER_VERSION = 1
@@ -262,6 +262,17 @@ def payload_segments(export: SequenceExport, layout: KVLayout) -> list[torch.Ten
     return [export.pages] + ([export.state] if layout.num_swa_layers else [])  # type: ignore[list-item]
 
 
+def export_checksum(export: SequenceExport, layout: KVLayout) -> int:
+    """payload_checksum of the export's segments, taking the pages' sum from the export when its
+    gather computed it (pages_sum: then only the small SWA state is hashed here)."""
+    sums = []
+    for i, t in enumerate(payload_segments(export, layout)):
+        pages_sum = getattr(export, "pages_sum", None) if i == 0 else None
+        s = int(pages_sum) & MASK64 if pages_sum is not None else segment_sum(as_words(t))
+        sums.append((t.numel() * t.element_size(), s))
+    return fold(sums)
+
+
 def make_header(
     export: SequenceExport,
     layout: KVLayout,
@@ -293,7 +304,7 @@ def make_header(
             got = None if st is None else (tuple(st.shape), st.dtype)
             raise HandoffError(LAYOUT, f"SWA state {got} != {state_shape} {layout.dtype}")
     if checksum is None:
-        checksum = payload_checksum(payload_segments(export, layout))
+        checksum = export_checksum(export, layout)
     state_bytes = layout.state_bytes if layout.num_swa_layers else 0
     return HandoffHeader(
         request_id=export.request_id,

@@ -1,11 +1,27 @@
 """CUDA IPC transport: PE and CE on the same host; the receiver copies device to device, no host hop.
 
-The sender puts CUDA IPC handles of its payload tensors in the offer (torch's own sharing:
-torch.multiprocessing.reductions.reduce_tensor, the fields re-encoded as plain msgpack values, the
-device named by its UUID since the two processes may number GPUs differently). The receiver opens
-them, copies into its buffers on a side stream, waits for that copy's event, drops the mapping and
-verifies. The sender must keep its tensors alive until the ack, which KVSender.send does by holding
-them for the whole call.
+Sender: an export arena, one device buffer of ipc_arena_bytes, allocated on the first ipc export and
+exported once (torch's CUDA IPC: reduce_tensor, the fields re-encoded as plain msgpack values, the
+device named by its UUID since two processes may number GPUs differently). The PE gathers an export
+straight into slices of it (allocate(), engine.export_sequence's alloc), so the offer names the arena
+(id, handle) and the segments' offsets; a slice is free again once the tensor living in it is
+collected (weakref.finalize), i.e. once the PE drops the export after the ack or a failure.
+
+    arena: | export a: pages | a: state | free ..... | export b: pages | free ......... |
+           0                 slices ALIGN-aligned, first fit                      nbytes
+
+An export outside the arena (larger than its free space, or made without it) goes as before: a
+handle per tensor, which the receiver opens and drops within the handoff.
+
+Receiver: keeps the arenas it has opened (MAX_OPEN_ARENAS, by (host, arena id), least recently used
+dropped first), so a handoff opens nothing; copies each segment into its buffer on a side stream
+with the fused copy+hash kernel (checksum_gpu.copy_segment: one launch per segment) and returns the
+checksum from pull, so the receiver has no separate verify pass.
+
+NOTE: with the arena no per-handoff event travels in a handle, so the sender waits for its export's
+writes (an event on the producer's stream) before it offers. NOTE: the receiver keeps no
+torch-rebuilt mapping of a per-tensor handle past its handoff: torch's IPC ref counting would keep the
+sender's blocks in limbo and the sender's memory would grow (the arenas it keeps are few and fixed).
 
 As with NCCL, the CUDA calls sit behind a small backend, so the flow runs in CPU tests with a fake.
 """
@@ -13,20 +29,30 @@ As with NCCL, the CUDA calls sit behind a small backend, so the flow runs in CPU
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import socket
+import threading
 import time
+import uuid
+import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from transfer.checksum import MASK64, fold
 from transfer.config import TransferConfig
 from transfer.errors import TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import DTYPES, HandoffHeader, dtype_name
 from transfer.transport import Transport
 from transfer.wire import Channel
 
+log = logging.getLogger("transfer.ipc")
 POLL_S = 50e-6  # how often a worker thread asks whether the copy is done (a copy takes ~1 ms per GiB)
+ALIGN = 4096  # arena slices start at multiples of this
+MAX_OPEN_ARENAS = 4  # receiver: senders' arenas kept mapped
 
 
 def host_id() -> str:
@@ -41,6 +67,13 @@ class Done(Protocol):
     def done(self) -> bool: ...
 
 
+class Copy(Protocol):
+    def done(self) -> bool: ...
+
+    def segment_sums(self) -> list[int] | None:
+        """Once done: each destination's S (checksum.py) if it was hashed on the way, else None."""
+
+
 class IpcBackend(Protocol):
     def can_carry(self, t: torch.Tensor) -> bool: ...
 
@@ -49,8 +82,11 @@ class IpcBackend(Protocol):
 
     def open(self, handle: dict[str, Any]) -> torch.Tensor: ...
 
-    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Done:
-        """Queues dst[i].copy_(src[i]); the returned object says when it has finished."""
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Copy:
+        """Queues dst[i] <- src[i] (flat uint8 tensors of equal sizes), hashing dst on the way where it can."""
+
+    def produced(self, device: torch.device) -> Done:
+        """Says when the work queued so far on device's current stream (the export's writes) is done."""
 
 
 def _wait(done: Done, deadline_s: float) -> bool:
@@ -63,12 +99,16 @@ def _wait(done: Done, deadline_s: float) -> bool:
     return True
 
 
-class _EventDone:
-    def __init__(self, event: Any) -> None:
+class _EventCopy:
+    def __init__(self, event: Any, sums: torch.Tensor | None = None) -> None:
         self.event = event
+        self.sums = sums
 
     def done(self) -> bool:
         return bool(self.event.query())
+
+    def segment_sums(self) -> list[int] | None:
+        return None if self.sums is None else [int(s) & MASK64 for s in self.sums.tolist()]
 
 
 class TorchCudaIpc:
@@ -127,22 +167,103 @@ class TorchCudaIpc:
             h["event_handle"], h["event_sync"],
         )  # fmt: skip
 
-    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Done:
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Copy:
+        from transfer.checksum_gpu import copy_segment
+
         device = dst[0].device
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # the buffers' allocation
         with torch.cuda.stream(stream):
+            sums: list[torch.Tensor | None] = []
             for d, s in zip(dst, src):
-                d.copy_(s, non_blocking=True)
+                summed = copy_segment(d, s) if s.device == d.device else None
+                if summed is None:
+                    d.copy_(s, non_blocking=True)
+                sums.append(summed)
+            hashed = [s for s in sums if s is not None]
+            stacked = torch.stack(hashed) if len(hashed) == len(sums) else None
             event = torch.cuda.Event()
             event.record(stream)
-        return _EventDone(event)
+        return _EventCopy(event, stacked)
+
+    def produced(self, device: torch.device) -> Done:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return _EventCopy(event)
 
 
 def _device_uuid(index: int) -> str:
     props = torch.cuda.get_device_properties(index)
     uuid = getattr(props, "uuid", None)
     return str(uuid) if uuid is not None else f"index:{index}"
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class ExportArena:
+    """The sender's exported buffer and a first-fit allocator over it (thread-safe: slices are taken
+    on the engine thread and freed wherever their tensor is collected)."""
+
+    def __init__(self, buf: torch.Tensor, handle: dict[str, Any]) -> None:
+        self.buf = buf  # uint8, flat
+        self.handle = handle
+        self.id = uuid.uuid4().hex
+        self.nbytes = buf.numel()
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), sorted, coalesced
+        self._used: dict[int, int] = {}  # offset -> size
+        self._lock = threading.Lock()
+
+    @property
+    def num_used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._used.values())
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """An empty tensor in the arena, freed when collected; None if it does not fit now."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return None
+        size = -(-nbytes // ALIGN) * ALIGN
+        with self._lock:
+            i = next((i for i, (_, n) in enumerate(self._free) if n >= size), None)
+            if i is None:
+                return None
+            off, n = self._free[i]
+            if n == size:
+                del self._free[i]
+            else:
+                self._free[i] = (off + size, n - size)
+            self._used[off] = size
+        t = self.buf[off : off + nbytes].view(dtype).view(shape)
+        weakref.finalize(t, self._release, off)
+        return t
+
+    def _release(self, off: int) -> None:
+        with self._lock:
+            size = self._used.pop(off, None)
+            if size is None:
+                return
+            free = sorted([*self._free, (off, size)])
+            merged: list[tuple[int, int]] = []
+            for o, n in free:
+                if merged and merged[-1][0] + merged[-1][1] == o:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((o, n))
+            self._free = merged
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """t's byte offset if it is a contiguous tensor inside one live slice, else None."""
+        if t.device != self.buf.device or not t.is_contiguous() or t.numel() == 0:
+            return None
+        off, n = t.data_ptr() - self.buf.data_ptr(), t.numel() * t.element_size()
+        if off < 0 or off + n > self.nbytes:
+            return None
+        with self._lock:
+            live = any(o <= off and off + n <= o + size for o, size in self._used.items())
+        return off if live else None
 
 
 class IpcTransport(Transport):
@@ -152,14 +273,65 @@ class IpcTransport(Transport):
         super().__init__(config)
         self.backend: IpcBackend = backend or TorchCudaIpc()
         self._host = host_id()
+        self._arena: ExportArena | None = None
+        self._arena_lock = threading.Lock()
+        self._arena_failed = False
+        self._opened: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
+        self.counters = {"arena_offers": 0, "handle_offers": 0, "arena_opens": 0, "arena_hits": 0}
+
+    # ---- sender side ---------------------------------------------------------------------------
+
+    @property
+    def arena(self) -> ExportArena | None:
+        return self._arena
+
+    def allocate(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """engine.export_sequence's alloc: an empty tensor in the export arena on device (made on the
+        first call), or None (no arena here, or no room in it now: the export allocates normally)."""
+        arena = self._arena_on(torch.device(device))
+        return arena.alloc(tuple(shape), dtype) if arena is not None else None
+
+    def _arena_on(self, device: torch.device) -> ExportArena | None:
+        with self._arena_lock:
+            if self._arena is None and not self._arena_failed and self.config.ipc_arena_bytes > 0:
+                self._arena_failed = True  # until it is made
+                try:
+                    if self.backend.can_carry(torch.empty(0, device=device)):
+                        buf = torch.empty(self.config.ipc_arena_bytes, dtype=torch.uint8, device=device)
+                        self._arena = ExportArena(buf, self.backend.export(buf))
+                        self._arena_failed = False
+                        log.info("ipc export arena: %.2f GiB on %s", buf.numel() / 2**30, device)
+                except Exception as e:  # out of memory, or no IPC here: per-tensor handles
+                    log.warning("no ipc export arena on %s (%r): exports use per-tensor handles", device, e)
+            arena = self._arena
+        return arena if arena is not None and arena.buf.device == device else None
 
     async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
         if not all(self.backend.can_carry(t) for t in segments):
             raise HandoffError(TRANSPORT, "the ipc transport needs the payload on a CUDA device")
-        return {"host": self._host, "handles": [self.backend.export(t) for t in segments]}
+        arena = self._arena
+        offsets = [arena.offset_of(t) for t in segments] if arena is not None else []
+        if arena is None or not segments or any(o is None for o in offsets):
+            self.counters["handle_offers"] += 1
+            return {"host": self._host, "handles": [self.backend.export(t) for t in segments]}
+        done = self.backend.produced(segments[0].device)
+        if not done.done():
+            deadline = time.monotonic() + self.config.idle_timeout_s
+            if not await asyncio.get_running_loop().run_in_executor(self.executor, _wait, done, deadline):
+                raise HandoffError(TIMEOUT, "the export was not written in time")
+        self.counters["arena_offers"] += 1
+        return {
+            "host": self._host,
+            "arena": {"id": arena.id, "handle": arena.handle, "nbytes": arena.nbytes},
+            "offsets": offsets,
+        }
 
     async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
         """Nothing to move: the receiver reads the tensors in place (and acks when it has)."""
+
+    # ---- receiver side -------------------------------------------------------------------------
 
     async def accept(
         self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
@@ -168,12 +340,7 @@ class IpcTransport(Transport):
             raise HandoffError(
                 TRANSPORT, "the ipc transport works only between processes of one host (use tcp or nccl)"
             )
-        handles = extra.get("handles")
-        if (
-            not isinstance(handles, list)
-            or len(handles) != len(segments)
-            or not all(isinstance(h, dict) for h in handles)
-        ):
+        if not _well_formed(extra, [t.numel() * t.element_size() for t in segments]):
             raise HandoffError(TRANSPORT, "malformed ipc offer")
         if not all(self.backend.can_carry(t) for t in segments):
             raise HandoffError(TRANSPORT, "the ipc transport needs the receive buffers on a CUDA device")
@@ -182,26 +349,85 @@ class IpcTransport(Transport):
     async def pull(
         self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
     ) -> int | None:
+        sizes = [t.numel() * t.element_size() for t in segments]
+        if "arena" in extra:
+            buf = await self._open_arena(extra["host"], extra["arena"])
+            src = [buf[off : off + n] for off, n in zip(extra["offsets"], sizes)]
+        else:
+            src = await self._open_handles(extra["handles"], segments)
+        try:
+            copy = self.backend.copy([_bytes(t) for t in segments], src)
+            deadline = time.monotonic() + self.config.idle_timeout_s
+            if not await asyncio.get_running_loop().run_in_executor(self.executor, _wait, copy, deadline):
+                raise HandoffError(TIMEOUT, "ipc copy did not finish")
+            sums = copy.segment_sums()
+        finally:
+            del src  # per-tensor handles: unmaps the sender's memory once the copy is done
+        return None if sums is None else fold(list(zip(sizes, sums)))
+
+    async def _open_handles(
+        self, handles: list[dict[str, Any]], segments: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         loop = asyncio.get_running_loop()
         try:
-            src = await loop.run_in_executor(
-                self.executor, lambda: [self.backend.open(h) for h in extra["handles"]]
-            )
+            src = await loop.run_in_executor(self.executor, lambda: [self.backend.open(h) for h in handles])
         except HandoffError:
             raise
         except Exception as e:
             raise HandoffError(TRANSPORT, f"cannot open the sender's CUDA IPC handles: {e}") from None
+        for s, d in zip(src, segments):
+            if s.shape != d.shape or s.dtype != d.dtype or not s.is_contiguous():
+                raise HandoffError(
+                    TRANSPORT, f"ipc tensor {tuple(s.shape)} {s.dtype} != buffer {tuple(d.shape)} {d.dtype}"
+                )
+        return [_bytes(s) for s in src]
+
+    async def _open_arena(self, host: str, arena: dict[str, Any]) -> torch.Tensor:
+        """The sender's arena as flat bytes, opened on its first handoff and kept (a few, LRU)."""
+        key = (host, arena["id"])
+        buf = self._opened.get(key)
+        if buf is not None:
+            self._opened.move_to_end(key)
+            self.counters["arena_hits"] += 1
+            return buf
+        loop = asyncio.get_running_loop()
         try:
-            for s, d in zip(src, segments):
-                if s.shape != d.shape or s.dtype != d.dtype:
-                    raise HandoffError(
-                        TRANSPORT,
-                        f"ipc tensor {tuple(s.shape)} {s.dtype} != buffer {tuple(d.shape)} {d.dtype}",
-                    )
-            done = self.backend.copy(segments, src)
-            deadline = time.monotonic() + self.config.idle_timeout_s
-            if not await loop.run_in_executor(self.executor, _wait, done, deadline):
-                raise HandoffError(TIMEOUT, "ipc copy did not finish")
-        finally:
-            del src  # unmaps the sender's memory once the copy is done
-        return None
+            t = await loop.run_in_executor(self.executor, self.backend.open, arena["handle"])
+        except HandoffError:
+            raise
+        except Exception as e:
+            raise HandoffError(TRANSPORT, f"cannot open the sender's CUDA IPC arena: {e}") from None
+        if t.numel() * t.element_size() != arena["nbytes"] or not t.is_contiguous():
+            raise HandoffError(TRANSPORT, "the sender's arena is not the size its offer says")
+        buf = _bytes(t)
+        self.counters["arena_opens"] += 1
+        self._opened[key] = buf
+        while len(self._opened) > MAX_OPEN_ARENAS:
+            self._opened.popitem(last=False)  # drops the mapping (once no copy uses it)
+        return buf
+
+    def close(self) -> None:
+        self._opened.clear()
+
+
+def _well_formed(extra: dict[str, Any], sizes: list[int]) -> bool:
+    """An offer names either an arena and an in-bounds offset per segment, or a handle per segment."""
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if "arena" in extra:
+        arena, offsets = extra["arena"], extra.get("offsets")
+        return (
+            isinstance(arena, dict)
+            and isinstance(arena.get("id"), str)
+            and isinstance(arena.get("handle"), dict)
+            and is_int(arena.get("nbytes"))
+            and isinstance(offsets, list)
+            and len(offsets) == len(sizes)
+            and all(is_int(o) and 0 <= o and o + n <= arena["nbytes"] for o, n in zip(offsets, sizes))
+        )
+    handles = extra.get("handles")
+    return (
+        isinstance(handles, list) and len(handles) == len(sizes) and all(isinstance(h, dict) for h in handles)
+    )

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,19 +26,34 @@ from transfer.auth import client_handshake
 from transfer.config import TransferConfig
 from transfer.errors import LAYOUT, PROTOCOL, STALE, TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader, check_layout, layout_from_fields, make_header, payload_segments
+from transfer.ipc import IpcTransport
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
 
 @dataclass(frozen=True)
 class Ack:
+    """The receiver's acknowledgement, with where the time of the whole send went: the sender's
+    phases (checksum_s .. ack_wait_s, in order, add up to about elapsed_s) and the receiver's."""
+
     request_id: str
     transport: str
     payload_bytes: int
     elapsed_s: float  # the whole send, checksum included
-    checksum_s: float  # the sender's checksum pass
+    checksum_s: float  # the header: the sender's checksum (or reading the export's recorded sums)
     recv_s: float  # the receiver's payload phase
     verify_s: float  # the receiver's checksum (0 when hashed on the way in)
+    connect_s: float = 0.0  # TCP connect and the auth handshake
+    offer_s: float = 0.0  # the transport's offer fields (ipc: handles) and sending the offer
+    ready_wait_s: float = 0.0  # offer sent to ready received (the receiver's checks and buffers)
+    push_s: float = 0.0  # the transport's push (tcp: the payload; ipc: nothing)
+    ack_wait_s: float = 0.0  # push done to ack received (ipc: the receiver's copy and checks)
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """The sender's phases by name, in order."""
+        names = ("checksum_s", "connect_s", "offer_s", "ready_wait_s", "push_s", "ack_wait_s")
+        return {n.removesuffix("_s"): getattr(self, n) for n in names}
 
 
 def split_address(addr: str) -> tuple[str, int]:
@@ -109,6 +125,7 @@ class KVSender:
     async def _handoff(
         self, addr: str, header: HandoffHeader, segments: list[torch.Tensor], t0: float, checksum_s: float
     ) -> Ack:
+        marks = [time.perf_counter()]  # the end of each phase
         ch = await self._connect(addr)
         try:
             ok = await client_handshake(ch, self.token, self.sender_id)
@@ -119,23 +136,34 @@ class KVSender:
                 raise HandoffError(
                     LAYOUT, f"the receiver at {addr} serves another engine: {e.message}"
                 ) from None
+            marks.append(time.perf_counter())
             extra = await self.transport.offer(ch, segments)
             await ch.send(
                 {"t": "offer", "transport": self.transport.name, "header": header.encode(), "extra": extra}
             )
+            marks.append(time.perf_counter())
             ready = await ch.expect("ready")
+            marks.append(time.perf_counter())
             await self.transport.push(ch, segments, ready)
+            marks.append(time.perf_counter())
             ack = await ch.expect("ack")
+            marks.append(time.perf_counter())
             if ack.get("request_id") != header.request_id:
                 raise HandoffError(PROTOCOL, f"ack for {ack.get('request_id')!r}, sent {header.request_id!r}")
+            connect_s, offer_s, ready_wait_s, push_s, ack_wait_s = (b - a for a, b in zip(marks, marks[1:]))
             return Ack(
                 request_id=header.request_id,
                 transport=self.transport.name,
                 payload_bytes=header.payload_bytes,
-                elapsed_s=time.perf_counter() - t0,
+                elapsed_s=marks[-1] - t0,
                 checksum_s=checksum_s,
                 recv_s=float(ack.get("recv_s", 0.0)),
                 verify_s=float(ack.get("verify_s", 0.0)),
+                connect_s=connect_s,
+                offer_s=offer_s,
+                ready_wait_s=ready_wait_s,
+                push_s=push_s,
+                ack_wait_s=ack_wait_s,
             )
         finally:
             ch.close()
@@ -156,6 +184,16 @@ class KVSender:
         except (OSError, asyncio.TimeoutError) as e:
             raise HandoffError(TRANSPORT, f"cannot connect to the KV receiver at {addr}: {e!r}") from None
         return Channel(sock, addr)
+
+    @property
+    def export_allocator(
+        self,
+    ) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+        """Where exports for this sender's transport should be gathered (engine.export_sequence's
+        alloc): the ipc transport's exported arena; None for the others (new memory)."""
+        if isinstance(self.transport, IpcTransport) and self.config.ipc_arena_bytes > 0:
+            return self.transport.allocate
+        return None
 
     def close(self) -> None:
         self.transport.close()
