@@ -50,6 +50,7 @@ class ServerConfig:
     kv_advertise_host: str | None = None  # CE: address the PE sends KV to (default: kv_host)
     kv_port_base: int = DEFAULT_KV_PORT_BASE  # CE: rank i receives on kv_port_base + i
     transport: str = "tcp"  # PE: tcp | nccl | ipc
+    ipc_arena_gb: float = 4.0  # PE, ipc: GPU buffer exported once that exports are gathered into; 0: off
     handoff_lease_s: float = 30.0  # PE: KV kept at most this long for the CE's ack
     prefill_timeout_s: float = 600.0  # CE: a /prefill answer (PE queue, prefill and handoff) within this
     fallback_local_prefill: bool = False  # CE: prefill locally when the PE fails or is unreachable
@@ -64,6 +65,8 @@ class ServerConfig:
             raise ValueError(f"--kv-port-base must leave a port per rank, got {self.kv_port_base}")
         if min(self.handoff_lease_s, self.prefill_timeout_s, self.queue_timeout_s) <= 0:
             raise ValueError("--handoff-lease-s, --prefill-timeout-s and --queue-timeout-s must be > 0")
+        if self.ipc_arena_gb < 0:
+            raise ValueError(f"--ipc-arena-gb must be >= 0, got {self.ipc_arena_gb}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.dp < 1:
@@ -97,7 +100,11 @@ class ServerConfig:
     def role_config(self, rank: int) -> dict[str, Any]:
         """What a P/D rank process is told about its role (pd/pe_rank.py, pd/ce_rank.py)."""
         if self.role == "pe":
-            return {"token_file": self.cluster_token_file, "transport": self.transport}
+            return {
+                "token_file": self.cluster_token_file,
+                "transport": self.transport,
+                "ipc_arena_bytes": int(self.ipc_arena_gb * 2**30),
+            }
         if self.role == "ce":
             return {
                 "token_file": self.cluster_token_file,
@@ -168,6 +175,9 @@ class ServerConfig:
             "--kv-port-base", type=int, default=DEFAULT_KV_PORT_BASE, help="CE: rank i on base + i"
         )
         g.add_argument("--transport", choices=("tcp", "nccl", "ipc"), default="tcp", help="PE: KV transport")
+        g.add_argument(
+            "--ipc-arena-gb", type=float, default=4.0, help="PE, ipc: exported GPU buffer for exports; 0: off"
+        )
         g.add_argument("--handoff-lease-s", type=float, default=30.0, help="PE: KV kept for the CE's ack")
         g.add_argument("--prefill-timeout-s", type=float, default=600.0, help="CE: wait for /prefill")
         g.add_argument(

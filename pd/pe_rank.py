@@ -62,12 +62,15 @@ class PrefillRole:
             transport=str(config.get("transport", "tcp")),
             connect_timeout_s=float(config.get("connect_timeout_s", 5.0)),
             idle_timeout_s=float(config.get("idle_timeout_s", 30.0)),
+            ipc_arena_bytes=int(config.get("ipc_arena_bytes", TransferConfig.ipc_arena_bytes)),
         )
         self.sender = KVSender(token, engine.layout, model=model_fingerprint(engine.folder), config=transfer)
         # NOTE: the export stays where the KV is, whatever the transport: on a GPU, tcp then stages it
         # through pinned buffers in the sender's thread and the checksum runs on the device, instead
         # of a whole-sequence copy to pageable host memory on the engine thread (which stalls decode).
         self.export_device: str | None = None
+        # ipc: the export is gathered straight into the transport's exported arena (and hashed on the way)
+        self.export_alloc = self.sender.export_allocator
         self.lt = LoopThread(ctx, "kv-sender")
         self.wake = self.lt.wake
         self.jobs: dict[str, _Job] = {}
@@ -108,7 +111,8 @@ class PrefillRole:
                 job.ready_s = time.monotonic()
                 job.num_prompt_tokens, job.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
                 try:
-                    export = self.engine.export_sequence(o.request_id, device=self.export_device)
+                    kw = {"alloc": self.export_alloc} if self.export_alloc is not None else {}
+                    export = self.engine.export_sequence(o.request_id, device=self.export_device, **kw)
                 except Exception as e:
                     log.exception("export of %r failed", o.request_id)
                     self._fail(job, HandoffError(TRANSPORT, f"export failed: {e!r}"))
