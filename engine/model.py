@@ -30,6 +30,7 @@ from engine.model_config import SLIDING, ModelArch
 from engine.numerics import run_rows
 
 PROBE_VOCAB_ROWS = 8192
+CHAIN_RESIDUALS = True  # CUDA: residual adds inside the following norms (DecoderLayer.forward_chained)
 
 
 @cache
@@ -205,6 +206,26 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(q, k, v, self.spec)
         return rowwise(self._post, x, attn.flatten(1))
 
+    def forward_chained(
+        self, ops: ModuleType, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with the residual adds moved into the norms that follow them (CUDA kernels, no
+        sandwich norms): x is the residual stream without the previous layer's MLP output `pending`
+        (None for the first layer); returns (x + attention, this layer's MLP output), whose add the
+        next layer's input norm (or the final norm) does. The same roundings as forward(): each add is
+        rounded to the dtype before it is normed, so the result is bit-identical, one launch fewer."""
+        a, norm = self.self_attn, self.input_layernorm
+        if pending is None:
+            normed = norm(x)
+        else:
+            x, normed = ops.add_rms_norm(x, pending, norm.weight, norm.eps, norm.is_gemma)
+        qkv = rowwise(a.qkv, normed, cos, sin)
+        q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
+        h = rowwise(a.o_proj, paged_attention(q, k, v, self.spec).flatten(1))
+        norm = self.post_attention_layernorm
+        x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
+        return x, rowwise(self.mlp, normed)
+
 
 class Rotary(nn.Module):
     """cos/sin tables per layer type for every position, computed once in float32 then cast as
@@ -274,6 +295,15 @@ class CausalLM(nn.Module):
         if self.arch.embed_scale:
             x = x * torch.tensor(self.arch.hidden_size**0.5, dtype=x.dtype)
         tables = {t: self.rotary(positions, t) for t in set(self.arch.layer_types)}
+        ops = fused_ops_for(x)
+        if ops is not None and CHAIN_RESIDUALS and not self.arch.sandwich_norm:
+            pending: torch.Tensor | None = None
+            for layer, t in zip(self.model.layers, self.arch.layer_types):
+                x, pending = cast(DecoderLayer, layer).forward_chained(ops, x, pending, *tables[t])
+            norm = self.model.norm
+            if pending is None:
+                return norm(x)
+            return ops.add_rms_norm(x, pending, norm.weight, norm.eps, norm.is_gemma)[1]
         for layer, t in zip(self.model.layers, self.arch.layer_types):
             cos, sin = tables[t]
             x = layer(x, cos, sin)

@@ -80,3 +80,22 @@ def test_deterministic_decode_batch_invariant(tiny_model_dir, family: str) -> No
     assert len(alone) == len(batched) == 12
     for a, b in zip(alone, batched):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_chained_residual_norms_bit_identical(tiny_model_dir, monkeypatch, dtype: str) -> None:
+    """The CUDA forward that does each residual add inside the next norm's kernel gives exactly the
+    logits of the layer-by-layer forward (add, then norm): prefill and graph-replayed decode steps."""
+    import engine.model
+
+    folder = tiny_model_dir("llama")
+    prompts = _prompts([5, 30, 47], seed=3)
+    logits = {}
+    for chained in (True, False):
+        monkeypatch.setattr(engine.model, "CHAIN_RESIDUALS", chained)
+        eng = small_engine(folder, device="cuda", dtype=dtype, max_num_seqs=8, hicache_gb=0.1)
+        logits[chained] = _generate(eng, prompts, 12)
+    assert logits[True].keys() == logits[False].keys()
+    for rid, steps in logits[True].items():
+        assert len(steps) == len(logits[False][rid]) == 12
+        assert all(torch.equal(a, b) for a, b in zip(steps, logits[False][rid])), rid
