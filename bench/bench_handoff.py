@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.engine import SequenceExport  # noqa: E402
-from engine.kv_cache import KVLayout  # noqa: E402
+from engine.kv_cache import KVCache, KVLayout  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from transfer.checksum import _torch_segment_sum, as_words, fold, payload_checksum  # noqa: E402
 from transfer.config import TransferConfig  # noqa: E402
@@ -77,30 +77,47 @@ def layout_of(name: str, block_size: int = 128, dtype: torch.dtype = torch.bfloa
     )
 
 
+class SyntheticPool:
+    """A KV pool (engine/kv_cache.KVCache) holding one sequence of `tokens` prompt tokens (+1 sampled)
+    in shuffled blocks, filled with a cheap non-constant pattern, exported as the PE exports it
+    (engine.export_sequence: the page gather, hashing the pages on CUDA, into alloc's memory if given)."""
+
+    def __init__(self, layout: KVLayout, tokens: int, device: torch.device) -> None:
+        self.layout, self.tokens = layout, tokens
+        n_pages = math.ceil(tokens / layout.block_size) if layout.num_full_layers else 0
+        self.kv = KVCache(layout, n_pages + 8, 1, device)
+        self.block_ids = torch.randperm(n_pages + 8, generator=torch.Generator().manual_seed(1))[
+            :n_pages
+        ].tolist()
+        pattern = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=device)
+        for t in (self.kv.pages, self.kv.swa):
+            b = byte_view(t)
+            for off in range(0, b.numel(), pattern.numel()):
+                n = min(pattern.numel(), b.numel() - off)
+                b[off : off + n].copy_(pattern[:n])
+                pattern = pattern.roll(1)
+
+    def gather(self, with_checksum: bool, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        return self.kv.read_pages(self.block_ids, out=out, with_checksum=with_checksum)
+
+    def export(self, alloc: Any = None) -> SequenceExport:
+        """What engine.export_sequence(rid, device=None, alloc=alloc) does."""
+        kv, n_pages = self.kv, len(self.block_ids)
+        out = alloc((n_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device) if alloc and n_pages else None
+        pages, pages_sum = self.gather(True, out)
+        state = kv.read_state(0) if self.layout.num_swa_layers else None
+        if state is not None and alloc is not None:
+            st = alloc(tuple(state.shape), state.dtype, state.device)
+            state = st.copy_(state) if st is not None else state
+        return SequenceExport(
+            f"bench-{self.tokens}", list(range(self.tokens)), [1], self.tokens, SamplingParams(), 0, pages,
+            state, pages_sum=pages_sum,
+        )  # fmt: skip
+
+
 def synthetic_export(layout: KVLayout, tokens: int, device: torch.device) -> SequenceExport:
-    """An export of `tokens` prompt tokens (+1 sampled) filled with a cheap non-constant pattern."""
-    n_pages = math.ceil(tokens / layout.block_size) if layout.num_full_layers else 0
-    lo = layout
-    pages = torch.empty(
-        (n_pages, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim),
-        dtype=lo.dtype,
-        device=device,
-    )
-    state = None
-    if lo.num_swa_layers:
-        state = torch.empty(
-            (lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim), dtype=lo.dtype, device=device
-        )
-    pattern = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=device)
-    for t in [pages] + ([state] if state is not None else []):
-        b = byte_view(t)
-        for off in range(0, b.numel(), pattern.numel()):
-            n = min(pattern.numel(), b.numel() - off)
-            b[off : off + n].copy_(pattern[:n])
-            pattern = pattern.roll(1)
-    return SequenceExport(
-        f"bench-{tokens}", list(range(tokens)), [1], tokens, SamplingParams(), 0, pages, state
-    )
+    """An export of `tokens` prompt tokens (+1 sampled), made as the PE makes one."""
+    return SyntheticPool(layout, tokens, device).export()
 
 
 # ---- the receiving process ---------------------------------------------------------------------
@@ -247,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         for tokens in [int(t) for t in args.tokens.split(",")]:
             rows += measure(
-                synthetic_export(layout, tokens, device), layout, senders, addr, raw_port, args.repeats, loop
+                SyntheticPool(layout, tokens, device), layout, senders, addr, raw_port, args.repeats, loop
             )
     finally:
         with contextlib.suppress(OSError):  # a receiver that died has closed its end
@@ -275,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(
-    exp: SequenceExport,
+    pool: SyntheticPool,
     layout: KVLayout,
     senders: dict[str, KVSender],
     addr: str,
@@ -284,14 +301,14 @@ def measure(
     loop: asyncio.AbstractEventLoop,
 ) -> list[dict[str, Any]]:
     """The rows of one sequence length."""
-    segments = payload_segments(exp, layout)
-    device = segments[0].device
-    tokens, nbytes = exp.num_computed, sum(t.numel() * t.element_size() for t in segments)
-    ck_s = best(lambda: _timed(lambda: payload_checksum(segments), device), repeats)
-    host = [byte_view(t).cpu() for t in segments]
-    raw_s = best(lambda: raw_send(raw_port, host), repeats)
-    host.clear()
-    copy_s = d2d_copy_s(segments, device) if device.type == "cuda" else None
+    exp = pool.export()
+    tokens, nbytes = (
+        exp.num_computed,
+        sum(t.numel() * t.element_size() for t in payload_segments(exp, layout)),
+    )
+    device = exp.pages.device
+    raw_s, copy_s, ck_s, gather_s, gather_hash_s = _baselines(pool, exp, layout, raw_port, repeats)
+    del exp  # the handoffs below export afresh (the ipc arena has room for two)
 
     def row(
         what: str, s: float, ceiling: str | None = None, ceiling_s: float | None = None
@@ -306,15 +323,46 @@ def measure(
         rows.append(row("d2d copy", copy_s))
     rows.append(row(f"checksum ({device.type})", ck_s))
     if device.type == "cuda":  # the torch path, which the one-pass kernel replaces where it matches
-        ck_torch_s = best(lambda: _timed(lambda: torch_checksum(segments), device), repeats)
+        ck_torch_s = best(
+            lambda: _timed(lambda: torch_checksum(payload_segments(pool.export(), layout)), device), repeats
+        )
         rows.append(row("checksum (torch path)", ck_torch_s))
+    # the PE's export gather (pages only), alone and hashing on the way (the sender then hashes nothing)
+    rows.append(row("export gather", gather_s, "d2d copy" if copy_s else None, copy_s))
+    rows.append(row("export gather+hash", gather_hash_s, "d2d copy" if copy_s else None, copy_s))
     for name, sender in senders.items():
-        ack = best(lambda s=sender: _ack(loop, s, addr, exp), repeats)[1]
+        ack = best(lambda s=sender: _ack(loop, s, addr, pool), repeats)[1]
         ceiling, ceiling_s = ("raw tcp socket", raw_s) if name == "tcp" else ("d2d copy", copy_s)
         rows.append(row(f"handoff {name}", ack.elapsed_s, ceiling, ceiling_s))
         rows.append(row(f"  payload+verify {name}", ack.recv_s + ack.verify_s, ceiling, ceiling_s))
         rows.append(row(f"  payload {name}", ack.recv_s, ceiling, ceiling_s))
+        for phase, s in ack.phases.items():  # the sender's, in order: where the fixed costs go
+            rows.append(row(f"    sender {phase} {name}", s))
     return rows
+
+
+def _baselines(
+    pool: SyntheticPool, exp: SequenceExport, layout: KVLayout, raw_port: int, repeats: int
+) -> tuple[float, float | None, float, float, float]:
+    """Seconds of: the raw socket, the d2d copy (CUDA), the payload checksum, the export gather
+    alone and with its hash."""
+    segments = payload_segments(exp, layout)
+    device = segments[0].device
+    ck_s = best(lambda: _timed(lambda: payload_checksum(segments), device), repeats)
+    host = [byte_view(t).cpu() for t in segments]
+    raw_s = best(lambda: raw_send(raw_port, host), repeats)
+    host.clear()
+    copy_s = d2d_copy_s(segments, device) if device.type == "cuda" else None
+    out = torch.empty_like(exp.pages)
+    gather_s = best(lambda: _timed(lambda: pool.gather(False, out), device), repeats)
+    gather_hash_s = best(lambda: _timed(lambda: _read(pool.gather(True, out)), device), repeats)
+    return raw_s, copy_s, ck_s, gather_s, gather_hash_s
+
+
+def _read(gathered: tuple[torch.Tensor, Any]) -> None:
+    """Reads the gather's recorded sum, as the sender's header does (waits for it)."""
+    if gathered[1] is not None:
+        int(gathered[1])
 
 
 def torch_checksum(segments: list[torch.Tensor]) -> int:
@@ -330,19 +378,24 @@ def _timed(fn: Any, device: torch.device) -> float:
 
 
 def _ack(
-    loop: asyncio.AbstractEventLoop, sender: KVSender, addr: str, exp: SequenceExport
+    loop: asyncio.AbstractEventLoop, sender: KVSender, addr: str, pool: SyntheticPool
 ) -> tuple[float, Any]:
+    """One handoff of a fresh export (made as the PE makes it for this sender's transport, and
+    finished before the clock starts): the whole send, from sender.send() to the ack."""
+    exp = pool.export(sender.export_allocator)
+    if exp.pages.is_cuda:
+        torch.cuda.synchronize(exp.pages.device)
     ack = loop.run_until_complete(sender.send(addr, exp))
     return ack.elapsed_s, ack
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'tokens':>7} {'MiB':>7}  {'what':<24} {'ms':>9} {'GB/s':>8}  {'of ceiling':<24}")
+    print(f"\n{'tokens':>7} {'MiB':>7}  {'what':<28} {'ms':>9} {'GB/s':>8}  {'of ceiling':<24}")
     for r in rows:
         frac = f"{r['of_ceiling']:.0%} of {r['ceiling']}" if r["of_ceiling"] else ""
+        gbs = f"{r['bytes'] / r['s'] / GB:>8.2f}" if "sender" not in r["what"] and r["s"] > 0 else " " * 8
         print(
-            f"{r['tokens']:>7} {r['bytes'] / 2**20:>7.0f}  {r['what']:<24} {r['s'] * 1e3:>9.2f} "
-            f"{r['bytes'] / r['s'] / GB:>8.2f}  {frac:<24}"
+            f"{r['tokens']:>7} {r['bytes'] / 2**20:>7.0f}  {r['what']:<28} {r['s'] * 1e3:>9.3f} {gbs}  {frac:<24}"
         )
 
 

@@ -83,6 +83,43 @@ def test_the_one_pass_checksum_kernel_runs_here() -> None:
     assert usable(torch.device("cuda"))  # it built and matched the torch path (else: torch is used)
 
 
+def test_fused_copy_hash_gathers_and_copies_like_torch() -> None:
+    """The export gather (pages of a pool, in a shuffled order; a chunk spans several pages) and the
+    ipc receiver's copy, each against torch's copy and the torch checksum path; prints GB/s."""
+    pytest.importorskip("triton")
+    from engine.kv_cache import KVCache
+    from transfer.checksum import MASK64, _torch_segment_sum, as_words
+    from transfer.checksum_gpu import copy_segment, usable
+
+    dev = torch.device("cuda")
+    assert usable(dev)
+    kv = KVCache(LAYOUT, num_blocks=300, num_slots=1, device=dev)
+    kv.pages.copy_(torch.randn(kv.pages.shape, generator=torch.Generator().manual_seed(3)).to(kv.pages))
+    ids = torch.randperm(300, generator=torch.Generator().manual_seed(4))[:237].tolist()
+    out = torch.full((237, *kv.pages.shape[1:]), float("nan"), dtype=kv.pages.dtype, device=dev)
+    pages, s = kv.read_pages(ids, out=out, with_checksum=True)
+    want = kv.pages[torch.tensor(ids, device=dev)]
+    assert pages is out and s is not None and torch.equal(pages, want)
+    assert int(s) & MASK64 == _torch_segment_sum(as_words(want), 0)
+    dst = torch.empty_like(want)
+    s2 = copy_segment(dst, want)
+    assert s2 is not None and int(s2) == int(s) and torch.equal(dst, want)
+    # bandwidth: a 1 GiB gather of 1 MiB pages, hashed, against torch's gather (bytes read + written)
+    big = torch.empty((1100, 1 << 19), dtype=torch.bfloat16, device=dev).normal_()
+    sel = torch.randperm(1100)[:1024].tolist()
+    gout = torch.empty((1024, 1 << 19), dtype=torch.bfloat16, device=dev)
+    kv_big = KVCache.__new__(KVCache)
+    kv_big.pages, kv_big.device = big, dev
+    from triton.testing import do_bench
+
+    fused = do_bench(lambda: kv_big.read_pages(sel, out=gout, with_checksum=True), return_mode="median")
+    plain = do_bench(lambda: kv_big.read_pages(sel, out=gout), return_mode="median")
+    gb = 2 * gout.numel() * 2 / 1e9
+    print(
+        f"\ngather 1 GiB: fused copy+hash {fused:.3f} ms ({gb / fused * 1e3:.0f} GB/s), torch {plain:.3f} ms ({gb / plain * 1e3:.0f} GB/s)"
+    )
+
+
 @pytest.mark.parametrize("src, dst", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
 def test_tcp_moves_gpu_memory_through_pinned_staging(src: str, dst: str) -> None:
     asyncio.run(tcp_round_trip(src, dst))
@@ -149,3 +186,58 @@ async def ipc_from_a_child_process() -> None:
     assert not sink.errors
     assert same(host_payload(sink.delivered["i1"]), want)
     assert same(host_payload(sink.delivered["i2"]), [-t for t in want])
+
+
+# The child: gathers two exports into its ipc export arena (the second after the first's slices are
+# freed, so it reuses them) and sends both; the receiver must open the arena once.
+_ARENA_SENDER = """
+import asyncio, dataclasses, gc, sys, torch
+sys.path[:0] = [{tests!r}, {root!r}]
+from test_transfer_gpu import CONFIG, LAYOUT, TOKEN, cuda_export
+from transfer.sender import KVSender
+
+def in_arena(tr, exp, rid):
+    pages = tr.allocate(tuple(exp.pages.shape), exp.pages.dtype, exp.pages.device).copy_(exp.pages)
+    state = tr.allocate(tuple(exp.state.shape), exp.state.dtype, exp.state.device).copy_(exp.state)
+    return dataclasses.replace(exp, request_id=rid, pages=pages, state=state)
+
+async def main():
+    sender = KVSender(TOKEN, LAYOUT, config=dataclasses.replace(CONFIG, transport="ipc", ipc_arena_bytes=64 << 20))
+    tr = sender.transport
+    exp = cuda_export(seed=3, request_id="x")
+    a1 = await sender.send({addr!r}, in_arena(tr, exp, "a1"))
+    gc.collect()
+    assert tr.arena.num_used_bytes == 0, tr.arena.num_used_bytes
+    exp.pages.neg_()
+    exp.state.neg_()
+    a2 = await sender.send({addr!r}, in_arena(tr, exp, "a2"))
+    print("acks", a1.transport, a2.transport, tr.counters)
+
+asyncio.run(main())
+"""
+
+
+def test_ipc_arena_between_two_processes() -> None:
+    asyncio.run(ipc_arena_from_a_child_process())
+
+
+async def ipc_arena_from_a_child_process() -> None:
+    from transfer.ipc import IpcTransport
+
+    want = host_payload(cuda_export(seed=3, request_id="x"))
+    sink = CudaSink("a1", "a2")
+    recv_tr = IpcTransport(CONFIG)
+    async with receiver(sink, layout=LAYOUT, config=CONFIG, transports={"ipc": recv_tr}) as r:
+        script = _ARENA_SENDER.format(tests=str(ROOT / "tests"), root=str(ROOT), addr=r.address)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        counters = dict(recv_tr.counters)
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    assert b"acks ipc ipc" in out and b"'arena_offers': 2" in out, out.decode(errors="replace")[-3000:]
+    assert counters["arena_opens"] == 1 and counters["arena_hits"] == 1
+    assert not sink.errors
+    assert same(host_payload(sink.delivered["a1"]), want)
+    assert same(host_payload(sink.delivered["a2"]), [-t for t in want])
