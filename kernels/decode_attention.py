@@ -14,9 +14,8 @@ holds exactly the window's visible keys.)
 
 One program per (sequence, kv head, split): the query heads of one KV head (GQA) are one tile of
 rows, softmax in float32. A sequence's keys are cut into splits that depend on its context length
-alone (never on the batch: see `split_bounds`), and the last program of a (sequence, kv head) to
-finish (an atomic arrival counter) folds its splits in split order, in the same launch (a separate fold
-kernel cost as much as the split kernel at batch 1), so a row's output is bit-identical whether it runs alone or in any batch; deterministic mode uses the
+alone (never on the batch: see `split_bounds`), and a second kernel folds the splits in a fixed order,
+so a row's output is bit-identical whether it runs alone or in any batch; deterministic mode uses the
 same kernels. A row with context length 0 (a padded row of a CUDA graph) reads and stores nothing
 and gets zeros.
 
@@ -66,20 +65,18 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
     HAS_NEW: tl.constexpr,
-    LOCKS, OUT, stride_ob, stride_oh,  # FUSE_REDUCE: per-(sequence, kv head) arrival counters; the output
-    FUSE_REDUCE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     n = _num_keys(CTX, b, WINDOW)
     num_splits, start, end = _split_bounds(n, s, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < GROUP
-    mask_d = offs_d < HEAD_DIM
-    heads = kvh * GROUP + offs_h
     if (s < num_splits) & (start < end):
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_h = offs_h < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_h
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -133,47 +130,6 @@ def _decode_split_kernel(
         tl.store(ACC + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_h[:, None])
         tl.store(ML + part * 2, m_i, mask=mask_h)
         tl.store(ML + part * 2 + 1, l_i, mask=mask_h)
-    if FUSE_REDUCE:
-        # Every program of (b, kvh), empty splits included, takes a ticket after its partials are out
-        # (the barrier orders the block's stores before the release); the last to arrive folds them.
-        tl.debug_barrier()
-        lock = LOCKS + b * tl.num_programs(1) + kvh
-        ticket = tl.atomic_add(lock, 1, sem="acq_rel")
-        if ticket == MAX_SPLITS - 1:
-            tl.debug_barrier()
-            tl.atomic_xchg(lock, 0)  # ready for the next launch (the next layer, the next step)
-            part0 = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * MAX_SPLITS
-            _fold_splits(ACC, ML, OUT, part0, b * stride_ob + heads * stride_oh, n, mask_h, offs_d, mask_d,
-                         BLOCK_H, BLOCK_D, BLOCK_N, MAX_SPLITS, MIN_SPLIT)
-
-
-@triton.jit
-def _fold_splits(ACC, ML, OUT, part0, out_off, n, mask_h, offs_d, mask_d,
-                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """The fused reduce: _decode_reduce_kernel's arithmetic for a tile of heads (rows are independent,
-    each row's operations those of the one-head kernel, in the same split order)."""
-    num_splits, _, _ = _split_bounds(n, 0, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
-        _, start, end = _split_bounds(n, s, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
-        if start < end:
-            # .cg: other SMs wrote these; read them from L2, not from a stale L1 line
-            m_s = tl.load(ML + (part0 + s) * 2, mask=mask_h, other=0.0, cache_modifier=".cg")
-            l_s = tl.load(ML + (part0 + s) * 2 + 1, mask=mask_h, other=0.0, cache_modifier=".cg")
-            a_s = tl.load(ACC + (part0 + s)[:, None] * BLOCK_D + offs_d[None, :], mask=mask_h[:, None],
-                          other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, m_s)
-            alpha = tl.exp(m - m_new)
-            beta = tl.exp(m_s - m_new)
-            l_sum = l_sum * alpha + l_s * beta
-            acc = acc * alpha[:, None] + a_s * beta[:, None]
-            m = m_new
-    out = tl.where(l_sum[:, None] > 0, acc / l_sum[:, None], 0.0)  # n == 0 (a padded row): zeros
-    tl.store(OUT + out_off[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
-             mask=mask_h[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -211,22 +167,6 @@ def _decode_reduce_kernel(
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=mask_d)
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-MIN_LOCKS = 1 << 16  # 256 KiB of counters: batch x kv_heads up to 65,536 without growing
-
-
-def _locks(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per (sequence, kv head); the kernel leaves them zeroed. Made
-    once per device, outside any graph capture (the engine runs a step eagerly before capturing)."""
-    locks = _LOCKS.get(device)
-    if locks is None or locks.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode attention's counters must exist before a CUDA graph capture")
-        locks = torch.zeros(max(MIN_LOCKS, count), dtype=torch.int32, device=device)
-        _LOCKS[device] = locks
-    return locks
-
-
 def _check_cache(cache: torch.Tensor, layer: int) -> torch.Tensor:
     if cache.dim() != 6:
         raise ValueError(f"cache must be [units, layers, 2, tokens, kv_heads, head_dim], got {tuple(cache.shape)}")
@@ -247,15 +187,12 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
-    fuse_reduce: bool = True,
 ) -> torch.Tensor:
     """q: [B, heads, head_dim], one token per sequence. k_new, v_new ([B, kv_heads, head_dim]): its
     K/V, stored into the cache by this call; without them they must be stored already (store_decode_kv).
     cache: the paged pool (window 0) or the SWA ring pool (window > 0), indexed by `layer`.
     block_table: [B, max_blocks] int32 page ids, or [B, 1] state slots for a ring.
     context_lens: [B] int32, the new token's position + 1; 0 marks a padded row (output zeros).
-    fuse_reduce: the last program of each (sequence, kv head) folds the splits (one launch); False runs
-    the fold as a second kernel (same arithmetic, same order: bit-identical; kept to test that).
     Returns [B, heads, head_dim] in q's dtype."""
     kv = _check_cache(cache, layer)
     batch, num_heads, head_dim = q.shape
@@ -279,7 +216,6 @@ def paged_decode_attention(
         k_new = v_new = q  # unused
     acc = torch.empty((batch, num_heads, MAX_SPLITS, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((batch, num_heads, MAX_SPLITS, 2), dtype=torch.float32, device=q.device)
-    locks = _locks(q.device, batch * num_kv_heads) if fuse_reduce else ml  # unused without the fused reduce
     _decode_split_kernel[(batch, num_kv_heads, MAX_SPLITS)](
         q, k_new, v_new, kv, block_table, context_lens, acc, ml,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -289,11 +225,8 @@ def paged_decode_attention(
         WINDOW=window, UNIT_TOKENS=kv.shape[2],
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=MIN_SPLIT_TOKENS, IEEE=q.dtype == torch.float32,
-        HAS_NEW=has_new, LOCKS=locks, OUT=out, stride_ob=out.stride(0), stride_oh=out.stride(1),
-        FUSE_REDUCE=fuse_reduce, num_warps=4, num_stages=2,
+        HAS_NEW=has_new, num_warps=4, num_stages=2,
     )
-    if fuse_reduce:
-        return out
     _decode_reduce_kernel[(batch, num_heads)](
         acc, ml, context_lens, out,
         out.stride(0), out.stride(1),
