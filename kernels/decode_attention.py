@@ -33,6 +33,7 @@ import triton.language as tl
 MAX_SPLITS = 16  # splits of one sequence's keys, at most
 MIN_SPLIT_TOKENS = 128  # a split gets at least this many keys (fewer splits for short contexts)
 BLOCK_N = 64  # keys per tile
+NUM_WARPS, NUM_STAGES = 4, 2  # the split kernel's launch (bench/bench_decode_attn.py sweeps these)
 
 
 @triton.jit
@@ -225,7 +226,7 @@ def paged_decode_attention(
         WINDOW=window, UNIT_TOKENS=kv.shape[2],
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=MIN_SPLIT_TOKENS, IEEE=q.dtype == torch.float32,
-        HAS_NEW=has_new, num_warps=4, num_stages=2,
+        HAS_NEW=has_new, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         acc, ml, context_lens, out,
