@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-import load  # noqa: E402  (bench/load.py)
+from loadgen import cli, plots, report, runner, summary  # noqa: E402  (bench/loadgen)
 
 
 def _named(items: Sequence[str], flag: str) -> dict[str, str]:
@@ -80,8 +80,8 @@ def run_hook(cmd: str | None, what: str) -> None:
 def plot_compare(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
     """Grouped bars: p90 TTFT, p90 ITL (all gaps, and those overlapping a long prefill) and output
     tokens/s of each target at each load point."""
-    plt = load._plt()
-    points = sorted({load.load_of(r) for runs in series.values() for r in runs})
+    plt = plots.pyplot()
+    points = sorted({plots.load_of(r) for runs in series.values() for r in runs})
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
     width = 0.8 / max(1, len(series))
     panels = (
@@ -92,7 +92,7 @@ def plot_compare(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
     )
     for ax, (title, get) in zip(axes, panels):
         for k, (name, runs) in enumerate(series.items()):
-            by_load = {load.load_of(r): get(r["summary"]) for r in runs}
+            by_load = {plots.load_of(r): get(r["summary"]) for r in runs}
             xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(points))]
             ax.bar(xs, [by_load.get(p) or 0.0 for p in points], width, label=name)
         ax.set_xticks(range(len(points)), [f"{p:g}" for p in points])
@@ -109,18 +109,20 @@ def plot_compare(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
 def plot_itl_timeline(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
     """At the highest load point: every inter-token gap (ms, at the time it ended) of each target,
     one panel a target, with the spans of long prefills shaded (overlaps darker)."""
-    plt = load._plt()
+    plt = plots.pyplot()
     from matplotlib.ticker import FuncFormatter, LogLocator
 
     fig, axes = plt.subplots(len(series), 1, figsize=(10, 2.4 * len(series)), squeeze=False, sharey=True)
     for ax, runs in zip(axes[:, 0], series.values()):
-        run = max(runs, key=load.load_of)
-        reqs = [load.RequestRecord(**r) for r in run["requests"]]
+        run = max(runs, key=plots.load_of)
+        reqs = [runner.RequestRecord(**r) for r in run["requests"]]
         s = run["summary"]
-        for a, b in load.long_prefills(reqs, s["long_prompt_tokens"]):
+        for a, b in summary.long_prefills(reqs, s["long_prompt_tokens"]):
             ax.axvspan(a, b, color="tab:orange", alpha=0.15, lw=0)
         # gaps under 1 ms (chunks that arrived together) drawn at 1 ms: the axis is logarithmic
-        ends = [(b, max(1.0, (b - a) * 1e3)) for r in reqs if r.status == "ok" for a, b in load.gap_spans(r)]
+        ends = [
+            (b, max(1.0, (b - a) * 1e3)) for r in reqs if r.status == "ok" for a, b in summary.gap_spans(r)
+        ]
         ax.scatter([t for t, _ in ends], [g for _, g in ends], s=2, color="tab:blue")
         ax.set_title(
             f"{run['label']}: {s['num_long_prefills']} long prefills (>= {s['long_prompt_tokens']} new "
@@ -158,8 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--interleave", action="store_true", help="every target at a load point before the next point"
     )
     ap.add_argument("--out", type=Path, required=True)
-    load.add_trace_args(ap)
-    load.add_request_args(ap)
+    cli.add_trace_args(ap)
+    cli.add_request_args(ap)
     args = ap.parse_args(argv)
     urls, launches = _named(args.target, "--target"), _named(args.launch, "--launch")
     extras = {k: json.loads(v) for k, v in _named(args.extra, "--extra").items()}
@@ -167,13 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(urls) + [n for n in launches if n not in urls]
     if not names or set(urls) & set(launches) or (set(extras) | set(setups) | set(teardowns)) - set(names):
         ap.error("give distinct target names with --target/--launch; --extra/--setup/--teardown name one")
-    convs, trace_info = load.trace_from_args(args)
-    points = load.load_points(args)
-    base_extra = load.extra_body_from_args(args)
+    convs, trace_info = cli.trace_from_args(args)
+    points = cli.load_points(args)
+    base_extra = cli.extra_body_from_args(args)
     # (target, load point index) in the order they run: target-major, or point-major with --interleave
     order = [(n, i) for i in range(len(points)) for n in names] if args.interleave else None
     groups = [order] if order else [[(n, i) for i in range(len(points))] for n in names]
-    runs: list[load.RunResult] = []
+    runs: list[runner.RunResult] = []
     series_names: list[str] = []
     for group in groups:
         with contextlib.ExitStack() as stack:
@@ -182,34 +184,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                 url = stack.enter_context(
                     endpoint(urls.get(name), launches.get(name), args.out / "servers" / name)
                 )
-                chat = load.chat_url(url)
-                chats[name] = (chat, args.model or load.server_model(chat))
+                chat = cli.chat_url(url)
+                chats[name] = (chat, args.model or cli.server_model(chat))
                 extra = base_extra | extras.get(name, {})
                 run_hook(setups.get(name), f"setup {name}")
-                asyncio.run(load.warm_up(chat, chats[name][1], args.warmup, extra))
+                asyncio.run(runner.warm_up(chat, chats[name][1], args.warmup, extra))
                 run_hook(teardowns.get(name), f"teardown {name}")
             for name, i in group:
                 c, r = points[i]
-                label = f"{name} {load.point_label(c, r)}"
+                label = f"{name} {cli.point_label(c, r)}"
                 extra = base_extra | extras.get(name, {})
-                cfg = load.LoadConfig.from_args(
-                    args, chats[name][0], chats[name][1], c, r, extra, label, load.run_salt(name, i)
+                cfg = runner.LoadConfig.from_args(
+                    args, chats[name][0], chats[name][1], c, r, extra, label, cli.run_salt(name, i)
                 )
                 run_hook(setups.get(name), f"setup {name}")
                 try:
-                    runs.append(asyncio.run(load.run_load(cfg, convs)))
+                    runs.append(asyncio.run(runner.run_load(cfg, convs)))
                 finally:
                     run_hook(teardowns.get(name), f"teardown {name}")
                 series_names.append(name)
-                s = load.summarize(
+                s = summary.summarize(
                     runs[-1].requests, args.slo_ttft_ms, args.slo_itl_ms, args.long_prompt_tokens
                 )
-                print(load.format_table([(label, s)]).splitlines()[-1], flush=True)
-                print(load.format_itl_split([(label, s)]).splitlines()[-1], flush=True)
+                print(report.format_table([(label, s)]).splitlines()[-1], flush=True)
+                print(report.format_itl_split([(label, s)]).splitlines()[-1], flush=True)
                 if runs[-1].host_loadavg_1m:
                     a, b = runs[-1].host_loadavg_1m
                     print(f"host load average {a:.1f} -> {b:.1f}", flush=True)
-    doc = load.results_doc(
+    doc = report.results_doc(
         runs,
         trace_info,
         args.slo_ttft_ms,
@@ -221,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, run in zip(series_names, doc["runs"]):
         run["target"] = name
         series.setdefault(name, []).append(run)
-    table = load.write_outputs(args.out, doc, series, plots=not args.no_plots)
+    table = report.write_outputs(args.out, doc, series, plots=not args.no_plots)
     if not args.no_plots:
         plot_compare(args.out / "compare.png", series)
         plot_itl_timeline(args.out / "itl_timeline.png", series)

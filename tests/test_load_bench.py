@@ -1,6 +1,6 @@
-"""bench/load.py: the seeded trace and its aiperf formats, the summary's arithmetic, the runner against
-a fake streaming endpoint (history, bounds, errors, cancellation), and a small run against a real
-server whose numbers must agree with the server's usage and its /metrics counters."""
+"""bench/load.py and bench/loadgen: the seeded trace and its aiperf formats, the summary's arithmetic,
+the runner against a fake streaming endpoint (history, bounds, errors, cancellation), and a small run
+against a real server whose numbers must agree with the server's usage and its /metrics counters."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ import pytest
 from aiohttp import web
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+from loadgen import plots, report, runner, summary, trace  # noqa: E402
 
 
 def _load(name: str) -> ModuleType:
@@ -36,10 +39,10 @@ load = _load("load")
 
 
 def test_synthetic_trace_is_seeded_and_has_the_stated_shape() -> None:
-    spec = load.SyntheticSpec(num_conversations=300, num_turns=6, seed=3, max_context_tokens=10**6)
-    convs = load.synthetic_trace(spec)
-    assert convs == load.synthetic_trace(spec)
-    assert convs != load.synthetic_trace(load.SyntheticSpec(num_conversations=300, num_turns=6, seed=4))
+    spec = trace.SyntheticSpec(num_conversations=300, num_turns=6, seed=3, max_context_tokens=10**6)
+    convs = trace.synthetic_trace(spec)
+    assert convs == trace.synthetic_trace(spec)
+    assert convs != trace.synthetic_trace(trace.SyntheticSpec(num_conversations=300, num_turns=6, seed=4))
     assert len(convs) == 300 and all(len(c.turns) == 6 for c in convs)
     assert len({c.system for c in convs}) == 1  # one shared system prompt
     firsts = [c.turns[0] for c in convs]
@@ -62,10 +65,10 @@ def test_synthetic_trace_is_seeded_and_has_the_stated_shape() -> None:
 
 
 def test_context_cap_ends_conversations() -> None:
-    spec = load.SyntheticSpec(num_conversations=20, num_turns=8, tool_tokens=800, max_context_tokens=2048)
-    convs = load.synthetic_trace(spec)
+    spec = trace.SyntheticSpec(num_conversations=20, num_turns=8, tool_tokens=800, max_context_tokens=2048)
+    convs = trace.synthetic_trace(spec)
     assert any(len(c.turns) < 8 for c in convs) and all(c.turns for c in convs)
-    uncapped = load.synthetic_trace(replace(spec, max_context_tokens=10**6))
+    uncapped = trace.synthetic_trace(replace(spec, max_context_tokens=10**6))
     assert all(len(c.turns) == 8 for c in uncapped)
     # a capped conversation is a prefix of the same draws
     assert all(c.turns == u.turns[: len(c.turns)] for c, u in zip(convs, uncapped))
@@ -73,12 +76,12 @@ def test_context_cap_ends_conversations() -> None:
 
 @pytest.mark.parametrize("fmt", ["pdserve", "multi_turn", "mooncake_trace"])
 def test_trace_formats_round_trip(tmp_path: Path, fmt: str) -> None:
-    convs = load.synthetic_trace(
-        load.SyntheticSpec(num_conversations=4, num_turns=3, tool_fraction=0.5, seed=1)
+    convs = trace.synthetic_trace(
+        trace.SyntheticSpec(num_conversations=4, num_turns=3, tool_fraction=0.5, seed=1)
     )
     path = tmp_path / "t.jsonl"
-    load.write_trace(path, convs, fmt)
-    back = load.read_trace(path)
+    trace.write_trace(path, convs, fmt)
+    back = trace.read_trace(path)
     if fmt == "mooncake_trace":  # no system prompt in the format: it leads the first message
         lines = [json.loads(x) for x in path.read_text().splitlines()]
         assert [set(x) for x in lines[:2]] == [
@@ -87,7 +90,9 @@ def test_trace_formats_round_trip(tmp_path: Path, fmt: str) -> None:
         ]
         assert back[0].turns[0].content == f"{convs[0].system}\n\n{convs[0].turns[0].content}"
         back = [
-            load.Conversation(b.id, (replace(b.turns[0], content=c.turns[0].content), *b.turns[1:]), c.system)
+            trace.Conversation(
+                b.id, (replace(b.turns[0], content=c.turns[0].content), *b.turns[1:]), c.system
+            )
             for b, c in zip(back, convs)
         ]
     if fmt == "multi_turn":
@@ -108,7 +113,7 @@ def test_trace_formats_round_trip(tmp_path: Path, fmt: str) -> None:
 
 
 def _rec(turn: int, status: str = "ok", **kw: object) -> object:
-    r = load.RequestRecord("c", turn, "user", 4, status=status)
+    r = runner.RequestRecord("c", turn, "user", 4, status=status)
     for k, v in kw.items():
         setattr(r, k, v)
     return r
@@ -141,7 +146,7 @@ def test_summary_counts_percentiles_goodput_and_hit_rate() -> None:
         _rec(2, "error", start_s=2.0, error="HTTP 500"),
         _rec(3, "skipped"),
     ]
-    s = load.summarize(recs, slo_ttft_ms=200, slo_itl_ms=150)
+    s = summary.summarize(recs, slo_ttft_ms=200, slo_itl_ms=150)
     counts = ("num_planned", "num_sent", "num_ok", "num_errors", "num_skipped")
     assert [s[k] for k in counts] == [4, 3, 2, 1, 1]
     assert s["duration_s"] == pytest.approx(2.0)  # first send to last ok end
@@ -153,8 +158,8 @@ def test_summary_counts_percentiles_goodput_and_hit_rate() -> None:
     # only the first meets both SLOs
     assert s["goodput_fraction"] == 0.5 and s["goodput_requests_per_s"] == pytest.approx(0.5)
     assert s["prefix_cache_hit_rate"] == pytest.approx(1 / 3)
-    assert load.summarize(recs)["goodput_fraction"] == 1.0  # no SLO: every ok request is good
-    table = load.format_table([("x", s)])
+    assert summary.summarize(recs)["goodput_fraction"] == 1.0  # no SLO: every ok request is good
+    table = report.format_table([("x", s)])
     assert "200 / " in table and "33.3%" in table and "0.50 (50%)" in table
 
 
@@ -184,21 +189,21 @@ def test_gaps_split_by_overlap_with_long_prefills() -> None:
         cached_tokens=0,
     )
     recs = [long_one, short, streaming]
-    assert load.long_prefills(recs, 512) == [(1.0, 3.0)]
-    spans = [t for span in load.gap_spans(streaming) for t in span]
+    assert summary.long_prefills(recs, 512) == [(1.0, 3.0)]
+    spans = [t for span in summary.gap_spans(streaming) for t in span]
     assert spans == pytest.approx([0.5, 0.7, 0.7, 2.9, 2.9, 3.0, 3.0, 3.1])
-    inside, outside = load.split_gaps(recs, load.long_prefills(recs, 512))
+    inside, outside = summary.split_gaps(recs, summary.long_prefills(recs, 512))
     # the long request's own gap (3.0..3.5) starts at its first token, after its prefill
     assert sorted(inside) == pytest.approx([0.1, 2.2]) and sorted(outside) == pytest.approx(
         [0.1, 0.1, 0.2, 0.5]
     )
-    s = load.summarize(recs, long_prompt_tokens=512)
+    s = summary.summarize(recs, long_prompt_tokens=512)
     assert s["num_long_prefills"] == 1 and s["itl_in_long_prefill_ms"]["max"] == pytest.approx(2200)
     assert s["itl_outside_long_prefill_ms"]["max"] == pytest.approx(500)
-    assert load.summarize(recs, long_prompt_tokens=10)["num_long_prefills"] == 3
-    none = load.summarize(recs, long_prompt_tokens=5000)
+    assert summary.summarize(recs, long_prompt_tokens=10)["num_long_prefills"] == 3
+    none = summary.summarize(recs, long_prompt_tokens=5000)
     assert none["num_long_prefills"] == 0 and none["itl_in_long_prefill_ms"]["p50"] is None
-    assert "1 (>= 512 new)" in load.format_itl_split([("x", s)])
+    assert "1 (>= 512 new)" in report.format_itl_split([("x", s)])
 
 
 # ---- the runner against a fake endpoint -----------------------------------------------------------
@@ -261,15 +266,15 @@ async def fake():
 
 
 def _conv(cid: str, *texts: str, max_tokens: int = 3) -> object:
-    return load.Conversation(
-        cid, tuple(load.Turn(t, max_tokens, 0.01 if k else 0) for k, t in enumerate(texts)), "sys"
+    return trace.Conversation(
+        cid, tuple(trace.Turn(t, max_tokens, 0.01 if k else 0) for k, t in enumerate(texts)), "sys"
     )
 
 
 async def test_runner_sends_history_and_counts(fake) -> None:
-    cfg = load.LoadConfig(fake.url, "m", concurrency=2, extra_body={"ignore_eos": True})
+    cfg = runner.LoadConfig(fake.url, "m", concurrency=2, extra_body={"ignore_eos": True})
     convs = [_conv("a", "one two", "three"), _conv("b", "four", "five six", "seven")]
-    run = await load.run_load(cfg, convs)
+    run = await runner.run_load(cfg, convs)
     assert [(r.conversation, r.turn, r.status) for r in run.requests] == [
         ("a", 0, "ok"),
         ("a", 1, "ok"),
@@ -295,23 +300,23 @@ async def test_runner_sends_history_and_counts(fake) -> None:
 
 
 async def test_runner_bounds_errors_and_cancellation(fake) -> None:
-    base = load.LoadConfig(fake.url, "m", concurrency=4)
-    run = await load.run_load(replace(base, max_requests=3), [_conv("a", "x", "y"), _conv("b", "x", "y")])
+    base = runner.LoadConfig(fake.url, "m", concurrency=4)
+    run = await runner.run_load(replace(base, max_requests=3), [_conv("a", "x", "y"), _conv("b", "x", "y")])
     assert sorted(r.status for r in run.requests) == ["ok", "ok", "ok", "skipped"]
-    run = await load.run_load(base, [_conv("a", "x", "FAIL", "z"), _conv("b", "x")])
+    run = await runner.run_load(base, [_conv("a", "x", "FAIL", "z"), _conv("b", "x")])
     assert [r.status for r in run.requests] == ["ok", "error", "skipped", "ok"]
     assert run.requests[1].http_status == 500 and "boom" in run.requests[1].error
-    run = await load.run_load(
+    run = await runner.run_load(
         replace(base, duration_s=0.3, grace_s=0.2), [_conv("a", "SLOW"), _conv("b", "x", "y")]
     )
     assert [r.status for r in run.requests] == ["cancelled", "ok", "ok"]
-    s = load.summarize(run.requests)
+    s = summary.summarize(run.requests)
     assert (s["num_planned"], s["num_ok"], s["num_cancelled"]) == (3, 2, 1)
-    run = await load.run_load(base, [_conv("e", "EMPTY")])
+    run = await runner.run_load(base, [_conv("e", "EMPTY")])
     (r,) = run.requests
     assert r.status == "ok" and r.num_chunks == 0 and 0 < r.ttft_s <= r.e2e_s and r.finish_reason == "stop"
-    rate = await load.run_load(
-        load.LoadConfig(fake.url, "m", request_rate=50.0), [_conv(str(i), "x") for i in range(5)]
+    rate = await runner.run_load(
+        runner.LoadConfig(fake.url, "m", request_rate=50.0), [_conv(str(i), "x") for i in range(5)]
     )
     assert [r.status for r in rate.requests] == ["ok"] * 5
 
@@ -319,18 +324,18 @@ async def test_runner_bounds_errors_and_cancellation(fake) -> None:
 async def test_outputs_json_table_and_plots(fake, tmp_path: Path) -> None:
     runs = []
     for c in (1, 2):
-        cfg = load.LoadConfig(fake.url, "m", concurrency=c, label=f"c={c}")
-        runs.append(await load.run_load(cfg, [_conv("a", "x", "y"), _conv("b", "z")]))
-    doc = load.results_doc(runs, {"source": "test"}, 1000.0, None, ["load.py"])
-    table = load.write_outputs(tmp_path, doc, {"fake": doc["runs"]})
+        cfg = runner.LoadConfig(fake.url, "m", concurrency=c, label=f"c={c}")
+        runs.append(await runner.run_load(cfg, [_conv("a", "x", "y"), _conv("b", "z")]))
+    doc = report.results_doc(runs, {"source": "test"}, 1000.0, None, ["load.py"])
+    table = report.write_outputs(tmp_path, doc, {"fake": doc["runs"]})
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["schema"] == load.SCHEMA and [r["label"] for r in saved["runs"]] == ["c=1", "c=2"]
+    assert saved["schema"] == report.SCHEMA and [r["label"] for r in saved["runs"]] == ["c=1", "c=2"]
     assert saved["runs"][1]["load"] == {"concurrency": 2, "request_rate": None}
     assert saved["runs"][0]["summary"]["num_ok"] == 3 and len(saved["runs"][0]["requests"]) == 3
     assert (tmp_path / "summary.txt").read_text().strip() == table
     for name in ("distributions.png", "throughput.png", "sweep.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-    tokens = sum(n for r in saved["runs"][0]["requests"] for _, n in load.token_times(r))
+    tokens = sum(n for r in saved["runs"][0]["requests"] for _, n in plots.token_times(r))
     assert tokens == saved["runs"][0]["summary"]["completion_tokens"]
 
 
@@ -425,7 +430,7 @@ def test_compare_interleaves_points_with_setup_and_teardown(fake_in_thread, tmp_
 def test_aiperf_records_pair_with_load_records(tmp_path: Path) -> None:
     pair = _load("aiperf_vs_load")
     reqs = [
-        load.RequestRecord(
+        runner.RequestRecord(
             "conv-0000",
             0,
             "user",
@@ -440,7 +445,7 @@ def test_aiperf_records_pair_with_load_records(tmp_path: Path) -> None:
             cached_tokens=0,
             completion_tokens=3,
         ),
-        load.RequestRecord(
+        runner.RequestRecord(
             "conv-0000",
             1,
             "tool",
@@ -455,10 +460,10 @@ def test_aiperf_records_pair_with_load_records(tmp_path: Path) -> None:
             cached_tokens=128,
             completion_tokens=3,
         ),
-        load.RequestRecord("conv-0001", 0, "user", 3, "error", start_s=0.0, error="HTTP 500"),
+        runner.RequestRecord("conv-0001", 0, "user", 3, "error", start_s=0.0, error="HTTP 500"),
     ]
-    doc = load.results_doc(
-        [load.RunResult(load.LoadConfig("u", "m", concurrency=1), 0.0, reqs)], {}, None, None, []
+    doc = report.results_doc(
+        [runner.RunResult(runner.LoadConfig("u", "m", concurrency=1), 0.0, reqs)], {}, None, None, []
     )
     (tmp_path / "load.json").write_text(json.dumps(doc))
 
