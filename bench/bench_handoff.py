@@ -374,6 +374,8 @@ def _timed(fn: Any, device: torch.device) -> float:
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 

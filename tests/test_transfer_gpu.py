@@ -197,7 +197,7 @@ from test_transfer_gpu import CONFIG, LAYOUT, TOKEN, cuda_export
 from transfer.sender import KVSender
 
 def in_arena(tr, exp, rid):
-    pages = tr.allocate(tuple(exp.pages.shape), exp.pages.dtype, exp.pages.device).copy_(exp.pages)
+    pages = tr.allocate(tuple(exp.pages.shape), exp.pages.dtype, torch.device("cuda")).copy_(exp.pages)
     state = tr.allocate(tuple(exp.state.shape), exp.state.dtype, exp.state.device).copy_(exp.state)
     return dataclasses.replace(exp, request_id=rid, pages=pages, state=state)
 

@@ -162,7 +162,7 @@ class TorchCudaIpc:
                 TRANSPORT, f"the sender's GPU {h['device']} is not visible to this process (use tcp or nccl)"
             )
         return rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(h["size"]), tuple(h["stride"]), h["offset"], torch.storage.TypedStorage, DTYPES[h["dtype"]],
+            torch.Tensor, torch.Size(h["size"]), tuple(h["stride"]), h["offset"], torch.storage.TypedStorage, _IPC_DTYPES[h["dtype"]],
             local, h["handle"], h["storage_bytes"], h["storage_offset"], False, h["ref_handle"], h["ref_offset"],
             h["event_handle"], h["event_sync"],
         )  # fmt: skip
@@ -190,6 +190,9 @@ class TorchCudaIpc:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         return _EventCopy(event)
+
+
+_IPC_DTYPES = {**DTYPES, "uint8": torch.uint8}  # the payload's dtypes and the arena's
 
 
 def _device_uuid(index: int) -> str:
@@ -290,7 +293,10 @@ class IpcTransport(Transport):
     ) -> torch.Tensor | None:
         """engine.export_sequence's alloc: an empty tensor in the export arena on device (made on the
         first call), or None (no arena here, or no room in it now: the export allocates normally)."""
-        arena = self._arena_on(torch.device(device))
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors say
+            device = torch.device("cuda", torch.cuda.current_device())
+        arena = self._arena_on(device)
         return arena.alloc(tuple(shape), dtype) if arena is not None else None
 
     def _arena_on(self, device: torch.device) -> ExportArena | None:
