@@ -3,23 +3,16 @@ exists for: a row's output bit-identical whatever the number of rows. Skipped wi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from gpu_support import DEVICE, DTYPE, INTERPRET, require_triton
 
-triton = pytest.importorskip("triton")
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA GPU"),
-]
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
+require_triton()
 
 from kernels.bi_matmul import MatmulConfig, bi_linear, bi_matmul, matmul_config  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5
 
 ROW_COUNTS = [1, 3, 16, 17, 64, 200]
 # (N, K): narrow and wide outputs, K a multiple of the K step and not, K split into 1, 4 and 8 ranges

@@ -3,21 +3,16 @@ poisoned outputs (skipped without CUDA; TRITON_INTERPRET=1 runs it on the CPU in
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from gpu_support import DEVICE, DTYPE, require_triton
 
-pytest.importorskip("triton")
-if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-    pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
+require_triton()
 
 from engine.model import RMSNorm, rotate_half  # noqa: E402
 from kernels.fused_ops import add_rms_norm, rms_norm, rotary_, silu_mul  # noqa: E402
 
 pytestmark = pytest.mark.cuda
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 
 
 def _rand(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:

@@ -5,22 +5,16 @@ installed it runs on the CPU in float32, slowly: a debugging aid, not part of th
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from gpu_support import DEVICE, DTYPE, require_triton
 
-triton = pytest.importorskip("triton")
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA GPU"),
-]
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+require_triton()
 
 from kernels.prefill_attention import chunk_meta, prefill_attention, tile_config  # noqa: E402
+
+pytestmark = pytest.mark.cuda
 
 
 class Seq:
