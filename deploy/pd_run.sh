@@ -14,7 +14,7 @@
 #
 # Hosts: localhost or 127.x runs there locally; any other host through ssh, with the repository at the
 # same path. A remote PE binds pe-host (the CE's coordinator reaches it there); a remote CE binds its KV
-# receivers to ce-host. Locally everything binds 127.0.0.1.
+# receivers to ce-host. Locally everything binds 127.0.0.1, so the hosts are both local or both remote.
 # Cluster token: $PDSERVE_CLUSTER_TOKEN or $PDSERVE_CLUSTER_TOKEN_FILE if set, else RUN_DIR/cluster.token
 # (made once, mode 600, copied to a remote host's RUN_DIR). Logs and pid files: RUN_DIR (default run/,
 # or $PDSERVE_RUN_DIR) as pd-pe-PORT.{log,pid} and pd-ce-PORT.{log,pid}; deploy/server.sh's
@@ -28,7 +28,7 @@ SELF="$ROOT/deploy/pd_run.sh"
 die() { echo "pd_run.sh: $*" >&2; exit 1; }
 
 usage() {
-    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
     exit "${1:-0}"
 }
 
@@ -61,7 +61,7 @@ internal_start() {
     echo "$role ready: $url"
 }
 
-pidfiles() {  # pidfiles ROLE [PORT]
+pidfiles() {  # pidfiles ROLE [PORT]: one a line (RUN_DIR may hold spaces: read them with mapfile)
     if [ -n "${2:-}" ]; then
         [ -f "$RUN_DIR/pd-$1-$2.pid" ] && echo "$RUN_DIR/pd-$1-$2.pid"
     else
@@ -72,21 +72,20 @@ pidfiles() {  # pidfiles ROLE [PORT]
 
 # _stop ROLE [PORT]
 internal_stop() {
-    local files f
-    files="$(pidfiles "$1" "${2:-}")"
-    if [ -z "$files" ]; then
+    local -a files; local f
+    mapfile -t files < <(pidfiles "$1" "${2:-}")
+    if [ "${#files[@]}" -eq 0 ]; then
         echo "no $1 running${2:+ on port $2} ($(hostname))"
         return 0
     fi
-    for f in $files; do stop_pidfile "$f"; done
+    for f in "${files[@]}"; do stop_pidfile "$f"; done
 }
 
 # _status ROLE [PORT]: exit 3 when nothing runs
 internal_status() {
-    local files any=0
-    files="$(pidfiles "$1" "${2:-}")"
-    # shellcheck disable=SC2086
-    status_pidfiles "$1" "pd-$1-" $files || any=1
+    local -a files; local any=0
+    mapfile -t files < <(pidfiles "$1" "${2:-}")
+    status_pidfiles "$1" "pd-$1-" ${files[@]+"${files[@]}"} || any=1
     if [ "$any" -ne 0 ]; then
         echo "no $1 running${2:+ on port $2} ($(hostname))"
         return 3
@@ -131,6 +130,12 @@ cmd_start() {
     [ $# -ge 2 ] || usage 2 >&2
     local pe_host="$1" ce_host="$2"; shift 2
     parse_ports "$@"
+    # A side bound to 127.0.0.1 is out of the other host's reach (it would dial its own loopback).
+    local pe_local=0 ce_local=0
+    is_local "$pe_host" && pe_local=1
+    is_local "$ce_host" && ce_local=1
+    [ "$pe_local" = "$ce_local" ] || die "start $pe_host $ce_host: one side on loopback, one remote;" \
+        "name this host by an address the other host reaches (it is then started through ssh)"
     local pe_bind=127.0.0.1 kv_bind=127.0.0.1
     is_local "$pe_host" || pe_bind="$pe_host"
     is_local "$ce_host" || kv_bind="$ce_host"
