@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
         loop.close()
     _print(rows)
+    for name, sender in senders.items():  # ipc: whether exports went through the arena or per-tensor handles
+        if getattr(sender.transport, "counters", None):
+            print(f"# {name} sender: {sender.transport.counters}")  # type: ignore[attr-defined]
     checked = bars(rows)
     for b in checked:
         print(
