@@ -3,6 +3,9 @@
 `paged_attention` stores the step's new K/V and attends. On CUDA (with Triton) every chunk of the
 step runs in one launch of kernels/prefill_attention.py, which reads keys in place from the pages and
 rings; it is batch- and chunk-invariant by construction, so default and deterministic mode share it.
+In default mode only, a chunk whose attention is large (SDPA_MIN_PAIRS) goes through torch's flash
+SDPA instead (`_sdpa_chunk`: its keys gathered contiguous, causal aligned to the lower right), faster
+at long contexts; the other chunks of the step still run in one Triton launch.
 Elsewhere each sequence's visible keys are gathered in position order and handed to a backend:
 
 - `sdpa_attend`: torch's scaled_dot_product_attention with an explicit mask (default mode).
@@ -16,17 +19,39 @@ Elsewhere each sequence's visible keys are gathered in position order and handed
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from functools import cache
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.context import ForwardContext, SeqChunk, get_context
 from engine.decode import decode_attention
 
 QUERY_TILE = 16
+
+# The SDPA prefill path (default mode, CUDA): "flash" (also "1"), "cudnn" (cuDNN first for a chunk with
+# no cached prefix, where torch can run it; flash otherwise) or "off" (also "0": every chunk on the
+# Triton kernel). Read at every layer, so a benchmark can flip it between runs of one process.
+_SDPA_SETTINGS = {"0": "off", "1": "flash", "off": "off", "flash": "flash", "cudnn": "cudnn"}
+PREFILL_SDPA = _SDPA_SETTINGS.get(os.environ.get("PDSERVE_PREFILL_SDPA", "flash").lower(), "invalid")
+if PREFILL_SDPA == "invalid":
+    raise ValueError(f"PDSERVE_PREFILL_SDPA must be one of {sorted(_SDPA_SETTINGS)}")
+_SDPA_BACKENDS = {
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
+}
+# A chunk takes SDPA when queries x visible keys >= SDPA_MIN_PAIRS and it has SDPA_MIN_QUERIES queries or
+# more: below that the one Triton launch for the whole step (no key gather, no extra launch) is as good.
+# 2^20 is a 1,024-token prompt, so every row of bench/prefill_sdpa_check.sh compares the two; to be
+# tuned on the H200 (PDSERVE_PREFILL_SDPA_MIN_PAIRS overrides it for such a sweep).
+SDPA_MIN_PAIRS = int(os.environ.get("PDSERVE_PREFILL_SDPA_MIN_PAIRS", 1 << 20))
+SDPA_MIN_QUERIES = 128
 
 
 @dataclass(frozen=True)
@@ -57,11 +82,11 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: A
     ctx = get_context()
     if not spec.is_sliding:
         _store_pages(ctx, spec.cache_index, k, v)
-    out = torch.empty_like(q)
     kern = _prefill_kernel() if q.is_cuda else None
     if kern is not None:
-        _flash_chunks(kern, ctx, spec, q, k, v, out)
+        out = _flash_chunks(kern, ctx, spec, q, k, v)
     else:
+        out = torch.empty_like(q)
         for c in ctx.chunks:
             rows = slice(c.token_start, c.token_start + c.num_tokens)
             if spec.is_sliding:
@@ -71,6 +96,7 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: A
             attend = tiled_attend if ctx.numerics.is_deterministic else sdpa_attend
             out[rows] = attend(q[rows], keys, values, c.start_pos, k_pos0, spec.window, spec.scale, ctx.kv.block_size)
     if spec.is_sliding:
+        # NOTE: after the attention: the SDPA path reads the ring's [0, start) before the chunk lands in it.
         for c in ctx.chunks:
             rows = slice(c.token_start, c.token_start + c.num_tokens)
             _store_state(ctx, spec, c, k[rows], v[rows])
@@ -86,29 +112,132 @@ def _prefill_kernel() -> ModuleType | None:
     return prefill_attention
 
 
-# The current step's chunk metadata, built once and read by every layer: (context, tile tokens, meta).
+@dataclass
+class _StepCache:
+    """What every layer of one step reuses: the Triton kernel's chunk metadata per (tile tokens, indices
+    of the chunks it runs) and, per SDPA chunk of a full layer, its page ids on the device."""
+
+    ctx: ForwardContext
+    metas: dict[tuple[int, tuple[int, ...]], Any] = field(default_factory=dict)
+    page_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 # NOTE: holding the context itself (not its id) keeps a later step's context from matching by id reuse.
-_step_meta: tuple[ForwardContext, int, object] | None = None
+_step: _StepCache | None = None
+
+
+def _step_cache(ctx: ForwardContext) -> _StepCache:
+    global _step
+    if _step is None or _step.ctx is not ctx:
+        _step = _StepCache(ctx)
+    return _step
 
 
 def _flash_chunks(
-    kern: ModuleType, ctx: ForwardContext, spec: AttnSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """Every chunk in one launch of kernels/prefill_attention.py, keys read in place."""
-    global _step_meta
-    if not ctx.chunks:
-        return
+    kern: ModuleType, ctx: ForwardContext, spec: AttnSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """The chunks that pay for it through torch's SDPA (`_sdpa_chunk`), the rest in one launch of
+    kernels/prefill_attention.py with keys read in place. Returns [tokens, heads, dim]."""
+    chunks = ctx.chunks
+    fast = [i for i, c in enumerate(chunks) if _takes_sdpa(spec, c)] if _sdpa_usable(ctx, q, k) else []
+    if fast == [0] and len(chunks) == 1 and chunks[0].token_start == 0 and chunks[0].num_tokens == q.shape[0]:
+        return _sdpa_chunk(ctx, spec, chunks[0], 0, q, k, v)  # the whole step: no copy into `out`
+    out = torch.empty_like(q)
+    for i in fast:
+        c = chunks[i]
+        out[c.token_start : c.token_start + c.num_tokens] = _sdpa_chunk(ctx, spec, c, i, q, k, v)
+    rest = tuple(i for i in range(len(chunks)) if i not in fast)
+    if not rest:
+        return out
+    step = _step_cache(ctx)
     tile_tokens = kern.tile_config(q.shape[1], k.shape[1], q.shape[2]).tile_tokens
-    if _step_meta is None or _step_meta[0] is not ctx or _step_meta[1] != tile_tokens:
-        cs = ctx.chunks
+    meta = step.metas.get((tile_tokens, rest))
+    if meta is None:
+        cs = [chunks[i] for i in rest]
         meta = kern.chunk_meta(
             [c.token_start for c in cs], [c.num_tokens for c in cs], [c.start_pos for c in cs],
             [c.block_ids for c in cs], [c.state_slot for c in cs], tile_tokens, ctx.kv.block_size, ctx.kv.device,
         )
-        _step_meta = (ctx, tile_tokens, meta)
+        step.metas[(tile_tokens, rest)] = meta
     cache = ctx.kv.swa if spec.is_sliding else ctx.kv.pages
-    kern.prefill_attention(q, k, v, cache, spec.cache_index, _step_meta[2], spec.scale, spec.window or 0, out=out)
+    kern.prefill_attention(q, k, v, cache, spec.cache_index, meta, spec.scale, spec.window or 0, out=out)
+    return out
+
+
+def _sdpa_usable(ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether this layer may send chunks to SDPA at all. Never in deterministic mode: flash SDPA is
+    neither batch- nor chunk-invariant, and the token-identity checks rely on the Triton kernel's being."""
+    if PREFILL_SDPA == "off" or ctx.numerics.is_deterministic or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return _flash_supports(q.dtype, q.shape[1], k.shape[1], q.shape[2], q.device)
+
+
+def _takes_sdpa(spec: AttnSpec, c: SeqChunk) -> bool:
+    """A chunk large enough to pay; on a sliding layer only while the window covers every key the chunk
+    sees (start + n <= window: sliding is then plain causal)."""
+    if spec.is_sliding and c.end_pos > (spec.window or 0):
+        return False
+    return c.num_tokens >= SDPA_MIN_QUERIES and c.num_tokens * c.end_pos >= SDPA_MIN_PAIRS
+
+
+@cache
+def _flash_supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> bool:
+    """Whether torch's flash kernel takes this head layout (GQA included) on this device. A chunk after a
+    cached prefix needs it: torch runs a lower-right causal mask through flash only, else it would fall
+    back to a dense mask. NOTE: cached, so disabling flash globally later is not seen here."""
+    q = torch.empty((1, num_heads, 2, head_dim), dtype=dtype, device=device)
+    kv = torch.empty((1, num_kv_heads, 4, head_dim), dtype=dtype, device=device)
+    try:
+        params = torch.backends.cuda.SDPAParams(q, kv, kv, None, 0.0, False, num_heads != num_kv_heads)
+        return bool(torch.backends.cuda.can_use_flash_attention(params))
+    except (TypeError, RuntimeError):  # a torch without GQA in SDPAParams, or without flash
+        return False
+
+
+def _sdpa_chunk(
+    ctx: ForwardContext, spec: AttnSpec, c: SeqChunk, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    """One chunk's attention through torch's SDPA, [n, heads, dim]: its visible keys [0, end) contiguous
+    in position order, the queries the last n positions of them.
+
+        keys:    0 ........ start ........ end       causal_lower_right(n, L): query i sees keys
+        queries:            start ........ end       [0, start + i], i.e. the mask's lower-right corner
+    """
+    rows = slice(c.token_start, c.token_start + c.num_tokens)
+    if spec.is_sliding:
+        # end <= window (_takes_sdpa): the ring holds positions [0, start) at their own index, unwrapped.
+        ring = ctx.kv.swa[c.state_slot, spec.cache_index]
+        keys = torch.cat([ring[0, : c.start_pos], k[rows]]) if c.start_pos else k[rows]
+        values = torch.cat([ring[1, : c.start_pos], v[rows]]) if c.start_pos else v[rows]
+    else:
+        keys, values = _gather_pages(ctx, spec.cache_index, c, index)
+    n, num_keys = c.num_tokens, c.end_pos
+    mask = None if n == num_keys else causal_lower_right(n, num_keys)
+    with sdpa_kernel(_SDPA_BACKENDS[PREFILL_SDPA], set_priority=True):
+        out = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=spec.scale,
+            enable_gqa=q.shape[1] != keys.shape[1],
+        )
+    return out[0].transpose(0, 1)
+
+
+def _gather_pages(ctx: ForwardContext, layer: int, c: SeqChunk, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, end) of a full layer, [end, kv_heads, dim] each: the chunk's own
+    were stored in the pages before attention. One gather each; the page ids go to the device once a step."""
+    step = _step_cache(ctx)
+    ids = step.page_ids.get(index)
+    if ids is None:
+        ids = torch.tensor(c.block_ids[: math.ceil(c.end_pos / ctx.kv.block_size)], dtype=torch.long)
+        ids = step.page_ids[index] = ids.to(ctx.kv.device, non_blocking=True)
+    pages = ctx.kv.pages
+    keys = pages[ids, layer, 0].flatten(0, 1)[: c.end_pos]
+    values = pages[ids, layer, 1].flatten(0, 1)[: c.end_pos]
+    return keys, values
 
 
 def _store_pages(ctx: ForwardContext, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
