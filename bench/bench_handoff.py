@@ -12,7 +12,9 @@ receiver verify, ack: `handoff`), the receiver's payload phase with and without 
 pass, and the ratio to the ceiling. Bars (issue 6): the whole tcp handoff at least 70% of the raw
 socket, the whole ipc handoff at least 50% of the device copy (`--json` writes rows and bars).
 Both processes reuse their buffers across repeats (first-touch page faults are not the transport's
-cost); the best of --repeats after one warm-up is reported.
+cost). Each transport's sender keeps its authenticated connection, as a PE does: the first send opens
+it (shown as `new connection` where it happened), the best and the median of the --repeats sends after
+it are reported, with the sender's phases and the receiver's (from its ack) of the best.
 
     python bench/bench_handoff.py                            # 1k, 4k, 8k tokens of llama8b
     python bench/bench_handoff.py --tokens 1024,16384 --layout hybrid8b --repeats 5
@@ -28,6 +30,7 @@ import math
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import struct
 import sys
 import threading
@@ -275,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         loop.close()
     _print(rows)
     for name, sender in senders.items():  # ipc: whether exports went through the arena or per-tensor handles
+        print(f"# {name} sender connections: {sender.counters}")
         if getattr(sender.transport, "counters", None):
             print(f"# {name} sender: {sender.transport.counters}")  # type: ignore[attr-defined]
     checked = bars(rows)
@@ -334,13 +338,21 @@ def measure(
     rows.append(row("export gather", gather_s, "d2d copy" if copy_s else None, copy_s))
     rows.append(row("export gather+hash", gather_hash_s, "d2d copy" if copy_s else None, copy_s))
     for name, sender in senders.items():
-        ack = best(lambda s=sender: _ack(loop, s, addr, pool), repeats)[1]
+        # the first send opens (and authenticates) the sender's connection, which later sends reuse
+        acks = [_ack(loop, sender, addr, pool)[1] for _ in range(repeats + 1)]
+        first, ack = acks[0], min(acks[1:], key=lambda a: a.elapsed_s)
         ceiling, ceiling_s = ("raw tcp socket", raw_s) if name == "tcp" else ("d2d copy", copy_s)
         rows.append(row(f"handoff {name}", ack.elapsed_s, ceiling, ceiling_s))
+        median = statistics.median(a.elapsed_s for a in acks[1:])
+        rows.append(row(f"  handoff {name} (median)", median, ceiling, ceiling_s))
+        if not first.reused:
+            rows.append(row(f"  handoff {name} (new connection)", first.elapsed_s, ceiling, ceiling_s))
         rows.append(row(f"  payload+verify {name}", ack.recv_s + ack.verify_s, ceiling, ceiling_s))
         rows.append(row(f"  payload {name}", ack.recv_s, ceiling, ceiling_s))
         for phase, s in ack.phases.items():  # the sender's, in order: where the fixed costs go
             rows.append(row(f"    sender {phase} {name}", s))
+        for phase, s in ack.receiver_phases.items():  # the receiver's steps, in order
+            rows.append(row(f"    receiver {phase} {name}", s))
     return rows
 
 
@@ -398,7 +410,8 @@ def _print(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'tokens':>7} {'MiB':>7}  {'what':<28} {'ms':>9} {'GB/s':>8}  {'of ceiling':<24}")
     for r in rows:
         frac = f"{r['of_ceiling']:.0%} of {r['ceiling']}" if r["of_ceiling"] else ""
-        gbs = f"{r['bytes'] / r['s'] / GB:>8.2f}" if "sender" not in r["what"] and r["s"] > 0 else " " * 8
+        phase = "sender" in r["what"] or "receiver" in r["what"]
+        gbs = f"{r['bytes'] / r['s'] / GB:>8.2f}" if not phase and r["s"] > 0 else " " * 8
         print(
             f"{r['tokens']:>7} {r['bytes'] / 2**20:>7.0f}  {r['what']:<28} {r['s'] * 1e3:>9.3f} {gbs}  {frac:<24}"
         )

@@ -387,7 +387,7 @@ class StallTransport(TcpTransport):
         super().__init__(config)
         self.pulling = asyncio.Event()
 
-    async def pull(self, ch: Any, header: Any, extra: Any, segments: Any) -> int | None:
+    async def pull(self, ch: Any, header: Any, extra: Any, segments: Any, **kw: Any) -> int | None:
         self.pulling.set()
         await asyncio.sleep(3600)
         return None

@@ -17,6 +17,7 @@ from transfer import auth
 from transfer import checksum as ck
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 from transfer.handoff import (
+    HEADER_VERSION,
     HandoffHeader,
     allocate_payload,
     check_layout,
@@ -202,13 +203,17 @@ def _tamper(h: HandoffHeader, **changes) -> bytes:
 @pytest.mark.parametrize(
     "changes, code",
     [
-        (dict(version=2), VERSION),
+        (dict(version=HEADER_VERSION + 1), VERSION),
+        (dict(version=1), VERSION),  # token ids as a msgpack list
         (dict(block_size=32), BAD_HEADER),  # the sizes no longer add up
         (dict(payload_bytes=1), BAD_HEADER),
         (dict(num_computed=5), BAD_HEADER),
         (dict(checksum=KeyError), BAD_HEADER),
         (dict(extra_field=1), BAD_HEADER),
         (dict(prompt_token_ids=["a"]), BAD_HEADER),
+        (dict(prompt_token_ids=[1, 2, 3]), BAD_HEADER),  # a list, not packed bytes
+        (dict(prompt_token_ids=b"\x01\x00\x00"), BAD_HEADER),  # not whole int32s
+        (dict(prompt_token_ids=b"\xff\xff\xff\xff" * 3), BAD_HEADER),  # -1
         (dict(num_pages="3"), BAD_HEADER),
         (dict(dtype="int4"), BAD_HEADER),
         (dict(params={"max_tokens": 1}), BAD_HEADER),

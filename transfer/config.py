@@ -17,6 +17,9 @@ class TransferConfig:
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 10.0  # receiver: hello to offer; a silent peer is dropped after this
     idle_timeout_s: float = 30.0  # payload: this long without progress fails the handoff
+    # an authenticated connection carries one handoff after another: the receiver closes one idle for
+    # keepalive_s, a sender reuses one only while it has been idle less than half of that
+    keepalive_s: float = 60.0
     chunk_bytes: int = 8 << 20  # TCP: bytes per send/recv call and per pinned staging buffer (x2)
     max_workers: int = 8  # threads for blocking payload I/O, checksums and NCCL/IPC waits
     # ipc sender: a device buffer exported once that exports are gathered into (0: none; every
@@ -28,7 +31,13 @@ class TransferConfig:
         if any(n not in TRANSPORT_NAMES for n in names):
             raise ValueError(f"transports must be among {TRANSPORT_NAMES}, got {names}")
         if (
-            min(self.send_timeout_s, self.connect_timeout_s, self.handshake_timeout_s, self.idle_timeout_s)
+            min(
+                self.send_timeout_s,
+                self.connect_timeout_s,
+                self.handshake_timeout_s,
+                self.idle_timeout_s,
+                self.keepalive_s,
+            )
             <= 0
         ):
             raise ValueError("timeouts must be > 0")

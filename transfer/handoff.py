@@ -12,6 +12,9 @@ such, see checksum.py):
 num_pages = ceil(num_computed / block_size) (0 for a model without full-attention layers); the last
 page's rows past num_computed are whatever the sender had there. The first sampled token(s) and their
 logprobs travel in the header: they are small, typed, and needed before the payload is.
+
+Token ids travel as packed little-endian int32 bytes (header version 2): a 16k-token prompt as a
+msgpack list costs ~0.3 ms to pack and as much to unpack and check, on each side of every handoff.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import dataclasses
 import hashlib
 import json
 import math
+import struct
+import sys
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +39,7 @@ from engine.request import SamplingParams, TokenLogprob
 from transfer.checksum import MASK64, as_words, fold, segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
-HEADER_VERSION = 1
+HEADER_VERSION = 2
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -160,8 +166,8 @@ class HandoffHeader:
     def encode(self) -> bytes:
         p = self.params
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["prompt_token_ids"] = list(self.prompt_token_ids)
-        d["output_token_ids"] = list(self.output_token_ids)
+        d["prompt_token_ids"] = pack_ids(self.prompt_token_ids)
+        d["output_token_ids"] = pack_ids(self.output_token_ids)
         d["params"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(p).items()}
         d["output_logprobs"] = [
             [lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.output_logprobs
@@ -209,11 +215,20 @@ class HandoffHeader:
             raise HandoffError(BAD_HEADER, f"malformed header: {e}") from None
 
 
+def pack_ids(ids: Any) -> bytes:
+    """Token ids as little-endian int32 bytes (struct: one C call for the whole list)."""
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
 def _int_tuple(v: Any) -> tuple[int, ...]:
-    # NOTE: type() is int excludes bool; set(map(type, ...)) runs in C (16k tokens: ~0.2 ms, not ~1 ms)
-    if not isinstance(v, list) or not set(map(type, v)) <= {int}:
-        raise TypeError("token ids must be a list of integers")
-    return tuple(v)
+    if not isinstance(v, bytes) or len(v) % 4:
+        raise TypeError("token ids must be packed int32 bytes")
+    ids = array("i", v)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    if ids and min(ids) < 0:
+        raise ValueError("token ids must be >= 0")
+    return tuple(ids)
 
 
 def _params(d: Any) -> SamplingParams:

@@ -167,11 +167,16 @@ class TorchCudaIpc:
             h["event_handle"], h["event_sync"],
         )  # fmt: skip
 
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
     def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Copy:
         from transfer.checksum_gpu import copy_segment
 
         device = dst[0].device
-        stream = torch.cuda.Stream(device)
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams.setdefault(device, torch.cuda.Stream(device))
         stream.wait_stream(torch.cuda.current_stream(device))  # the buffers' allocation
         with torch.cuda.stream(stream):
             sums: list[torch.Tensor | None] = []
@@ -353,8 +358,15 @@ class IpcTransport(Transport):
         return {}
 
     async def pull(
-        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+        self,
+        ch: Channel,
+        header: HandoffHeader,
+        extra: dict[str, Any],
+        segments: list[torch.Tensor],
+        *,
+        phases: dict[str, float] | None = None,
     ) -> int | None:
+        marks = [time.perf_counter()]
         sizes = [t.numel() * t.element_size() for t in segments]
         if "arena" in extra:
             buf = await self._open_arena(extra["host"], extra["arena"])
@@ -362,13 +374,22 @@ class IpcTransport(Transport):
         else:
             src = await self._open_handles(extra["handles"], segments)
         try:
+            marks.append(time.perf_counter())
             copy = self.backend.copy([_bytes(t) for t in segments], src)
+            marks.append(time.perf_counter())
             deadline = time.monotonic() + self.config.idle_timeout_s
-            if not await asyncio.get_running_loop().run_in_executor(self.executor, _wait, copy, deadline):
+            if not copy.done() and not await asyncio.get_running_loop().run_in_executor(
+                self.executor, _wait, copy, deadline
+            ):
                 raise HandoffError(TIMEOUT, "ipc copy did not finish")
+            marks.append(time.perf_counter())
             sums = copy.segment_sums()
+            marks.append(time.perf_counter())
         finally:
             del src  # per-tensor handles: unmaps the sender's memory once the copy is done
+        if phases is not None:
+            names = ("ipc_open", "ipc_launch", "ipc_wait", "ipc_sums")
+            phases.update({n: b - a for n, a, b in zip(names, marks, marks[1:])})
         return None if sums is None else fold(list(zip(sizes, sums)))
 
     async def _open_handles(

@@ -212,7 +212,13 @@ class NcclTransport(Transport):
         return {}
 
     async def pull(
-        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+        self,
+        ch: Channel,
+        header: HandoffHeader,
+        extra: dict[str, Any],
+        segments: list[torch.Tensor],
+        *,
+        phases: dict[str, float] | None = None,
     ) -> int | None:
         key, uid = extra["comm"], extra.get("uid")
         async with self._in_locks[key]:

@@ -1,6 +1,7 @@
-"""KVReceiver: the CE rank's end of the handoff. One TCP listener; one connection per handoff.
+"""KVReceiver: the CE rank's end of the handoff. One TCP listener; a sender's connection is
+authenticated once and then carries its handoffs one after another (wire.py).
 
-For each connection: authenticate (else refuse and log), read the offer, refuse a header that does not
+For each connection: authenticate (else refuse and log); for each offer on it: read the offer, refuse a header that does not
 match this engine, ask the CE whether it expects the request and where the payload goes (on_handoff),
 receive into those buffers, verify the checksum, and only then hand the sequence over (on_complete).
 The sender is told ack (on_complete returned) or nack with the reason. A payload that is cut short,
@@ -141,12 +142,15 @@ class KVReceiver:
             self._transports[name] = make_transport(name, self.config)
         return self._transports[name]
 
-    # ---- one connection = one handoff ----------------------------------------------------------
+    # ---- a connection: authenticate once, then one handoff after another ----------------------
 
     async def _serve(self, sock: socket.socket, peer: str) -> None:
         ch = Channel(sock, peer)
         try:
-            await self._handle(ch)
+            await self._authenticate(ch)
+            timeout = self.config.handshake_timeout_s  # the first offer comes right after auth_ok
+            while await self._handle(ch, timeout):
+                timeout = self.config.keepalive_s
         except HandoffError as e:
             await ch.nack(e)
         except Exception:
@@ -155,9 +159,7 @@ class KVReceiver:
         finally:
             ch.close()
 
-    async def _handle(self, ch: Channel) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.handshake_timeout_s
+    async def _authenticate(self, ch: Channel) -> None:
         try:
             _, proof = await asyncio.wait_for(
                 server_handshake(ch, self.token), self.config.handshake_timeout_s
@@ -172,24 +174,30 @@ class KVReceiver:
         await ch.send(
             {"t": "auth_ok", "mac": proof, "model": self.model, "layout": layout_fields(self.layout)}
         )
+
+    async def _handle(self, ch: Channel, timeout_s: float) -> bool:
+        """One handoff: False if the sender closed the connection, or sent nothing for timeout_s,
+        before an offer; raises HandoffError (the caller nacks and closes) if the handoff fails."""
         try:
-            header, transport, extra = await asyncio.wait_for(
-                self._read_offer(ch), max(0.0, deadline - loop.time())
-            )
+            msg = await asyncio.wait_for(ch.recv_or_eof(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        if msg is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            header, transport, extra = self._read_offer(ch, msg)
+            t_offer = time.perf_counter()
             segments = await _call(self.on_handoff, header)
             if segments is None:
                 raise HandoffError(UNEXPECTED, f"request {header.request_id!r} is not expected here")
-        except (HandoffError, asyncio.TimeoutError) as e:
-            err = (
-                e
-                if isinstance(e, HandoffError)
-                else HandoffError(TIMEOUT, "no offer within the handshake timeout")
-            )
+        except HandoffError as refused:
             self.counters["refused"] += 1
-            log.warning("refused handoff offer from %s: %s", ch.peer, err)
-            raise err from None
+            log.warning("refused handoff offer from %s: %s", ch.peer, refused)
+            raise
+        phases = {"decode": t_offer - t0, "on_handoff": time.perf_counter() - t_offer}
         try:
-            ack = await self._receive(ch, header, transport, extra, segments)
+            ack = await self._receive(ch, header, transport, extra, segments, phases)
         except BaseException as e:  # incl. cancellation (shutdown): the reservation must be released
             if isinstance(e, HandoffError):
                 err = e
@@ -206,10 +214,14 @@ class KVReceiver:
         self.counters["handoffs"] += 1
         self.counters["bytes"] += header.payload_bytes
         await ch.send(ack)
+        return True
 
-    async def _read_offer(self, ch: Channel) -> tuple[HandoffHeader, Transport, dict[str, Any]]:
+    def _read_offer(
+        self, ch: Channel, msg: dict[str, Any]
+    ) -> tuple[HandoffHeader, Transport, dict[str, Any]]:
         """The offer's header, if it is for this engine, and the transport it asks for."""
-        msg = await ch.expect("offer")
+        if msg["t"] != "offer":
+            raise HandoffError(PROTOCOL, f"expected offer from {ch.peer}, got {msg['t']!r}")
         raw, extra = msg.get("header"), msg.get("extra", {})
         if not isinstance(raw, bytes) or not isinstance(extra, dict):
             raise HandoffError(PROTOCOL, "malformed offer")
@@ -224,14 +236,18 @@ class KVReceiver:
         transport: Transport,
         extra: dict[str, Any],
         segments: list[torch.Tensor],
+        phases: dict[str, float],
     ) -> dict[str, Any]:
-        """Receive, verify, deliver; returns the ack. Nothing reaches on_complete unverified."""
+        """Receive, verify, deliver; returns the ack (with where the receiver's time went, phases).
+        Nothing reaches on_complete unverified."""
         rid = header.request_id
+        t_accept = time.perf_counter()
         check_segments(header, segments)
         reply = await transport.accept(ch, header, extra, segments)
         await ch.send({"t": "ready", **reply})
         t0 = time.perf_counter()
-        checksum = await transport.pull(ch, header, extra, segments)
+        phases["accept"] = t0 - t_accept
+        checksum = await transport.pull(ch, header, extra, segments, phases=phases)
         recv_s = time.perf_counter() - t0
         if checksum is None:  # hash where the bytes are (the GPU for CUDA buffers)
             checksum = await asyncio.get_running_loop().run_in_executor(
@@ -242,16 +258,19 @@ class KVReceiver:
             raise HandoffError(
                 CHECKSUM, f"request {rid!r}: payload checksum {checksum:#x} != header {header.checksum:#x}"
             )
+        t_complete = time.perf_counter()
         try:
             await _call(self.on_complete, header, to_export(header, segments))
         except HandoffError:
             raise
         except Exception as e:
             raise HandoffError(REJECTED, f"request {rid!r} refused after transfer: {e!r}") from e
+        phases["complete"] = time.perf_counter() - t_complete
         return {
             "t": "ack",
             "request_id": rid,
             "payload_bytes": header.payload_bytes,
             "recv_s": recv_s,
             "verify_s": verify_s,
+            "phases": phases,
         }

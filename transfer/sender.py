@@ -1,5 +1,9 @@
 """KVSender: the PE rank's end of the handoff.
 
+Connections are kept: one authenticated connection carries one handoff after another (wire.py), so
+after the first handoff to a receiver a send pays no TCP connect and no handshake. A connection in use
+is not shared (concurrent sends to one receiver open more); a failed handoff closes its connection.
+
 send() returns an Ack only once the receiver has verified the payload and its engine has taken the
 sequence; until then the PE must keep the sequence's KV (and, for ipc, the exported tensors: the
 receiver reads them in place). Every other outcome raises HandoffError: refused (auth, layout,
@@ -15,7 +19,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +28,7 @@ from engine.kv_cache import KVLayout
 from engine.request import TokenLogprob
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig
-from transfer.errors import LAYOUT, PROTOCOL, STALE, TIMEOUT, TRANSPORT, HandoffError
+from transfer.errors import INCOMPLETE, LAYOUT, PROTOCOL, STALE, TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader, check_layout, layout_from_fields, make_header, payload_segments
 from transfer.ipc import IpcTransport
 from transfer.transport import Transport, make_transport
@@ -48,12 +52,32 @@ class Ack:
     ready_wait_s: float = 0.0  # offer sent to ready received (the receiver's checks and buffers)
     push_s: float = 0.0  # the transport's push (tcp: the payload; ipc: nothing)
     ack_wait_s: float = 0.0  # push done to ack received (ipc: the receiver's copy and checks)
+    reused: bool = False  # went over a kept connection (no connect, no handshake)
+    receiver_phases: dict[str, float] = field(default_factory=dict)  # the receiver's steps, by name
 
     @property
     def phases(self) -> dict[str, float]:
         """The sender's phases by name, in order."""
         names = ("checksum_s", "connect_s", "offer_s", "ready_wait_s", "push_s", "ack_wait_s")
         return {n.removesuffix("_s"): getattr(self, n) for n in names}
+
+
+MAX_IDLE_PER_PEER = 8  # kept connections per receiver address
+
+
+@dataclass
+class _Conn:
+    """An authenticated connection to a receiver, and what that receiver said of itself."""
+
+    ch: Channel
+    layout: KVLayout
+    model: str
+    idle_since: float = 0.0
+
+
+class _Stale(Exception):
+    """A kept connection the receiver had closed (it restarted, or idled it out): not the handoff's
+    failure; the send goes again on a fresh connection."""
 
 
 def split_address(addr: str) -> tuple[str, int]:
@@ -82,6 +106,8 @@ class KVSender:
         self.config = config or TransferConfig()
         self.transport = transport or make_transport(self.config.transport, self.config)
         self.sender_id = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self._idle: dict[str, list[_Conn]] = {}  # kept connections by receiver address, last used last
+        self.counters = {"connects": 0, "reuses": 0, "stale": 0}
 
     async def send(
         self,
@@ -106,43 +132,65 @@ class KVSender:
     async def _send(
         self, addr: str, export: SequenceExport, logprobs: tuple[TokenLogprob, ...], t0: float
     ) -> Ack:
-        loop = asyncio.get_running_loop()
         segments = payload_segments(export, self.layout)
-        header = await loop.run_in_executor(
-            self.transport.executor, make_header, export, self.layout, self.model, logprobs
-        )
+        if getattr(export, "pages_sum", None) is not None and not self.layout.num_swa_layers:
+            header = make_header(export, self.layout, self.model, logprobs)  # no hashing left to do
+        else:
+            header = await asyncio.get_running_loop().run_in_executor(
+                self.transport.executor, make_header, export, self.layout, self.model, logprobs
+            )
         checksum_s = time.perf_counter() - t0
-        for attempt in range(2):
+        stale, bootstrap_again = 0, True
+        while True:
             try:
                 async with self.transport.session(addr):
                     return await self._handoff(addr, header, segments, t0, checksum_s)
+            except _Stale:
+                stale += 1  # each kept connection is tried once, then dropped
+                if stale > MAX_IDLE_PER_PEER:
+                    raise HandoffError(
+                        TRANSPORT, f"the receiver at {addr} keeps closing connections"
+                    ) from None
             except HandoffError as e:
-                if e.code != STALE or attempt:
+                if e.code != STALE or not bootstrap_again:
                     raise
+                bootstrap_again = False
                 self.transport.forget(addr)  # the receiver lost our communicator: bootstrap again
-        raise AssertionError("unreachable")
 
     async def _handoff(
         self, addr: str, header: HandoffHeader, segments: list[torch.Tensor], t0: float, checksum_s: float
     ) -> Ack:
         marks = [time.perf_counter()]  # the end of each phase
-        ch = await self._connect(addr)
+        conn, reused = self._kept(addr), True
+        if conn is None:
+            conn, reused = await self._open(addr), False
+        ok = False
         try:
-            ok = await client_handshake(ch, self.token, self.sender_id)
-            theirs = layout_from_fields(ok.get("layout") or {})
             try:
-                check_layout(header, theirs, str(ok.get("model", "")))
+                check_layout(header, conn.layout, conn.model)
             except HandoffError as e:
                 raise HandoffError(
                     LAYOUT, f"the receiver at {addr} serves another engine: {e.message}"
                 ) from None
             marks.append(time.perf_counter())
+            ch = conn.ch
             extra = await self.transport.offer(ch, segments)
-            await ch.send(
-                {"t": "offer", "transport": self.transport.name, "header": header.encode(), "extra": extra}
-            )
-            marks.append(time.perf_counter())
-            ready = await ch.expect("ready")
+            try:
+                await ch.send(
+                    {
+                        "t": "offer",
+                        "transport": self.transport.name,
+                        "header": header.encode(),
+                        "extra": extra,
+                    }
+                )
+                marks.append(time.perf_counter())
+                ready = await ch.expect("ready")
+            except (HandoffError, OSError) as e:
+                if reused and (isinstance(e, OSError) or e.code == INCOMPLETE):
+                    self.counters["stale"] += 1
+                    raise _Stale() from None  # it closed the connection without an answer
+                raise
             marks.append(time.perf_counter())
             await self.transport.push(ch, segments, ready)
             marks.append(time.perf_counter())
@@ -150,23 +198,69 @@ class KVSender:
             marks.append(time.perf_counter())
             if ack.get("request_id") != header.request_id:
                 raise HandoffError(PROTOCOL, f"ack for {ack.get('request_id')!r}, sent {header.request_id!r}")
-            connect_s, offer_s, ready_wait_s, push_s, ack_wait_s = (b - a for a, b in zip(marks, marks[1:]))
-            return Ack(
-                request_id=header.request_id,
-                transport=self.transport.name,
-                payload_bytes=header.payload_bytes,
-                elapsed_s=marks[-1] - t0,
-                checksum_s=checksum_s,
-                recv_s=float(ack.get("recv_s", 0.0)),
-                verify_s=float(ack.get("verify_s", 0.0)),
-                connect_s=connect_s,
-                offer_s=offer_s,
-                ready_wait_s=ready_wait_s,
-                push_s=push_s,
-                ack_wait_s=ack_wait_s,
-            )
+            ok = True
+        except OSError as e:
+            raise HandoffError(TRANSPORT, f"connection to the KV receiver at {addr} failed: {e!r}") from None
         finally:
+            if ok:
+                self._keep(addr, conn)
+            else:
+                conn.ch.close()
+        connect_s, offer_s, ready_wait_s, push_s, ack_wait_s = (b - a for a, b in zip(marks, marks[1:]))
+        phases = ack.get("phases")
+        return Ack(
+            request_id=header.request_id,
+            transport=self.transport.name,
+            payload_bytes=header.payload_bytes,
+            elapsed_s=marks[-1] - t0,
+            checksum_s=checksum_s,
+            recv_s=float(ack.get("recv_s", 0.0)),
+            verify_s=float(ack.get("verify_s", 0.0)),
+            connect_s=connect_s,
+            offer_s=offer_s,
+            ready_wait_s=ready_wait_s,
+            push_s=push_s,
+            ack_wait_s=ack_wait_s,
+            reused=reused,
+            receiver_phases=(
+                {str(k): float(v) for k, v in phases.items() if isinstance(v, (int, float))}
+                if isinstance(phases, dict)
+                else {}
+            ),
+        )
+
+    def _kept(self, addr: str) -> _Conn | None:
+        """The most recently used kept connection to addr that is still good, or None."""
+        idle = self._idle.get(addr, [])
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            fresh = now - conn.idle_since < self.config.keepalive_s / 2
+            if fresh and conn.ch.loop is loop and conn.ch.is_idle_open():
+                self.counters["reuses"] += 1
+                return conn
+            conn.ch.close()
+        return None
+
+    def _keep(self, addr: str, conn: _Conn) -> None:
+        conn.idle_since = time.monotonic()
+        idle = self._idle.setdefault(addr, [])
+        idle.append(conn)
+        while len(idle) > MAX_IDLE_PER_PEER:
+            idle.pop(0).ch.close()
+
+    async def _open(self, addr: str) -> _Conn:
+        """A new connection to addr, authenticated (both ways) and told the receiver's engine."""
+        ch = await self._connect(addr)
+        try:
+            ok = await client_handshake(ch, self.token, self.sender_id)
+            conn = _Conn(ch, layout_from_fields(ok.get("layout") or {}), str(ok.get("model", "")))
+        except BaseException:
             ch.close()
+            raise
+        self.counters["connects"] += 1
+        return conn
 
     async def _connect(self, addr: str) -> Channel:
         host, port = split_address(addr)
@@ -196,4 +290,8 @@ class KVSender:
         return None
 
     def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.ch.close()
+        self._idle.clear()
         self.transport.close()

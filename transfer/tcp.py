@@ -117,7 +117,13 @@ class TcpTransport(Transport):
     # ---- receiver ------------------------------------------------------------------------------
 
     async def pull(
-        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+        self,
+        ch: Channel,
+        header: HandoffHeader,
+        extra: dict[str, Any],
+        segments: list[torch.Tensor],
+        *,
+        phases: dict[str, float] | None = None,
     ) -> int | None:
         if any(t.is_cuda for t in segments):
             await ch.run_blocking(self.executor, self._recv_device, ch.sock, segments)

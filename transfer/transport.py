@@ -68,9 +68,16 @@ class Transport(ABC):
 
     @abstractmethod
     async def pull(
-        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+        self,
+        ch: Channel,
+        header: HandoffHeader,
+        extra: dict[str, Any],
+        segments: list[torch.Tensor],
+        *,
+        phases: dict[str, float] | None = None,
     ) -> int | None:
-        """Fills segments with the payload; returns its checksum if computed on the way, else None."""
+        """Fills segments with the payload; returns its checksum if computed on the way, else None.
+        phases, if given, takes the seconds of the pull's own steps by name (the receiver's ack)."""
 
     def close(self) -> None:
         """Releases what the transport holds (communicators, staging buffers)."""

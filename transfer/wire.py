@@ -4,15 +4,18 @@ that move bulk bytes on the same socket from a worker thread.
 Frame: 4-byte big-endian length, then a msgpack map with a "t" (type) key. Before authentication a
 frame may be at most MAX_PREAUTH_BYTES, so an unauthenticated peer cannot make us buffer much.
 
-Message flow of one handoff (S: KVSender, R: KVReceiver; one connection per handoff):
+Message flow (S: KVSender, R: KVReceiver). A connection is authenticated once, then carries one
+handoff after another; a nack or any failure closes it (both sides), as does R after
+TransferConfig.keepalive_s without an offer, or S when it is done with the peer:
 
     R -> S  hello    {v, nonce}                              (auth.py)
     S -> R  auth     {v, sender, nonce, mac}
     R -> S  auth_ok  {mac, model, layout}       | nack {code: auth}; R logs and closes
+  per handoff:
     S -> R  offer    {transport, header, extra} (S first checks R's model/layout itself)
     R -> S  ready    {...transport fields}      | nack {code, reason}
     S => R  payload  (tcp: raw bytes on this socket; nccl: a NCCL send; ipc: handles in the offer)
-    R -> S  ack      {request_id, payload_bytes, recv_s, verify_s} | nack {code, reason}
+    R -> S  ack      {request_id, payload_bytes, recv_s, verify_s, phases} | nack {code, reason}
 """
 
 from __future__ import annotations
@@ -66,11 +69,37 @@ class Channel:
         self.max_frame_bytes = MAX_PREAUTH_BYTES
         self._loop = asyncio.get_running_loop()
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this channel's socket is used from."""
+        return self._loop
+
     async def send(self, msg: dict[str, Any]) -> None:
         await self._loop.sock_sendall(self.sock, pack(msg))
 
     async def recv(self) -> dict[str, Any]:
-        (n,) = _LEN.unpack(await self._read_exactly(_LEN.size))
+        return await self._recv(await self._read_exactly(_LEN.size))
+
+    async def recv_or_eof(self) -> dict[str, Any] | None:
+        """The next message, or None if the peer closed the connection between messages."""
+        first = await self._loop.sock_recv(self.sock, 1)
+        if not first:
+            return None
+        return await self._recv(first + await self._read_exactly(_LEN.size - 1))
+
+    def is_idle_open(self) -> bool:
+        """Whether the peer has neither closed the connection nor sent anything (checked without
+        waiting): a kept connection is reused only then."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False  # b"": closed; anything else: a message nobody asked for
+
+    async def _recv(self, prefix: bytes) -> dict[str, Any]:
+        (n,) = _LEN.unpack(prefix)
         if n > self.max_frame_bytes:
             raise HandoffError(
                 PROTOCOL, f"control message of {n} bytes from {self.peer} (limit {self.max_frame_bytes})"
