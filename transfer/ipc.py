@@ -100,15 +100,20 @@ def _wait(done: Done, deadline_s: float) -> bool:
 
 
 class _EventCopy:
-    def __init__(self, event: Any, sums: torch.Tensor | None = None) -> None:
+    def __init__(self, event: Any, sums: torch.Tensor | None = None, start: Any = None) -> None:
         self.event = event
         self.sums = sums
+        self.start = start  # a timing event recorded before the copy's launches, if any
 
     def done(self) -> bool:
         return bool(self.event.query())
 
     def segment_sums(self) -> list[int] | None:
         return None if self.sums is None else [int(s) & MASK64 for s in self.sums.tolist()]
+
+    def gpu_s(self) -> float | None:
+        """Once done: the copy's time on the device (its stream's events), if it was timed."""
+        return None if self.start is None else self.start.elapsed_time(self.event) / 1e3
 
 
 class TorchCudaIpc:
@@ -179,6 +184,8 @@ class TorchCudaIpc:
             stream = self._streams.setdefault(device, torch.cuda.Stream(device))
         stream.wait_stream(torch.cuda.current_stream(device))  # the buffers' allocation
         with torch.cuda.stream(stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
             sums: list[torch.Tensor | None] = []
             for d, s in zip(dst, src):
                 summed = copy_segment(d, s) if s.device == d.device else None
@@ -187,9 +194,9 @@ class TorchCudaIpc:
                 sums.append(summed)
             hashed = [s for s in sums if s is not None]
             stacked = torch.stack(hashed) if len(hashed) == len(sums) else None
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
-        return _EventCopy(event, stacked)
+        return _EventCopy(event, stacked, start)
 
     def produced(self, device: torch.device) -> Done:
         event = torch.cuda.Event()
@@ -390,6 +397,9 @@ class IpcTransport(Transport):
         if phases is not None:
             names = ("ipc_open", "ipc_launch", "ipc_wait", "ipc_sums")
             phases.update({n: b - a for n, a, b in zip(names, marks, marks[1:])})
+            gpu_s = getattr(copy, "gpu_s", lambda: None)()
+            if gpu_s is not None:
+                phases["ipc_copy_gpu"] = gpu_s
         return None if sums is None else fold(list(zip(sizes, sums)))
 
     async def _open_handles(
