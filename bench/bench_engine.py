@@ -15,6 +15,11 @@ In one run:
      in time) and the ratio pdserve / transformers.
 One table at the end; everything, environment included, as JSON in --out.
 
+Modes (--modes): default, deterministic, and default mode with its prefill attention pinned, to compare
+the paths in one run: default-triton (every chunk on the Triton kernel), default-sdpa (large chunks
+through torch's flash SDPA), default-cudnn (cuDNN first where torch can run it). Plain `default` runs
+what PDSERVE_PREFILL_SDPA selects (engine/attention.py).
+
 How decode rows start: by default (`--kv-fill skip`) a row's sequences are admitted as if their
 prompt KV had arrived from elsewhere (the engine's import path, without the copy) and transformers'
 static cache is marked filled to the same length: neither side's decode cost depends on the cached
@@ -53,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from engine import attention  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.kv_cache import KVLayout  # noqa: E402
@@ -69,6 +75,17 @@ TINY_DIMS: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=512, max_position_embeddings=2048,
 )
+
+
+# mode -> (deterministic numerics, engine/attention.py PREFILL_SDPA during its rows; None: as the
+# environment set it)
+ENGINE_MODES: dict[str, tuple[bool, str | None]] = {
+    "default": (False, None),
+    "deterministic": (True, None),
+    "default-triton": (False, "off"),
+    "default-sdpa": (False, "flash"),
+    "default-cudnn": (False, "cudnn"),
+}
 
 
 def parse_ints(s: str) -> list[int]:
@@ -321,7 +338,17 @@ def run_engine_mode(folder: Path, facts: ModelFacts, mode: str, grid: dict[str, 
                     args: argparse.Namespace, deadline: Deadline) -> list[dict[str, Any]]:
     """Two engines per model and mode: one whose KV pool holds the decode rows, one with a pool for a
     single long prompt (so the prefill rows keep the memory for their activations)."""
-    is_det = mode == "deterministic"
+    is_det, sdpa = ENGINE_MODES[mode]
+    saved_sdpa = attention.PREFILL_SDPA
+    attention.PREFILL_SDPA = sdpa or saved_sdpa
+    try:
+        return engine_rows(folder, facts, mode, is_det, grid, args, deadline)
+    finally:
+        attention.PREFILL_SDPA = saved_sdpa
+
+
+def engine_rows(folder: Path, facts: ModelFacts, mode: str, is_det: bool, grid: dict[str, list[int]],
+                args: argparse.Namespace, deadline: Deadline) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     if grid["batches"] and grid["contexts"]:
         max_seqs = max(grid["batches"])
@@ -346,7 +373,8 @@ def run_engine_mode(folder: Path, facts: ModelFacts, mode: str, grid: dict[str, 
         max_len = max(grid["prefill"]) + 8
         eng = build_engine(folder, args, is_det, max_len, kv_pool_bytes(facts, args, [(1, max_len)], 2), 1)
         for n in grid["prefill"]:
-            row = {"model": args.model_name, "mode": mode, "kind": "prefill", "tokens": n}
+            row = {"model": args.model_name, "mode": mode, "kind": "prefill", "tokens": n,
+                   "prefill_sdpa": "off" if is_det else attention.PREFILL_SDPA}
             if deadline.left_s() < 5:
                 row["status"] = "skipped: budget"
             else:
@@ -721,7 +749,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--contexts", default="1024,8192")
     p.add_argument("--prefill", default="1024,8192,32768")
-    p.add_argument("--modes", default="default,deterministic")
+    p.add_argument("--modes", default="default,deterministic", help=f"of {', '.join(ENGINE_MODES)}")
     p.add_argument("--det-batches", default="1,8", help="deterministic mode's decode batches (its attention is slow)")
     p.add_argument("--det-contexts", default="1024")
     p.add_argument("--det-prefill", default="1024")
@@ -746,6 +774,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="toy dims and grid: a CPU smoke test")
     p.add_argument("--merge", nargs="+", default=None, help="print one table from these result JSON files")
     args = p.parse_args(argv)
+    unknown = [m for m in args.modes.split(",") if m and m not in ENGINE_MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}: choose from {', '.join(ENGINE_MODES)}")
     if args.tiny:
         for k, v in dict(batches="1,4", contexts="48,160", prefill="64,256", det_batches="1,4", det_contexts="48",
                          det_prefill="64", steps=3, chunk=128, block_size=16, prefill_reps=1, row_cap_s=10.0).items():
@@ -793,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{len(arch.full_layers)} full + {len(arch.sliding_layers)} sliding layers", flush=True)
             model_rows: list[dict[str, Any]] = []
             for mode in modes:
-                is_det = mode == "deterministic"
+                is_det = ENGINE_MODES[mode][0]
                 grid = {
                     "batches": parse_ints(args.det_batches if is_det else args.batches),
                     "contexts": parse_ints(args.det_contexts if is_det else args.contexts),
