@@ -34,6 +34,9 @@ MAX_SPLITS = 16  # splits of one sequence's keys, at most
 MIN_SPLIT_TOKENS = 128  # a split gets at least this many keys (fewer splits for short contexts)
 BLOCK_N = 64  # keys per tile
 NUM_WARPS, NUM_STAGES = 4, 2  # the split kernel's launch (bench/bench_decode_attn.py sweeps these)
+# A tile of keys inside one page (or ring) reads its page id once and addresses its rows from that one
+# base; off: the page id is looked up per key (any BLOCK_N). Used only where BLOCK_N divides the page.
+PAGE_TILES = True
 
 
 @triton.jit
@@ -65,7 +68,7 @@ def _decode_split_kernel(
     UNIT_TOKENS: tl.constexpr,  # tokens per page (block_size) or per ring (window)
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    HAS_NEW: tl.constexpr,
+    HAS_NEW: tl.constexpr, PAGE_TILE: tl.constexpr,  # BLOCK_N divides UNIT_TOKENS: a tile is in one unit
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -99,13 +102,21 @@ def _decode_split_kernel(
         for j0 in range(start, end, BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            if WINDOW > 0:
-                unit = tl.load(row + offs_n * 0, mask=mask_n, other=0)
+            if PAGE_TILE:  # split starts and tiles are multiples of BLOCK_N, which divides the unit
+                unit0 = tl.load(row + j0 // UNIT_TOKENS).to(tl.int64)
+                tile = KV + (unit0 * stride_unit + (j0 % UNIT_TOKENS) * stride_tok + kvh * stride_head)
+                base = tl.arange(0, BLOCK_N) * stride_tok
+                kv_mask = mask_n[:, None] & mask_d[None, :]
+                k = tl.load(tile + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             else:
-                unit = tl.load(row + offs_n // UNIT_TOKENS, mask=mask_n, other=0)
-            base = unit.to(tl.int64) * stride_unit + (offs_n % UNIT_TOKENS) * stride_tok + kvh * stride_head
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(KV + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+                if WINDOW > 0:
+                    unit = tl.load(row + offs_n * 0, mask=mask_n, other=0)
+                else:
+                    unit = tl.load(row + offs_n // UNIT_TOKENS, mask=mask_n, other=0)
+                tile = KV
+                base = unit.to(tl.int64) * stride_unit + (offs_n % UNIT_TOKENS) * stride_tok + kvh * stride_head
+                kv_mask = mask_n[:, None] & mask_d[None, :]
+                k = tl.load(KV + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             if HAS_NEW:
                 k = tl.where((offs_n == j_new)[:, None], k_new[None, :], k)
             if IEEE:
@@ -117,7 +128,7 @@ def _decode_split_kernel(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(KV + stride_kv + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(tile + stride_kv + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             if HAS_NEW:
                 v = tl.where((offs_n == j_new)[:, None], v_new[None, :], v)
             if IEEE:
@@ -226,7 +237,8 @@ def paged_decode_attention(
         WINDOW=window, UNIT_TOKENS=kv.shape[2],
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=MIN_SPLIT_TOKENS, IEEE=q.dtype == torch.float32,
-        HAS_NEW=has_new, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        HAS_NEW=has_new, PAGE_TILE=PAGE_TILES and kv.shape[2] % BLOCK_N == 0,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         acc, ml, context_lens, out,

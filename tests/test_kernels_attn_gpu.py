@@ -84,10 +84,11 @@ def _paged_setup(gen: torch.Generator, ctx_lens: list[int], block_size: int, kv_
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 8, 64), (32, 8, 128), (16, 2, 128), (4, 1, 80)])
-def test_paged_decode_matches_reference(heads: int, kv_heads: int, dim: int) -> None:
-    gen = _gen("paged", heads, kv_heads, dim)
-    block_size = 16
-    ctx_lens = [1, 16, 17, 300, 0, 1 + 2100 * SCALE_CTX, 33]  # one page, a full page, partial, splits, padded
+@pytest.mark.parametrize("block_size", [16, 64, 128])  # 64, 128: tiles inside one page (PAGE_TILES)
+def test_paged_decode_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int) -> None:
+    gen = _gen("paged", heads, kv_heads, dim, block_size)
+    # one page, a full page, partial, splits, padded
+    ctx_lens = [1, block_size, block_size + 1, 300, 0, 1 + 2100 * SCALE_CTX, 33]
     cache, table = _paged_setup(gen, ctx_lens, block_size, kv_heads, dim)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
     q = _rand(gen, len(ctx_lens), heads, dim)
@@ -102,10 +103,12 @@ def test_paged_decode_matches_reference(heads: int, kv_heads: int, dim: int) -> 
 
 
 @pytest.mark.parametrize("fill", ["partial", "full", "wrapped"])
-def test_ring_decode_matches_reference(fill: str) -> None:
-    gen = _gen("ring", fill)
-    heads, kv_heads, dim, window, slots = 8, 2, 64, 48, 6
-    ctx_lens = {"partial": [1, 5, 47], "full": [48, 48, 48], "wrapped": [49, 96, 130]}[fill] + [0]
+@pytest.mark.parametrize("window", [48, 128])  # 128: tiles inside the ring (PAGE_TILES)
+def test_ring_decode_matches_reference(fill: str, window: int) -> None:
+    gen = _gen("ring", fill, window)
+    heads, kv_heads, dim, slots = 8, 2, 64, 6
+    w = window
+    ctx_lens = {"partial": [1, 5, w - 1], "full": [w, w, w], "wrapped": [w + 1, 2 * w, 2 * w + 34]}[fill] + [0]
     ring = _rand(gen, slots, 3, 2, window, kv_heads, dim)
     for b, n in enumerate(ctx_lens):  # indices a sequence has not written yet are NaN
         if 0 < n < window:
@@ -182,13 +185,13 @@ def test_decode_bandwidth_report() -> None:
         print(f"decode attention b={batch} ctx={n}: {ms * 1e3:.1f} us, {kv_bytes / ms / 1e6:,.0f} GB/s of KV read")
 
 
-@pytest.mark.parametrize("window", [0, 48])
-def test_attention_stores_the_new_token(window: int) -> None:
+@pytest.mark.parametrize("window,block_size", [(0, 16), (48, 16), (0, 128), (128, 16)])
+def test_attention_stores_the_new_token(window: int, block_size: int) -> None:
     """With k_new/v_new the kernel stores them (the cache's entry there was stale: NaN) and attends with
     them: the same output as storing first with store_decode_kv, and the same cache afterwards."""
-    gen = _gen("fused-store", window)
-    heads, kv_heads, dim, block_size = 8, 2, 64, 16
-    ctx_lens = [1, 17, 300, 0, 49, 96] if window else [1, 17, 300, 0, 33, 160]
+    gen = _gen("fused-store", window, block_size)
+    heads, kv_heads, dim = 8, 2, 64
+    ctx_lens = [1, 17, 300, 0, window + 1, 2 * window] if window else [1, 17, 300, 0, 33, 160]
     if window:
         cache = _rand(gen, len(ctx_lens) + 1, 2, 2, window, kv_heads, dim)
         table = torch.arange(1, len(ctx_lens) + 1, dtype=torch.int32, device=DEVICE).view(-1, 1)
