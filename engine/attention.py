@@ -204,11 +204,12 @@ def _sdpa_chunk(
         queries:            start ........ end       [0, start + i], i.e. the mask's lower-right corner
     """
     rows = slice(c.token_start, c.token_start + c.num_tokens)
-    if spec.is_sliding:
+    if c.start_pos == 0:  # nothing cached: the chunk's own keys are all it sees
+        keys, values = k[rows], v[rows]
+    elif spec.is_sliding:
         # end <= window (_takes_sdpa): the ring holds positions [0, start) at their own index, unwrapped.
         ring = ctx.kv.swa[c.state_slot, spec.cache_index]
-        keys = torch.cat([ring[0, : c.start_pos], k[rows]]) if c.start_pos else k[rows]
-        values = torch.cat([ring[1, : c.start_pos], v[rows]]) if c.start_pos else v[rows]
+        keys, values = torch.cat([ring[0, : c.start_pos], k[rows]]), torch.cat([ring[1, : c.start_pos], v[rows]])
     else:
         keys, values = _gather_pages(ctx, spec.cache_index, c, index)
     n, num_keys = c.num_tokens, c.end_pos
