@@ -238,13 +238,16 @@ def test_default_threshold_skips_small_chunks(monkeypatch: pytest.MonkeyPatch, p
 
 
 @pytest.mark.parametrize("family,plan", [("llama", [40, 37, 50]), ("gemma3_hybrid", [10, 14, 40])])
-def test_engine_prefill_logits(tiny_model_dir, paths: Paths, family: str, plan: list[int]) -> None:
+@pytest.mark.parametrize("setting", ["flash", "cudnn"])
+def test_engine_prefill_logits(tiny_model_dir, paths: Paths, family: str, plan: list[int], setting: str) -> None:
     """A tiny bf16 model's last-position logits, prompts prefilled in chunks (two sequences, one step
-    each chunk): the SDPA path against the kernel path. gemma3_hybrid (window 24): its first two chunks
-    take SDPA on the sliding layers too, the third does not."""
+    each chunk): the SDPA path against the kernel path, with q/k/v as the model hands them (strided
+    views of one fused projection). gemma3_hybrid (window 24): its first two chunks take SDPA on the
+    sliding layers too, the third does not."""
     eng = small_engine(tiny_model_dir(family), device="cuda", dtype="bfloat16", hicache_gb=0.1)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (sum(plan),), generator=gen).tolist() for _ in range(2)]
+    attention.PREFILL_SDPA = setting
     fast = prompt_logits(eng, prompts, [plan, plan])
     assert paths.sdpa
     attention.PREFILL_SDPA = "off"
