@@ -139,6 +139,8 @@ def _flash_chunks(
     """The chunks that pay for it through torch's SDPA (`_sdpa_chunk`), the rest in one launch of
     kernels/prefill_attention.py with keys read in place. Returns [tokens, heads, dim]."""
     chunks = ctx.chunks
+    if not chunks:
+        return torch.empty_like(q)
     fast = [i for i, c in enumerate(chunks) if _takes_sdpa(spec, c)] if _sdpa_usable(ctx, q, k) else []
     if fast == [0] and len(chunks) == 1 and chunks[0].token_start == 0 and chunks[0].num_tokens == q.shape[0]:
         return _sdpa_chunk(ctx, spec, chunks[0], 0, q, k, v)  # the whole step: no copy into `out`
