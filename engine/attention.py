@@ -72,8 +72,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     if dec is None:
         return chunked_attention(q, k, v, spec)
     n = q.shape[0] - dec.num_rows
+    ctx = get_context()
     out = decode_attention(q[n:], k[n:], v[n:], spec.is_sliding, spec.cache_index, spec.window, spec.scale,
-                           get_context().kv, dec)
+                           ctx.kv, dec, batch_invariant=ctx.numerics.is_deterministic)
     return out if n == 0 else torch.cat([chunked_attention(q[:n], k[:n], v[:n], spec), out])
 
 

@@ -102,14 +102,22 @@ class DecodeInputs:
         return self.meta(padded_rows)
 
 
+# Default mode: from this many rows (the step's padded batch) the attention takes the kernel's wide
+# splits. Deterministic mode never does: a row's splits must not depend on its batch.
+WIDE_SPLIT_ROWS = 32
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_sliding: bool, cache_index: int,
-                     window: int | None, scale: float, kv: KVCache, meta: DecodeMeta) -> torch.Tensor:
+                     window: int | None, scale: float, kv: KVCache, meta: DecodeMeta,
+                     batch_invariant: bool = True) -> torch.Tensor:
     """Stores the rows' new K/V and attends over each row's cached keys, in one kernel pass. q: [rows, heads, dim]."""
-    from kernels.decode_attention import paged_decode_attention
+    from kernels.decode_attention import WIDE_SPLIT_TOKENS, paged_decode_attention
 
     if is_sliding:
         assert window is not None
         cache, table, ring = kv.swa, meta.state_slots, window
     else:
         cache, table, ring = kv.pages, meta.block_table, 0
-    return paged_decode_attention(q, cache, cache_index, table, meta.context_lens, scale, window=ring, k_new=k, v_new=v)
+    wide = not batch_invariant and meta.num_rows >= WIDE_SPLIT_ROWS
+    return paged_decode_attention(q, cache, cache_index, table, meta.context_lens, scale, window=ring, k_new=k, v_new=v,
+                                  min_split=WIDE_SPLIT_TOKENS if wide else None)

@@ -85,7 +85,9 @@ def _paged_setup(gen: torch.Generator, ctx_lens: list[int], block_size: int, kv_
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 8, 64), (32, 8, 128), (16, 2, 128), (4, 1, 80)])
 @pytest.mark.parametrize("block_size", [16, 64, 128])  # 64, 128: tiles inside one page (PAGE_TILES)
-def test_paged_decode_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int) -> None:
+@pytest.mark.parametrize("min_split", [None, 256])  # 256: the wide splits of a large default-mode batch
+def test_paged_decode_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int,
+                                        min_split: int | None) -> None:
     gen = _gen("paged", heads, kv_heads, dim, block_size)
     # one page, a full page, partial, splits, padded
     ctx_lens = [1, block_size, block_size + 1, 300, 0, 1 + 2100 * SCALE_CTX, 33]
@@ -95,11 +97,21 @@ def test_paged_decode_matches_reference(heads: int, kv_heads: int, dim: int, blo
     scale = dim**-0.5
     for layer in (0, 1):
         out = torch.full_like(q, float("nan"))
-        paged_decode_attention(q, cache, layer, table, ctx, scale, out=out)
+        paged_decode_attention(q, cache, layer, table, ctx, scale, out=out, min_split=min_split)
         ref = reference(q, cache, layer, table.cpu(), ctx.cpu(), scale, 0)
         assert not out.isnan().any(), "an output element was not written (or a NaN key was read)"
         assert torch.equal(out[4].cpu(), torch.zeros_like(out[4].cpu())), "a padded row must come out as zeros"
         assert _rel_err(out, ref) < TOL, _rel_err(out, ref)
+
+
+def test_min_split_must_be_whole_tiles() -> None:
+    from kernels.decode_attention import BLOCK_N
+
+    q = torch.zeros(1, 4, 64, device=DEVICE, dtype=DTYPE)
+    cache = torch.zeros(2, 1, 2, 16, 1, 64, device=DEVICE, dtype=DTYPE)
+    one = torch.ones(1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="min_split"):
+        paged_decode_attention(q, cache, 0, one, one.view(1), 1.0, min_split=BLOCK_N + 1)
 
 
 @pytest.mark.parametrize("fill", ["partial", "full", "wrapped"])

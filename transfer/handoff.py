@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from engine.engine import SequenceExport
@@ -221,14 +222,16 @@ def pack_ids(ids: Any) -> bytes:
 
 
 def _int_tuple(v: Any) -> tuple[int, ...]:
+    # NOTE: checked and converted in C (numpy's min, array.tolist): min() or tuple() over the array
+    # iterate in Python, ~0.4 ms each for 16k tokens
     if not isinstance(v, bytes) or len(v) % 4:
         raise TypeError("token ids must be packed int32 bytes")
+    if v and int(np.frombuffer(v, dtype="<i4").min()) < 0:
+        raise ValueError("token ids must be >= 0")
     ids = array("i", v)
     if sys.byteorder != "little":
         ids.byteswap()
-    if ids and min(ids) < 0:
-        raise ValueError("token ids must be >= 0")
-    return tuple(ids)
+    return tuple(ids.tolist())
 
 
 def _params(d: Any) -> SamplingParams:
