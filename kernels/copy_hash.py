@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 MAX_BLOCK_WORDS = 2048  # 16 KiB per step of a program
+NUM_WARPS = 8
 
 
 @cache
@@ -100,6 +101,6 @@ def copy_hash(
         src, page_ids if paged else src, dst if dst is not None else src, keys, sums,
         num_words, max(page_words, 1), page_ids.numel() if page_ids is not None else 1,
         CHUNK=chunk_words, BLOCK=block, MUL=mul, PAGED=paged,
-        PAGE_STEPS=paged and page_words % block == 0, WRITE=dst is not None, num_warps=8,
+        PAGE_STEPS=paged and page_words % block == 0, WRITE=dst is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     return sums
