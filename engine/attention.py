@@ -3,9 +3,12 @@
 `paged_attention` stores the step's new K/V and attends. On CUDA (with Triton) every chunk of the
 step runs in one launch of kernels/prefill_attention.py, which reads keys in place from the pages and
 rings; it is batch- and chunk-invariant by construction, so default and deterministic mode share it.
-In default mode only, a chunk whose attention is large (SDPA_MIN_PAIRS) goes through torch's flash
-SDPA instead (`_sdpa_chunk`: its keys gathered contiguous, causal aligned to the lower right), faster
-at long contexts; the other chunks of the step still run in one Triton launch.
+In default mode only, and only when asked for (PDSERVE_PREFILL_SDPA=flash|cudnn), a chunk whose
+attention is large (SDPA_MIN_PAIRS) goes through torch's SDPA instead (`_sdpa_chunk`: its keys gathered
+contiguous, causal aligned to the lower right); the other chunks of the step still run in one Triton
+launch. Off by default: on the H200 it was no faster end to end (llama8b 32k prefill 1,576 ms against the
+Triton kernel's 1,545; the kernel alone is 9% slower than flash on a late 8k chunk, the key gather
+costs about as much).
 Elsewhere each sequence's visible keys are gathered in position order and handed to a backend:
 
 - `sdpa_attend`: torch's scaled_dot_product_attention with an explicit mask (default mode).
@@ -35,11 +38,11 @@ from engine.decode import decode_attention
 
 QUERY_TILE = 16
 
-# The SDPA prefill path (default mode, CUDA): "flash" (also "1"), "cudnn" (cuDNN first for a chunk with
-# no cached prefix, where torch can run it; flash otherwise) or "off" (also "0": every chunk on the
-# Triton kernel). Read at every layer, so a benchmark can flip it between runs of one process.
+# The SDPA prefill path (default mode, CUDA): "off" (also "0", the default: every chunk on the Triton
+# kernel), "flash" (also "1") or "cudnn" (cuDNN first for a chunk with no cached prefix, where torch
+# can run it; flash otherwise). Read at every layer, so a benchmark can flip it between runs of one process.
 _SDPA_SETTINGS = {"0": "off", "1": "flash", "off": "off", "flash": "flash", "cudnn": "cudnn"}
-PREFILL_SDPA = _SDPA_SETTINGS.get(os.environ.get("PDSERVE_PREFILL_SDPA", "flash").lower(), "invalid")
+PREFILL_SDPA = _SDPA_SETTINGS.get(os.environ.get("PDSERVE_PREFILL_SDPA", "off").lower(), "invalid")
 if PREFILL_SDPA == "invalid":
     raise ValueError(f"PDSERVE_PREFILL_SDPA must be one of {sorted(_SDPA_SETTINGS)}")
 _SDPA_BACKENDS = {
