@@ -14,7 +14,9 @@ page's rows past num_computed are whatever the sender had there. The first sampl
 logprobs travel in the header: they are small, typed, and needed before the payload is.
 
 Token ids travel as packed little-endian int32 bytes (header version 2): a 16k-token prompt as a
-msgpack list costs ~0.3 ms to pack and as much to unpack and check, on each side of every handoff.
+msgpack list costs ~0.3 ms to pack and as much to unpack and check, on each side of every handoff. A
+decoded header keeps the prompt's ids packed (PackedIds: checked at once, unpacked on first use), so
+the receiver turns them into Python ints while the payload moves, not before it starts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import struct
 import sys
 from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +87,7 @@ class HandoffHeader:
     construction (__post_init__ checks the derived sizes), so a receiver can size buffers from it."""
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]  # a tuple, or PackedIds in a decoded header
     output_token_ids: tuple[int, ...]  # the first sampled token (maybe more)
     num_computed: int  # tokens whose KV is in the payload: all but the last
     params: SamplingParams
@@ -167,7 +170,8 @@ class HandoffHeader:
     def encode(self) -> bytes:
         p = self.params
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["prompt_token_ids"] = pack_ids(self.prompt_token_ids)
+        ids = self.prompt_token_ids
+        d["prompt_token_ids"] = ids.raw if isinstance(ids, PackedIds) else pack_ids(ids)
         d["output_token_ids"] = pack_ids(self.output_token_ids)
         d["params"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(p).items()}
         d["output_logprobs"] = [
@@ -196,7 +200,7 @@ class HandoffHeader:
             )
         try:
             kw = {k: v for k, v in d.items()}
-            kw["prompt_token_ids"] = _int_tuple(d["prompt_token_ids"])
+            kw["prompt_token_ids"] = PackedIds(d["prompt_token_ids"])
             kw["output_token_ids"] = _int_tuple(d["output_token_ids"])
             kw["params"] = _params(d["params"])
             kw["output_logprobs"] = tuple(
@@ -219,6 +223,46 @@ class HandoffHeader:
 def pack_ids(ids: Any) -> bytes:
     """Token ids as little-endian int32 bytes (struct: one C call for the whole list)."""
     return struct.pack(f"<{len(ids)}i", *ids)
+
+
+class PackedIds(Sequence[int]):
+    """Token ids as they arrived: packed int32 bytes, checked (whole words, none negative) when made,
+    unpacked into a tuple on first use. Equal to any sequence of the same ids."""
+
+    __slots__ = ("raw", "_ids")
+
+    def __init__(self, raw: Any) -> None:
+        if not isinstance(raw, bytes) or len(raw) % 4:
+            raise TypeError("token ids must be packed int32 bytes")
+        if raw and int(np.frombuffer(raw, dtype="<i4").min()) < 0:
+            raise ValueError("token ids must be >= 0")
+        self.raw = raw
+        self._ids: tuple[int, ...] | None = None
+
+    def unpacked(self) -> tuple[int, ...]:
+        if self._ids is None:
+            self._ids = _int_tuple(self.raw)
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self.raw) // 4
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.unpacked()[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.unpacked())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedIds):
+            return self.raw == other.raw
+        return self.unpacked() == tuple(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.unpacked())
+
+    def __repr__(self) -> str:
+        return f"PackedIds({len(self)} ids)"
 
 
 def _int_tuple(v: Any) -> tuple[int, ...]:
@@ -365,9 +409,10 @@ def check_segments(header: HandoffHeader, segments: list[torch.Tensor]) -> None:
 
 def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceExport:
     """The SequenceExport a verified payload stands for (receiver side)."""
+    ids = header.prompt_token_ids
     export = SequenceExport(
         request_id=header.request_id,
-        prompt_token_ids=list(header.prompt_token_ids),
+        prompt_token_ids=list(ids.unpacked() if isinstance(ids, PackedIds) else ids),
         output_token_ids=list(header.output_token_ids),
         num_computed=header.num_computed,
         params=header.params,

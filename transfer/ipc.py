@@ -90,8 +90,14 @@ class IpcBackend(Protocol):
 
 
 def _wait(done: Done, deadline_s: float) -> bool:
-    """Polls done in a worker thread (an asyncio sleep on the loop lasts a millisecond at least, as long
-    as the copy of a long sequence itself); False once time.monotonic() passes deadline_s."""
+    """Waits for done in a worker thread (an asyncio sleep on the loop lasts a millisecond at least, as
+    long as the copy of a long sequence itself); False once time.monotonic() passes deadline_s. A CUDA
+    event is waited for by CUDA itself (GIL released): it returns as the copy ends, where polling
+    overshot by a sleep step (~0.1 ms); the caller bounds that wait with its own timeout."""
+    synchronize = getattr(done, "synchronize", None)
+    if synchronize is not None:
+        synchronize()
+        return True
     while not done.done():
         if time.monotonic() > deadline_s:
             return False
@@ -107,6 +113,9 @@ class _EventCopy:
 
     def done(self) -> bool:
         return bool(self.event.query())
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
 
     def segment_sums(self) -> list[int] | None:
         return None if self.sums is None else [int(s) & MASK64 for s in self.sums.tolist()]
@@ -283,6 +292,7 @@ class ExportArena:
 
 class IpcTransport(Transport):
     name = "ipc"
+    reads_in_place = True
 
     def __init__(self, config: TransferConfig, backend: IpcBackend | None = None) -> None:
         super().__init__(config)
@@ -335,10 +345,8 @@ class IpcTransport(Transport):
             self.counters["handle_offers"] += 1
             return {"host": self._host, "handles": [self.backend.export(t) for t in segments]}
         done = self.backend.produced(segments[0].device)
-        if not done.done():
-            deadline = time.monotonic() + self.config.idle_timeout_s
-            if not await asyncio.get_running_loop().run_in_executor(self.executor, _wait, done, deadline):
-                raise HandoffError(TIMEOUT, "the export was not written in time")
+        if not done.done() and not await self._wait(done):
+            raise HandoffError(TIMEOUT, "the export was not written in time")
         self.counters["arena_offers"] += 1
         return {
             "host": self._host,
@@ -348,6 +356,17 @@ class IpcTransport(Transport):
 
     async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
         """Nothing to move: the receiver reads the tensors in place (and acks when it has)."""
+
+    async def _wait(self, done: Done) -> bool:
+        """done, waited for in a worker thread, at most idle_timeout_s."""
+        timeout = self.config.idle_timeout_s
+        fut = asyncio.get_running_loop().run_in_executor(
+            self.executor, _wait, done, time.monotonic() + timeout
+        )
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            return False
 
     # ---- receiver side -------------------------------------------------------------------------
 
@@ -384,10 +403,7 @@ class IpcTransport(Transport):
             marks.append(time.perf_counter())
             copy = self.backend.copy([_bytes(t) for t in segments], src)
             marks.append(time.perf_counter())
-            deadline = time.monotonic() + self.config.idle_timeout_s
-            if not copy.done() and not await asyncio.get_running_loop().run_in_executor(
-                self.executor, _wait, copy, deadline
-            ):
+            if not copy.done() and not await self._wait(copy):
                 raise HandoffError(TIMEOUT, "ipc copy did not finish")
             marks.append(time.perf_counter())
             sums = copy.segment_sums()

@@ -244,10 +244,22 @@ class KVReceiver:
         t_accept = time.perf_counter()
         check_segments(header, segments)
         reply = await transport.accept(ch, header, extra, segments)
-        await ch.send({"t": "ready", **reply})
         t0 = time.perf_counter()
         phases["accept"] = t0 - t_accept
-        checksum = await transport.pull(ch, header, extra, segments, phases=phases)
+        if not transport.reads_in_place:
+            await ch.send({"t": "ready", **reply})
+        pulling = asyncio.ensure_future(transport.pull(ch, header, extra, segments, phases=phases))
+        try:
+            await asyncio.sleep(0)  # the pull starts: ipc launches its copy before anything below
+            if transport.reads_in_place:  # the sender waits for nothing before the payload
+                await ch.send({"t": "ready", **reply})
+            export = to_export(header, segments)  # token ids unpacked while the payload moves
+            checksum = await pulling
+        finally:
+            if not pulling.done():
+                pulling.cancel()
+                with suppress(BaseException):
+                    await pulling
         recv_s = time.perf_counter() - t0
         if checksum is None:  # hash where the bytes are (the GPU for CUDA buffers)
             checksum = await asyncio.get_running_loop().run_in_executor(
@@ -260,7 +272,7 @@ class KVReceiver:
             )
         t_complete = time.perf_counter()
         try:
-            await _call(self.on_complete, header, to_export(header, segments))
+            await _call(self.on_complete, header, export)
         except HandoffError:
             raise
         except Exception as e:

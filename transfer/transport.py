@@ -34,6 +34,9 @@ _REGISTRY: dict[str, str] = {
 
 class Transport(ABC):
     name: ClassVar[str]
+    # The receiver reads the payload where the sender keeps it (ipc): its pull starts before the
+    # ready goes out, since the sender sends nothing after it.
+    reads_in_place: ClassVar[bool] = False
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
