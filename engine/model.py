@@ -152,6 +152,7 @@ class MLP(nn.Module):
         else:
             raise ValueError(f"unsupported activation {act!r}")
         self.is_silu = act == "silu"
+        self.fused_act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
         self.gate_up_proj: nn.Linear | None = None
 
     def fuse_projections(self) -> None:
@@ -163,8 +164,8 @@ class MLP(nn.Module):
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up_proj(x)
         ops = fused_ops_for(x)
-        if ops is not None and self.is_silu:
-            return self.down_proj(ops.silu_mul(gate_up))
+        if ops is not None and self.fused_act is not None:
+            return self.down_proj(ops.silu_mul(gate_up, self.fused_act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -207,24 +208,43 @@ class DecoderLayer(nn.Module):
         return rowwise(self._post, x, attn.flatten(1))
 
     def forward_chained(
-        self, ops: ModuleType, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() with the residual adds moved into the norms that follow them (CUDA kernels, no
-        sandwich norms): x is the residual stream without the previous layer's MLP output `pending`
-        (None for the first layer); returns (x + attention, this layer's MLP output), whose add the
-        next layer's input norm (or the final norm) does. The same roundings as forward(): each add is
-        rounded to the dtype before it is normed, so the result is bit-identical, one launch fewer."""
+        self, ops: ModuleType, x: torch.Tensor, pending: Pending | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, Pending]:
+        """forward() with the residual adds moved into the norms that follow them (CUDA kernels): x is
+        the residual stream without the previous layer's MLP output (`pending`: that output, and for
+        sandwich norms the output norm it still needs; None for the first layer); returns
+        (x + attention, this layer's pending MLP output), whose add the next layer's input norm (or
+        the final norm) does. The same roundings as forward(): each add (and each sandwich output norm)
+        is rounded to the dtype before it is normed, so the result is bit-identical, with fewer launches."""
         a, norm = self.self_attn, self.input_layernorm
         if pending is None:
             normed = norm(x)
         else:
-            x, normed = ops.add_rms_norm(x, pending, norm.weight, norm.eps, norm.is_gemma)
+            x, normed = pending.add_norm(ops, x, norm)
         qkv = rowwise(a.qkv, normed, cos, sin)
         q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
         h = rowwise(a.o_proj, paged_attention(q, k, v, self.spec).flatten(1))
+        if self.is_sandwich:
+            x, normed = ops.add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, norm.eps, norm.is_gemma,
+                                         h_weight=self.post_attention_layernorm.weight)
+            return x, Pending(rowwise(self.mlp, normed), self.post_feedforward_layernorm)
         norm = self.post_attention_layernorm
         x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
-        return x, rowwise(self.mlp, normed)
+        return x, Pending(rowwise(self.mlp, normed), None)
+
+
+class Pending:
+    """A layer's MLP output not yet added to the residual stream (DecoderLayer.forward_chained), with
+    the sandwich output norm it gets first (None without sandwich norms)."""
+
+    def __init__(self, out: torch.Tensor, out_norm: RMSNorm | None) -> None:
+        self.out = out
+        self.out_norm = out_norm
+
+    def add_norm(self, ops: ModuleType, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + out, norm(x + out)), out passed through out_norm first if any (one kernel)."""
+        w = None if self.out_norm is None else self.out_norm.weight
+        return ops.add_rms_norm(x, self.out, norm.weight, norm.eps, norm.is_gemma, h_weight=w)
 
 
 class Rotary(nn.Module):
@@ -296,14 +316,14 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.arch.hidden_size**0.5, dtype=x.dtype)
         tables = {t: self.rotary(positions, t) for t in set(self.arch.layer_types)}
         ops = fused_ops_for(x)
-        if ops is not None and CHAIN_RESIDUALS and not self.arch.sandwich_norm:
-            pending: torch.Tensor | None = None
+        if ops is not None and CHAIN_RESIDUALS:
+            pending: Pending | None = None
             for layer, t in zip(self.model.layers, self.arch.layer_types):
                 x, pending = cast(DecoderLayer, layer).forward_chained(ops, x, pending, *tables[t])
             norm = self.model.norm
             if pending is None:
                 return norm(x)
-            return ops.add_rms_norm(x, pending, norm.weight, norm.eps, norm.is_gemma)[1]
+            return pending.add_norm(ops, x, norm)[1]
         for layer, t in zip(self.model.layers, self.arch.layer_types):
             cos, sin = tables[t]
             x = layer(x, cos, sin)

@@ -1,4 +1,5 @@
-"""Row-local fused kernels (Triton) for the model's small ops on CUDA: RMSNorm, rotary, SiLU-and-mul.
+"""Row-local fused kernels (Triton) for the model's small ops on CUDA: RMSNorm (alone, after a residual
+add, or after a sandwich norm's output norm and its add), rotary, SiLU- or GELU(tanh)-and-mul.
 
 In eager torch each of these is several elementwise kernels (RMSNorm: cast, square, mean, rsqrt,
 two multiplies, casts; rotary: split, negate, concatenate, multiply, add, for q and k). In a decode step
@@ -19,24 +20,34 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(X, H, SUM, W, OUT, stride_x, stride_h, stride_s, stride_o, n_cols, eps,
-                     IS_GEMMA: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_ADD:  # x + h rounded to the dtype (the residual), then normed
-        x = x + tl.load(H + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-        x = x.to(SUM.dtype.element_ty)
-        tl.store(SUM + row * stride_s + offs, x, mask=mask)
-        x = x.to(tl.float32)
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+def _normed(x, w, n_cols, eps, IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
+    """RMSNorm of one float32 row (engine.model.RMSNorm's arithmetic), rounded to DTYPE."""
     r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / n_cols + eps)
     if IS_GEMMA:  # (x * (1 + w)) in float32, then cast
         y = x * r * (1.0 + w)
     else:  # weight * (normed cast to the dtype), the product rounded to the dtype
-        y = (x * r).to(OUT.dtype.element_ty).to(tl.float32) * w
-    tl.store(OUT + row * stride_o + offs, y.to(OUT.dtype.element_ty), mask=mask)
+        y = (x * r).to(DTYPE).to(tl.float32) * w
+    return y.to(DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(X, H, SUM, W, W0, OUT, stride_x, stride_h, stride_s, stride_o, n_cols, eps,
+                     IS_GEMMA: tl.constexpr, HAS_ADD: tl.constexpr, NORM_H: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ADD:  # x + h (or x + norm0(h), rounded to the dtype first) rounded to the dtype, then normed
+        h = tl.load(H + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+        if NORM_H:  # a sandwich norm's output norm, applied to h before the add
+            w0 = tl.load(W0 + offs, mask=mask, other=0.0).to(tl.float32)
+            h = _normed(h, w0, n_cols, eps, IS_GEMMA, SUM.dtype.element_ty).to(tl.float32)
+        x = (x + h).to(SUM.dtype.element_ty)
+        tl.store(SUM + row * stride_s + offs, x, mask=mask)
+        x = x.to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    y = _normed(x, w, n_cols, eps, IS_GEMMA, OUT.dtype.element_ty)
+    tl.store(OUT + row * stride_o + offs, y, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool) -> torch.Tensor:
@@ -48,24 +59,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool) 
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, x2, x2, weight, out, x2.stride(0), 0, 0, out.stride(0), shape[-1], eps,
-            IS_GEMMA=is_gemma, HAS_ADD=False, BLOCK=triton.next_power_of_2(shape[-1]),
+            x2, x2, x2, weight, weight, out, x2.stride(0), 0, 0, out.stride(0), shape[-1], eps,
+            IS_GEMMA=is_gemma, HAS_ADD=False, NORM_H=False, BLOCK=triton.next_power_of_2(shape[-1]),
             num_warps=4 if shape[-1] <= 4096 else 8,
         )
     return out.view(shape)
 
 
-def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
-                 is_gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + h, rms_norm(x + h)) in one pass. x, h: [rows, n], contiguous rows."""
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool,
+                 h_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, rms_norm(x + h)) in one pass. x, h: [rows, n], contiguous rows. With h_weight (a
+    sandwich norm's output norm, same eps): (s, rms_norm(s)) for s = x + rms_norm(h, h_weight), each
+    rounded to the dtype where the layer-by-layer torch code rounds."""
     if x.dim() != 2 or x.shape != h.shape or x.stride(-1) != 1 or h.stride(-1) != 1:
         raise ValueError(f"add_rms_norm needs two [rows, n] tensors, got {tuple(x.shape)} and {tuple(h.shape)}")
     total = torch.empty_like(x)
     out = torch.empty_like(x)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](
-            x, h, total, weight, out, x.stride(0), h.stride(0), total.stride(0), out.stride(0), x.shape[1], eps,
-            IS_GEMMA=is_gemma, HAS_ADD=True, BLOCK=triton.next_power_of_2(x.shape[1]),
+            x, h, total, weight, weight if h_weight is None else h_weight, out,
+            x.stride(0), h.stride(0), total.stride(0), out.stride(0), x.shape[1], eps,
+            IS_GEMMA=is_gemma, HAS_ADD=True, NORM_H=h_weight is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
             num_warps=4 if x.shape[1] <= 4096 else 8,
         )
     return total, out
@@ -112,19 +126,27 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     g = tl.load(GU + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GU + row * stride_g + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
     dt = OUT.dtype.element_ty
-    a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu in the dtype, then the product
+    if GELU_TANH:  # F.gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * z))
+        a = (0.5 * g * (1.0 + t)).to(dt).to(tl.float32)  # the activation in the dtype, then the product
+    else:
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu in the dtype, then the product
     tl.store(OUT + row * stride_o + offs, (a * u).to(dt), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] along the last axis: [tokens, 2n] -> [tokens, n]."""
+def silu_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up for gate_up = [gate | up] along the last axis: [tokens, 2n] -> [tokens, n].
+    act: "silu" or "gelu_tanh" (within a rounding of torch's F.gelu(approximate="tanh"))."""
+    if act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"no fused kernel for activation {act!r}")
     tokens, width = gate_up.shape
     n = width // 2
     if gate_up.stride(-1) != 1:
@@ -133,6 +155,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     if tokens:
         _silu_mul_kernel[(tokens, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, GELU_TANH=act == "gelu_tanh", num_warps=4
         )
     return out

@@ -82,13 +82,14 @@ def test_deterministic_decode_batch_invariant(tiny_model_dir, family: str) -> No
         assert torch.equal(a, b), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid"])  # gemma3: sandwich norms, gelu(tanh)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_chained_residual_norms_bit_identical(tiny_model_dir, monkeypatch, dtype: str) -> None:
+def test_chained_residual_norms_bit_identical(tiny_model_dir, monkeypatch, dtype: str, family: str) -> None:
     """The CUDA forward that does each residual add inside the next norm's kernel gives exactly the
     logits of the layer-by-layer forward (add, then norm): prefill and graph-replayed decode steps."""
     import engine.model
 
-    folder = tiny_model_dir("llama")
+    folder = tiny_model_dir(family)
     prompts = _prompts([5, 30, 47], seed=3)
     logits = {}
     for chained in (True, False):

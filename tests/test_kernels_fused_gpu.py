@@ -70,6 +70,32 @@ def test_silu_mul_matches_torch(rows: int, n: int) -> None:
     torch.testing.assert_close(got, ref, rtol=2 * torch.finfo(DTYPE).eps, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 14336), (9, 1000)])
+def test_gelu_tanh_mul_matches_torch(rows: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows + n + 1)
+    gate_up = _rand(gen, rows, 2 * n, scale=2.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    got = silu_mul(gate_up, "gelu_tanh")
+    assert got.shape == ref.shape and not got.isnan().any()
+    # tanh computed another way than torch's: within a rounding of the activation, then the product's
+    torch.testing.assert_close(got, ref, rtol=4 * torch.finfo(DTYPE).eps, atol=1e-5)
+    with pytest.raises(ValueError):
+        silu_mul(gate_up, "relu")
+
+
+@pytest.mark.parametrize("is_gemma", [False, True])
+def test_add_rms_norm_with_sandwich_output_norm(is_gemma: bool) -> None:
+    """x + norm0(h), then normed, in one kernel: exactly the layer-by-layer kernels' result."""
+    gen = torch.Generator().manual_seed(11)
+    x, h = _rand(gen, 7, 4096), _rand(gen, 7, 4096, scale=3.0)
+    w0, w = _rand(gen, 4096, scale=0.2) + 1.0, _rand(gen, 4096, scale=0.2) + 1.0
+    total, normed = add_rms_norm(x, h, w, 1e-6, is_gemma, h_weight=w0)
+    want_total = x + rms_norm(h, w0, 1e-6, is_gemma)
+    assert torch.equal(total, want_total)
+    assert torch.equal(normed, rms_norm(want_total, w, 1e-6, is_gemma))
+
+
 def test_add_rms_norm_matches_add_then_norm() -> None:
     gen = torch.Generator().manual_seed(5)
     x, h = _rand(gen, 6, 4096), _rand(gen, 6, 4096)
