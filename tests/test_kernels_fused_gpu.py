@@ -86,7 +86,8 @@ def test_gelu_tanh_mul_matches_torch(rows: int, n: int) -> None:
 
 @pytest.mark.parametrize("is_gemma", [False, True])
 def test_add_rms_norm_with_sandwich_output_norm(is_gemma: bool) -> None:
-    """x + norm0(h), then normed, in one kernel: exactly the layer-by-layer kernels' result."""
+    """x + norm0(h), then normed (one kernel for the Gemma norm in bf16): exactly the layer-by-layer
+    kernels' result."""
     gen = torch.Generator().manual_seed(11)
     x, h = _rand(gen, 7, 4096), _rand(gen, 7, 4096, scale=3.0)
     w0, w = _rand(gen, 4096, scale=0.2) + 1.0, _rand(gen, 4096, scale=0.2) + 1.0
