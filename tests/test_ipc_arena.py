@@ -21,7 +21,7 @@ from transfer import ipc
 from transfer.checksum import as_words, segment_sum
 from transfer.config import TransferConfig
 from transfer.errors import CHECKSUM, TRANSPORT, UNEXPECTED, HandoffError
-from transfer.handoff import make_header, payload_segments
+from transfer.handoff import IDS_INLINE_MAX, make_header, payload_segments
 from transfer.ipc import ALIGN, ExportArena, IpcTransport
 from transfer.sender import KVSender
 
@@ -160,7 +160,7 @@ async def test_arena_offer_cache_hit_and_slices_freed_after_ack() -> None:
     recv_tr = IpcTransport(config(), fake)
     sink = Sink("a", "b")
     sender = KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr)
-    a, b = make_export(seed=1), make_export(num_prompt=50, seed=2)
+    a, b = make_export(seed=1), make_export(num_prompt=IDS_INLINE_MAX + 20, seed=2)  # b: its ids follow the offer
     async with receiver(sink, transports={"ipc": recv_tr}) as r:
         for rid, exp in (("a", a), ("b", b)):
             ex = in_arena(sender_tr, exp, rid)

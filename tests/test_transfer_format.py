@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import struct
 
 import msgpack
 import pytest
@@ -18,7 +19,9 @@ from transfer import checksum as ck
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 from transfer.handoff import (
     HEADER_VERSION,
+    IDS_INLINE_MAX,
     HandoffHeader,
+    PackedIds,
     allocate_payload,
     check_layout,
     layout_fields,
@@ -188,6 +191,31 @@ def test_header_without_swa_or_without_full_layers() -> None:
     h = make_header(make_export(swa_only, num_prompt=5), swa_only)
     assert h.num_pages == 0 and h.payload_bytes == swa_only.state_bytes and h.swa_fill == 5
     assert HandoffHeader.decode(h.encode()) == h
+
+
+def test_long_prompt_ids_follow_the_header() -> None:
+    """A prompt over IDS_INLINE_MAX tokens: the header announces its ids; they arrive separately."""
+    n = IDS_INLINE_MAX + 5
+    exp = dataclasses.replace(make_export(num_prompt=n), prompt_token_ids=[(7 * i) % 50000 for i in range(n)])
+    h = make_header(exp, LAYOUT_SWA)
+    assert not h.ids_inline and h.ids_bytes() == struct.pack(f"<{n}i", *exp.prompt_token_ids)
+    d = msgpack.unpackb(h.encode(), raw=False)
+    assert d["prompt_token_ids"] is None and d["num_prompt_tokens"] == n
+    back = HandoffHeader.decode(h.encode())
+    ids = back.prompt_token_ids
+    assert isinstance(ids, PackedIds) and ids.pending and len(ids) == n
+    with pytest.raises(HandoffError):
+        to_export(back, allocate_payload(back))  # not before the ids arrive
+    with pytest.raises(ValueError):
+        ids.fill(h.ids_bytes()[:-4])  # one id short
+    with pytest.raises(ValueError):
+        ids.fill(b"\xff\xff\xff\xff" * n)  # negative
+    ids.fill(h.ids_bytes())
+    assert back == h and to_export(back, allocate_payload(back)).prompt_token_ids == exp.prompt_token_ids
+    # a short prompt's ids must be in the header
+    with pytest.raises(HandoffError) as e:
+        HandoffHeader.decode(_tamper(make_header(make_export(), LAYOUT_SWA), prompt_token_ids=None))
+    assert e.value.code == BAD_HEADER
 
 
 def _tamper(h: HandoffHeader, **changes) -> bytes:

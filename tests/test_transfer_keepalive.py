@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 
 import pytest
 import torch
 from test_transfer_format import LAYOUT_SWA, make_export
 from test_transfer_tcp import FAST, TOKEN, Sink, receiver
 
-from transfer.errors import UNEXPECTED, HandoffError
+from transfer.auth import client_handshake
+from transfer.errors import BAD_HEADER, TIMEOUT, UNEXPECTED, HandoffError
+from transfer.handoff import IDS_INLINE_MAX, make_header
 from transfer.sender import KVSender
+from transfer.wire import Channel
 
 
 def export(rid: str, n: int = 40):
@@ -118,3 +122,40 @@ async def test_concurrent_sends_open_one_connection_each() -> None:
     assert sender.counters["connects"] == 4 and r.counters["handoffs"] == 6
     for e in exps:
         assert torch.equal(sink.delivered[e.request_id].pages, e.pages)
+
+
+async def test_long_prompt_ids_after_the_offer_over_tcp() -> None:
+    n = IDS_INLINE_MAX + 100
+    exp = dataclasses.replace(make_export(num_prompt=n, seed=3), request_id="long")
+    exp = dataclasses.replace(exp, prompt_token_ids=[(13 * i) % 49000 for i in range(n)])
+    sink = Sink("long")
+    sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+    try:
+        async with receiver(sink) as r:
+            await sender.send(r.address, exp)
+    finally:
+        sender.close()
+    got = sink.delivered["long"]
+    assert got.prompt_token_ids == exp.prompt_token_ids and torch.equal(got.pages, exp.pages)
+
+
+@pytest.mark.parametrize("ids", [None, b"\x01\x00\x00\x00"])  # never sent; one id instead of many
+async def test_announced_ids_missing_or_wrong_are_refused(ids: bytes | None) -> None:
+    n = IDS_INLINE_MAX + 1
+    exp = dataclasses.replace(make_export(num_prompt=n), request_id="req-1")
+    header = make_header(exp, LAYOUT_SWA)
+    sink = Sink("req-1")
+    quick = dataclasses.replace(FAST, handshake_timeout_s=0.5)
+    async with receiver(sink, config=quick) as r:
+        host, port = r.address.rsplit(":", 1)
+        ch = Channel(socket.create_connection((host, int(port))), r.address)
+        try:
+            await client_handshake(ch, TOKEN, "raw-test-sender")
+            await ch.send({"t": "offer", "transport": "tcp", "header": header.encode(), "extra": {}})
+            if ids is not None:
+                await ch.send({"t": "ids", "ids": ids})
+            reply = await asyncio.wait_for(ch.recv(), 10)
+        finally:
+            ch.close()
+    assert reply["t"] == "nack" and reply["code"] == (TIMEOUT if ids is None else BAD_HEADER)
+    assert sink.delivered == {} and len(sink.errors) == 1  # the reservation is released

@@ -13,10 +13,13 @@ num_pages = ceil(num_computed / block_size) (0 for a model without full-attentio
 page's rows past num_computed are whatever the sender had there. The first sampled token(s) and their
 logprobs travel in the header: they are small, typed, and needed before the payload is.
 
-Token ids travel as packed little-endian int32 bytes (header version 2): a 16k-token prompt as a
-msgpack list costs ~0.3 ms to pack and as much to unpack and check, on each side of every handoff. A
-decoded header keeps the prompt's ids packed (PackedIds: checked at once, unpacked on first use), so
-the receiver turns them into Python ints while the payload moves, not before it starts.
+Token ids travel as packed little-endian int32 bytes (a 16k-token prompt as a msgpack list costs
+~0.3 ms to pack and as much to unpack and check, on each side of every handoff). A prompt longer than
+IDS_INLINE_MAX tokens is not in the header's bytes: the header says how many ids there are
+(num_prompt_tokens) and the sender sends them in an `ids` message right after the offer (wire.py),
+so packing them, carrying them and reading them overlap the payload instead of delaying its start.
+A decoded header keeps the prompt's ids packed (PackedIds: checked when they arrive, unpacked on
+first use). Header version 3.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from engine.request import SamplingParams, TokenLogprob
 from transfer.checksum import MASK64, as_words, fold, segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
-HEADER_VERSION = 2
+HEADER_VERSION = 3
+IDS_INLINE_MAX = 1024  # prompts longer than this send their token ids after the offer
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -167,11 +171,25 @@ class HandoffHeader:
 
     # ---- wire ---------------------------------------------------------------------------------
 
+    @property
+    def ids_inline(self) -> bool:
+        """Whether the prompt's token ids are in the header's bytes (else an `ids` message follows)."""
+        return len(self.prompt_token_ids) <= IDS_INLINE_MAX
+
+    def ids_bytes(self) -> bytes:
+        """The prompt's token ids, packed (what an `ids` message carries)."""
+        ids = self.prompt_token_ids
+        if isinstance(ids, PackedIds):
+            if ids.raw is None:
+                raise HandoffError(BAD_HEADER, "the prompt's token ids have not arrived")
+            return ids.raw
+        return pack_ids(ids)
+
     def encode(self) -> bytes:
         p = self.params
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        ids = self.prompt_token_ids
-        d["prompt_token_ids"] = ids.raw if isinstance(ids, PackedIds) else pack_ids(ids)
+        d["num_prompt_tokens"] = len(self.prompt_token_ids)
+        d["prompt_token_ids"] = self.ids_bytes() if self.ids_inline else None
         d["output_token_ids"] = pack_ids(self.output_token_ids)
         d["params"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(p).items()}
         d["output_logprobs"] = [
@@ -192,7 +210,7 @@ class HandoffHeader:
             raise HandoffError(
                 VERSION, f"header version {d.get('version')!r}, this side reads {HEADER_VERSION}"
             )
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} | {"num_prompt_tokens"}
         if set(d) != names:
             raise HandoffError(
                 BAD_HEADER,
@@ -200,7 +218,13 @@ class HandoffHeader:
             )
         try:
             kw = {k: v for k, v in d.items()}
-            kw["prompt_token_ids"] = PackedIds(d["prompt_token_ids"])
+            count = kw.pop("num_prompt_tokens")
+            ids = PackedIds.expected(count)
+            if d["prompt_token_ids"] is not None:
+                ids.fill(d["prompt_token_ids"])
+            elif count <= IDS_INLINE_MAX:
+                raise ValueError(f"{count} token ids must be in the header")
+            kw["prompt_token_ids"] = ids
             kw["output_token_ids"] = _int_tuple(d["output_token_ids"])
             kw["params"] = _params(d["params"])
             kw["output_logprobs"] = tuple(
@@ -226,26 +250,50 @@ def pack_ids(ids: Any) -> bytes:
 
 
 class PackedIds(Sequence[int]):
-    """Token ids as they arrived: packed int32 bytes, checked (whole words, none negative) when made,
-    unpacked into a tuple on first use. Equal to any sequence of the same ids."""
+    """A prompt's token ids as they arrived: packed int32 bytes, checked (whole words, none negative)
+    when they arrive, unpacked into a tuple on first use; equal to any sequence of the same ids.
+    PackedIds.expected(n): ids announced by a header and not yet arrived (fill() them)."""
 
-    __slots__ = ("raw", "_ids")
+    __slots__ = ("raw", "_count", "_ids")
 
     def __init__(self, raw: Any) -> None:
+        self.raw: bytes | None = None
+        self._count = 0
+        self._ids: tuple[int, ...] | None = None
+        self.fill(raw, _check_count=False)
+
+    @classmethod
+    def expected(cls, count: Any) -> PackedIds:
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise TypeError("num_prompt_tokens must be an integer >= 0")
+        ids = cls.__new__(cls)
+        ids.raw, ids._count, ids._ids = None, count, None
+        return ids
+
+    @property
+    def pending(self) -> bool:
+        return self.raw is None
+
+    def fill(self, raw: Any, _check_count: bool = True) -> None:
+        """The announced ids arrive; raises TypeError/ValueError unless they are as many as announced,
+        whole int32 words, none negative."""
         if not isinstance(raw, bytes) or len(raw) % 4:
             raise TypeError("token ids must be packed int32 bytes")
+        if _check_count and len(raw) // 4 != self._count:
+            raise ValueError(f"{len(raw) // 4} token ids, the header announced {self._count}")
         if raw and int(np.frombuffer(raw, dtype="<i4").min()) < 0:
             raise ValueError("token ids must be >= 0")
-        self.raw = raw
-        self._ids: tuple[int, ...] | None = None
+        self.raw, self._count = raw, len(raw) // 4
 
     def unpacked(self) -> tuple[int, ...]:
         if self._ids is None:
+            if self.raw is None:
+                raise HandoffError(BAD_HEADER, "the prompt's token ids have not arrived")
             self._ids = _int_tuple(self.raw)
         return self._ids
 
     def __len__(self) -> int:
-        return len(self.raw) // 4
+        return self._count
 
     def __getitem__(self, i: Any) -> Any:
         return self.unpacked()[i]
@@ -254,7 +302,7 @@ class PackedIds(Sequence[int]):
         return iter(self.unpacked())
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, PackedIds):
+        if isinstance(other, PackedIds) and not (self.pending or other.pending):
             return self.raw == other.raw
         return self.unpacked() == tuple(other) if isinstance(other, Sequence) else NotImplemented
 
@@ -262,7 +310,7 @@ class PackedIds(Sequence[int]):
         return hash(self.unpacked())
 
     def __repr__(self) -> str:
-        return f"PackedIds({len(self)} ids)"
+        return f"PackedIds({len(self)} ids{', pending' if self.pending else ''})"
 
 
 def _int_tuple(v: Any) -> tuple[int, ...]:

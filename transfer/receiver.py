@@ -26,8 +26,25 @@ from engine.kv_cache import KVLayout
 from transfer.auth import server_handshake
 from transfer.checksum import payload_checksum
 from transfer.config import TransferConfig
-from transfer.errors import AUTH, CHECKSUM, PROTOCOL, REJECTED, TIMEOUT, TRANSPORT, UNEXPECTED, HandoffError
-from transfer.handoff import HandoffHeader, check_layout, check_segments, layout_fields, to_export
+from transfer.errors import (
+    AUTH,
+    BAD_HEADER,
+    CHECKSUM,
+    PROTOCOL,
+    REJECTED,
+    TIMEOUT,
+    TRANSPORT,
+    UNEXPECTED,
+    HandoffError,
+)
+from transfer.handoff import (
+    HandoffHeader,
+    PackedIds,
+    check_layout,
+    check_segments,
+    layout_fields,
+    to_export,
+)
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -216,6 +233,21 @@ class KVReceiver:
         await ch.send(ack)
         return True
 
+    async def _read_ids(self, ch: Channel, header: HandoffHeader) -> None:
+        """The prompt's token ids, when the header announced them instead of carrying them."""
+        ids = header.prompt_token_ids
+        if not isinstance(ids, PackedIds) or not ids.pending:
+            return
+        try:
+            msg = await asyncio.wait_for(ch.expect("ids"), self.config.handshake_timeout_s)
+            ids.fill(msg.get("ids"))
+        except asyncio.TimeoutError:
+            raise HandoffError(
+                TIMEOUT, f"request {header.request_id!r}: no token ids after the offer"
+            ) from None
+        except (TypeError, ValueError) as e:
+            raise HandoffError(BAD_HEADER, f"request {header.request_id!r}: {e}") from None
+
     def _read_offer(
         self, ch: Channel, msg: dict[str, Any]
     ) -> tuple[HandoffHeader, Transport, dict[str, Any]]:
@@ -247,12 +279,14 @@ class KVReceiver:
         t0 = time.perf_counter()
         phases["accept"] = t0 - t_accept
         if not transport.reads_in_place:
+            await self._read_ids(ch, header)
             await ch.send({"t": "ready", **reply})
         pulling = asyncio.ensure_future(transport.pull(ch, header, extra, segments, phases=phases))
         try:
             await asyncio.sleep(0)  # the pull starts: ipc launches its copy before anything below
             if transport.reads_in_place:  # the sender waits for nothing before the payload
                 await ch.send({"t": "ready", **reply})
+                await self._read_ids(ch, header)
             export = to_export(header, segments)  # token ids unpacked while the payload moves
             checksum = await pulling
         finally:

@@ -184,6 +184,8 @@ class KVSender:
                         "extra": extra,
                     }
                 )
+                if not header.ids_inline:  # a long prompt's ids follow: packed while the receiver starts
+                    await ch.send({"t": "ids", "ids": header.ids_bytes()})
                 marks.append(time.perf_counter())
                 ready = await ch.expect("ready")
             except (HandoffError, OSError) as e:

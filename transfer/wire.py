@@ -13,6 +13,7 @@ TransferConfig.keepalive_s without an offer, or S when it is done with the peer:
     R -> S  auth_ok  {mac, model, layout}       | nack {code: auth}; R logs and closes
   per handoff:
     S -> R  offer    {transport, header, extra} (S first checks R's model/layout itself)
+    S -> R  ids      {ids}  (only when the header announces a long prompt's ids: handoff.py)
     R -> S  ready    {...transport fields}      | nack {code, reason}
     S => R  payload  (tcp: raw bytes on this socket; nccl: a NCCL send; ipc: handles in the offer)
     R -> S  ack      {request_id, payload_bytes, recv_s, verify_s, phases} | nack {code, reason}
