@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -44,6 +45,15 @@ def chunk_keys(first: int, count: int, device: torch.device) -> torch.Tensor:
     return keys[first : first + count]
 
 
+@cache
+def _kernel_args() -> tuple[Any, Any, int, int]:
+    """The kernel and its fixed arguments' sources, looked up once (a handoff's launch is host-bound)."""
+    from kernels.copy_hash import copy_hash
+    from transfer.checksum import CHUNK_WORDS, MUL, _position_keys, _signed
+
+    return copy_hash, _position_keys, _signed(MUL), CHUNK_WORDS
+
+
 def _launch(
     src: torch.Tensor,
     num_words: int,
@@ -53,11 +63,9 @@ def _launch(
     page_words: int = 0,
 ) -> torch.Tensor:
     """S of the num_words words (0-dim int64 on the device, mod 2^64 as a signed value); queued only."""
-    from kernels.copy_hash import copy_hash
-    from transfer.checksum import CHUNK_WORDS, MUL, _position_keys, _signed
-
+    copy_hash, position_keys, mul, chunk_words = _kernel_args()
     sums = copy_hash(
-        src, num_words, _position_keys(src.device), _signed(MUL), CHUNK_WORDS,
+        src, num_words, position_keys(src.device), mul, chunk_words,
         dst=dst, page_ids=page_ids, page_words=page_words,
     )  # fmt: skip
     return (sums * chunk_keys(first_chunk, sums.numel(), src.device)).sum()
