@@ -765,7 +765,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-gb", type=float, default=None, help="largest engine KV pool (default: 75%% of free memory)")
     p.add_argument("--hicache-gb", type=float, default=None,
                    help="engine host prefix cache (default: the engine's; 0 turns it off)")
-    p.add_argument("--chunk", type=int, default=8192, help="engine max_num_batched_tokens (prefill chunk)")
+    p.add_argument("--chunk", type=int, default=32768,
+                   help="engine max_num_batched_tokens (prefill chunk; by measurement on the H200: a whole 32k "
+                        "prompt in one chunk goes to cuDNN, 1,245 ms against 1,554 in 8k chunks)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)

@@ -3,12 +3,13 @@
 `paged_attention` stores the step's new K/V and attends. On CUDA (with Triton) every chunk of the
 step runs in one launch of kernels/prefill_attention.py, which reads keys in place from the pages and
 rings; it is batch- and chunk-invariant by construction, so default and deterministic mode share it.
-In default mode only, and only when asked for (PDSERVE_PREFILL_SDPA=flash|cudnn), a chunk whose
-attention is large (SDPA_MIN_PAIRS) goes through torch's SDPA instead (`_sdpa_chunk`: its keys gathered
-contiguous, causal aligned to the lower right); the other chunks of the step still run in one Triton
-launch. Off by default: on the H200 it was no faster end to end (llama8b 32k prefill 1,576 ms against the
-Triton kernel's 1,545; the kernel alone is 9% slower than flash on a late 8k chunk, the key gather
-costs about as much).
+In default mode only, a chunk may go through torch's SDPA instead (`_sdpa_chunk`); the step's other
+chunks still run in one Triton launch. By default ("fresh") that is a long chunk with nothing cached
+before it: its own keys, plain causal, which torch runs on cuDNN (measured on the H200, llama8b:
+a 32k prompt in one chunk 1,245 ms against the Triton kernel's 1,603; 8k 220 against 237; 1k slower,
+hence SDPA_FRESH_MIN_TOKENS). PDSERVE_PREFILL_SDPA=flash|cudnn also sends chunks after a prefix (keys
+gathered from the pages, causal aligned to the lower right: flash only), no faster end to end
+(32k in 8k chunks: 1,576 ms against 1,545); off: the Triton kernel for every chunk.
 Elsewhere each sequence's visible keys are gathered in position order and handed to a backend:
 
 - `sdpa_attend`: torch's scaled_dot_product_attention with an explicit mask (default mode).
@@ -38,17 +39,23 @@ from engine.decode import decode_attention
 
 QUERY_TILE = 16
 
-# The SDPA prefill path (default mode, CUDA): "off" (also "0", the default: every chunk on the Triton
-# kernel), "flash" (also "1") or "cudnn" (cuDNN first for a chunk with no cached prefix, where torch
-# can run it; flash otherwise). Read at every layer, so a benchmark can flip it between runs of one process.
-_SDPA_SETTINGS = {"0": "off", "1": "flash", "off": "off", "flash": "flash", "cudnn": "cudnn"}
-PREFILL_SDPA = _SDPA_SETTINGS.get(os.environ.get("PDSERVE_PREFILL_SDPA", "off").lower(), "invalid")
+# The SDPA prefill path (default mode, CUDA): "fresh" (the default: cuDNN for a chunk of at least
+# SDPA_FRESH_MIN_TOKENS with no cached prefix, the Triton kernel for the rest), "off" (also "0": every
+# chunk on the Triton kernel), "flash" (also "1") or "cudnn" (large chunks with or without a prefix;
+# cuDNN first where torch can run it, flash otherwise). Read at every layer, so a benchmark can flip
+# it between runs of one process.
+_SDPA_SETTINGS = {"0": "off", "1": "flash", "off": "off", "flash": "flash", "cudnn": "cudnn", "fresh": "fresh"}
+PREFILL_SDPA = _SDPA_SETTINGS.get(os.environ.get("PDSERVE_PREFILL_SDPA", "fresh").lower(), "invalid")
 if PREFILL_SDPA == "invalid":
     raise ValueError(f"PDSERVE_PREFILL_SDPA must be one of {sorted(_SDPA_SETTINGS)}")
 _SDPA_BACKENDS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
+    "fresh": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
 }
+# "fresh": from this many tokens a chunk with nothing cached goes to cuDNN (H200, llama8b: 8,192 tokens
+# 220 ms against the kernel's 237, 1,024 tokens 26.7 against 24.7; in between not measured).
+SDPA_FRESH_MIN_TOKENS = 4096
 # A chunk takes SDPA when queries x visible keys >= SDPA_MIN_PAIRS and it has SDPA_MIN_QUERIES queries or
 # more: below that the one Triton launch for the whole step (no key gather, no extra launch) is as good.
 # 2^20 is a 1,024-token prompt, so every row of bench/prefill_sdpa_check.sh compares the two; to be
@@ -179,10 +186,12 @@ def _sdpa_usable(ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def _takes_sdpa(spec: AttnSpec, c: SeqChunk) -> bool:
-    """A chunk large enough to pay; on a sliding layer only while the window covers every key the chunk
-    sees (start + n <= window: sliding is then plain causal)."""
+    """A chunk large enough to pay ("fresh": and nothing cached before it); on a sliding layer only while
+    the window covers every key the chunk sees (start + n <= window: sliding is then plain causal)."""
     if spec.is_sliding and c.end_pos > (spec.window or 0):
         return False
+    if PREFILL_SDPA == "fresh":
+        return c.start_pos == 0 and c.num_tokens >= SDPA_FRESH_MIN_TOKENS
     return c.num_tokens >= SDPA_MIN_QUERIES and c.num_tokens * c.end_pos >= SDPA_MIN_PAIRS
 
 

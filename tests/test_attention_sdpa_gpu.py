@@ -6,6 +6,7 @@ that silently fell back to the kernel fails. Skipped without CUDA and Triton."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Paths]:
     monkeypatch.setattr(prefill_kernel, "prefill_attention", spy_launch)
     monkeypatch.setattr(attention, "SDPA_MIN_PAIRS", 1)
     monkeypatch.setattr(attention, "SDPA_MIN_QUERIES", 1)
+    monkeypatch.setattr(attention, "SDPA_FRESH_MIN_TOKENS", 1)
     monkeypatch.setattr(attention, "PREFILL_SDPA", "flash")
     yield rec
 
@@ -226,6 +228,21 @@ def test_float32_keeps_kernel(paths: Paths) -> None:
     step = Step([(0, 64)], 4, 2, 64, window=0, dtype=torch.float32)
     out = step.run(False)
     assert paths.sdpa == [] and rel_err(out, step.reference(False)) < 1e-4
+
+
+def test_fresh_setting_takes_only_chunks_without_a_prefix(paths: Paths, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default setting: a long chunk with nothing cached goes to SDPA (cuDNN where torch can), a
+    chunk after a prefix or a short one stays on the kernel, in the same step."""
+    monkeypatch.setattr(attention, "SDPA_FRESH_MIN_TOKENS", 256)
+    step = Step([(0, 300), (48, 100), (0, 200)], 8, 2, 128, window=0, seed=4)
+    check_both_paths(step, False, paths, "fresh")
+    assert paths.sdpa == [(0, 300)] and paths.kernel == [[100, 200], [300, 100, 200]]
+
+
+def test_default_setting_is_fresh() -> None:
+    if os.environ.get("PDSERVE_PREFILL_SDPA"):
+        pytest.skip("PDSERVE_PREFILL_SDPA is set")
+    assert attention.PREFILL_SDPA == "fresh"
 
 
 def test_default_threshold_skips_small_chunks(monkeypatch: pytest.MonkeyPatch, paths: Paths) -> None:
