@@ -286,9 +286,11 @@ def test_engine_export_gathers_into_the_arena(tiny_model_dir) -> None:
     arena = tr.arena
     assert arena is not None and arena.offset_of(ex.pages) is not None
     assert ex.state is not None and arena.offset_of(ex.state) is not None
-    assert (
-        torch.equal(ex.pages, plain.pages) and plain.state is not None and torch.equal(ex.state, plain.state)
-    )
+    # Page slots past the sequence's last token hold whatever the pool had there (possibly NaN bit
+    # patterns), so compare bits, not values.
+    assert plain.state is not None
+    assert torch.equal(ex.pages.view(torch.uint8), plain.pages.view(torch.uint8))
+    assert torch.equal(ex.state.view(torch.uint8), plain.state.view(torch.uint8))
     assert ex.pages_sum is None  # CPU: hashed by the sender, as before
     del ex
     gc.collect()
