@@ -243,6 +243,9 @@ def _tamper(h: HandoffHeader, **changes) -> bytes:
         (dict(prompt_token_ids=b"\x01\x00\x00"), BAD_HEADER),  # not whole int32s
         (dict(prompt_token_ids=b"\xff\xff\xff\xff" * 3), BAD_HEADER),  # -1
         (dict(num_pages="3"), BAD_HEADER),
+        (dict(seed=True), BAD_HEADER),  # a bool is not an integer here
+        (dict(num_prompt_tokens=KeyError), BAD_HEADER),
+        (dict(window=KeyError), BAD_HEADER),
         (dict(dtype="int4"), BAD_HEADER),
         (dict(params={"max_tokens": 1}), BAD_HEADER),
         (dict(params={**dataclasses.asdict(SamplingParams()), "temperature": -1.0}), BAD_HEADER),

@@ -56,6 +56,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_ELEM_BYTES = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 # Fields that must be equal on both sides, in the order a mismatch is reported.
 LAYOUT_FIELDS = (
     "dtype",
@@ -155,7 +156,7 @@ class HandoffHeader:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return _ELEM_BYTES[self.dtype]
 
     @property
     def page_shape(self) -> tuple[int, ...]:
@@ -187,11 +188,12 @@ class HandoffHeader:
 
     def encode(self) -> bytes:
         p = self.params
-        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d: dict[str, Any] = {name: getattr(self, name) for name in _HEADER_FIELDS}
         d["num_prompt_tokens"] = len(self.prompt_token_ids)
         d["prompt_token_ids"] = self.ids_bytes() if self.ids_inline else None
         d["output_token_ids"] = pack_ids(self.output_token_ids)
-        d["params"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(p).items()}
+        params = {k: getattr(p, k) for k in _PARAM_FIELDS}
+        d["params"] = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
         d["output_logprobs"] = [
             [lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.output_logprobs
         ]
@@ -210,11 +212,11 @@ class HandoffHeader:
             raise HandoffError(
                 VERSION, f"header version {d.get('version')!r}, this side reads {HEADER_VERSION}"
             )
-        names = {f.name for f in dataclasses.fields(cls)} | {"num_prompt_tokens"}
-        if set(d) != names:
+        if d.keys() != _WIRE_FIELDS:
             raise HandoffError(
                 BAD_HEADER,
-                f"header fields differ: missing {sorted(names - set(d))}, unknown {sorted(set(d) - names)}",
+                f"header fields differ: missing {sorted(_WIRE_FIELDS - set(d))}, "
+                f"unknown {sorted(set(d) - _WIRE_FIELDS)}",
             )
         try:
             kw = {k: v for k, v in d.items()}
@@ -234,14 +236,19 @@ class HandoffHeader:
             for k in ("request_id", "model", "dtype"):
                 if not isinstance(d[k], str):
                     raise TypeError(f"{k} must be a string")
-            for f in dataclasses.fields(cls):
-                if f.type == "int" and (not isinstance(d[f.name], int) or isinstance(d[f.name], bool)):
-                    raise TypeError(f"{f.name} must be an integer")
+            for name in _INT_FIELDS:
+                if type(d[name]) is not int:  # NOTE: not isinstance: a bool is an int there
+                    raise TypeError(f"{name} must be an integer")
             return cls(**kw)
         except HandoffError:
             raise
         except (TypeError, ValueError) as e:
             raise HandoffError(BAD_HEADER, f"malformed header: {e}") from None
+
+
+_HEADER_FIELDS = tuple(f.name for f in dataclasses.fields(HandoffHeader))
+_WIRE_FIELDS = frozenset(_HEADER_FIELDS) | {"num_prompt_tokens"}  # what an encoded header's map holds
+_INT_FIELDS = tuple(f.name for f in dataclasses.fields(HandoffHeader) if f.type == "int")
 
 
 def pack_ids(ids: Any) -> bytes:
@@ -291,6 +298,17 @@ class PackedIds(Sequence[int]):
                 raise HandoffError(BAD_HEADER, "the prompt's token ids have not arrived")
             self._ids = _int_tuple(self.raw)
         return self._ids
+
+    def tolist(self) -> list[int]:
+        """The ids as a new list (what an imported sequence keeps), without going through a tuple."""
+        if self._ids is not None:
+            return list(self._ids)
+        if self.raw is None:
+            raise HandoffError(BAD_HEADER, "the prompt's token ids have not arrived")
+        ids = array("i", self.raw)  # checked when they arrived (fill)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        return ids.tolist()
 
     def __len__(self) -> int:
         return self._count
@@ -460,7 +478,7 @@ def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceEx
     ids = header.prompt_token_ids
     export = SequenceExport(
         request_id=header.request_id,
-        prompt_token_ids=list(ids.unpacked() if isinstance(ids, PackedIds) else ids),
+        prompt_token_ids=ids.tolist() if isinstance(ids, PackedIds) else list(ids),
         output_token_ids=list(header.output_token_ids),
         num_computed=header.num_computed,
         params=header.params,
