@@ -296,7 +296,7 @@ class PackedIds(Sequence[int]):
         if self._ids is None:
             if self.raw is None:
                 raise HandoffError(BAD_HEADER, "the prompt's token ids have not arrived")
-            self._ids = _int_tuple(self.raw)
+            self._ids = tuple(self.tolist())
         return self._ids
 
     def tolist(self) -> list[int]:
@@ -305,10 +305,7 @@ class PackedIds(Sequence[int]):
             return list(self._ids)
         if self.raw is None:
             raise HandoffError(BAD_HEADER, "the prompt's token ids have not arrived")
-        ids = array("i", self.raw)  # checked when they arrived (fill)
-        if sys.byteorder != "little":
-            ids.byteswap()
-        return ids.tolist()
+        return _unpack_ids(self.raw)  # checked when they arrived (fill)
 
     def __len__(self) -> int:
         return self._count
@@ -338,10 +335,15 @@ def _int_tuple(v: Any) -> tuple[int, ...]:
         raise TypeError("token ids must be packed int32 bytes")
     if v and int(np.frombuffer(v, dtype="<i4").min()) < 0:
         raise ValueError("token ids must be >= 0")
-    ids = array("i", v)
+    return tuple(_unpack_ids(v))
+
+
+def _unpack_ids(raw: bytes) -> list[int]:
+    """pack_ids' inverse, unchecked (the callers check)."""
+    ids = array("i", raw)
     if sys.byteorder != "little":
         ids.byteswap()
-    return tuple(ids.tolist())
+    return ids.tolist()
 
 
 def _params(d: Any) -> SamplingParams:
