@@ -61,7 +61,7 @@ if str(REPO) not in sys.path:
 from engine import attention  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
-from engine.kv_cache import KVLayout  # noqa: E402
+from engine.kv_cache import layout_of  # noqa: E402
 from engine.model_config import ModelArch, arch_from_hf, load_hf_config  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from engine.sequence import SeqStatus  # noqa: E402
@@ -327,7 +327,7 @@ def oom_guard(fn: Callable[..., dict[str, Any]], *fn_args: Any) -> dict[str, Any
 def kv_pool_bytes(facts: ModelFacts, args: argparse.Namespace, rows: list[tuple[int, int]], num_slots: int) -> int:
     """Engine KV memory for the largest (batch, tokens) row that fits under --kv-gb, plus the SWA slots;
     rows that need more are skipped ("skipped: KV")."""
-    lo = KVLayout.of(facts.arch, args.block_size, args.dtype_t)
+    lo = layout_of(facts.arch, args.block_size, args.dtype_t)
     slots_bytes = num_slots * lo.state_bytes
     pages = [b * math.ceil((n + 1) / lo.block_size) * lo.page_bytes for b, n in rows] if facts.arch.has_full else [0]
     fitting = [x for x in pages if x + slots_bytes <= args.kv_gb * GiB] or [0]

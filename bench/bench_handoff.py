@@ -42,8 +42,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.engine import SequenceExport  # noqa: E402
-from engine.kv_cache import KVCache, KVLayout  # noqa: E402
+from engine.handoff import (
+    KVLayout,
+    SequenceExport,  # noqa: E402
+)
+from engine.kv_cache import KVCache  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from transfer.checksum import _torch_segment_sum, as_words, fold, payload_checksum  # noqa: E402
 from transfer.config import TransferConfig  # noqa: E402

@@ -227,10 +227,10 @@ def main() -> int:
 
 
 def eng_page_gib(folder: Path) -> float:
-    from engine.kv_cache import KVLayout
+    from engine.kv_cache import layout_of
     from engine.model_config import arch_from_hf, load_hf_config
 
-    return KVLayout.of(arch_from_hf(load_hf_config(folder)), 128, torch.bfloat16).page_bytes / 2**30
+    return layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.bfloat16).page_bytes / 2**30
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,13 @@ from engine.config import EngineConfig, EngineStats, MemoryPlan
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
-from engine.kv_cache import KVCache, KVLayout
+from engine.handoff import SequenceExport
+from engine.kv_cache import KVCache, layout_of
 from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
 from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
 from engine.prefix_cache import PrefixIndex
-from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engine.request import RequestOutput, SamplingParams
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -34,30 +34,6 @@ DEFAULT_CPU_HICACHE_GB = 1.0
 DEFAULT_CUDA_HICACHE_GB = 32.0
 NUM_STATELESS_CACHE_PAGES = 1 << 16  # index entries for a model with no full-attention layers
 MAX_DEFAULT_MODEL_LEN = 32768
-
-
-@dataclass
-class SequenceExport:
-    """A sequence's tokens, sampling state and KV, enough to continue decoding elsewhere.
-
-    pages: [blocks_for(num_computed), num_full_layers, 2, block_size, kv_heads, head_dim]
-    state: [num_swa_layers, 2, window, kv_heads, head_dim] ring buffer (position p at p % window)
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    num_computed: int
-    params: SamplingParams
-    seed: int
-    pages: torch.Tensor
-    state: torch.Tensor | None
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prompt tokens the exporter took from its prefix cache
-    # The handoff checksum's sum of the pages' bytes (transfer/checksum.py's S), when the export
-    # gather computed it on the way (CUDA): a 0-dim int64 device tensor, read by the sender. NOTE:
-    # whoever changes pages after the export must set it to None.
-    pages_sum: torch.Tensor | None = None
 
 
 class LLMEngine:
@@ -79,7 +55,7 @@ class LLMEngine:
             self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy", config.seed
         )
         self.numerics = self._pick_numerics()
-        self.layout = KVLayout.of(self.arch, config.block_size, self.dtype)
+        self.layout = layout_of(self.arch, config.block_size, self.dtype)
         self.memory = self._plan_memory()
         self.kv = KVCache(self.layout, self.memory.num_blocks, self.memory.num_swa_slots, self.device)
         self.blocks = BlockPool(self.memory.num_blocks)

@@ -12,46 +12,22 @@ it holds positions [max(0, n - window), n).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from engine.handoff import KVLayout
 from engine.model_config import ModelArch
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    num_full_layers: int
-    num_swa_layers: int
-    block_size: int
-    window: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, arch: ModelArch, block_size: int, dtype: torch.dtype) -> KVLayout:
-        return cls(
-            num_full_layers=len(arch.full_layers),
-            num_swa_layers=len(arch.sliding_layers),
-            block_size=block_size,
-            window=arch.sliding_window or 0,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            dtype=dtype,
-        )
-
-    @property
-    def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def page_bytes(self) -> int:
-        return self.num_full_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.elem_bytes
-
-    @property
-    def state_bytes(self) -> int:
-        return self.num_swa_layers * 2 * self.window * self.num_kv_heads * self.head_dim * self.elem_bytes
+def layout_of(arch: ModelArch, block_size: int, dtype: torch.dtype) -> KVLayout:
+    return KVLayout(
+        num_full_layers=len(arch.full_layers),
+        num_swa_layers=len(arch.sliding_layers),
+        block_size=block_size,
+        window=arch.sliding_window or 0,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        dtype=dtype,
+    )
 
 
 class KVCache:
@@ -64,8 +40,7 @@ class KVCache:
         self.layout = layout
         self.device = device
         lo = layout
-        page_shape = (num_blocks, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim)
-        state_shape = (num_slots, lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim)
+        page_shape, state_shape = lo.page_shape(num_blocks), lo.state_shape(num_slots)
         # NOTE: uninitialized on purpose (no memset, and on the CPU no resident pages until used):
         # attention only ever reads positions a sequence has written.
         self.pages = torch.empty(page_shape, dtype=lo.dtype, device=device, pin_memory=pin_memory)

@@ -23,7 +23,8 @@ import kernels.prefill_attention as prefill_kernel  # noqa: E402
 from engine import attention  # noqa: E402
 from engine.attention import AttnSpec, chunked_attention  # noqa: E402
 from engine.context import SeqChunk, forward_context  # noqa: E402
-from engine.kv_cache import KVCache, KVLayout  # noqa: E402
+from engine.handoff import KVLayout  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
 from engine.numerics import Numerics  # noqa: E402
 
 from engine_utils import prompt_logits, small_engine  # noqa: E402

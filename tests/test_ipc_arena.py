@@ -16,7 +16,7 @@ import torch
 from test_transfer_format import LAYOUT_SWA, make_export
 from test_transfer_tcp import TOKEN, Sink, receiver
 
-from engine.engine import SequenceExport
+from engine.handoff import SequenceExport
 from transfer import ipc
 from transfer.checksum import as_words, segment_sum
 from transfer.config import TransferConfig

@@ -122,8 +122,8 @@ def post_prefill(pair: PDPair, token: str | None) -> tuple[int, dict]:
 async def test_cluster_token_required(servers):
     import torch
 
-    from engine.engine import SequenceExport
-    from engine.kv_cache import KVLayout
+    from engine.handoff import SequenceExport
+    from engine.kv_cache import layout_of
     from engine.model_config import arch_from_hf, load_hf_config
     from engine.models import resolve_model
     from engine.request import SamplingParams
@@ -142,7 +142,7 @@ async def test_cluster_token_required(servers):
     )
 
     folder = resolve_model(MODEL)
-    layout = KVLayout.of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
+    layout = layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
     pages = torch.zeros((1, layout.num_full_layers, 2, 128, layout.num_kv_heads, layout.head_dim))
     export = SequenceExport("intruder", [1, 2, 3], [4], 3, SamplingParams(max_tokens=4), 0, pages, None)
     sender = KVSender(b"wrong-token-wrong-token-0123", layout, model=model_fingerprint(folder))

@@ -32,8 +32,8 @@ import torch
 from aiohttp import web
 from openai import APIStatusError
 
-from engine.engine import SequenceExport
-from engine.kv_cache import KVLayout
+from engine.handoff import SequenceExport
+from engine.kv_cache import layout_of
 from engine.model_config import arch_from_hf, load_hf_config
 from engine.models import resolve_model
 from engine.request import SamplingParams
@@ -69,7 +69,7 @@ class FakePE:
         self.port = free_port()
         self.replies: list[dict[str, Any]] = []
         folder = resolve_model(MODEL)
-        self.layout = KVLayout.of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
+        self.layout = layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
         self.model = model_fingerprint(folder)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -396,7 +396,7 @@ class StallTransport(TcpTransport):
 @contextlib.asynccontextmanager
 async def stalling_receiver(pair: PDPair):
     folder = resolve_model(MODEL)
-    layout = KVLayout.of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
+    layout = layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
     config = TransferConfig(idle_timeout_s=600, handshake_timeout_s=30)
     stall = StallTransport(config)
     r = KVReceiver(

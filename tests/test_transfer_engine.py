@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from engine.engine import LLMEngine, SequenceExport
+from engine.engine import LLMEngine
+from engine.handoff import SequenceExport
 from engine.request import SamplingParams
 from transfer.config import TransferConfig
 from transfer.handoff import HandoffHeader, allocate_payload, model_fingerprint

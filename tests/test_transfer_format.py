@@ -11,8 +11,7 @@ import msgpack
 import pytest
 import torch
 
-from engine.engine import SequenceExport
-from engine.kv_cache import KVLayout
+from engine.handoff import KVLayout, SequenceExport
 from engine.request import SamplingParams, TokenLogprob
 from transfer import auth
 from transfer import checksum as ck

@@ -16,8 +16,7 @@ import torch
 from test_transfer_format import make_export
 from test_transfer_tcp import TOKEN, Sink, receiver
 
-from engine.engine import SequenceExport
-from engine.kv_cache import KVLayout
+from engine.handoff import KVLayout, SequenceExport
 from transfer.checksum import CHUNK_BYTES, GPU_GROUP_CHUNKS, SegmentHasher, fold, payload_checksum
 from transfer.config import TransferConfig
 from transfer.handoff import HandoffHeader, allocate_payload, payload_segments

@@ -17,8 +17,7 @@ import pytest
 import torch
 from test_transfer_format import LAYOUT_SWA, make_export
 
-from engine.engine import SequenceExport
-from engine.kv_cache import KVLayout
+from engine.handoff import KVLayout, SequenceExport
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig
 from transfer.errors import AUTH, CHECKSUM, INCOMPLETE, LAYOUT, REJECTED, TIMEOUT, UNEXPECTED, HandoffError

@@ -40,8 +40,7 @@ import msgpack
 import numpy as np
 import torch
 
-from engine.engine import SequenceExport
-from engine.kv_cache import KVLayout
+from engine.handoff import KVLayout, SequenceExport
 from engine.request import SamplingParams, TokenLogprob
 from transfer.checksum import MASK64, as_words, fold, segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError

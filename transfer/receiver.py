@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.engine import SequenceExport
-from engine.kv_cache import KVLayout
+from engine.handoff import KVLayout, SequenceExport
 from transfer.auth import server_handshake
 from transfer.checksum import payload_checksum
 from transfer.config import TransferConfig

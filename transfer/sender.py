@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine import SequenceExport
-from engine.kv_cache import KVLayout
+from engine.handoff import KVLayout, SequenceExport
 from engine.request import TokenLogprob
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig

@@ -1,0 +1,146 @@
+"""The engine's side of the P/D boundary: the only engine module `transfer/` may import.
+
+CUDA-free and light (torch for dtypes and tensors, nothing of the model, loader, attention or
+kernels): the KV layout, which alone computes page and state shapes and byte sizes; the exported
+sequence a handoff carries; and, re-exported so that the transfer layer needs no other door into
+the engine, the request types a handoff carries (SamplingParams, TokenLogprob) and the one strict
+codec every message uses (engine/codec.py).
+
+    pages: [num_pages, num_full_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
+    state: [num_swa_layers, 2 (k, v), window, num_kv_heads, head_dim]  ring: position p at p % window
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.codec import WireError, from_wire, to_wire
+from engine.errors import InvalidRequestError
+from engine.request import SamplingParams, TokenLogprob
+
+__all__ = [
+    "DTYPES",
+    "InvalidRequestError",
+    "KVLayout",
+    "SamplingParams",
+    "SequenceExport",
+    "TokenLogprob",
+    "WireError",
+    "dtype_name",
+    "from_wire",
+    "to_wire",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_ELEM_BYTES = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPES.values()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How one engine lays out a sequence's KV: the unit both ends of a handoff must agree on."""
+
+    num_full_layers: int
+    num_swa_layers: int
+    block_size: int
+    window: int  # SWA window; 0 without sliding layers
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    # The fields that must be equal on both sides of a handoff, in the order a mismatch is reported.
+    FIELDS = ("dtype", "block_size", "num_full_layers", "num_swa_layers", "num_kv_heads", "head_dim", "window")
+
+    @property
+    def has_pages(self) -> bool:
+        return self.num_full_layers > 0
+
+    @property
+    def has_state(self) -> bool:
+        return self.num_swa_layers > 0
+
+    @property
+    def elem_bytes(self) -> int:
+        return _ELEM_BYTES.get(self.dtype) or torch.empty((), dtype=self.dtype).element_size()
+
+    def num_pages(self, num_tokens: int) -> int:
+        """Pages that hold num_tokens tokens (0 for a model without full-attention layers)."""
+        return math.ceil(num_tokens / self.block_size) if self.has_pages else 0
+
+    def page_shape(self, num_pages: int) -> tuple[int, ...]:
+        return (num_pages, self.num_full_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def state_shape(self, num_slots: int | None = None) -> tuple[int, ...]:
+        """One ring ([num_swa_layers, 2, window, kv_heads, head_dim]), or num_slots of them."""
+        one = (self.num_swa_layers, 2, self.window, self.num_kv_heads, self.head_dim)
+        return one if num_slots is None else (num_slots, *one)
+
+    @property
+    def page_bytes(self) -> int:
+        return math.prod(self.page_shape(1)) * self.elem_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return math.prod(self.state_shape()) * self.elem_bytes if self.has_state else 0
+
+    def payload_bytes(self, num_tokens: int) -> int:
+        """What a handoff of a sequence with num_tokens computed tokens carries."""
+        return self.num_pages(num_tokens) * self.page_bytes + self.state_bytes
+
+    def fields(self) -> dict[str, Any]:
+        """The layout as plain values (a handoff header's and a receiver's auth_ok's)."""
+        return {
+            "dtype": dtype_name(self.dtype),
+            "block_size": self.block_size,
+            "num_full_layers": self.num_full_layers,
+            "num_swa_layers": self.num_swa_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "window": self.window if self.has_state else 0,
+        }
+
+    @classmethod
+    def from_fields(cls, d: Any) -> KVLayout:
+        """fields()' inverse; raises ValueError for anything else."""
+        if not isinstance(d, dict) or set(d) != set(cls.FIELDS):
+            raise ValueError(f"a layout has exactly the fields {cls.FIELDS}")
+        ints = [k for k in cls.FIELDS if k != "dtype"]
+        if any(type(d[k]) is not int or d[k] < 0 for k in ints) or d["dtype"] not in DTYPES:
+            raise ValueError(f"unreadable layout {d!r}")
+        return cls(**{k: d[k] for k in ints}, dtype=DTYPES[d["dtype"]])
+
+
+@dataclass
+class SequenceExport:
+    """A sequence's tokens, sampling state and KV, enough to continue decoding elsewhere.
+
+    pages: layout.page_shape(layout.num_pages(num_computed)); state: layout.state_shape() or None
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_computed: int
+    params: SamplingParams
+    seed: int
+    pages: torch.Tensor
+    state: torch.Tensor | None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the exporter took from its prefix cache
+    # The handoff checksum's sum of the pages' bytes (kernels/checksum.py's S), when the export
+    # gather computed it on the way (CUDA): a 0-dim int64 device tensor, read by the sender. NOTE:
+    # whoever changes pages after the export must set it to None.
+    pages_sum: torch.Tensor | None = None
