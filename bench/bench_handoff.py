@@ -48,13 +48,12 @@ from engine.handoff import (
 )
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from transfer.checksum import _torch_segment_sum, as_words, fold, payload_checksum  # noqa: E402
+from kernels.checksum import as_words, fold, torch_segment_sum
+from transfer.checksum import payload_checksum  # noqa: E402
 from transfer.config import TransferConfig  # noqa: E402
 from transfer.handoff import (  # noqa: E402
     HandoffHeader,
     allocate_payload,
-    layout_fields,
-    layout_from_fields,
     payload_segments,
 )
 from transfer.receiver import KVReceiver  # noqa: E402
@@ -164,7 +163,7 @@ def receiver_main(conn: Any, layout: dict[str, Any], device: str, token: bytes) 
     async def main() -> None:
         cfg = TransferConfig(idle_timeout_s=120.0)
         async with KVReceiver(
-            token, layout_from_fields(layout), on_handoff, lambda h, e: None, config=cfg
+            token, KVLayout.from_fields(layout), on_handoff, lambda h, e: None, config=cfg
         ) as r:
             conn.send((r.port, lst.getsockname()[1]))
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
@@ -254,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=receiver_main, args=(child, layout_fields(layout), recv_device, TOKEN), daemon=True
+        target=receiver_main, args=(child, layout.fields(), recv_device, TOKEN), daemon=True
     )
     proc.start()
     rows: list[dict[str, Any]] = []
@@ -384,7 +383,7 @@ def _read(gathered: tuple[torch.Tensor, Any]) -> None:
 
 
 def torch_checksum(segments: list[torch.Tensor]) -> int:
-    return fold([(t.numel() * t.element_size(), _torch_segment_sum(as_words(t), 0)) for t in segments])
+    return fold([(t.numel() * t.element_size(), torch_segment_sum(as_words(t), 0)) for t in segments])
 
 
 def _timed(fn: Any, device: torch.device) -> float:

@@ -13,8 +13,9 @@ import torch
 
 from engine.handoff import KVLayout, SequenceExport
 from engine.request import SamplingParams, TokenLogprob
+from kernels import checksum as ck
 from transfer import auth
-from transfer import checksum as ck
+from transfer import checksum as tc
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 from transfer.handoff import (
     HEADER_VERSION,
@@ -23,8 +24,6 @@ from transfer.handoff import (
     PackedIds,
     allocate_payload,
     check_layout,
-    layout_fields,
-    layout_from_fields,
     make_header,
     payload_segments,
     to_export,
@@ -86,8 +85,8 @@ def _reference(data: bytes, chunk_words: int) -> int:
     total = 0
     for i, w in enumerate(words):
         c, j = divmod(i, chunk_words)
-        m = ck.splitmix64(j ^ ck._SEED_M) | 1
-        k = ck.splitmix64((c + ck._SEED_K) & ck.MASK64) | 1
+        m = ck.splitmix64(j ^ ck.SEED_M) | 1
+        k = ck.splitmix64((c + ck.SEED_K) & ck.MASK64) | 1
         y = ((w ^ m) * ck.MUL) & ck.MASK64
         sy = y - (1 << 64) if y >> 63 else y
         x = y ^ ((sy >> 31) & ck.MASK64)
@@ -101,14 +100,14 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(ck, "CHUNK_WORDS", 64)
     monkeypatch.setattr(ck, "CHUNK_BYTES", 512)
     monkeypatch.setattr(ck, "GPU_GROUP_CHUNKS", 3)
-    ck._position_keys.cache_clear()
+    ck.position_keys.cache_clear()
     yield 64
-    ck._position_keys.cache_clear()
+    ck.position_keys.cache_clear()
 
 
 def test_splitmix_tensor_matches_python() -> None:
     xs = [0, 1, 2**62 + 12345, 2**63 - 1, 2**64 - 1]
-    got = ck._splitmix64_tensor(torch.tensor([ck._signed(x) for x in xs], dtype=torch.int64)).tolist()
+    got = ck.splitmix64_tensor(torch.tensor([ck.signed64(x) for x in xs], dtype=torch.int64)).tolist()
     assert [g & ck.MASK64 for g in got] == [ck.splitmix64(x) for x in xs]
 
 
@@ -117,34 +116,34 @@ def test_checksum_matches_reference_definition(small_chunks: int) -> None:
     for nbytes in (8, 512, 64 * 8 * 3 + 40):  # one word, one chunk, three chunks + a partial one
         data = bytes(rng.getrandbits(8) for _ in range(nbytes))
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        assert ck.payload_checksum([t]) == _reference(data, small_chunks)
+        assert tc.payload_checksum([t]) == _reference(data, small_chunks)
 
 
 def test_numpy_and_torch_paths_agree(small_chunks: int) -> None:
     w = torch.randint(-(2**62), 2**62, (64 * 7 + 13,), dtype=torch.int64)
     for first in (0, 5):
-        assert ck._numpy_segment_sum(w, first) == ck._torch_segment_sum(w, first)
+        assert ck.numpy_segment_sum(w, first) == ck.torch_segment_sum(w, first)
 
 
 def test_streaming_hasher_equals_one_pass(small_chunks: int) -> None:
     t = torch.randn(64 * 5 + 3, dtype=torch.float32)  # 1292 bytes: 2 chunks + a partial one
     b = t.view(torch.uint8)
-    h = ck.SegmentHasher(b.numel())
+    h = tc.SegmentHasher(b.numel())
     for off in range(0, b.numel(), 1024):
         h.update(b[off : off + 1024])
-    assert ck.fold([h.result()]) == ck.payload_checksum([t])
+    assert ck.fold([h.result()]) == tc.payload_checksum([t])
     with pytest.raises(ValueError):
-        ck.SegmentHasher(b.numel()).update(b[:100])  # a non-final piece inside a chunk
+        tc.SegmentHasher(b.numel()).update(b[:100])  # a non-final piece inside a chunk
 
 
 def test_checksum_sees_corruption(small_chunks: int) -> None:
     base = torch.randn(64 * 4, dtype=torch.float32)
-    ref = ck.payload_checksum([base])
+    ref = tc.payload_checksum([base])
 
     def changed(fn) -> bool:
         t = base.clone()
         fn(t.view(torch.int64))
-        return ck.payload_checksum([t]) != ref
+        return tc.payload_checksum([t]) != ref
 
     assert changed(lambda w: w.__setitem__(3, w[3] ^ 1))  # one low bit
     assert changed(lambda w: w.__setitem__(slice(0, 2), w[[1, 0]]))  # two words swapped
@@ -155,7 +154,7 @@ def test_checksum_sees_corruption(small_chunks: int) -> None:
     assert changed(lambda w: w.__setitem__([5, 9], w[[5, 9]] ^ sign))  # the same high bit in two words
     assert changed(lambda w: w.__setitem__(slice(64, 128), 0))  # a chunk of zeros
     # segment boundaries count: the same bytes split differently are a different payload
-    assert ck.payload_checksum([base[:64], base[64:]]) != ref
+    assert tc.payload_checksum([base[:64], base[64:]]) != ref
 
 
 # ---- header -----------------------------------------------------------------------------------
@@ -176,7 +175,7 @@ def test_header_round_trip() -> None:
     segs = allocate_payload(back)
     for src, dst in zip(payload_segments(exp, LAYOUT_SWA), segs):
         dst.copy_(src)
-    assert ck.payload_checksum(segs) == back.checksum
+    assert tc.payload_checksum(segs) == back.checksum
     out = to_export(back, segs)
     assert out.prompt_token_ids == exp.prompt_token_ids and out.output_token_ids == [42] and out.seed == 1234
     assert torch.equal(out.pages, exp.pages) and out.state is not None and torch.equal(out.state, exp.state)
@@ -268,7 +267,7 @@ def test_check_layout() -> None:
     h = make_header(make_export(), LAYOUT_SWA, model="model-a")
     check_layout(h, LAYOUT_SWA, "model-a")
     check_layout(h, LAYOUT_SWA)  # no model given: layout only
-    assert layout_from_fields(layout_fields(LAYOUT_SWA)) == LAYOUT_SWA
+    assert KVLayout.from_fields(LAYOUT_SWA.fields()) == LAYOUT_SWA
     for other, what in [
         (dataclasses.replace(LAYOUT_SWA, block_size=32), "block_size"),
         (dataclasses.replace(LAYOUT_SWA, dtype=torch.bfloat16), "dtype"),

@@ -17,7 +17,8 @@ from test_transfer_format import make_export
 from test_transfer_tcp import TOKEN, Sink, receiver
 
 from engine.handoff import KVLayout, SequenceExport
-from transfer.checksum import CHUNK_BYTES, GPU_GROUP_CHUNKS, SegmentHasher, fold, payload_checksum
+from kernels.checksum import CHUNK_BYTES, GPU_GROUP_CHUNKS, fold
+from transfer.checksum import SegmentHasher, payload_checksum
 from transfer.config import TransferConfig
 from transfer.handoff import HandoffHeader, allocate_payload, payload_segments
 from transfer.sender import KVSender
@@ -77,7 +78,7 @@ def test_checksum_on_the_gpu_equals_the_cpu(nbytes: int) -> None:
 
 def test_the_one_pass_checksum_kernel_runs_here() -> None:
     pytest.importorskip("triton")
-    from transfer.checksum_gpu import usable
+    from kernels.checksum_gpu import usable
 
     assert usable(torch.device("cuda"))  # it built and matched the torch path (else: torch is used)
 
@@ -87,8 +88,8 @@ def test_fused_copy_hash_gathers_and_copies_like_torch() -> None:
     ipc receiver's copy, each against torch's copy and the torch checksum path; prints GB/s."""
     pytest.importorskip("triton")
     from engine.kv_cache import KVCache
-    from transfer.checksum import MASK64, _torch_segment_sum, as_words
-    from transfer.checksum_gpu import copy_segment, usable
+    from kernels.checksum import MASK64, as_words, torch_segment_sum
+    from kernels.checksum_gpu import copy_segment, usable
 
     dev = torch.device("cuda")
     assert usable(dev)
@@ -99,7 +100,7 @@ def test_fused_copy_hash_gathers_and_copies_like_torch() -> None:
     pages, s = kv.read_pages(ids, out=out, with_checksum=True)
     want = kv.pages[torch.tensor(ids, device=dev)]
     assert pages is out and s is not None and torch.equal(pages, want)
-    assert int(s) & MASK64 == _torch_segment_sum(as_words(want), 0)
+    assert int(s) & MASK64 == torch_segment_sum(as_words(want), 0)
     dst = torch.empty_like(want)
     s2 = copy_segment(dst, want)
     assert s2 is not None and int(s2) == int(s) and torch.equal(dst, want)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transfer.checksum import CHUNK_BYTES
+from kernels.checksum import CHUNK_BYTES
 
 TRANSPORT_NAMES = ("tcp", "nccl", "ipc")
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import struct
 import sys
 from array import array
@@ -40,49 +39,14 @@ import msgpack
 import numpy as np
 import torch
 
-from engine.handoff import KVLayout, SequenceExport
-from engine.request import SamplingParams, TokenLogprob
-from transfer.checksum import MASK64, as_words, fold, segment_sum
+from engine.handoff import DTYPES, KVLayout, SamplingParams, SequenceExport, TokenLogprob
+from kernels.checksum import MASK64, as_words, fold
+from transfer.checksum import segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
 HEADER_VERSION = 3
 IDS_INLINE_MAX = 1024  # prompts longer than this send their token ids after the offer
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_ELEM_BYTES = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
-# Fields that must be equal on both sides, in the order a mismatch is reported.
-LAYOUT_FIELDS = (
-    "dtype",
-    "block_size",
-    "num_full_layers",
-    "num_swa_layers",
-    "num_kv_heads",
-    "head_dim",
-    "window",
-)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def layout_fields(layout: KVLayout) -> dict[str, Any]:
-    """A KVLayout as the plain values a header (and a receiver's auth_ok) carries."""
-    return {
-        "dtype": dtype_name(layout.dtype),
-        "block_size": layout.block_size,
-        "num_full_layers": layout.num_full_layers,
-        "num_swa_layers": layout.num_swa_layers,
-        "num_kv_heads": layout.num_kv_heads,
-        "head_dim": layout.head_dim,
-        "window": layout.window if layout.num_swa_layers else 0,
-    }
 
 
 @dataclass(frozen=True)
@@ -136,13 +100,18 @@ class HandoffHeader:
             raise bad("num_computed must be every token but the last")
         if (self.num_swa_layers > 0) != (self.window > 0):
             raise bad("window and num_swa_layers must be both zero or both positive")
+        lo = KVLayout(
+            self.num_full_layers, self.num_swa_layers, self.block_size, self.window, self.num_kv_heads,
+            self.head_dim, DTYPES[self.dtype],
+        )  # fmt: skip
+        object.__setattr__(self, "_layout", lo)  # derived once: the shapes below come from it
         want = {
             "swa_fill": min(self.num_computed, self.window),
-            "num_pages": math.ceil(self.num_computed / self.block_size) if self.num_full_layers else 0,
-            "page_bytes": math.prod(self.page_shape[1:]) * self.elem_bytes,
-            "state_bytes": math.prod(self.state_shape) * self.elem_bytes if self.num_swa_layers else 0,
+            "num_pages": lo.num_pages(self.num_computed),
+            "page_bytes": lo.page_bytes,
+            "state_bytes": lo.state_bytes,
+            "payload_bytes": lo.payload_bytes(self.num_computed),
         }
-        want["payload_bytes"] = want["num_pages"] * want["page_bytes"] + want["state_bytes"]
         wrong = [f"{k} {getattr(self, k)} != {v}" for k, v in want.items() if getattr(self, k) != v]
         if wrong:
             raise bad("inconsistent sizes: " + ", ".join(wrong))
@@ -150,24 +119,29 @@ class HandoffHeader:
             raise bad("checksum out of range")
 
     @property
+    def layout(self) -> KVLayout:
+        """The sender's KV layout, as this header states it."""
+        return self._layout  # type: ignore[no-any-return, attr-defined]
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return self.layout.dtype
 
     @property
     def elem_bytes(self) -> int:
-        return _ELEM_BYTES[self.dtype]
+        return self.layout.elem_bytes
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        return (self.num_pages, self.num_full_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return self.layout.page_shape(self.num_pages)
 
     @property
     def state_shape(self) -> tuple[int, ...]:
-        return (self.num_swa_layers, 2, self.window, self.num_kv_heads, self.head_dim)
+        return self.layout.state_shape()
 
     @property
     def has_state(self) -> bool:
-        return self.num_swa_layers > 0
+        return self.layout.has_state
 
     # ---- wire ---------------------------------------------------------------------------------
 
@@ -354,10 +328,10 @@ def _params(d: Any) -> SamplingParams:
 
 def check_layout(header: HandoffHeader, layout: KVLayout, model: str = "") -> None:
     """Raises HandoffError(LAYOUT) unless the header was made for this model and KV layout."""
-    mine = layout_fields(layout)
+    mine = layout.fields()
     diffs = [
         f"{k} {getattr(header, k)!r} (theirs) != {mine[k]!r} (ours)"
-        for k in LAYOUT_FIELDS
+        for k in KVLayout.FIELDS
         if getattr(header, k) != mine[k]
     ]
     if model and header.model and header.model != model:
@@ -368,20 +342,12 @@ def check_layout(header: HandoffHeader, layout: KVLayout, model: str = "") -> No
         )
 
 
-def layout_from_fields(d: dict[str, Any]) -> KVLayout:
-    """The inverse of layout_fields (a peer's layout from its auth_ok); raises HandoffError(LAYOUT)."""
+def peer_layout(d: Any) -> KVLayout:
+    """A peer's layout from its auth_ok (KVLayout.fields() there); raises HandoffError(LAYOUT)."""
     try:
-        return KVLayout(
-            num_full_layers=int(d["num_full_layers"]),
-            num_swa_layers=int(d["num_swa_layers"]),
-            block_size=int(d["block_size"]),
-            window=int(d["window"]),
-            num_kv_heads=int(d["num_kv_heads"]),
-            head_dim=int(d["head_dim"]),
-            dtype=DTYPES[d["dtype"]],
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise HandoffError(LAYOUT, f"the peer sent an unreadable layout: {e!r}") from None
+        return KVLayout.from_fields(d)
+    except ValueError as e:
+        raise HandoffError(LAYOUT, f"the peer sent an unreadable layout: {e}") from None
 
 
 # ---- payload --------------------------------------------------------------------------------------
@@ -389,7 +355,11 @@ def layout_from_fields(d: dict[str, Any]) -> KVLayout:
 
 def payload_segments(export: SequenceExport, layout: KVLayout) -> list[torch.Tensor]:
     """The export's tensors in payload order (pages, then the state if the model has sliding layers)."""
-    return [export.pages] + ([export.state] if layout.num_swa_layers else [])  # type: ignore[list-item]
+    if not layout.has_state:
+        return [export.pages]
+    if export.state is None:
+        raise HandoffError(LAYOUT, "the export has no SWA state")
+    return [export.pages, export.state]
 
 
 def export_checksum(export: SequenceExport, layout: KVLayout) -> int:
@@ -397,7 +367,7 @@ def export_checksum(export: SequenceExport, layout: KVLayout) -> int:
     gather computed it (pages_sum: then only the small SWA state is hashed here)."""
     sums = []
     for i, t in enumerate(payload_segments(export, layout)):
-        pages_sum = getattr(export, "pages_sum", None) if i == 0 else None
+        pages_sum = export.pages_sum if i == 0 else None
         s = int(pages_sum) & MASK64 if pages_sum is not None else segment_sum(as_words(t))
         sums.append((t.numel() * t.element_size(), s))
     return fold(sums)
@@ -412,30 +382,22 @@ def make_header(
 ) -> HandoffHeader:
     """The header of an export (sender side). Computes the checksum where the tensors are unless
     given. Raises HandoffError(LAYOUT) if the tensors do not have this layout's shapes."""
-    lo = layout_fields(layout)
+    lo = layout.fields()
     num_computed = export.num_computed
-    num_pages = math.ceil(num_computed / layout.block_size) if layout.num_full_layers else 0
-    page_shape = (
-        num_pages,
-        layout.num_full_layers,
-        2,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
+    num_pages = layout.num_pages(num_computed)
+    page_shape = layout.page_shape(num_pages)
     if tuple(export.pages.shape) != page_shape or export.pages.dtype != layout.dtype:
         raise HandoffError(
             LAYOUT, f"pages {tuple(export.pages.shape)} {export.pages.dtype} != {page_shape} {layout.dtype}"
         )
-    if layout.num_swa_layers:
-        state_shape = (layout.num_swa_layers, 2, layout.window, layout.num_kv_heads, layout.head_dim)
+    if layout.has_state:
+        state_shape = layout.state_shape()
         st = export.state
         if st is None or tuple(st.shape) != state_shape or st.dtype != layout.dtype:
             got = None if st is None else (tuple(st.shape), st.dtype)
             raise HandoffError(LAYOUT, f"SWA state {got} != {state_shape} {layout.dtype}")
     if checksum is None:
         checksum = export_checksum(export, layout)
-    state_bytes = layout.state_bytes if layout.num_swa_layers else 0
     return HandoffHeader(
         request_id=export.request_id,
         prompt_token_ids=tuple(export.prompt_token_ids),
@@ -447,8 +409,8 @@ def make_header(
         swa_fill=min(num_computed, lo["window"]),
         num_pages=num_pages,
         page_bytes=layout.page_bytes,
-        state_bytes=state_bytes,
-        payload_bytes=num_pages * layout.page_bytes + state_bytes,
+        state_bytes=layout.state_bytes,
+        payload_bytes=layout.payload_bytes(num_computed),
         checksum=checksum,
         output_logprobs=tuple(output_logprobs),
         **lo,

@@ -43,10 +43,11 @@ from typing import Any, Protocol
 
 import torch
 
-from transfer.checksum import MASK64, fold
+from engine.handoff import DTYPES, dtype_name
+from kernels.checksum import MASK64, fold
 from transfer.config import TransferConfig
 from transfer.errors import TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import DTYPES, HandoffHeader, dtype_name
+from transfer.handoff import HandoffHeader
 from transfer.transport import Transport
 from transfer.wire import Channel
 
@@ -190,7 +191,7 @@ class TorchCudaIpc:
     def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Copy:
         # NOTE: on the handoff's critical path: few torch calls (each costs microseconds of host time;
         # the launch is about 0.4 ms of Python per handoff, as long as a third of the copy of 2 GiB)
-        from transfer.checksum_gpu import copy_segment
+        from kernels.checksum_gpu import copy_segment
 
         device = dst[0].device
         stream = self._streams.get(device)

@@ -41,7 +41,6 @@ from transfer.handoff import (
     PackedIds,
     check_layout,
     check_segments,
-    layout_fields,
     to_export,
 )
 from transfer.transport import Transport, make_transport
@@ -188,7 +187,7 @@ class KVReceiver:
             log.warning("refused unauthenticated KV peer %s: %s", ch.peer, reason)
             raise HandoffError(AUTH, f"not authenticated: {reason}") from None
         await ch.send(
-            {"t": "auth_ok", "mac": proof, "model": self.model, "layout": layout_fields(self.layout)}
+            {"t": "auth_ok", "mac": proof, "model": self.model, "layout": self.layout.fields()}
         )
 
     async def _handle(self, ch: Channel, timeout_s: float) -> bool:

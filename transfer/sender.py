@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.handoff import KVLayout, SequenceExport
-from engine.request import TokenLogprob
+from engine.handoff import KVLayout, SequenceExport, TokenLogprob
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig
 from transfer.errors import INCOMPLETE, LAYOUT, PROTOCOL, STALE, TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import HandoffHeader, check_layout, layout_from_fields, make_header, payload_segments
+from transfer.handoff import HandoffHeader, check_layout, make_header, payload_segments, peer_layout
 from transfer.ipc import IpcTransport
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
@@ -256,7 +255,7 @@ class KVSender:
         ch = await self._connect(addr)
         try:
             ok = await client_handshake(ch, self.token, self.sender_id)
-            conn = _Conn(ch, layout_from_fields(ok.get("layout") or {}), str(ok.get("model", "")))
+            conn = _Conn(ch, peer_layout(ok.get("layout") or {}), str(ok.get("model", "")))
         except BaseException:
             ch.close()
             raise

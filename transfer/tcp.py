@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from transfer.checksum import SegmentHasher, fold
+from kernels.checksum import fold
+from transfer.checksum import SegmentHasher
 from transfer.config import TransferConfig
 from transfer.errors import INCOMPLETE, HandoffError
 from transfer.handoff import HandoffHeader

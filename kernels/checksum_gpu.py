@@ -1,4 +1,4 @@
-"""The payload checksum of checksum.py in one pass over GPU memory (kernels/copy_hash.py, Triton),
+"""The payload checksum of kernels/checksum.py in one pass over GPU memory (kernels/copy_hash.py, Triton),
 alone or fused with the copy that moves the bytes anyway.
 
 Why: the torch version runs the definition as five elementwise passes and a reduction, about ten
@@ -27,6 +27,17 @@ from typing import Any
 
 import torch
 
+from kernels.checksum import (
+    CHUNK_WORDS,
+    MASK64,
+    MUL,
+    make_chunk_keys,
+    position_keys,
+    signed64,
+    torch_segment_sum,
+)
+from kernels.copy_hash import copy_hash
+
 log = logging.getLogger("transfer.checksum")
 _KEYS: dict[torch.device, torch.Tensor] = {}
 _KEYS_LOCK = threading.Lock()
@@ -35,12 +46,10 @@ MIN_CACHED_CHUNK_KEYS = 4096  # 4 GiB of chunks: enough for one segment of a lon
 
 def chunk_keys(first: int, count: int, device: torch.device) -> torch.Tensor:
     """K_c for c in [first, first + count), kept on the device (no host copy, so no sync, per call)."""
-    from transfer.checksum import _chunk_keys
-
     with _KEYS_LOCK:
         keys = _KEYS.get(device)
         if keys is None or keys.numel() < first + count:
-            keys = _chunk_keys(0, max(MIN_CACHED_CHUNK_KEYS, 2 * (first + count)), device)
+            keys = make_chunk_keys(0, max(MIN_CACHED_CHUNK_KEYS, 2 * (first + count)), device)
             _KEYS[device] = keys
     return keys[first : first + count]
 
@@ -48,10 +57,7 @@ def chunk_keys(first: int, count: int, device: torch.device) -> torch.Tensor:
 @cache
 def _kernel_args() -> tuple[Any, Any, int, int]:
     """The kernel and its fixed arguments' sources, looked up once (a handoff's launch is host-bound)."""
-    from kernels.copy_hash import copy_hash
-    from transfer.checksum import CHUNK_WORDS, MUL, _position_keys, _signed
-
-    return copy_hash, _position_keys, _signed(MUL), CHUNK_WORDS
+    return copy_hash, position_keys, signed64(MUL), CHUNK_WORDS
 
 
 def _launch(
@@ -73,8 +79,6 @@ def _launch(
 
 def segment_sum(words: torch.Tensor, first_chunk: int) -> int:
     """checksum.segment_sum through the kernel (words: int64, contiguous, on a CUDA device)."""
-    from transfer.checksum import MASK64
-
     return int(_launch(words, words.numel(), first_chunk)) & MASK64
 
 
@@ -126,10 +130,8 @@ def copy_segment(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
 def usable(device: torch.device) -> bool:
     """Whether the kernel runs on device and every variant (hash only, copy, paged gather with steps
     inside a page or across pages) gives the torch version's sums and bytes (checked once)."""
-    from transfer.checksum import CHUNK_WORDS, MASK64, _torch_segment_sum
-
     def torch_s(words: torch.Tensor, first: int = 0) -> int:
-        return _torch_segment_sum(words, first)
+        return torch_segment_sum(words, first)
 
     try:
         g = torch.Generator().manual_seed(7)

@@ -1,0 +1,115 @@
+"""The layers: kernels <- engine <- transfer <- pd <- bench (an arrow: "may be imported by").
+
+Read from the source with ast (nothing is imported, so no import side effects and no GPU needed),
+every import counted, including those inside functions:
+- a module imports only from its own layer and the layers below it;
+- transfer/ imports from engine/ only engine.handoff, the boundary module, and that module's own
+  imports stay CUDA-free (no kernels, no model, loader or attention);
+- no import cycle among the project's modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("kernels", "engine", "transfer", "pd", "bench")
+BOUNDARY = "engine.handoff"
+BOUNDARY_MAY_IMPORT = {"engine.codec", "engine.errors", "engine.request"}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            mods[name] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> set[str]:
+    """The project modules that path imports (a `from pkg import mod` counts as pkg.mod)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[0])
+
+
+def test_the_tree_is_seen() -> None:
+    assert {"engine.engine", "engine.handoff", "transfer.handoff", "pd.server", "kernels.checksum"} <= set(MODULES)
+    assert "engine.handoff" in GRAPH["transfer.handoff"]
+
+
+def test_imports_point_down() -> None:
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in GRAPH.items()
+        for dep in sorted(deps)
+        if _layer(dep) > _layer(mod)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_transfer_sees_the_engine_only_through_the_boundary() -> None:
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in GRAPH.items()
+        if mod.startswith("transfer")
+        for dep in sorted(deps)
+        if dep.startswith("engine") and dep != BOUNDARY
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_boundary_stays_light() -> None:
+    seen, todo = set(), [BOUNDARY]
+    while todo:
+        mod = todo.pop()
+        if mod not in seen:
+            seen.add(mod)
+            todo.extend(GRAPH[mod])
+    assert seen - {BOUNDARY} <= BOUNDARY_MAY_IMPORT, sorted(seen)
+
+
+def test_no_import_cycle() -> None:
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(mod: str) -> None:
+        state[mod] = 1
+        stack.append(mod)
+        for dep in sorted(GRAPH[mod]):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(stack[stack.index(dep) :] + [dep]))
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[mod] = 2
+
+    for mod in sorted(GRAPH):
+        if mod not in state:
+            visit(mod)
+    assert not cycles, "\n".join(cycles)
