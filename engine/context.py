@@ -3,6 +3,7 @@ KV lives. Set by `forward_context(...)` for exactly one forward pass and always 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,26 +55,45 @@ def get_context() -> ForwardContext:
     return _CONTEXT
 
 
+def _kv_slots(chunks: list[SeqChunk], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page id and offset of every new token of the chunks (empty without full-attention layers),
+    built a page at a time (list repeats and ranges run in C), not a Python step per token."""
+    page_ids = array("q")
+    page_offsets = array("q")
+    if block_size:
+        for c in chunks:
+            pos, end = c.start_pos, c.end_pos
+            if end - pos == 1:  # a decode row
+                page_ids.append(c.block_ids[pos // block_size])
+                page_offsets.append(pos % block_size)
+                continue
+            while pos < end:
+                offset = pos % block_size
+                k = min(block_size - offset, end - pos)
+                page_ids.extend([c.block_ids[pos // block_size]] * k)
+                page_offsets.extend(range(offset, offset + k))
+                pos += k
+    return _long_tensor(page_ids), _long_tensor(page_offsets)
+
+
+def _long_tensor(values: array[int]) -> torch.Tensor:
+    # NOTE: frombuffer shares the array's memory (the tensor keeps it alive); an empty array has no buffer
+    return torch.frombuffer(values, dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
+
+
 @contextmanager
 def forward_context(
     chunks: list[SeqChunk], kv: KVCache, numerics: Numerics, decode: DecodeMeta | None = None
 ) -> Iterator[ForwardContext]:
     global _CONTEXT
-    page_ids: list[int] = []
-    page_offsets: list[int] = []
-    bs = kv.block_size
-    if kv.num_full_layers:
-        for c in chunks:
-            for pos in range(c.start_pos, c.end_pos):
-                page_ids.append(c.block_ids[pos // bs])
-                page_offsets.append(pos % bs)
+    page_ids, page_offsets = _kv_slots(chunks, kv.block_size if kv.num_full_layers else 0)
     device = kv.device
     _CONTEXT = ForwardContext(
         chunks=chunks,
         kv=kv,
         numerics=numerics,
-        page_ids=torch.tensor(page_ids, dtype=torch.long, device=device),
-        page_offsets=torch.tensor(page_offsets, dtype=torch.long, device=device),
+        page_ids=page_ids.to(device, non_blocking=True),
+        page_offsets=page_offsets.to(device, non_blocking=True),
         decode=decode,
     )
     try:

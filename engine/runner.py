@@ -61,7 +61,7 @@ class ModelRunner:
             if i in is_decode:
                 continue
             start = seq.num_computed
-            tokens = seq.all_token_ids[start : start + n]
+            tokens = seq.token_ids(start, start + n)
             chunks.append(SeqChunk(len(input_ids), n, start, seq.block_ids, seq.state_slot))
             input_ids += tokens
             positions += range(start, start + n)

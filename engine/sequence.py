@@ -36,9 +36,14 @@ class Sequence:
     is_prefill_only: bool = False  # PE side of P/D: park after the first token instead of decoding
     cache_store_upto: int = 0  # prefill pauses at this page boundary so the cache can store it; 0: none
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output (without building the whole list every step)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     @property
     def num_tokens(self) -> int:

@@ -147,7 +147,7 @@ async def _stream(
     num_out = [0] * n
     num_cached = 0
 
-    def chunk(u: ChoiceUpdate) -> dict[str, Any] | None:
+    def choice(u: ChoiceUpdate) -> dict[str, Any] | None:
         nonlocal num_cached
         i = u.choice
         delta: dict[str, Any] = {}
@@ -170,17 +170,9 @@ async def _stream(
         logprobs = chat_logprobs(co, u.logprobs) if req.logprobs is not None and u.logprobs else None
         if not delta and reason is None and logprobs is None:
             return None
-        c: dict[str, Any] = {
-            **head,
-            "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
-        }
-        if req.sampling.include_usage:
-            c["usage"] = None
-        return c
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
-    def final_usage() -> dict[str, Any] | None:
-        if not req.sampling.include_usage:
-            return None
-        return {**head, "choices": [], "usage": usage(num_prompt, sum(num_out), num_cached)}
+    def final_usage() -> dict[str, Any]:
+        return usage(num_prompt, sum(num_out), num_cached)
 
-    return await stream_choices(request, gen, chunk, final_usage)
+    return await stream_choices(request, gen, head, choice, final_usage if req.sampling.include_usage else None)

@@ -133,7 +133,7 @@ async def _stream(
     num_out = [0] * k
     cached: dict[int, int] = {}
 
-    def chunk(u: ChoiceUpdate) -> dict[str, Any] | None:
+    def choice(u: ChoiceUpdate) -> dict[str, Any] | None:
         i = u.choice
         text = u.text
         if not is_started[i]:
@@ -145,17 +145,9 @@ async def _stream(
         logprobs = writers[i].block(u.logprobs) if req.logprobs is not None else None
         if not text and u.finish_reason is None and not u.logprobs:
             return None
-        c: dict[str, Any] = {
-            **head,
-            "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}],
-        }
-        if req.sampling.include_usage:
-            c["usage"] = None
-        return c
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}
 
-    def final_usage() -> dict[str, Any] | None:
-        if not req.sampling.include_usage:
-            return None
-        return {**head, "choices": [], "usage": usage(num_prompt, sum(num_out), sum(cached.values()))}
+    def final_usage() -> dict[str, Any]:
+        return usage(num_prompt, sum(num_out), sum(cached.values()))
 
-    return await stream_choices(request, gen, chunk, final_usage)
+    return await stream_choices(request, gen, head, choice, final_usage if req.sampling.include_usage else None)

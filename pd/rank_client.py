@@ -182,15 +182,9 @@ class RankClient:
         queue: asyncio.Queue[tuple[str, RankEvent]],
         use_prefix_cache: bool = True,
     ) -> None:
-        if not self.is_up:
-            queue.put_nowait(
-                (request_id, RankDown(self.down_reason or f"engine rank {self.index} is {self.state.value}"))
-            )
-            return
-        self._streams[request_id] = queue
-        await self._push.send(
-            encode(AddRequest(request_id, tuple(prompt_token_ids), params, use_prefix_cache))
-        )
+        """Generation: the request's outputs (or a rejection, or RankDown) arrive on queue."""
+        msg = AddRequest(request_id, tuple(prompt_token_ids), params, use_prefix_cache)
+        await self._request(request_id, msg, queue)
 
     async def reserve(
         self,

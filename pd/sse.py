@@ -24,15 +24,24 @@ def sse_event(obj: Any) -> bytes:
 async def stream_choices(
     request: web.Request,
     gen: Generation,
-    chunk: Callable[[ChoiceUpdate], dict[str, Any] | None],
-    final_usage: Callable[[], dict[str, Any] | None],
+    head: dict[str, Any],
+    choice: Callable[[ChoiceUpdate], dict[str, Any] | None],
+    usage: Callable[[], dict[str, Any]] | None,
 ) -> web.StreamResponse:
-    """A generation as an SSE response: one event per update that `chunk` turns into a chunk, then
-    `final_usage()` (None: not asked for), then [DONE].
+    """A generation as an SSE response: one chunk ({**head, "choices": [...]}) per update that `choice`
+    turns into a choice, then, when the request asked for usage (usage not None), a last chunk with
+    no choices and `usage()`, then [DONE]. With usage asked for, every other chunk has "usage": null.
 
     The response starts only once the first update is there, so a rejection before any token is still
     a plain HTTP error; an error after that goes in-band, with no [DONE].
     """
+
+    def chunk(u: ChoiceUpdate) -> dict[str, Any] | None:
+        c = choice(u)
+        if c is None:
+            return None
+        return {**head, "choices": [c], "usage": None} if usage is not None else {**head, "choices": [c]}
+
     updates = gen.updates()
     first = await updates.__anext__()
     resp = web.StreamResponse(headers=HEADERS)
@@ -48,8 +57,7 @@ async def stream_choices(
     except ApiError as e:
         await resp.write(sse_event(e.to_dict()))
         return resp
-    last = final_usage()
-    if last is not None:
-        await resp.write(sse_event(last))
+    if usage is not None:
+        await resp.write(sse_event({**head, "choices": [], "usage": usage()}))
     await resp.write(DONE)
     return resp
