@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 MAX_BLOCK_WORDS = 2048  # 16 KiB per step of a program
-NUM_WARPS = 16  # 2 GiB copy+hash on an H200: 1.148 ms with 16, 1.177 with 8, 1.307 with 4
+NUM_WARPS = 16  # the fastest of 4, 8 and 16 for a 2 GiB copy+hash on the H200 (bench/RESULTS.md)
 
 
 @cache

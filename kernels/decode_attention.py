@@ -32,9 +32,9 @@ import triton.language as tl
 
 MAX_SPLITS = 16  # splits of one sequence's keys, at most
 MIN_SPLIT_TOKENS = 128  # a split gets at least this many keys (fewer splits for short contexts)
-# A large batch has parallelism enough without short splits: fewer, longer programs pay there (on an
-# H200, 256-key splits: b=64 1k 94 vs 101 us per layer, b=256 352 vs 393; b=1 slower). Callers that
-# may let the split depend on the batch (not deterministic mode) pass it as min_split.
+# A large batch has parallelism enough without short splits: fewer, longer programs pay there, and
+# cost at batch 1 (bench/RESULTS.md, decode attention). Callers that may let the split depend on the
+# batch (not deterministic mode) pass it as min_split.
 WIDE_SPLIT_TOKENS = 256
 BLOCK_N = 64  # keys per tile
 NUM_WARPS, NUM_STAGES = 4, 2  # the split kernel's launch (bench/bench_decode_attn.py sweeps these)
