@@ -40,9 +40,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script without the project installed
+    sys.path.insert(0, str(REPO))
 
-from loadgen import cli, plots, report, runner, summary  # noqa: E402  (bench/loadgen)
+from bench.loadgen import cli, plots, report, runner, summary  # noqa: E402
 
 
 def _named(items: Sequence[str], flag: str) -> dict[str, str]:

@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+if str(REPO) not in sys.path:  # run as a script without the project installed
+    sys.path.insert(0, str(REPO))
 
-from gpu_check import first_logits, free_memory, make_synthetic, prompts_for  # noqa: E402
-
+from bench.gpu_check import first_logits, free_memory, make_synthetic, prompts_for  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402

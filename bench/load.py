@@ -56,9 +56,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # loadgen, also when imported by path
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script without the project installed
+    sys.path.insert(0, str(REPO))
 
-from loadgen.cli import (  # noqa: E402
+from bench.loadgen.cli import (  # noqa: E402
     add_request_args,
     add_trace_args,
     chat_url,
@@ -69,9 +71,9 @@ from loadgen.cli import (  # noqa: E402
     server_model,
     trace_from_args,
 )
-from loadgen.report import format_itl_split, format_table, results_doc, write_outputs  # noqa: E402
-from loadgen.runner import LoadConfig, run_load, warm_up  # noqa: E402
-from loadgen.summary import summarize  # noqa: E402
+from bench.loadgen.report import format_itl_split, format_table, results_doc, write_outputs  # noqa: E402
+from bench.loadgen.runner import LoadConfig, run_load, warm_up  # noqa: E402
+from bench.loadgen.summary import summarize  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

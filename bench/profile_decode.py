@@ -9,7 +9,6 @@ sampling, bookkeeping), and the GPU time of each kernel in one replay (torch.pro
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -30,12 +29,9 @@ from engine.request import SamplingParams  # noqa: E402
 
 
 def _bench_engine() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_engine", REPO / "bench" / "bench_engine.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_engine"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from bench import bench_engine
+
+    return bench_engine
 
 
 def _median_ms(fn: Any, reps: int) -> float:

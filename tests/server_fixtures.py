@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,7 +10,6 @@ from openai import OpenAI
 
 from pd.testing import PDPair, ServerProcess, wait_idle
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 # A small deterministic server: what the identity tests (single engine and P/D pairs) run with.
 SMALL_DETERMINISTIC = (
@@ -65,11 +63,8 @@ def module_ref_and_pair(*args: str) -> Callable[..., Iterator[tuple[ServerProces
 
 def run_check_pd(ref: ServerProcess, pair: PDPair, *args: str) -> int:
     """bench/check_pd.py's exit code, reference against pair, 8 tokens a request."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import check_pd
-    finally:
-        sys.path.remove(str(BENCH))
+    from bench import check_pd
+
     return int(check_pd.main(["--ref", ref.url, "--pd", pair.url, "--max-tokens", "8", *args]))
 
 

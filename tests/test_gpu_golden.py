@@ -8,7 +8,6 @@ them on the GPU machine without pytest. Skipped without CUDA or without the conv
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,9 @@ MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
 
 
 def _gpu_check():
-    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from bench import gpu_check
+
+    return gpu_check
 
 
 def _folder(name: str) -> Path:

@@ -5,35 +5,17 @@ against a real server whose numbers must agree with the server's usage and its /
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import statistics
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from aiohttp import web
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-
-from loadgen import plots, report, runner, summary, trace  # noqa: E402
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-load = _load("load")
-
+from bench import load
+from bench.loadgen import plots, report, runner, summary, trace
 
 # ---- trace ----------------------------------------------------------------------------------------
 
@@ -391,7 +373,7 @@ def test_load_command_line_sweep(fake_in_thread, tmp_path: Path, capsys) -> None
 
 
 def test_compare_two_targets_side_by_side(fake_in_thread, tmp_path: Path) -> None:
-    compare = _load("compare")
+    from bench import compare
     out = tmp_path / "cmp"
     url = fake_in_thread.url
     flags = (
@@ -407,7 +389,7 @@ def test_compare_two_targets_side_by_side(fake_in_thread, tmp_path: Path) -> Non
 
 
 def test_compare_interleaves_points_with_setup_and_teardown(fake_in_thread, tmp_path: Path) -> None:
-    compare = _load("compare")
+    from bench import compare
     out, log = tmp_path / "cmp", tmp_path / "hooks.log"
     url = fake_in_thread.url
     args = [
@@ -428,7 +410,7 @@ def test_compare_interleaves_points_with_setup_and_teardown(fake_in_thread, tmp_
 
 
 def test_aiperf_records_pair_with_load_records(tmp_path: Path) -> None:
-    pair = _load("aiperf_vs_load")
+    from bench import aiperf_vs_load as pair
     reqs = [
         runner.RequestRecord(
             "conv-0000",
