@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
 from pd.testing import PDPair, ServerProcess, wait_idle
-
 
 # A small deterministic server: what the identity tests (single engine and P/D pairs) run with.
 SMALL_DETERMINISTIC = (
