@@ -18,7 +18,7 @@ One table at the end; everything, environment included, as JSON in --out.
 Modes (--modes): default, deterministic, and default mode with its prefill attention pinned, to compare
 the paths in one run: default-triton (every chunk on the Triton kernel), default-sdpa (large chunks
 through torch's flash SDPA), default-cudnn (cuDNN first where torch can run it). Plain `default` runs
-what PDSERVE_PREFILL_SDPA selects (engine/attention.py).
+what --prefill-sdpa selects (the engine's ForwardConfig flags, as `python -m pd.server` takes them).
 
 How decode rows start: by default (`--kv-fill skip`) a row's sequences are admitted as if their
 prompt KV had arrived from elsewhere (the engine's import path, without the copy) and transformers'
@@ -47,7 +47,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +58,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from engine import attention  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import EngineConfig, ForwardConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.kv_cache import layout_of  # noqa: E402
 from engine.model_config import ModelArch, arch_from_hf, load_hf_config  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from engine.sequence import SeqStatus  # noqa: E402
+from pd.settings import add_flags, from_flags  # noqa: E402
 
 CONFIGS = REPO / "bench" / "configs"
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed keyword arguments
@@ -77,8 +76,8 @@ TINY_DIMS: dict[str, Any] = dict(
 )
 
 
-# mode -> (deterministic numerics, engine/attention.py PREFILL_SDPA during its rows; None: as the
-# environment set it)
+# mode -> (deterministic numerics, the engine's ForwardConfig.prefill_sdpa in its rows; None: as
+# --prefill-sdpa says)
 ENGINE_MODES: dict[str, tuple[bool, str | None]] = {
     "default": (False, None),
     "deterministic": (True, None),
@@ -207,13 +206,14 @@ class Deadline:
 # ---- the engine ----------------------------------------------------------------------------------
 
 
-def build_engine(folder: Path, args: argparse.Namespace, is_det: bool, max_len: int, kv_bytes: int,
-                 max_seqs: int) -> LLMEngine:
+def build_engine(folder: Path, args: argparse.Namespace, is_det: bool, forward: ForwardConfig, max_len: int,
+                 kv_bytes: int, max_seqs: int) -> LLMEngine:
     extra = {} if args.hicache_gb is None else {"hicache_gb": args.hicache_gb}
     return LLMEngine(EngineConfig(
         model=str(folder), device=args.device, load_format="dummy", is_deterministic=is_det,
         max_num_seqs=max_seqs, max_num_batched_tokens=args.chunk, block_size=args.block_size,
-        max_model_len=max_len, kv_cache_gb=kv_bytes / GiB, num_swa_slots=max_seqs + 1, seed=args.seed, **extra,
+        max_model_len=max_len, kv_cache_gb=kv_bytes / GiB, num_swa_slots=max_seqs + 1, seed=args.seed,
+        forward=forward, **extra,
     ))
 
 
@@ -221,14 +221,12 @@ def admit_prefilled(eng: LLMEngine) -> None:
     """Moves every waiting sequence straight into decode with its prompt counted as cached (what
     import_sequence does, minus copying pages in): the next step computes its last prompt token."""
     sched = eng.scheduler
-    while sched.waiting:
-        seq = sched.waiting.popleft()
+    for seq in list(sched.waiting):
         assert sched.can_admit(seq.num_tokens)
         sched.allocate(seq)
         seq.num_computed = seq.num_prompt_tokens - 1
         seq.num_cached_prompt = seq.num_computed
-        seq.status = SeqStatus.RUNNING
-        sched.running.append(seq)
+        sched.admit_prefilled(seq)
 
 
 def release_all(eng: LLMEngine, ids: list[str]) -> None:
@@ -339,22 +337,19 @@ def run_engine_mode(folder: Path, facts: ModelFacts, mode: str, grid: dict[str, 
     """Two engines per model and mode: one whose KV pool holds the decode rows, one with a pool for a
     single long prompt (so the prefill rows keep the memory for their activations)."""
     is_det, sdpa = ENGINE_MODES[mode]
-    saved_sdpa = attention.PREFILL_SDPA
-    attention.PREFILL_SDPA = sdpa or saved_sdpa
-    try:
-        return engine_rows(folder, facts, mode, is_det, grid, args, deadline)
-    finally:
-        attention.PREFILL_SDPA = saved_sdpa
+    forward = args.forward if sdpa is None else replace(args.forward, prefill_sdpa=sdpa)
+    return engine_rows(folder, facts, mode, is_det, forward, grid, args, deadline)
 
 
-def engine_rows(folder: Path, facts: ModelFacts, mode: str, is_det: bool, grid: dict[str, list[int]],
-                args: argparse.Namespace, deadline: Deadline) -> list[dict[str, Any]]:
+def engine_rows(folder: Path, facts: ModelFacts, mode: str, is_det: bool, forward: ForwardConfig,
+                grid: dict[str, list[int]], args: argparse.Namespace, deadline: Deadline) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     if grid["batches"] and grid["contexts"]:
         max_seqs = max(grid["batches"])
         max_len = max(grid["contexts"]) + args.steps + 8
         sizes = [(b, c + args.steps + 8) for b in grid["batches"] for c in grid["contexts"]]
-        eng = build_engine(folder, args, is_det, max_len, kv_pool_bytes(facts, args, sizes, max_seqs + 1), max_seqs)
+        eng = build_engine(folder, args, is_det, forward, max_len, kv_pool_bytes(facts, args, sizes, max_seqs + 1),
+                           max_seqs)
         for context in grid["contexts"]:
             for batch in grid["batches"]:
                 row = {"model": args.model_name, "mode": mode, "kind": "decode", "batch": batch, "context": context}
@@ -371,10 +366,10 @@ def engine_rows(folder: Path, facts: ModelFacts, mode: str, is_det: bool, grid: 
         free_memory()
     if grid["prefill"] and deadline.left_s() >= 5:
         max_len = max(grid["prefill"]) + 8
-        eng = build_engine(folder, args, is_det, max_len, kv_pool_bytes(facts, args, [(1, max_len)], 2), 1)
+        eng = build_engine(folder, args, is_det, forward, max_len, kv_pool_bytes(facts, args, [(1, max_len)], 2), 1)
         for n in grid["prefill"]:
             row = {"model": args.model_name, "mode": mode, "kind": "prefill", "tokens": n,
-                   "prefill_sdpa": "off" if is_det else attention.PREFILL_SDPA}
+                   "prefill_sdpa": "off" if is_det else forward.prefill_sdpa}
             if deadline.left_s() < 5:
                 row["status"] = "skipped: budget"
             else:
@@ -775,7 +770,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--tiny", action="store_true", help="toy dims and grid: a CPU smoke test")
     p.add_argument("--merge", nargs="+", default=None, help="print one table from these result JSON files")
+    add_flags(p, ForwardConfig)  # --prefill-sdpa, its thresholds, --chain-residuals: the engine's own flags
     args = p.parse_args(argv)
+    args.forward = from_flags(ForwardConfig, args)
     unknown = [m for m in args.modes.split(",") if m and m not in ENGINE_MODES]
     if unknown:
         p.error(f"unknown modes {unknown}: choose from {', '.join(ENGINE_MODES)}")

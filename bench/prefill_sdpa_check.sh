@@ -7,7 +7,7 @@
 # ENGINE_S per model); about 5-6 minutes in all on an H200.
 #   bash bench/prefill_sdpa_check.sh [steps: probe,tests,engine] [modes] [prefill tokens]
 #   e.g. modes default-sdpa,default-triton,default-cudnn to add cuDNN for chunks without a prefix;
-#   PDSERVE_PREFILL_SDPA_MIN_PAIRS=... sets the SDPA path's threshold for the whole run.
+#   MIN_PAIRS=... sets the SDPA path's threshold (bench_engine.py --prefill-sdpa-min-pairs) for the engine rows.
 set -u
 OUT=${OUT:-/tmp/prefill_sdpa_check}
 mkdir -p "$OUT"
@@ -22,7 +22,7 @@ say() { echo "$*" | tee -a "$SUMMARY"; }
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 say "$(nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader)"
 say "$($PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cudnn", torch.backends.cudnn.version())')"
-say "PDSERVE_PREFILL_SDPA=${PDSERVE_PREFILL_SDPA:-} PDSERVE_PREFILL_SDPA_MIN_PAIRS=${PDSERVE_PREFILL_SDPA_MIN_PAIRS:-}"
+say "modes $MODES, MIN_PAIRS=${MIN_PAIRS:-default}"
 if has probe; then
     # Which kernels torch's SDPA runs for an 8B layer's shapes (GQA 32/8, 128 dims, bf16): by default (what
     # transformers gets), pinned to flash, and a lower-right causal chunk after a prefix (our later chunks).
@@ -85,7 +85,8 @@ if has engine; then
         t0=$(date +%s)
         timeout "${ENGINE_S:-170}" $PY bench/bench_engine.py --models "$model" --modes "$MODES" --batches '' \
             --contexts '' --prefill "$PREFILL" --hf --no-hf-compile --hicache-gb 0 --prefill-reps 2 --chunk 8192 \
-            --time-budget-s "${BUDGET_S:-150}" --out "$OUT" --tag "sdpa_$model" > "$OUT/bench_engine_$model.log" 2>&1
+            --time-budget-s "${BUDGET_S:-150}" --out "$OUT" --tag "sdpa_$model" \
+            ${MIN_PAIRS:+--prefill-sdpa-min-pairs "$MIN_PAIRS"} > "$OUT/bench_engine_$model.log" 2>&1
         say "engine bench $model: rc $? $(( $(date +%s) - t0 )) s"
         grep -E "^ceilings" "$OUT/bench_engine_$model.log" | tail -1 | tee -a "$SUMMARY"
     done

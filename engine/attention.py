@@ -7,9 +7,10 @@ In default mode only, a chunk may go through torch's SDPA instead (`_sdpa_chunk`
 chunks still run in one Triton launch. By default ("fresh") that is a long chunk with nothing cached
 before it: its own keys, plain causal, which torch runs on cuDNN (measured on the H200, llama8b:
 a 32k prompt in one chunk 1,245 ms against the Triton kernel's 1,603; 8k 220 against 237; 1k slower,
-hence SDPA_FRESH_MIN_TOKENS). PDSERVE_PREFILL_SDPA=flash|cudnn also sends chunks after a prefix (keys
-gathered from the pages, causal aligned to the lower right: flash only), no faster end to end
-(32k in 8k chunks: 1,576 ms against 1,545); off: the Triton kernel for every chunk.
+hence ForwardConfig.prefill_sdpa_fresh_min_tokens). prefill_sdpa flash|cudnn (`--prefill-sdpa`) also
+sends chunks after a prefix (keys gathered from the pages, causal aligned to the lower right: flash
+only), no faster end to end (32k in 8k chunks: 1,576 ms against 1,545); off: the Triton kernel for
+every chunk. The setting travels in the step's context (ctx.config, engine/config.py ForwardConfig).
 Elsewhere each sequence's visible keys are gathered in position order and handed to a backend:
 
 - `sdpa_attend`: torch's scaled_dot_product_attention with an explicit mask (default mode).
@@ -23,7 +24,6 @@ Elsewhere each sequence's visible keys are gathered in position order and handed
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from functools import cache
 from types import ModuleType
@@ -34,34 +34,27 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from engine.config import ForwardConfig
 from engine.context import ForwardContext, SeqChunk, get_context
 from engine.decode import decode_attention
 
 QUERY_TILE = 16
 
-# The SDPA prefill path (default mode, CUDA): "fresh" (the default: cuDNN for a chunk of at least
-# SDPA_FRESH_MIN_TOKENS with no cached prefix, the Triton kernel for the rest), "off" (also "0": every
-# chunk on the Triton kernel), "flash" (also "1") or "cudnn" (large chunks with or without a prefix;
-# cuDNN first where torch can run it, flash otherwise). Read at every layer, so a benchmark can flip
-# it between runs of one process.
-_SDPA_SETTINGS = {"0": "off", "1": "flash", "off": "off", "flash": "flash", "cudnn": "cudnn", "fresh": "fresh"}
-PREFILL_SDPA = _SDPA_SETTINGS.get(os.environ.get("PDSERVE_PREFILL_SDPA", "fresh").lower(), "invalid")
-if PREFILL_SDPA == "invalid":
-    raise ValueError(f"PDSERVE_PREFILL_SDPA must be one of {sorted(_SDPA_SETTINGS)}")
+# The SDPA prefill path (default mode, CUDA), ForwardConfig.prefill_sdpa: "fresh" (the default: cuDNN
+# for a chunk of at least prefill_sdpa_fresh_min_tokens with no cached prefix, the Triton kernel for
+# the rest), "off" (every chunk on the Triton kernel), "flash" or "cudnn" (large chunks with or without
+# a prefix; cuDNN first where torch can run it, flash otherwise).
+# "fresh"'s threshold, 4,096 tokens: H200, llama8b: 8,192 tokens 220 ms against the kernel's 237, 1,024
+# tokens 26.7 against 24.7; in between not measured.
+# flash|cudnn: a chunk takes SDPA when queries x visible keys >= prefill_sdpa_min_pairs and it has
+# prefill_sdpa_min_queries queries or more: below that the one Triton launch for the whole step (no key
+# gather, no extra launch) is as good. 2^20 is a 1,024-token prompt, so every row of
+# bench/prefill_sdpa_check.sh compares the two; to be tuned on the H200 (--prefill-sdpa-min-pairs).
 _SDPA_BACKENDS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
     "fresh": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
 }
-# "fresh": from this many tokens a chunk with nothing cached goes to cuDNN (H200, llama8b: 8,192 tokens
-# 220 ms against the kernel's 237, 1,024 tokens 26.7 against 24.7; in between not measured).
-SDPA_FRESH_MIN_TOKENS = 4096
-# A chunk takes SDPA when queries x visible keys >= SDPA_MIN_PAIRS and it has SDPA_MIN_QUERIES queries or
-# more: below that the one Triton launch for the whole step (no key gather, no extra launch) is as good.
-# 2^20 is a 1,024-token prompt, so every row of bench/prefill_sdpa_check.sh compares the two; to be
-# tuned on the H200 (PDSERVE_PREFILL_SDPA_MIN_PAIRS overrides it for such a sweep).
-SDPA_MIN_PAIRS = int(os.environ.get("PDSERVE_PREFILL_SDPA_MIN_PAIRS", 1 << 20))
-SDPA_MIN_QUERIES = 128
 
 
 @dataclass(frozen=True)
@@ -152,7 +145,8 @@ def _flash_chunks(
     chunks = ctx.chunks
     if not chunks:
         return torch.empty_like(q)
-    fast = [i for i, c in enumerate(chunks) if _takes_sdpa(spec, c)] if _sdpa_usable(ctx, q, k) else []
+    usable = _sdpa_usable(ctx, q, k)
+    fast = [i for i, c in enumerate(chunks) if _takes_sdpa(ctx.config, spec, c)] if usable else []
     if fast == [0] and len(chunks) == 1 and chunks[0].token_start == 0 and chunks[0].num_tokens == q.shape[0]:
         return _sdpa_chunk(ctx, spec, chunks[0], 0, q, k, v)  # the whole step: no copy into `out`
     out = torch.empty_like(q)
@@ -180,19 +174,21 @@ def _flash_chunks(
 def _sdpa_usable(ctx: ForwardContext, q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether this layer may send chunks to SDPA at all. Never in deterministic mode: flash SDPA is
     neither batch- nor chunk-invariant, and the token-identity checks rely on the Triton kernel's being."""
-    if PREFILL_SDPA == "off" or ctx.numerics.is_deterministic or q.dtype not in (torch.bfloat16, torch.float16):
+    if ctx.config.prefill_sdpa == "off" or ctx.numerics.is_deterministic:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16):
         return False
     return _flash_supports(q.dtype, q.shape[1], k.shape[1], q.shape[2], q.device)
 
 
-def _takes_sdpa(spec: AttnSpec, c: SeqChunk) -> bool:
+def _takes_sdpa(cfg: ForwardConfig, spec: AttnSpec, c: SeqChunk) -> bool:
     """A chunk large enough to pay ("fresh": and nothing cached before it); on a sliding layer only while
     the window covers every key the chunk sees (start + n <= window: sliding is then plain causal)."""
     if spec.is_sliding and c.end_pos > (spec.window or 0):
         return False
-    if PREFILL_SDPA == "fresh":
-        return c.start_pos == 0 and c.num_tokens >= SDPA_FRESH_MIN_TOKENS
-    return c.num_tokens >= SDPA_MIN_QUERIES and c.num_tokens * c.end_pos >= SDPA_MIN_PAIRS
+    if cfg.prefill_sdpa == "fresh":
+        return c.start_pos == 0 and c.num_tokens >= cfg.prefill_sdpa_fresh_min_tokens
+    return c.num_tokens >= cfg.prefill_sdpa_min_queries and c.num_tokens * c.end_pos >= cfg.prefill_sdpa_min_pairs
 
 
 @cache
@@ -229,7 +225,7 @@ def _sdpa_chunk(
         keys, values = _gather_pages(ctx, spec.cache_index, c, index)
     n, num_keys = c.num_tokens, c.end_pos
     mask = None if n == num_keys else causal_lower_right(n, num_keys)
-    with sdpa_kernel(_SDPA_BACKENDS[PREFILL_SDPA], set_priority=True):
+    with sdpa_kernel(_SDPA_BACKENDS[ctx.config.prefill_sdpa], set_priority=True):
         out = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None],
             keys.transpose(0, 1)[None],

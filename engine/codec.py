@@ -80,12 +80,22 @@ def _encoder(tp: Any) -> Callable[[Any], Any]:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         encoders = {_encoder(a) for a in args}
-        return _identity if encoders == {_identity} else _encode_any
+        if encoders == {_identity}:
+            return _identity
+        if type(None) in args and len(args) == 2:  # X | None: X's encoder, no type tests per value
+            only = next(_encoder(a) for a in args if a is not type(None))
+            return lambda v: None if v is None else only(v)
+        return _encode_any
     if origin in (tuple, list):
         items = [a for a in args if a is not Ellipsis]
         if all(_encoder(a) is _identity for a in items):
             return list
+        if len(args) == 2 and args[1] is Ellipsis or origin is list and len(args) == 1:
+            item = _encoder(args[0])
+            return lambda v: [item(x) for x in v]
         return _encode_any
+    if origin is dict and len(args) == 2 and _encoder(args[1]) is _identity:
+        return dict
     if origin is typing.Literal:
         return _identity
     return _encode_any
@@ -95,7 +105,7 @@ def from_wire(cls: type[T], data: Any, field: str = "") -> T:
     """The cls that data encodes; raises WireError for anything else (see the module docstring).
     field: the path to report errors under (e.g. "params" for a nested value)."""
     try:
-        return typing.cast(T, _decoder(cls)(data))
+        return typing.cast(T, _decoder(typing.cast(Any, cls))(data))  # a class is hashable; mypy sees type[T]
     except WireError as e:
         if not field:
             raise
@@ -161,18 +171,18 @@ def _exact(kind: type, name: str) -> Convert:
     return convert
 
 
-def _int(v: Any) -> int:
+def _int(v: Any) -> Any:
     if type(v) is not int:  # NOTE: not isinstance: a bool is an int there
         _fail(f"must be an integer, got {type(v).__name__}")
-    return typing.cast(int, v)
+    return v
 
 
-def _float(v: Any) -> float:
+def _float(v: Any) -> Any:
     if type(v) is float:
-        return typing.cast(float, v)
+        return v
     if type(v) is int:
         return float(v)
-    return typing.cast(float, _fail(f"must be a number, got {type(v).__name__}"))
+    return _fail(f"must be a number, got {type(v).__name__}")
 
 
 def _literal(allowed: tuple[Any, ...]) -> Convert:
@@ -272,6 +282,27 @@ def _mapping(value: Convert) -> Convert:
     return convert
 
 
+def _misfit(what: str, names: list[str], cls: type) -> None:
+    """An unknown or missing field: its own path when there is one (an error's `param`)."""
+    if len(names) == 1:
+        raise WireError(f"{what} field of {cls.__name__}", names[0])
+    raise WireError(f"{what} fields {names} of {cls.__name__}")
+
+
+def _passes(tp: Any) -> frozenset[type]:
+    """The exact types of the values of tp that decode to themselves: scalars, and X | None of them
+    (bool never passes for int: type(True) is bool)."""
+    if tp in (int, float, str, bytes, bool):
+        return frozenset({tp})
+    if tp is type(None) or tp is None:
+        return frozenset({type(None)})
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        parts = [_passes(a) for a in typing.get_args(tp)]
+        if all(parts):
+            return frozenset().union(*parts)
+    return frozenset()
+
+
 def _dataclass_decoder(cls: type) -> Convert:
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
@@ -282,17 +313,23 @@ def _dataclass_decoder(cls: type) -> Convert:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     )
     known = frozenset(converters)
+    # NOTE: a value whose exact type needs no conversion (an int for int, None or a str for str | None)
+    # is taken without a call: StepOutputs are decoded per engine step.
+    passes = {f.name: _passes(hints[f.name]) for f in fields}
 
     def convert(v: Any) -> Any:
         if not isinstance(v, dict):
             _fail(f"must be a map ({cls.__name__}), got {type(v).__name__}")
         keys = v.keys()
         if not keys <= known:
-            _fail(f"unknown field(s) {sorted(str(k) for k in keys - known)} for {cls.__name__}")
+            _misfit("unknown", sorted(str(k) for k in keys - known), cls)
         if not required <= keys:
-            _fail(f"missing field(s) {sorted(required - keys)} for {cls.__name__}")
+            _misfit("missing", sorted(required - keys), cls)
         kw = {}
         for k, x in v.items():
+            if type(x) in passes[k]:
+                kw[k] = x
+                continue
             try:
                 kw[k] = converters[k](x)
             except WireError as e:

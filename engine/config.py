@@ -1,32 +1,110 @@
-"""Engine configuration (what the user asks for) and measured results (what the engine found)."""
+"""Engine configuration (what the user asks for) and measured results (what the engine found).
+
+Every setting is one field: its default, type and help (metadata "help"; pd/settings.py makes the
+`python -m pd.server` flags from them, and a rank receives the whole EngineConfig through engine/codec.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
 LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREFILL_SDPA_PATHS = ("fresh", "off", "flash", "cudnn")
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """How a forward pass runs on CUDA (the CPU path ignores it). It travels in the step's forward
+    context (engine/context.py), so a runner's may be replaced between steps; NOTE: decode CUDA graphs
+    keep the one they were captured with (only chain_residuals matters to them)."""
+
+    prefill_sdpa: str = field(
+        default="fresh",
+        metadata={
+            "help": "default mode: which prefill chunks go through torch's SDPA instead of the Triton kernel: "
+            "fresh (a chunk of --prefill-sdpa-fresh-min-tokens or more with nothing cached before it, on "
+            "cuDNN), flash or cudnn (every large chunk, cached prefix or not; cudnn: cuDNN first where "
+            "torch can), off (every chunk on the kernel)",
+            "choices": PREFILL_SDPA_PATHS,
+        },
+    )
+    prefill_sdpa_fresh_min_tokens: int = field(
+        default=4096, metadata={"help": "fresh: a chunk's tokens from which it takes SDPA (measured on the H200)"}
+    )
+    prefill_sdpa_min_pairs: int = field(
+        default=1 << 20,
+        metadata={"help": "flash|cudnn: a chunk takes SDPA from this many queries x visible keys (2^20: 1k prompt)"},
+    )
+    prefill_sdpa_min_queries: int = field(
+        default=128, metadata={"help": "flash|cudnn: and from this many queries (new tokens)"}
+    )
+    chain_residuals: bool = field(
+        default=True, metadata={"help": "each residual add inside the next norm's kernel (same numbers)"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.prefill_sdpa not in PREFILL_SDPA_PATHS:
+            raise ValueError(f"prefill_sdpa must be one of {PREFILL_SDPA_PATHS}, got {self.prefill_sdpa!r}")
+        if min(self.prefill_sdpa_fresh_min_tokens, self.prefill_sdpa_min_pairs, self.prefill_sdpa_min_queries) < 1:
+            raise ValueError("the prefill SDPA thresholds must be >= 1")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # catalogue name (engine.models) or a local Hugging Face folder
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
-    load_format: str = "auto"  # auto | dummy (random weights from config.json alone)
-    block_size: int = 128
-    max_model_len: int | None = None  # default: the model's max positions, at most 32768
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
-    kv_cache_gb: float | None = None  # KV memory; default 2 GiB on the CPU, measured on CUDA
-    num_swa_slots: int | None = None  # default: max_num_seqs + 1
-    gpu_memory_utilization: float = 0.9
-    hicache_gb: float | None = None  # host prefix cache; 0 turns it off; default 1 GiB (CPU) / 32 GiB (CUDA)
-    hicache_state_slots: int | None = None  # default: what a quarter of hicache_gb holds
-    is_deterministic: bool = False
-    enforce_eager: bool = False  # CUDA: no decode graphs (every step launched kernel by kernel)
-    seed: int = 0
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": "catalogue name (python -m engine.models list) or a local Hugging Face folder"},
+    )
+    device: str = field(
+        default="auto", metadata={"help": "auto | cpu | cuda | cuda:N (a server gives each rank its own GPU)"}
+    )
+    dtype: str = field(
+        default="auto", metadata={"help": "auto: float32 on the CPU, bfloat16 on CUDA", "choices": DTYPES}
+    )
+    load_format: str = field(
+        default="auto",
+        metadata={"help": "auto | dummy (random weights from config.json alone: smoke tests)", "choices": LOAD_FORMATS},
+    )
+    block_size: int = field(default=128, metadata={"help": "tokens per KV page (one page = one KV block)"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "prompt + output tokens; default: the model's max positions, at most 32768"}
+    )
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences a rank runs at once"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "tokens per engine step (the chunked-prefill budget)"}
+    )
+    kv_cache_gb: float | None = field(
+        default=None, metadata={"help": "KV memory per rank, GiB; default 2 on the CPU, measured on CUDA"}
+    )
+    num_swa_slots: int | None = field(
+        default=None, metadata={"help": "sliding-window state slots per rank; default --max-num-seqs + 1"}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "CUDA: the fraction of the GPU's memory a rank may fill"}
+    )
+    hicache_gb: float | None = field(
+        default=None,
+        metadata={
+            "help": "host prefix cache per rank, GiB; 0 turns it off; default 1 (CPU) / 32 (CUDA)",
+            "aliases": ("hicache-size-gb",),
+        },
+    )
+    hicache_state_slots: int | None = field(
+        default=None, metadata={"help": "SWA state slots of the host cache; default: what a quarter of it holds"}
+    )
+    is_deterministic: bool = field(
+        default=False,
+        metadata={"help": "batch-invariant numerics (a sequence's logits do not depend on its batch)", "flag": "deterministic"},
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "CUDA: no decode graphs (every step launched kernel by kernel)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of dummy weights and of unseeded sampling"})
+    forward: ForwardConfig = field(default_factory=ForwardConfig, metadata={"help": "model forward (CUDA)"})
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -35,8 +113,10 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

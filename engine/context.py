@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import ForwardConfig
 from engine.decode import DecodeMeta
 from engine.kv_cache import KVCache
 from engine.numerics import Numerics
@@ -39,6 +40,7 @@ class ForwardContext:
     chunks: list[SeqChunk]
     kv: KVCache
     numerics: Numerics
+    config: ForwardConfig  # which kernels the forward takes (the runner's)
     # Where each new token's K/V goes in the paged pool (full-attention layers): page id and offset.
     page_ids: torch.Tensor
     page_offsets: torch.Tensor
@@ -83,7 +85,12 @@ def _long_tensor(values: array[int]) -> torch.Tensor:
 
 @contextmanager
 def forward_context(
-    chunks: list[SeqChunk], kv: KVCache, numerics: Numerics, decode: DecodeMeta | None = None
+    chunks: list[SeqChunk],
+    kv: KVCache,
+    numerics: Numerics,
+    decode: DecodeMeta | None = None,
+    *,
+    config: ForwardConfig,
 ) -> Iterator[ForwardContext]:
     global _CONTEXT
     page_ids, page_offsets = _kv_slots(chunks, kv.block_size if kv.num_full_layers else 0)
@@ -95,6 +102,7 @@ def forward_context(
         page_ids=page_ids.to(device, non_blocking=True),
         page_offsets=page_offsets.to(device, non_blocking=True),
         decode=decode,
+        config=config,
     )
     try:
         yield _CONTEXT

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import ForwardConfig
 from engine.context import forward_context
 from engine.decode import DecodeInputs, DecodeMeta
 from engine.kv_cache import KVCache
@@ -42,12 +43,15 @@ class GraphCaptureStats:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv: KVCache, numerics: Numerics, inputs: DecodeInputs) -> None:
+    def __init__(
+        self, model: CausalLM, kv: KVCache, numerics: Numerics, inputs: DecodeInputs, config: ForwardConfig
+    ) -> None:
         self.model, self.kv, self.numerics, self.inputs = model, kv, numerics, inputs
+        self.config = config  # NOTE: captured into the graphs: replacing it later changes nothing
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _forward(self, meta: DecodeMeta) -> torch.Tensor:
-        with forward_context([], self.kv, self.numerics, decode=meta):
+        with forward_context([], self.kv, self.numerics, decode=meta, config=self.config):
             return self.model.logits(self.model(meta.input_ids, meta.positions))
 
     @torch.inference_mode()

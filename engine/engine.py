@@ -17,6 +17,7 @@ from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.handoff import SequenceExport
+from engine.handoff_ledger import HandoffLedger
 from engine.kv_cache import KVCache, layout_of
 from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
@@ -74,15 +75,19 @@ class LLMEngine:
         )
         self.host_kv, self.prefix_index = self._make_prefix_cache()
         self.runner = ModelRunner(
-            self.model, self.kv, self.numerics, max_decode_rows=config.max_num_seqs, max_model_len=self.max_model_len
+            self.model,
+            self.kv,
+            self.numerics,
+            config.forward,
+            max_decode_rows=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.graph_stats: GraphCaptureStats | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
-        self._parked: dict[str, Sequence] = {}  # prefill-only sequences waiting to be exported
-        self._reserved: dict[str, Sequence] = {}  # memory held for a sequence that will be imported
+        self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs)  # every P/D state of a sequence
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -182,7 +187,7 @@ class LLMEngine:
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        ModelRunner(self.model, scratch, self.numerics).run([seq], [n])
+        ModelRunner(self.model, scratch, self.numerics, self.config.forward).run([seq], [n])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del scratch
@@ -240,13 +245,14 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        """Ends a request in any phase (queued, prefilling, decoding, parked, reserved) and frees
-        its memory; a known request gets a final output with finish_reason "abort"."""
-        self.unreserve(request_id)
-        seq = self._parked.pop(request_id, None) or self.scheduler.find(request_id)
+        """Ends a request in any phase (queued, prefilling, decoding; any P/D phase) and frees its
+        memory; a known sequence gets a final output with finish_reason "abort"."""
+        seq = self.handoffs.abort(request_id)
         if seq is None:
-            return
-        self.scheduler.finish(seq, "abort")
+            seq = self.scheduler.find(request_id)
+            if seq is None:
+                return
+            self.scheduler.finish(seq, "abort")
         self._pending.append(self._output(seq, is_final=True))
 
     def has_unfinished(self) -> bool:
@@ -289,9 +295,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         elif seq.is_prefill_only:
-            self.scheduler.running.remove(seq)
-            seq.status = SeqStatus.PARKED
-            self._parked[seq.request_id] = seq
+            self.handoffs.park(seq)
 
     def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> str | None:
         p = seq.params
@@ -322,6 +326,7 @@ class LLMEngine:
         )
         if is_final:
             del self._detok[seq.request_id]
+            self.handoffs.end(seq.request_id)
         return out
 
     # ---- export / import ----------------------------------------------------------------------
@@ -336,10 +341,10 @@ class LLMEngine:
         keeps the gathered pages on the engine's device (NCCL/IPC transports send from there).
         alloc(shape, dtype, device): where the gathered tensors go (e.g. a slice of the ipc
         transport's exported arena), or None for new memory; used only with device=None."""
-        seq = self._parked.get(request_id) or self.scheduler.find(request_id)
+        seq = self.handoffs.parked(request_id) or self.scheduler.find(request_id)
         if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.PARKED) or seq.num_uncomputed != 1:
             raise InvalidRequestError(f"request {request_id!r} is not a prefilled sequence between steps")
-        n_pages = self.scheduler.blocks_for(seq.num_computed)
+        n_pages = self.layout.num_pages(seq.num_computed)
         kv = self.kv
         out = None
         if alloc is not None and device is None and n_pages:
@@ -353,6 +358,7 @@ class LLMEngine:
         if device is not None:
             pages = pages.to(device)
             state = state.to(device) if state is not None else None
+        self.handoffs.export(request_id)
         return SequenceExport(
             request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
             seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt, pages_sum,
@@ -360,69 +366,42 @@ class LLMEngine:
 
     def finish_handoff(self, request_id: str) -> None:
         """The exported sequence now lives elsewhere: free it here without a further output."""
-        seq = self._parked.pop(request_id, None)
-        if seq is None:
-            return
-        self.scheduler.finish(seq, "handoff")
-        del self._detok[request_id]
-
-    def reserve(self, request_id: str, num_tokens: int) -> bool:
-        """Holds memory for a sequence of num_tokens that import_sequence will bring; False if
-        there is none free now (the caller waits: admission never overcommits)."""
-        if request_id in self._reserved or request_id in self._detok:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        if not self.can_import(num_tokens):
-            return False
-        placeholder = Sequence(request_id, [0] * (num_tokens - 1), SamplingParams(), 0, time.monotonic())
-        placeholder.output_token_ids = [0]
-        self.scheduler.allocate(placeholder)
-        self._reserved[request_id] = placeholder
-        return True
-
-    def unreserve(self, request_id: str) -> None:
-        seq = self._reserved.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.release(seq)
-
-    def can_import(self, num_tokens: int) -> bool:
-        busy = len(self.scheduler.running) + len(self._reserved)
-        return self.scheduler.can_admit(num_tokens) and busy < self.config.max_num_seqs
+        if self.handoffs.hand_off(request_id) is not None:
+            del self._detok[request_id]
 
     def import_sequence(self, exp: SequenceExport) -> None:
-        """Admits an exported sequence straight into decode. Raises if it does not match this engine."""
+        """Admits an exported sequence straight into decode, into the memory of its reservation
+        (self.handoffs) if it has one. Raises if it does not match this engine or does not fit."""
         self.validate(exp.request_id, exp.prompt_token_ids, exp.params)
         num_tokens = len(exp.prompt_token_ids) + len(exp.output_token_ids)
         if exp.num_computed != num_tokens - 1:
             raise InvalidRequestError("an imported sequence must have every token but the last computed")
-        n_pages = self.scheduler.blocks_for(exp.num_computed)
         lo = self.layout
-        want_pages = (n_pages, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim)
+        n_pages = lo.num_pages(exp.num_computed)
+        want_pages = lo.page_shape(n_pages)
         if tuple(exp.pages.shape) != want_pages:
             raise InvalidRequestError(f"page tensor shape {tuple(exp.pages.shape)} != expected {want_pages}")
-        if self.arch.has_sliding:
-            want_state = (lo.num_swa_layers, 2, lo.window, lo.num_kv_heads, lo.head_dim)
+        if lo.has_state:
+            want_state = lo.state_shape()
             if exp.state is None or tuple(exp.state.shape) != want_state:
                 raise InvalidRequestError(f"SWA state shape does not match {want_state}")
-        reserved = self._reserved.pop(exp.request_id, None)
-        if reserved is not None:
-            self.scheduler.release(reserved)  # its memory goes to the sequence just below
-        if not self.can_import(num_tokens):
-            raise MemoryError("no free KV memory for the imported sequence")
         seq = Sequence(exp.request_id, list(exp.prompt_token_ids), exp.params, exp.seed, time.monotonic())
         seq.output_token_ids = list(exp.output_token_ids)
         seq.output_logprobs = list(exp.output_logprobs)
         seq.num_computed = exp.num_computed
         seq.num_cached_prompt = exp.num_cached_tokens
-        seq.is_imported = True
-        self.scheduler.allocate(seq)
-        if n_pages:
-            self.kv.write_pages(seq.block_ids[:n_pages], exp.pages)
-        if exp.state is not None:
-            self.kv.write_state(seq.state_slot, exp.state.to(self.device, self.dtype))
+        self.handoffs.import_(seq)
+        try:
+            if n_pages:
+                self.kv.write_pages(seq.block_ids[:n_pages], exp.pages)
+            if exp.state is not None:
+                self.kv.write_state(seq.state_slot, exp.state.to(self.device, self.dtype))
+        except BaseException:
+            self.handoffs.abort(seq.request_id)
+            self.scheduler.finish(seq, "abort")
+            raise
         detok = IncrementalDetokenizer(self.tokenizer, exp.params.stop)
         self._detok[seq.request_id] = detok
-        seq.status = SeqStatus.RUNNING
-        self.scheduler.running.append(seq)
         for t in exp.output_token_ids:
             detok.add(t)
         reason = self._finish_reason(seq, exp.output_token_ids[-1], detok) if exp.output_token_ids else None
@@ -468,8 +447,9 @@ class LLMEngine:
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free; raises on a leak."""
-        if self.scheduler.has_unfinished() or self._parked or self._reserved:
-            raise AssertionError("requests still in flight (running, waiting, parked or reserved)")
+        if self.scheduler.has_unfinished():
+            raise AssertionError("requests still in flight (running or waiting)")
+        self.handoffs.check_idle()
         self.blocks.check_idle()
         self.slots.check_idle()
         if self.prefix_index is not None:

@@ -30,7 +30,6 @@ from engine.model_config import SLIDING, ModelArch
 from engine.numerics import run_rows
 
 PROBE_VOCAB_ROWS = 8192
-CHAIN_RESIDUALS = True  # CUDA: residual adds inside the following norms (DecoderLayer.forward_chained)
 
 
 @cache
@@ -316,7 +315,9 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.arch.hidden_size**0.5, dtype=x.dtype)
         tables = {t: self.rotary(positions, t) for t in set(self.arch.layer_types)}
         ops = fused_ops_for(x)
-        if ops is not None and CHAIN_RESIDUALS:
+        # CUDA: residual adds inside the following norms (DecoderLayer.forward_chained), as the step's
+        # ForwardConfig says
+        if ops is not None and get_context().config.chain_residuals:
             pending: Pending | None = None
             for layer, t in zip(self.model.layers, self.arch.layer_types):
                 x, pending = cast(DecoderLayer, layer).forward_chained(ops, x, pending, *tables[t])

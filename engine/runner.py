@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from engine.config import ForwardConfig
 from engine.context import SeqChunk, forward_context
 from engine.cuda_graphs import DecodeGraphs, GraphCaptureStats
 from engine.decode import DecodeInputs, is_decode_row
@@ -22,13 +23,22 @@ from engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, kv: KVCache, numerics: Numerics, max_decode_rows: int = 0, max_model_len: int = 0
+        self,
+        model: CausalLM,
+        kv: KVCache,
+        numerics: Numerics,
+        forward_config: ForwardConfig,
+        max_decode_rows: int = 0,
+        max_model_len: int = 0,
     ) -> None:
         """max_decode_rows > 0 on CUDA: decode rows use the paged decode kernel (max_model_len sizes
-        the block tables); 0 keeps every row on the chunked path."""
+        the block tables); 0 keeps every row on the chunked path. forward_config goes into every
+        step's context: a benchmark may replace it between steps (decode graphs keep the one they
+        were captured with)."""
         self.model = model
         self.kv = kv
         self.numerics = numerics
+        self.forward_config = forward_config
         self.device = kv.device
         self.decode_inputs: DecodeInputs | None = None
         self.graphs: DecodeGraphs | None = None
@@ -40,7 +50,7 @@ class ModelRunner:
         if self.decode_inputs is None:
             raise RuntimeError("CUDA graphs need the decode kernel path (CUDA, max_decode_rows > 0)")
         sizes = [b for b in batch_sizes if b <= self.decode_inputs.max_rows]
-        self.graphs = DecodeGraphs(self.model, self.kv, self.numerics, self.decode_inputs)
+        self.graphs = DecodeGraphs(self.model, self.kv, self.numerics, self.decode_inputs, self.forward_config)
         return self.graphs.capture(sizes)
 
     @torch.inference_mode()
@@ -78,7 +88,7 @@ class ModelRunner:
             pos_t = torch.cat([pos_t, meta.positions.long()])
             sampled += decode
             last_rows += range(len(input_ids), len(input_ids) + len(decode))
-        with forward_context(chunks, self.kv, self.numerics, decode=meta):
+        with forward_context(chunks, self.kv, self.numerics, decode=meta, config=self.forward_config):
             hidden = self.model(ids_t, pos_t)
             if not sampled:
                 return [], None

@@ -95,6 +95,19 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
 
+    def park(self, seq: Sequence) -> None:
+        """Takes a running sequence out of the batch, its memory kept (P/D: it waits for its export)."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.PARKED
+
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """Puts seq, its memory allocated and every token but the last computed (imported, or queued
+        and counted as cached by a benchmark), straight into the running batch: its next step decodes."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         self.release(seq)
         seq.status = SeqStatus.FINISHED

@@ -11,7 +11,7 @@ from engine.request import SamplingParams, TokenLogprob
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PARKED = "parked"  # prefill-only: done, memory held until exported
+    PARKED = "parked"  # prefill-only: out of the batch, memory held until handed off (engine.handoffs)
     FINISHED = "finished"
 
 
@@ -31,7 +31,6 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     num_emitted_tokens: int = 0  # output tokens already reported to the caller
-    is_imported: bool = False  # admitted with its prompt KV from elsewhere (straight into decode)
     use_prefix_cache: bool = True
     is_prefill_only: bool = False  # PE side of P/D: park after the first token instead of decoding
     cache_store_upto: int = 0  # prefill pauses at this page boundary so the cache can store it; 0: none

@@ -61,7 +61,6 @@ class Coordinator:
         """Starts every rank and waits until all are ready; raises if one fails to start."""
         self._ctx = zmq.asyncio.Context()
         self._socket_dir = tempfile.mkdtemp(prefix="pdserve-")
-        kwargs = self.cfg.engine_kwargs()
         if self.cfg.role == "ce":
             from pd.prefill_client import PrefillClient
             from transfer.auth import load_token
@@ -83,7 +82,13 @@ class Coordinator:
             self.pd = DisaggregatedPath(self.cfg, client, cm)
         self.ranks = [
             RankClient(
-                i, self.cfg.dp, kwargs, self._socket_dir, self._ctx, self.cfg.role, self.cfg.role_config(i)
+                i,
+                self.cfg.dp,
+                self.cfg.engine,
+                self._socket_dir,
+                self._ctx,
+                self.cfg.role,
+                self.cfg.role_config(i) if self.cfg.is_pd else None,
             )
             for i in range(self.cfg.dp)
         ]
@@ -149,7 +154,7 @@ class Coordinator:
         raise unavailable("the server is starting: the engines are not ready yet")
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.cfg.model):
+        if name is not None and name not in (self.model_name, self.cfg.engine.model):
             raise model_not_found(name)
 
     def max_tokens_for(

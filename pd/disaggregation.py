@@ -17,15 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine.request import RequestOutput, SamplingParams
 from pd.cluster_metrics import ClusterMetrics
 from pd.config import ServerConfig
 from pd.errors import ApiError, bad_request, internal
-from pd.messages import RequestRejected, Reserved
-from pd.prefill_client import PrefillClient, PrefillFailed, PrefillResponse
+from pd.messages import PrefillBody, PrefillReply, RequestRejected, Reserved
+from pd.prefill_client import PrefillClient, PrefillFailed
 from pd.rank_client import RankClient, RankDown, RankEvent
 
 log = logging.getLogger("pd.disaggregation")
@@ -107,12 +107,13 @@ class DisaggregatedPath:
             if failure is not None and is_decoding:
                 # NOTE: the CE only decodes from KV it verified, so its tokens stand whatever the PE says.
                 log.warning("prefill of %s reported %s after the CE began decoding it", rid, failure)
-                self.metrics.handoff_failures.labels(self.cfg.transport, failure.code).inc()
+                self.metrics.handoff_failures.labels(self.cfg.transfer.transport, failure.code).inc()
                 await self._forward(events, out, None, held=held)
                 return
             if failure is not None:
-                self.metrics.handoff_failures.labels(self.cfg.transport, failure.code).inc()
-                if not self.cfg.fallback_local_prefill or failure.status == 400:
+                self.metrics.handoff_failures.labels(self.cfg.transfer.transport, failure.code).inc()
+                # NOTE: a 200 we cannot read may have handed the KV off: the request is not prefilled twice.
+                if not self.cfg.fallback_local_prefill or failure.status in (200, 400):
                     raise _prefill_error(failure)
                 log.warning("prefill of %s failed (%s); prefilling it on the CE", rid, failure)
                 self.metrics.local_prefills.inc()
@@ -174,21 +175,21 @@ class DisaggregatedPath:
             raise bad_request(ev.message, ev.param)
         raise internal(getattr(ev, "error", None) or f"unexpected event while reserving: {type(ev).__name__}")
 
-    async def _prefill(self, rank: RankClient, req: PDRequest) -> PrefillResponse:
-        body = {
-            "request_id": req.request_id,
-            "prompt_token_ids": req.prompt_token_ids,
-            "params": asdict(req.params),
-            "receiver": self.cfg.kv_address(rank.index),
-            "use_prefix_cache": req.use_prefix_cache,
-            "seed": None,  # the PE uses the request's seed, or draws one that travels with the KV
-            "lease_s": self.cfg.handoff_lease_s,
-        }
+    async def _prefill(self, rank: RankClient, req: PDRequest) -> PrefillReply:
+        body = PrefillBody(
+            request_id=req.request_id,
+            prompt_token_ids=tuple(req.prompt_token_ids),
+            params=req.params,
+            receiver=self.cfg.kv_address(rank.index),
+            use_prefix_cache=req.use_prefix_cache,
+            seed=None,  # the PE uses the request's seed, or draws one that travels with the KV
+            lease_s=self.cfg.handoff_lease_s,
+        )
         return await self.client.prefill(body)
 
     async def _while_prefilling(
         self,
-        prefill: asyncio.Task[PrefillResponse],
+        prefill: asyncio.Task[PrefillReply],
         events: asyncio.Queue[tuple[str, RankEvent]],
         out: asyncio.Queue[tuple[str, object]],
     ) -> tuple[list[tuple[str, RankEvent]], bool]:

@@ -1,7 +1,10 @@
-"""Typed messages between the HTTP process and the engine ranks, encoded with msgpack (never pickle).
+"""Typed messages between the P/D processes: frozen dataclasses, encoded through the one strict codec
+(engine/codec.py), never pickled.
 
-Every message is a map `{"v": PROTOCOL_VERSION, "type": <TYPE>, ...fields}`. A peer refuses another
-version outright rather than guessing at a layout it does not know.
+A rank message is msgpack of `{"v": PROTOCOL_VERSION, "type": <TYPE>, **to_wire(msg)}` and decodes with
+from_wire(its class, the rest): an unknown or missing field, a wrong type (a bool for an int, a string
+for a list) or a value out of range is a MessageError, never a silently dropped key. A peer refuses
+another version outright rather than guessing at a layout it does not know.
 
     HTTP process ── AddRequest / AbortRequests / Shutdown ──────────────► rank
     HTTP process ◄── RankReady / StepOutputs / RequestRejected / RankStats / RankFatal ── rank
@@ -10,22 +13,42 @@ P/D roles add (pd/ce_rank.py, pd/pe_rank.py):
 
     CE coordinator ── Reserve ──► CE rank ── Reserved ──► (then StepOutputs as for AddRequest)
     PE server      ── Prefill ──► PE rank ── PrefillResult ──► (one per Prefill)
+
+and between hosts, CE coordinator -> PE server, POST /prefill (JSON of to_wire; pd/prefill_client.py):
+
+    PrefillBody ──► PE server ── PrefillReply (200) or OpenAI's error object
+
+Version 2: nested values are the codec's maps (a TokenLogprob is {token_id, logprob, top}, it was a
+positional list), and every field is checked on decode.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import math
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
 
-from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engine.codec import WireError, from_wire, to_wire
+from engine.errors import InvalidRequestError
+from engine.request import RequestOutput, SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class MessageError(ValueError):
-    """Bytes that are not a message of this protocol version."""
+    """Bytes that are not a message of this protocol version. `field`: the offending field's path, if
+    one is to blame ("params.top_k")."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidRequestError(f"{name} must be a positive number, got {value!r}", name)
 
 
 @dataclass(frozen=True)
@@ -35,29 +58,6 @@ class AddRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     use_prefix_cache: bool = True
-
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "params": asdict(self.params),
-            "use_prefix_cache": self.use_prefix_cache,
-        }
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> AddRequest:
-        return cls(
-            b["request_id"],
-            tuple(b["prompt_token_ids"]),
-            _params_from_wire(b["params"]),
-            b["use_prefix_cache"],
-        )
-
-
-def _params_from_wire(d: dict[str, Any]) -> SamplingParams:
-    known = {f.name for f in fields(SamplingParams)}
-    kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known}
-    return SamplingParams(**kw)
 
 
 @dataclass(frozen=True)
@@ -73,12 +73,14 @@ class Reserve:
     num_commit_tokens: int
     ttl_s: float
 
-    def to_body(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> Reserve:
-        return cls(b["request_id"], int(b["num_tokens"]), int(b["num_commit_tokens"]), float(b["ttl_s"]))
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise InvalidRequestError(f"num_tokens must be >= 1, got {self.num_tokens}", "num_tokens")
+        if self.num_commit_tokens < self.num_tokens:
+            raise InvalidRequestError(
+                f"num_commit_tokens {self.num_commit_tokens} < num_tokens {self.num_tokens}", "num_commit_tokens"
+            )
+        _positive("ttl_s", self.ttl_s)
 
 
 @dataclass(frozen=True)
@@ -87,13 +89,6 @@ class Reserved:
 
     TYPE: ClassVar[str] = "reserved"
     request_id: str
-
-    def to_body(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> Reserved:
-        return cls(b["request_id"])
 
 
 @dataclass(frozen=True)
@@ -110,28 +105,10 @@ class Prefill:
     use_prefix_cache: bool = True
     seed: int | None = None
 
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "params": asdict(self.params),
-            "receiver": self.receiver,
-            "lease_s": self.lease_s,
-            "use_prefix_cache": self.use_prefix_cache,
-            "seed": self.seed,
-        }
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> Prefill:
-        return cls(
-            b["request_id"],
-            tuple(b["prompt_token_ids"]),
-            _params_from_wire(b["params"]),
-            b["receiver"],
-            float(b["lease_s"]),
-            bool(b["use_prefix_cache"]),
-            b["seed"],
-        )
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids must not be empty", "prompt_token_ids")
+        _positive("lease_s", self.lease_s)
 
 
 @dataclass(frozen=True)
@@ -153,41 +130,16 @@ class PrefillResult:
     message: str = ""
     output: RequestOutput | None = None
 
-    def to_body(self) -> dict[str, Any]:
-        b = {f.name: getattr(self, f.name) for f in fields(self)}
-        b["output"] = output_to_wire(self.output) if self.output is not None else None
-        return b
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> PrefillResult:
-        kw = {f.name: b[f.name] for f in fields(cls)}
-        kw["output"] = output_from_wire(b["output"]) if b["output"] is not None else None
-        return cls(**kw)
-
 
 @dataclass(frozen=True)
 class AbortRequests:
     TYPE: ClassVar[str] = "abort"
     request_ids: tuple[str, ...]
 
-    def to_body(self) -> dict[str, Any]:
-        return {"request_ids": list(self.request_ids)}
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> AbortRequests:
-        return cls(tuple(b["request_ids"]))
-
 
 @dataclass(frozen=True)
 class Shutdown:
     TYPE: ClassVar[str] = "shutdown"
-
-    def to_body(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> Shutdown:
-        return cls()
 
 
 @dataclass(frozen=True)
@@ -203,36 +155,6 @@ class RankReady:
     device: str
     stats: dict[str, Any] = field(default_factory=dict)
 
-    def to_body(self) -> dict[str, Any]:
-        b = asdict(self)
-        b["eos_token_ids"] = list(self.eos_token_ids)
-        return b
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> RankReady:
-        return cls(
-            b["rank"],
-            b["pid"],
-            b["model_name"],
-            b["max_model_len"],
-            tuple(b["eos_token_ids"]),
-            b["device"],
-            b["stats"],
-        )
-
-
-def output_to_wire(o: RequestOutput) -> dict[str, Any]:
-    d = {f.name: getattr(o, f.name) for f in fields(o)}
-    d["logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in o.logprobs]
-    return d
-
-
-def output_from_wire(d: dict[str, Any]) -> RequestOutput:
-    known = {f.name for f in fields(RequestOutput)}
-    kw = {k: v for k, v in d.items() if k in known}
-    kw["logprobs"] = [TokenLogprob(t, lp, tuple((i, x) for i, x in top)) for t, lp, top in d["logprobs"]]
-    return RequestOutput(**kw)
-
 
 @dataclass(frozen=True)
 class StepOutputs:
@@ -242,17 +164,6 @@ class StepOutputs:
     outputs: tuple[RequestOutput, ...]
     stats: dict[str, Any] | None = None
     queue_times_s: dict[str, float] = field(default_factory=dict)  # request id -> wait before its first step
-
-    def to_body(self) -> dict[str, Any]:
-        return {
-            "outputs": [output_to_wire(o) for o in self.outputs],
-            "stats": self.stats,
-            "queue_times_s": self.queue_times_s,
-        }
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> StepOutputs:
-        return cls(tuple(output_from_wire(d) for d in b["outputs"]), b["stats"], b["queue_times_s"])
 
 
 @dataclass(frozen=True)
@@ -264,13 +175,6 @@ class RequestRejected:
     message: str
     param: str | None = None
 
-    def to_body(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> RequestRejected:
-        return cls(b["request_id"], b["message"], b["param"])
-
 
 @dataclass(frozen=True)
 class RankStats:
@@ -279,13 +183,6 @@ class RankStats:
     TYPE: ClassVar[str] = "stats"
     stats: dict[str, Any]
 
-    def to_body(self) -> dict[str, Any]:
-        return {"stats": self.stats}
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> RankStats:
-        return cls(b["stats"])
-
 
 @dataclass(frozen=True)
 class RankFatal:
@@ -293,13 +190,6 @@ class RankFatal:
 
     TYPE: ClassVar[str] = "fatal"
     message: str
-
-    def to_body(self) -> dict[str, Any]:
-        return {"message": self.message}
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> RankFatal:
-        return cls(b["message"])
 
 
 Message = (
@@ -316,7 +206,7 @@ Message = (
     | Prefill
     | PrefillResult
 )
-_TYPES: dict[str, Any] = {
+_TYPES: dict[str, type[Message]] = {
     c.TYPE: c
     for c in (
         AddRequest,
@@ -336,10 +226,7 @@ _TYPES: dict[str, Any] = {
 
 
 def encode(msg: Message) -> bytes:
-    body = msg.to_body()
-    body["v"] = PROTOCOL_VERSION
-    body["type"] = msg.TYPE
-    return msgpack.packb(body, use_bin_type=True)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": msg.TYPE, **to_wire(msg)}, use_bin_type=True)
 
 
 def decode(data: bytes) -> Message:
@@ -349,12 +236,64 @@ def decode(data: bytes) -> Message:
         raise MessageError(f"undecodable message: {e}") from e
     if not isinstance(body, dict):
         raise MessageError("a message must be a map")
-    if body.get("v") != PROTOCOL_VERSION:
-        raise MessageError(f"protocol version {body.get('v')!r}, expected {PROTOCOL_VERSION}")
-    cls = _TYPES.get(body.get("type"))  # type: ignore[arg-type]
+    version, kind = body.pop("v", None), body.pop("type", None)
+    if version != PROTOCOL_VERSION:
+        raise MessageError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise MessageError(f"unknown message type {body.get('type')!r}")
+        raise MessageError(f"unknown message type {kind!r}")
     try:
-        return cls.from_body(body)
-    except (KeyError, TypeError, ValueError) as e:
-        raise MessageError(f"malformed {cls.TYPE} message: {e}") from e
+        return from_wire(cls, body)
+    except WireError as e:
+        raise MessageError(f"malformed {cls.TYPE} message: {e}", e.field) from e
+
+
+# ---- POST /prefill (JSON between hosts) -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillBody:
+    """What the CE coordinator POSTs to a PE's /prefill: a Prefill but for the lease, which the PE
+    server defaults (lease_s None)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    receiver: str
+    use_prefix_cache: bool = True
+    seed: int | None = None  # None: the PE uses params.seed, or draws one that travels with the KV
+    lease_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids must be a non-empty list of integers", "prompt_token_ids")
+        if self.lease_s is not None:
+            _positive("lease_s", self.lease_s)
+
+    def prefill(self, default_lease_s: float) -> Prefill:
+        """The PE rank's message for this body."""
+        lease_s = default_lease_s if self.lease_s is None else self.lease_s
+        return Prefill(
+            self.request_id,
+            self.prompt_token_ids,
+            self.params,
+            self.receiver,
+            lease_s,
+            self.use_prefix_cache,
+            self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class PrefillReply:
+    """/prefill's 200: the handoff was acknowledged by the CE (handed_off), or the first token ended
+    the request on the PE and `output` says how (nothing was handed off)."""
+
+    handed_off: bool  # NOTE: the JSON key /prefill has always had (not is_handed_off)
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    prefill_s: float
+    transfer_s: float
+    payload_bytes: int
+    transport: str
+    output: RequestOutput | None = None

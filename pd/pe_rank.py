@@ -5,6 +5,8 @@
            ─► ack: finish_handoff (the CE owns it now)   | failure or lease over: abort (freed here)
            ─► one PrefillResult to the prefill server
 
+The sequence's states (parked, exported, handed off, aborted) are the engine's (engine.handoffs,
+engine/handoff_ledger.py): this role keeps only what it needs to answer (timings, the send in flight).
 The PE keeps the sequence's KV until the CE acknowledges or the lease runs out. A first token that
 already ends the request (EOS, a stop, max_tokens 1) is not handed off: its output goes back in the
 PrefillResult. Nothing a PE rank computes streams to the HTTP process; it answers once per request.
@@ -15,20 +17,25 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
 from engine.errors import InvalidRequestError
+from engine.handoff import SequenceExport
 from engine.request import RequestOutput
+from pd.config import RoleConfig
 from pd.loop_thread import LoopThread
 from pd.messages import AbortRequests, Message, Prefill, PrefillResult
 from transfer.auth import load_token
-from transfer.config import TransferConfig
 from transfer.errors import TRANSPORT, HandoffError
 from transfer.handoff import model_fingerprint
 from transfer.sender import Ack, KVSender
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
 
 log = logging.getLogger("pd.pe_rank")
 ABORTED = "aborted"
@@ -53,22 +60,15 @@ class _Sent:
 
 
 class PrefillRole:
-    def __init__(self, engine: Any, ctx: zmq.Context, send: Any, config: dict[str, Any]) -> None:
+    def __init__(
+        self, engine: LLMEngine, ctx: zmq.Context, send: Callable[[Message], None], config: RoleConfig
+    ) -> None:
         self.engine = engine
         self.send = send
-        token_file = config.get("token_file")
-        token = load_token(token_file=token_file) if token_file else load_token()
-        transfer = TransferConfig(
-            transport=str(config.get("transport", "tcp")),
-            connect_timeout_s=float(config.get("connect_timeout_s", 5.0)),
-            idle_timeout_s=float(config.get("idle_timeout_s", 30.0)),
-            ipc_arena_bytes=int(config.get("ipc_arena_bytes", TransferConfig.ipc_arena_bytes)),
+        token = load_token(token_file=config.token_file) if config.token_file else load_token()
+        self.sender = KVSender(
+            token, engine.layout, model=model_fingerprint(engine.folder), config=config.transfer
         )
-        self.sender = KVSender(token, engine.layout, model=model_fingerprint(engine.folder), config=transfer)
-        # NOTE: the export stays where the KV is, whatever the transport: on a GPU, tcp then stages it
-        # through pinned buffers in the sender's thread and the checksum runs on the device, instead
-        # of a whole-sequence copy to pageable host memory on the engine thread (which stalls decode).
-        self.export_device: str | None = None
         # ipc: the export is gathered straight into the transport's exported arena (and hashed on the way)
         self.export_alloc = self.sender.export_allocator
         self.lt = LoopThread(ctx, "kv-sender")
@@ -111,8 +111,11 @@ class PrefillRole:
                 job.ready_s = time.monotonic()
                 job.num_prompt_tokens, job.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
                 try:
-                    kw = {"alloc": self.export_alloc} if self.export_alloc is not None else {}
-                    export = self.engine.export_sequence(o.request_id, device=self.export_device, **kw)
+                    # NOTE: the export stays where the KV is (device=None), whatever the transport: on a
+                    # GPU, tcp then stages it through pinned buffers in the sender's thread and the
+                    # checksum runs on the device, instead of a whole-sequence copy to pageable host
+                    # memory on the engine thread (which stalls decode).
+                    export = self.engine.export_sequence(o.request_id, device=None, alloc=self.export_alloc)
                 except Exception as e:
                     log.exception("export of %r failed", o.request_id)
                     self._fail(job, HandoffError(TRANSPORT, f"export failed: {e!r}"))
@@ -183,9 +186,8 @@ class PrefillRole:
     def poll_timeout_s(self) -> float:
         return 1.0
 
-    def stats(self) -> dict[str, Any]:
-        inflight = sum(1 for j in self.jobs.values() if j.sending is not None)
-        return {**self.counters, "num_handoffs_inflight": inflight}
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "num_handoffs_inflight": self.engine.handoffs.num_exported}
 
     def close(self) -> None:
         for job in self.jobs.values():
@@ -196,7 +198,7 @@ class PrefillRole:
 
     # ---- loop thread ----------------------------------------------------------------------------
 
-    async def _send_one(self, msg: Prefill, export: Any) -> None:
+    async def _send_one(self, msg: Prefill, export: SequenceExport) -> None:
         try:
             ack = await self.sender.send(msg.receiver, export, timeout_s=msg.lease_s)
         except HandoffError as e:

@@ -1,13 +1,16 @@
 """The CE coordinator's client of the PE's prefill server: POST /prefill with the cluster token, and a
 health watch with backoff (the PE's state is never "failed for good": it is probed until it answers).
 
-POST /prefill (JSON; `Authorization: Bearer <cluster token>`):
+POST /prefill (JSON of the codec's to_wire; `Authorization: Bearer <cluster token>`):
 
-    {"request_id", "prompt_token_ids": [int], "params": {SamplingParams fields}, "receiver": "host:port",
-     "use_prefix_cache": bool, "seed": int | null, "lease_s": float | null}
-    200 -> {"handed_off": bool, "num_prompt_tokens", "num_cached_tokens", "prefill_s", "transfer_s",
-            "payload_bytes", "transport", "output": RequestOutput (messages.output_to_wire) | null}
+    PrefillBody {"request_id", "prompt_token_ids": [int], "params": {SamplingParams fields},
+                 "receiver": "host:port", "use_prefix_cache": bool, "seed": int | null, "lease_s": float | null}
+    200 -> PrefillReply {"handed_off": bool, "num_prompt_tokens", "num_cached_tokens", "prefill_s",
+                         "transfer_s", "payload_bytes", "transport", "output": RequestOutput | null}
     4xx/5xx -> OpenAI's error object; code: a transfer.errors code on 502, engine_down, unauthorized...
+
+Both sides decode strictly (pd/messages.py): a body that does not decode is a 400 naming the field, and
+a 200 whose body does not decode is a failed prefill here (bad_response), never a half-read answer.
 """
 
 from __future__ import annotations
@@ -17,30 +20,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 
-from engine.request import RequestOutput
-from pd.messages import output_from_wire
+from engine.codec import WireError, from_wire, to_wire
+from pd.messages import PrefillBody, PrefillReply
 
 log = logging.getLogger("pd.prefill_client")
 HEALTH_EVERY_S = 2.0
 MAX_BACKOFF_S = 10.0
-
-
-@dataclass(frozen=True)
-class PrefillResponse:
-    is_handed_off: bool
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    prefill_s: float
-    transfer_s: float
-    payload_bytes: int
-    transport: str
-    output: RequestOutput | None  # the first token ended the request on the PE: nothing was handed off
 
 
 class PrefillFailed(Exception):
@@ -95,12 +85,13 @@ class PrefillClient:
             d["error"] = self.error
         return d
 
-    async def prefill(self, body: dict[str, Any]) -> PrefillResponse:
+    async def prefill(self, body: PrefillBody) -> PrefillReply:
         """Raises PrefillFailed for anything but a completed handoff (or a request the PE finished)."""
         assert self._session is not None
+        data = orjson.dumps(to_wire(body))
         try:
             async with self._session.post(
-                self.url + "/prefill", data=orjson.dumps(body), headers=self._auth, timeout=self.timeout
+                self.url + "/prefill", data=data, headers=self._auth, timeout=self.timeout
             ) as r:
                 raw = await r.read()
                 status = r.status
@@ -116,27 +107,23 @@ class PrefillClient:
             ) from None
         self._set("up", None)
         try:
-            data = orjson.loads(raw)
+            answer = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise PrefillFailed(
                 "bad_response", f"the prefill engine answered {status} with no JSON", status
             ) from None
         if status != 200:
-            err = data.get("error", {}) if isinstance(data, dict) else {}
+            err = answer.get("error", {}) if isinstance(answer, dict) else {}
+            err = err if isinstance(err, dict) else {}
             raise PrefillFailed(
                 str(err.get("code") or "prefill_failed"), str(err.get("message") or raw[:200]), status
             )
-        out = data.get("output")
-        return PrefillResponse(
-            bool(data["handed_off"]),
-            int(data["num_prompt_tokens"]),
-            int(data["num_cached_tokens"]),
-            float(data["prefill_s"]),
-            float(data["transfer_s"]),
-            int(data["payload_bytes"]),
-            str(data["transport"]),
-            output_from_wire(out) if out is not None else None,
-        )
+        try:
+            return from_wire(PrefillReply, answer)
+        except WireError as e:
+            raise PrefillFailed(
+                "bad_response", f"the prefill engine's answer does not decode: {e}", status
+            ) from None
 
     def _set(self, state: str, error: str | None) -> None:
         if state != self.state:

@@ -1,11 +1,11 @@
 """The PE's HTTP side (`python -m pd.server --role pe`, port 8889): POST /prefill, /health, /metrics.
 
-/prefill (see pd/prefill_client.py for the body and the answer) takes only callers that present the
-cluster token as `Authorization: Bearer <token>`; others get 401 and are logged. The request goes to a
-PE rank (affinity on the prompt's first tokens, so a conversation's turns meet their cached prefix);
-the answer comes once the CE has acknowledged the handoff (or it failed). A caller that goes away
-(the CE's client disconnected, an abort) cancels the handler, which aborts the rank's request in
-whatever phase it is: queued, prefilling, or in transfer.
+/prefill (body PrefillBody, answer PrefillReply: pd/messages.py, pd/prefill_client.py) takes only
+callers that present the cluster token as `Authorization: Bearer <token>`; others get 401 and are
+logged. The request goes to a PE rank (affinity on the prompt's first tokens, so a conversation's turns
+meet their cached prefix); the answer comes once the CE has acknowledged the handoff (or it failed). A
+caller that goes away (the CE's client disconnected, an abort) cancels the handler, which aborts the
+rank's request in whatever phase it is: queued, prefilling, or in transfer.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.errors import InvalidRequestError
-from engine.request import SamplingParams
+from engine.codec import WireError, from_wire, to_wire
 from pd.coordinator import Coordinator
 from pd.errors import ApiError, bad_request
 from pd.http_io import json_response, read_json
-from pd.messages import Prefill, PrefillResult, RequestRejected, output_to_wire
+from pd.messages import Prefill, PrefillBody, PrefillReply, PrefillResult, RequestRejected
 from pd.rank_client import RankDown, RankEvent
 
 log = logging.getLogger("pd.prefill_server")
@@ -48,36 +47,12 @@ def check_token(request: web.Request, token: bytes) -> None:
 
 
 def parse_prefill(body: Any, default_lease_s: float) -> Prefill:
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object")
-
-    def need(name: str, kind: type | tuple[type, ...]) -> Any:
-        v = body.get(name)
-        if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
-            raise bad_request(f"'{name}' is missing or has the wrong type", name)
-        return v
-
-    rid = need("request_id", str)
-    ids = need("prompt_token_ids", list)
-    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise bad_request("'prompt_token_ids' must be a non-empty list of integers", "prompt_token_ids")
-    raw = need("params", dict)
-    receiver = need("receiver", str)
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise bad_request("'seed' must be an integer or null", "seed")
-    lease_s = body.get("lease_s") or default_lease_s
-    if not isinstance(lease_s, (int, float)) or lease_s <= 0:
-        raise bad_request("'lease_s' must be a positive number", "lease_s")
+    """The PE rank's message for a /prefill body; a body that does not decode (an unknown or missing
+    field, a wrong type, a value out of range) is a 400 whose `param` is the field's path."""
     try:
-        known = SamplingParams.__dataclass_fields__
-        kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known}
-        params = SamplingParams(**kw)
-    except (InvalidRequestError, TypeError) as e:
-        raise bad_request(f"bad sampling params: {e}", "params") from None
-    return Prefill(
-        rid, tuple(ids), params, receiver, float(lease_s), bool(body.get("use_prefix_cache", True)), seed
-    )
+        return from_wire(PrefillBody, body).prefill(default_lease_s)
+    except WireError as e:
+        raise bad_request(f"invalid /prefill body: {e}", e.field or None) from None
 
 
 async def prefill(co: Coordinator, request: web.Request) -> web.Response:
@@ -103,7 +78,7 @@ async def prefill(co: Coordinator, request: web.Request) -> web.Response:
         raise bad_request(ev.message, ev.param)
     if not isinstance(ev, PrefillResult):
         raise ApiError(500, f"unexpected rank event {type(ev).__name__}", type="server_error")
-    transport = ev.transport or co.cfg.transport
+    transport = ev.transport or co.cfg.transfer.transport
     if ev.is_handed_off:
         metrics.handoffs.labels(transport).inc()
         metrics.handoff_bytes.labels(transport).inc(ev.payload_bytes)
@@ -115,15 +90,14 @@ async def prefill(co: Coordinator, request: web.Request) -> web.Response:
         if ev.code == "rejected":
             raise bad_request(ev.message)
         raise ApiError(502, f"handoff failed: {ev.message}", type="server_error", code=ev.code)
-    return json_response(
-        {
-            "handed_off": ev.is_handed_off,
-            "num_prompt_tokens": ev.num_prompt_tokens,
-            "num_cached_tokens": ev.num_cached_tokens,
-            "prefill_s": ev.prefill_s,
-            "transfer_s": ev.transfer_s,
-            "payload_bytes": ev.payload_bytes,
-            "transport": transport,
-            "output": output_to_wire(ev.output) if ev.output is not None else None,
-        }
+    reply = PrefillReply(
+        ev.is_handed_off,
+        ev.num_prompt_tokens,
+        ev.num_cached_tokens,
+        ev.prefill_s,
+        ev.transfer_s,
+        ev.payload_bytes,
+        transport,
+        ev.output,
     )
+    return json_response(to_wire(reply))

@@ -1,6 +1,9 @@
 """One engine rank: a process that owns an LLMEngine and serves it over ZeroMQ.
 
-    python -m pd.rank --rank I --dp N --inbox ADDR --outbox ADDR --engine-config JSON
+    python -m pd.rank --rank I --dp N --inbox ADDR --outbox ADDR --engine-config JSON [--role pe|ce --role-config JSON]
+
+The JSON are an EngineConfig and a RoleConfig encoded by engine/codec.py: a key either class lacks is
+an error (the rank reports it and exits), never dropped.
 
 The loop: take every queued AddRequest/AbortRequests, run one engine step while there is work, push
 that step's outputs (tokens stream back as they are sampled). When idle it blocks on the inbox and
@@ -23,12 +26,15 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import asdict, fields
+from dataclasses import asdict, replace
 from typing import Any, Protocol
 
 import zmq
 
+from engine.codec import from_wire
+from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from pd.config import RoleConfig
 from pd.messages import (
     AbortRequests,
     AddRequest,
@@ -54,25 +60,25 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def engine_config(kwargs: dict[str, Any], rank: int, dp: int) -> Any:
+def read_configs(engine_json: str, role_json: str | None) -> tuple[EngineConfig, RoleConfig | None]:
+    """The rank's EngineConfig and RoleConfig from their JSON; WireError for an unknown or misspelled
+    key, a wrong type or a value their checks refuse."""
+    role = None if role_json is None else from_wire(RoleConfig, json.loads(role_json))
+    return from_wire(EngineConfig, json.loads(engine_json)), role
+
+
+def engine_config(cfg: EngineConfig, rank: int, dp: int) -> EngineConfig:
     """EngineConfig of this rank: its own GPU on CUDA, a share of the cores on the CPU."""
     import torch
 
-    from engine.config import EngineConfig
-
-    kw = dict(kwargs)
-    device = kw.get("device", "auto")
+    device = cfg.device
     if device in ("auto", "cuda") and torch.cuda.is_available():
         device = f"cuda:{rank % torch.cuda.device_count()}"
     elif device == "auto":
         device = "cpu"
-    kw["device"] = device
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp))
-    names = {f.name for f in fields(EngineConfig)}
-    if "deterministic" in kw and "deterministic" not in names and "is_deterministic" in names:
-        kw["is_deterministic"] = kw.pop("deterministic")
-    return EngineConfig(**{k: v for k, v in kw.items() if k in names})
+    return replace(cfg, device=device)
 
 
 class RankRole(Protocol):
@@ -199,11 +205,15 @@ class RankWorker:
 
 
 def make_role(
-    name: str, config: dict[str, Any], engine: Any, ctx: zmq.Context, outbox: zmq.Socket
+    name: str, config: RoleConfig | None, engine: Any, ctx: zmq.Context, outbox: zmq.Socket
 ) -> RankRole | None:
     def send(msg: Message) -> None:
         outbox.send(encode(msg))
 
+    if name == "single":
+        return None
+    if config is None:
+        raise ValueError(f"--role {name} needs --role-config")
     if name == "pe":
         from pd.pe_rank import PrefillRole
 
@@ -221,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp", type=int, required=True)
     p.add_argument("--inbox", required=True, help="ZeroMQ address the server pushes requests to")
     p.add_argument("--outbox", required=True, help="ZeroMQ address the rank pushes outputs to")
-    p.add_argument("--engine-config", required=True, help="EngineConfig fields as JSON")
+    p.add_argument("--engine-config", required=True, help="the EngineConfig as JSON (engine/codec.py)")
     p.add_argument("--role", choices=("single", "pe", "ce"), default="single")
-    p.add_argument("--role-config", default="{}", help="the P/D role's settings as JSON")
+    p.add_argument("--role-config", default=None, help="pe|ce: the RoleConfig as JSON (engine/codec.py)")
     args = p.parse_args(argv)
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
@@ -236,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from engine.engine import LLMEngine
 
-        cfg = engine_config(json.loads(args.engine_config), args.rank, args.dp)
+        requested, role_config = read_configs(args.engine_config, args.role_config)
+        cfg = engine_config(requested, args.rank, args.dp)
         t0 = time.monotonic()
         engine = LLMEngine(cfg)
         log.info("engine %s on %s ready in %.1f s", engine.model_name, cfg.device, time.monotonic() - t0)
-        role = make_role(args.role, json.loads(args.role_config), engine, ctx, outbox)
+        role = make_role(args.role, role_config, engine, ctx, outbox)
         worker = RankWorker(args.rank, engine, inbox, outbox, role)
         eos = tuple(sorted(engine.eos_token_ids))
         worker.send(

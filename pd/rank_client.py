@@ -21,7 +21,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from engine.codec import to_wire
+from engine.config import EngineConfig
 from engine.request import RequestOutput, SamplingParams
+from pd.config import RoleConfig
 from pd.messages import (
     AbortRequests,
     AddRequest,
@@ -66,17 +69,19 @@ class RankClient:
         self,
         index: int,
         dp: int,
-        engine_kwargs: dict[str, Any],
+        engine: EngineConfig,
         socket_dir: str,
         ctx: zmq.asyncio.Context,
         role: str = "single",
-        role_config: dict[str, Any] | None = None,
+        role_config: RoleConfig | None = None,
     ) -> None:
+        """engine: what the rank builds its engine from (its device is resolved in the rank);
+        role_config: pe|ce ranks' RoleConfig."""
         self.index = index
         self.dp = dp
-        self.engine_kwargs = engine_kwargs
+        self.engine = engine
         self.role = role
-        self.role_config = role_config or {}
+        self.role_config = role_config
         self.inbox_addr = f"ipc://{socket_dir}/rank{index}-in"
         self.outbox_addr = f"ipc://{socket_dir}/rank{index}-out"
         self.ctx = ctx
@@ -128,6 +133,7 @@ class RankClient:
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(self.inbox_addr)
         self._pull.bind(self.outbox_addr)
+        role_args = [] if self.role_config is None else ["--role-config", json.dumps(to_wire(self.role_config))]
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -141,11 +147,10 @@ class RankClient:
             "--outbox",
             self.outbox_addr,
             "--engine-config",
-            json.dumps(self.engine_kwargs),
+            json.dumps(to_wire(self.engine)),
             "--role",
             self.role,
-            "--role-config",
-            json.dumps(self.role_config),
+            *role_args,
             env=os.environ.copy(),
         )
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]

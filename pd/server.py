@@ -136,9 +136,9 @@ async def serve(cfg: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        co = Coordinator(cfg, await asyncio.to_thread(load_tokenizer, cfg.model))
+        co = Coordinator(cfg, await asyncio.to_thread(load_tokenizer, cfg.engine.model))
     except (ModelNotFoundError, OSError, ValueError) as e:
-        log.error("cannot load the tokenizer or chat template of %s: %s", cfg.model, e)
+        log.error("cannot load the tokenizer or chat template of %s: %s", cfg.engine.model, e)
         return 1
     token = b""
     if cfg.is_pd:
@@ -153,13 +153,13 @@ async def serve(cfg: ServerConfig) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, cfg.host, cfg.port).start()
+        await web.TCPSite(runner, cfg.host, cfg.http_port).start()
     except OSError as e:
-        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
+        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.http_port, e)
         await runner.cleanup()
         return 1
-    url = f"http://{cfg.host}:{cfg.port}"
-    log.info("listening on %s (role %s); starting %d engine rank(s) of %s", url, cfg.role, cfg.dp, cfg.model)
+    url = f"http://{cfg.host}:{cfg.http_port}"
+    log.info("listening on %s (role %s); starting %d engine rank(s) of %s", url, cfg.role, cfg.dp, cfg.engine.model)
     code = 0
     try:
         starting = asyncio.create_task(co.start())

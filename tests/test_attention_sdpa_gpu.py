@@ -1,15 +1,15 @@
 """The default-mode SDPA prefill path (engine/attention.py `_sdpa_chunk`) on CUDA, through
-`chunked_attention` over a real, NaN-poisoned KVCache: against the Triton kernel path (PREFILL_SDPA
-"off") and a float32 torch reference, at bf16. Which chunks took which path is recorded, so a case
+`chunked_attention` over a real, NaN-poisoned KVCache: against the Triton kernel path (prefill_sdpa
+"off") and a float32 torch reference, at bf16. Each run passes its ForwardConfig (the setting and the
+thresholds) into the forward context, as the engine's runner does. Which chunks took which path is recorded, so a case
 that silently fell back to the kernel fails. Skipped without CUDA and Triton."""
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ if not torch.cuda.is_available():  # under TRITON_INTERPRET: the SDPA path needs
 import kernels.prefill_attention as prefill_kernel  # noqa: E402
 from engine import attention  # noqa: E402
 from engine.attention import AttnSpec, chunked_attention  # noqa: E402
+from engine.config import ForwardConfig  # noqa: E402
 from engine.context import SeqChunk, forward_context  # noqa: E402
 from engine.handoff import KVLayout  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
@@ -34,6 +35,10 @@ DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
 TOL = 1e-2  # relative error (norm), as tests/test_kernels_prefill_gpu.py
 BLOCK = 16
+# flash, thresholds at 1 so small chunks qualify (a test may raise them)
+LOW = ForwardConfig(
+    prefill_sdpa="flash", prefill_sdpa_min_pairs=1, prefill_sdpa_min_queries=1, prefill_sdpa_fresh_min_tokens=1
+)
 
 
 @dataclass
@@ -47,7 +52,7 @@ class Paths:
 
 @pytest.fixture
 def paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Paths]:
-    """Records both paths; thresholds at 1 so small chunks qualify (a test may raise them)."""
+    """Records both paths."""
     rec = Paths([], [])
     sdpa_chunk, launch = attention._sdpa_chunk, prefill_kernel.prefill_attention
 
@@ -61,10 +66,6 @@ def paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[Paths]:
 
     monkeypatch.setattr(attention, "_sdpa_chunk", spy_sdpa)
     monkeypatch.setattr(prefill_kernel, "prefill_attention", spy_launch)
-    monkeypatch.setattr(attention, "SDPA_MIN_PAIRS", 1)
-    monkeypatch.setattr(attention, "SDPA_MIN_QUERIES", 1)
-    monkeypatch.setattr(attention, "SDPA_FRESH_MIN_TOKENS", 1)
-    monkeypatch.setattr(attention, "PREFILL_SDPA", "flash")
     yield rec
 
 
@@ -99,7 +100,8 @@ class Step:
                     kv.swa[i + 1, 1, j, (ring % self.window).to(DEVICE)] = x[ring].to(DEVICE)
         return kv
 
-    def run(self, is_sliding: bool, numerics: Numerics = Numerics.DEFAULT, kv: KVCache | None = None) -> torch.Tensor:
+    def run(self, is_sliding: bool, numerics: Numerics = Numerics.DEFAULT, kv: KVCache | None = None,
+            config: ForwardConfig = LOW) -> torch.Tensor:
         """The step's attention output on layer 1 (full or sliding), [tokens, heads, dim], on the CPU."""
         kv = kv or self.new_cache()
         chunks, row = [], 0
@@ -110,7 +112,7 @@ class Step:
         k = torch.cat([k[p0 : p0 + n] for k, (p0, n) in zip(self.k, self.shapes)]).to(DEVICE)
         v = torch.cat([v[p0 : p0 + n] for v, (p0, n) in zip(self.v, self.shapes)]).to(DEVICE)
         spec = AttnSpec(is_sliding, 1, self.window if is_sliding else None, self.scale)
-        with forward_context(chunks, kv, numerics):
+        with forward_context(chunks, kv, numerics, config=config):
             out = chunked_attention(q, k, v, spec)
         return out.cpu()
 
@@ -134,13 +136,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-def check_both_paths(step: Step, is_sliding: bool, paths: Paths, setting: str = "flash") -> None:
+def check_both_paths(step: Step, is_sliding: bool, paths: Paths, setting: str = "flash",
+                     config: ForwardConfig = LOW) -> None:
     """The SDPA path's rows against the reference and the kernel path's."""
-    attention.PREFILL_SDPA = setting  # the fixture's monkeypatch restores it
-    fast = step.run(is_sliding)
-    attention.PREFILL_SDPA = "off"
-    slow = step.run(is_sliding)
-    attention.PREFILL_SDPA = setting
+    fast = step.run(is_sliding, config=replace(config, prefill_sdpa=setting))
+    slow = step.run(is_sliding, config=replace(config, prefill_sdpa="off"))
     ref = step.reference(is_sliding)
     assert not fast.isnan().any()
     assert rel_err(slow, ref) < TOL
@@ -175,13 +175,12 @@ def test_chunked_prompt(paths: Paths) -> None:
     ref = whole.reference(False)
     outs = {}
     for setting in ("flash", "off"):
-        attention.PREFILL_SDPA = setting
         kv, pos, rows = whole.new_cache(), 0, []
         for n in (150, 150, 100):
             part = Step([(pos, n)], 8, 2, 128, window=0)
             part.k, part.v, part.q = whole.k, whole.v, [whole.q[0][pos : pos + n]]
             part.tables = whole.tables
-            rows.append(part.run(False, kv=kv))
+            rows.append(part.run(False, kv=kv, config=replace(LOW, prefill_sdpa=setting)))
             pos += n
         outs[setting] = torch.cat(rows)
     assert paths.sdpa == [(0, 150), (150, 150), (300, 100)]
@@ -195,11 +194,10 @@ def test_two_sequences(paths: Paths) -> None:
     assert paths.sdpa == [(0, 200), (64, 150)]
 
 
-def test_mixed_step_rest_on_kernel(paths: Paths, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mixed_step_rest_on_kernel(paths: Paths) -> None:
     """Chunks below the threshold run in one Triton launch beside the SDPA chunks; no row is lost."""
-    monkeypatch.setattr(attention, "SDPA_MIN_QUERIES", 100)
     step = Step([(0, 200), (32, 40), (70, 130), (5, 1)], 8, 2, 128, window=0, seed=6)
-    check_both_paths(step, False, paths)
+    check_both_paths(step, False, paths, config=replace(LOW, prefill_sdpa_min_queries=100))
     assert paths.sdpa == [(0, 200), (70, 130)]
     assert paths.kernel[0] == [40, 1]
 
@@ -217,8 +215,7 @@ def test_deterministic_mode_never_takes_it(paths: Paths) -> None:
     """Deterministic mode: the Triton kernel for every chunk, bit-identical to the path with SDPA off."""
     step = Step([(0, 200), (48, 100)], 8, 2, 128, window=0, seed=8)
     det = step.run(False, Numerics.BATCH_INVARIANT)
-    attention.PREFILL_SDPA = "off"
-    off = step.run(False, Numerics.BATCH_INVARIANT)
+    off = step.run(False, Numerics.BATCH_INVARIANT, config=replace(LOW, prefill_sdpa="off"))
     assert paths.sdpa == []
     assert torch.equal(det, off)
     assert rel_err(det, step.reference(False)) < TOL
@@ -231,26 +228,21 @@ def test_float32_keeps_kernel(paths: Paths) -> None:
     assert paths.sdpa == [] and rel_err(out, step.reference(False)) < 1e-4
 
 
-def test_fresh_setting_takes_only_chunks_without_a_prefix(paths: Paths, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fresh_setting_takes_only_chunks_without_a_prefix(paths: Paths) -> None:
     """The default setting: a long chunk with nothing cached goes to SDPA (cuDNN where torch can), a
     chunk after a prefix or a short one stays on the kernel, in the same step."""
-    monkeypatch.setattr(attention, "SDPA_FRESH_MIN_TOKENS", 256)
     step = Step([(0, 300), (48, 100), (0, 200)], 8, 2, 128, window=0, seed=4)
-    check_both_paths(step, False, paths, "fresh")
+    check_both_paths(step, False, paths, "fresh", replace(LOW, prefill_sdpa_fresh_min_tokens=256))
     assert paths.sdpa == [(0, 300)] and paths.kernel == [[100, 200], [300, 100, 200]]
 
 
 def test_default_setting_is_fresh() -> None:
-    if os.environ.get("PDSERVE_PREFILL_SDPA"):
-        pytest.skip("PDSERVE_PREFILL_SDPA is set")
-    assert attention.PREFILL_SDPA == "fresh"
+    assert ForwardConfig().prefill_sdpa == "fresh"
 
 
-def test_default_threshold_skips_small_chunks(monkeypatch: pytest.MonkeyPatch, paths: Paths) -> None:
-    monkeypatch.setattr(attention, "SDPA_MIN_PAIRS", 1 << 20)
-    monkeypatch.setattr(attention, "SDPA_MIN_QUERIES", 128)
+def test_default_threshold_skips_small_chunks(paths: Paths) -> None:
     step = Step([(0, 1024), (0, 512), (1000, 100)], 8, 2, 128, window=0, seed=9)
-    step.run(False)
+    step.run(False, config=ForwardConfig(prefill_sdpa="flash"))  # the default min pairs and queries
     assert paths.sdpa == [(0, 1024)]  # 512 x 512 and 100 queries stay on the kernel
     assert paths.kernel == [[512, 100]]
 
@@ -262,13 +254,13 @@ def test_engine_prefill_logits(tiny_model_dir, paths: Paths, family: str, plan: 
     each chunk): the SDPA path against the kernel path, with q/k/v as the model hands them (strided
     views of one fused projection). gemma3_hybrid (window 24): its first two chunks take SDPA on the
     sliding layers too, the third does not."""
-    eng = small_engine(tiny_model_dir(family), device="cuda", dtype="bfloat16", hicache_gb=0.1)
+    eng = small_engine(tiny_model_dir(family), device="cuda", dtype="bfloat16", hicache_gb=0.1, forward=LOW)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (sum(plan),), generator=gen).tolist() for _ in range(2)]
-    attention.PREFILL_SDPA = setting
+    eng.runner.forward_config = replace(LOW, prefill_sdpa=setting)
     fast = prompt_logits(eng, prompts, [plan, plan])
     assert paths.sdpa
-    attention.PREFILL_SDPA = "off"
+    eng.runner.forward_config = replace(LOW, prefill_sdpa="off")
     slow = prompt_logits(eng, prompts, [plan, plan])
     for a, b in zip(fast, slow):
         assert rel_err(a, b.float()) < 5e-2  # bf16 through the whole model
@@ -287,8 +279,7 @@ def test_prints_speed(paths: Paths) -> None:
         flops = 4 * 32 * 128 * n * (prefix + (n + 1) / 2)
         line = f"prefix {prefix} chunk {n}:"
         for setting in ("flash", "cudnn", "off"):
-            attention.PREFILL_SDPA = setting
-            with forward_context(chunks, kv, Numerics.DEFAULT):
+            with forward_context(chunks, kv, Numerics.DEFAULT, config=replace(LOW, prefill_sdpa=setting)):
                 for _ in range(3):
                     chunked_attention(q, k, v, spec)
                 torch.cuda.synchronize()

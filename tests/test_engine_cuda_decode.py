@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.config import ForwardConfig
 from engine.request import SamplingParams
 from engine.runner import ModelRunner
 
@@ -58,7 +59,8 @@ def test_graph_and_eager_decode_match_chunked_path(tiny_model_dir, family: str) 
     eager = small_engine(folder, enforce_eager=True, **kw)
     assert eager.graph_stats is None
     chunked = small_engine(folder, enforce_eager=True, **kw)
-    chunked.runner = ModelRunner(chunked.model, chunked.kv, chunked.numerics)  # no decode rows: the CPU's path
+    # no decode rows: the CPU's path
+    chunked.runner = ModelRunner(chunked.model, chunked.kv, chunked.numerics, chunked.runner.forward_config)
     results = [_generate(e, prompts, 40) for e in (graphs, eager, chunked)]
     for rid in results[2]:
         assert len(results[0][rid]) == len(results[2][rid]) == 40
@@ -84,17 +86,15 @@ def test_deterministic_decode_batch_invariant(tiny_model_dir, family: str) -> No
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_hybrid"])  # gemma3: sandwich norms, gelu(tanh)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_chained_residual_norms_bit_identical(tiny_model_dir, monkeypatch, dtype: str, family: str) -> None:
+def test_chained_residual_norms_bit_identical(tiny_model_dir, dtype: str, family: str) -> None:
     """The CUDA forward that does each residual add inside the next norm's kernel gives exactly the
     logits of the layer-by-layer forward (add, then norm): prefill and graph-replayed decode steps."""
-    import engine.model
-
     folder = tiny_model_dir(family)
     prompts = _prompts([5, 30, 47], seed=3)
     logits = {}
     for chained in (True, False):
-        monkeypatch.setattr(engine.model, "CHAIN_RESIDUALS", chained)
-        eng = small_engine(folder, device="cuda", dtype=dtype, max_num_seqs=8, hicache_gb=0.1)
+        eng = small_engine(folder, device="cuda", dtype=dtype, max_num_seqs=8, hicache_gb=0.1,
+                           forward=ForwardConfig(chain_residuals=chained))
         logits[chained] = _generate(eng, prompts, 12)
     assert logits[True].keys() == logits[False].keys()
     for rid, steps in logits[True].items():

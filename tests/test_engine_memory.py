@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.block_pool import BlockPool, OutOfBlocksError
+from engine.handoff_ledger import Grant
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import Sequence
@@ -231,7 +232,8 @@ def test_prefill_only_handoff_to_a_reserved_decoder(tiny_model_dir, family: str)
 
     pe = small_engine(folder, is_deterministic=True)
     ce = small_engine(folder, is_deterministic=True)
-    assert ce.reserve("r", len(prompt) + 1)
+    ce.handoffs.enqueue("r", len(prompt) + 1, len(prompt) + params.max_tokens, 30.0)
+    assert ce.handoffs.grant() == [Grant("r")]
     used = ce.stats().num_free_blocks
     pe.add_request("r", prompt, params, prefill_only=True)
     outs = []
@@ -256,11 +258,13 @@ def test_prefill_only_handoff_to_a_reserved_decoder(tiny_model_dir, family: str)
 
 def test_reservations_gate_admission_and_free_on_abort(tiny_model_dir) -> None:
     eng = small_engine(tiny_model_dir("llama"), kv_cache_gb=None, max_num_seqs=2)
-    assert eng.reserve("a", 10) and eng.reserve("b", 10)
-    assert not eng.reserve("c", 10)  # max_num_seqs reached: the caller waits
-    eng.unreserve("a")
-    eng.abort("b")
-    eng.abort("nothing")
+    for rid in ("a", "b", "c"):
+        eng.handoffs.enqueue(rid, 10, 10, 30.0)
+    assert eng.handoffs.grant() == [Grant("a"), Grant("b")]  # max_num_seqs reached: c waits
+    eng.abort("a")
+    assert eng.handoffs.grant() == [Grant("c")]
+    for rid in ("b", "c", "nothing"):
+        eng.abort(rid)
     eng.check_idle()
 
 

@@ -91,7 +91,7 @@ def config(arena_bytes: int = ARENA_BYTES) -> TransferConfig:
         idle_timeout_s=10.0,
         handshake_timeout_s=10.0,
         send_timeout_s=20.0,
-        ipc_arena_bytes=arena_bytes,
+        ipc_arena_gb=arena_bytes / 2**30,
     )
 
 
@@ -148,7 +148,7 @@ def test_export_allocator_only_for_ipc_with_an_arena() -> None:
     )
     assert KVSender(TOKEN, LAYOUT_SWA, config=TransferConfig()).export_allocator is None
     with pytest.raises(ValueError):
-        TransferConfig(ipc_arena_bytes=-1)
+        TransferConfig(ipc_arena_gb=-1)
 
 
 # ---- handoffs through the arena -----------------------------------------------------------------

@@ -32,15 +32,17 @@ import torch
 from aiohttp import web
 from openai import APIStatusError
 
+from engine.codec import from_wire
 from engine.handoff import SequenceExport
 from engine.kv_cache import layout_of
 from engine.model_config import arch_from_hf, load_hf_config
 from engine.models import resolve_model
-from engine.request import SamplingParams
+from pd.messages import PrefillBody
 from pd.testing import PDPair, ServerProcess, free_port, get_json, rank_metrics, wait_idle
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig
 from transfer.handoff import allocate_payload, make_header, model_fingerprint, payload_segments
+from transfer.messages import ControlMessage, Nack, Offer, Ready
 from transfer.receiver import KVReceiver
 from transfer.tcp import TcpTransport, byte_view
 from transfer.wire import Channel
@@ -67,7 +69,7 @@ class FakePE:
         self.real_url = real_url
         self.mode = "proxy"
         self.port = free_port()
-        self.replies: list[dict[str, Any]] = []
+        self.replies: list[ControlMessage | None] = []  # the CE receiver's answers (None: cut short)
         folder = resolve_model(MODEL)
         self.layout = layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
         self.model = model_fingerprint(folder)
@@ -113,7 +115,7 @@ class FakePE:
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
         if mode == "silent":
             await asyncio.sleep(3600)
-        body = json.loads(raw)
+        body = from_wire(PrefillBody, json.loads(raw))
         token = request.headers["Authorization"].removeprefix("Bearer ").encode()
         export = self._export(body)
         header = make_header(export, self.layout, self.model)
@@ -122,52 +124,50 @@ class FakePE:
         elif mode == "layout":
             header = dataclasses.replace(header, model="sha256:another-model")
         payload = b"".join(byte_view(t).numpy().tobytes() for t in payload_segments(export, self.layout))
-        reply = await self._offer(body["receiver"], header.encode(), payload, token, cut=mode == "die")
+        reply = await self._offer(body.receiver, header.encode(), payload, token, cut=mode == "die")
         self.replies.append(reply)
         if mode == "die":  # the PE process is gone: its HTTP connection drops too
             assert request.transport is not None
             request.transport.abort()
             await asyncio.sleep(1)
+        nack = reply if isinstance(reply, Nack) else None
         return web.json_response(
             {
                 "error": {
-                    "message": str(reply.get("reason")),
+                    "message": str(nack.reason if nack else None),
                     "type": "server_error",
                     "param": None,
-                    "code": reply.get("code"),
+                    "code": nack.code if nack else None,
                 }
             },
             status=502,
         )
 
-    def _export(self, body: dict[str, Any]) -> SequenceExport:
-        prompt = body["prompt_token_ids"]
+    def _export(self, body: PrefillBody) -> SequenceExport:
+        prompt = list(body.prompt_token_ids)
         lo = self.layout
         num_pages = math.ceil(len(prompt) / lo.block_size)
         pages = torch.randn((num_pages, lo.num_full_layers, 2, lo.block_size, lo.num_kv_heads, lo.head_dim))
-        params = SamplingParams(
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in body["params"].items()}
-        )
-        return SequenceExport(body["request_id"], prompt, [28], len(prompt), params, 0, pages, None)
+        return SequenceExport(body.request_id, prompt, [28], len(prompt), body.params, 0, pages, None)
 
     async def _offer(
         self, addr: str, header: bytes, payload: bytes, token: bytes, cut: bool
-    ) -> dict[str, Any]:
+    ) -> ControlMessage | None:
         host, port = addr.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)))
         ch = Channel(sock, addr)
         try:
             await client_handshake(ch, token, "fake-pe")
-            await ch.send({"t": "offer", "transport": "tcp", "header": header, "extra": {}})
+            await ch.send(Offer("tcp", header))
             reply = await ch.recv()
-            if reply["t"] != "ready":
+            if not isinstance(reply, Ready):
                 return reply
             if cut:
                 await asyncio.get_running_loop().sock_sendall(sock, payload[: len(payload) // 2])
                 sock.setsockopt(
                     socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
                 )  # RST
-                return {"t": "cut"}
+                return None
             await asyncio.get_running_loop().sock_sendall(sock, payload)
             return await ch.recv()
         finally:
@@ -423,6 +423,23 @@ def prefill_body(receiver: str, lease_s: float) -> dict[str, Any]:
         "receiver": receiver,
         "lease_s": lease_s,
     }
+
+
+async def test_bad_prefill_body_is_a_400_naming_the_field(cluster):
+    pair = cluster[0]
+    auth = {"Authorization": f"Bearer {pair.token}"}
+    good = prefill_body("127.0.0.1:1", 3.0)
+    async with aiohttp.ClientSession() as s:
+        for body, param in (
+            ({**good, "params": {"max_tokens": 8, "top_k": True}}, "params.top_k"),  # a bool for an int
+            ({**good, "prompt_token_ids": "1 2 3"}, "prompt_token_ids"),  # a string for a list
+            ({**good, "lease": 3.0}, "lease"),  # an unknown field
+            ({k: v for k, v in good.items() if k != "receiver"}, "receiver"),  # a missing field
+        ):
+            async with s.post(pair.pe.url + "/prefill", json=body, headers=auth) as resp:
+                got = await resp.json()
+            assert resp.status == 400 and got["error"]["param"] == param, got
+    await asyncio.to_thread(idle, pair.pe.port)
 
 
 async def test_pe_lease_expires_on_a_receiver_that_never_acks(cluster):

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import typing
 from dataclasses import dataclass
 
 import msgpack
 import pytest
+import torch
 
+from engine.codec import WireError, to_wire
+from engine.config import ForwardConfig
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from pd.config import ServerConfig
 from pd.errors import ApiError
@@ -26,8 +32,12 @@ from pd.messages import (
 )
 from pd.metrics import RankSnapshot, ServerMetrics
 from pd.protocol import parse_chat_request, parse_completion_request
+from pd.rank import engine_config as rank_engine_config
+from pd.rank import read_configs
 from pd.router import AffinityRouter, LeastLoadedRouter, make_router
+from pd.settings import parser_for
 from pd.sse import DONE, sse_event
+from transfer.config import TransferConfig
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -260,6 +270,9 @@ def test_messages_refuse_other_versions_and_garbage():
         decode(msgpack.packb({"v": PROTOCOL_VERSION, "type": "nope"}))
     with pytest.raises(MessageError):
         decode(msgpack.packb({"v": PROTOCOL_VERSION, "type": "add"}))
+    with pytest.raises(MessageError) as e:
+        decode(msgpack.packb({"v": PROTOCOL_VERSION, "type": "shutdown", "now": True}))
+    assert e.value.field == "now"  # an unknown field is refused, not dropped
     with pytest.raises(MessageError):
         decode(b"\xc1")
 
@@ -341,13 +354,122 @@ def test_server_config_cli():
     cfg = ServerConfig.from_argv(
         ["--dp", "2", "--port", "9000", "--deterministic", "--routing", "least-loaded"]
     )
-    assert (cfg.dp, cfg.port, cfg.deterministic, cfg.routing, cfg.model) == (
+    assert (cfg.dp, cfg.http_port, cfg.engine.is_deterministic, cfg.routing, cfg.engine.model) == (
         2,
         9000,
         True,
         "least-loaded",
         "smollm2-135m-instruct",
     )
-    assert cfg.engine_kwargs()["deterministic"] is True
     with pytest.raises(ValueError):
         ServerConfig(dp=0)
+
+
+# Every flag README.md, deploy/ and the tests pass, with the default it has always had.
+USER_FLAGS: dict[str, object] = {
+    "--model": "smollm2-135m-instruct", "--role": "single", "--served-model-name": None,
+    "--host": "127.0.0.1", "--port": None, "--dp": 1, "--device": "auto", "--deterministic": False,
+    "--enforce-eager": False, "--routing": "affinity", "--chat-template": None, "--max-model-len": None,
+    "--max-num-seqs": 64, "--max-num-batched-tokens": 2048, "--block-size": 128, "--kv-cache-gb": None,
+    "--hicache-gb": None, "--hicache-size-gb": None, "--hicache-state-slots": None, "--dtype": "auto",
+    "--gpu-memory-utilization": 0.9, "--load-format": "auto", "--seed": 0, "--max-body-bytes": 4 << 20,
+    "--rank-start-timeout-s": 600.0, "--log-level": "info", "--prefill-url": "http://127.0.0.1:8889",
+    "--kv-host": "127.0.0.1", "--kv-advertise-host": None, "--kv-port-base": 8900, "--transport": "tcp",
+    "--ipc-arena-gb": 4.0, "--handoff-lease-s": 30.0, "--prefill-timeout-s": 600.0,
+    "--fallback-local-prefill": False, "--max-queued-requests": 256, "--queue-timeout-s": 120.0,
+    "--cluster-token-file": None,
+}  # fmt: skip
+
+
+def _settings(cls: type, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """The leaf fields of a settings dataclass by path ("engine.forward.prefill_sdpa")."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_settings(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = f
+    return out
+
+
+def test_flags_are_the_settings_fields():
+    """One flag per field of ServerConfig and of the EngineConfig and TransferConfig it nests, named,
+    defaulted and explained by the field; the flags users pass keep their defaults; from no flags, the
+    dataclasses' own defaults."""
+    parser = parser_for(ServerConfig, "pd.server", "")
+    actions = [a for a in parser._actions if a.dest != "help"]
+    fields = _settings(ServerConfig)
+    assert sorted(a.dest for a in actions) == sorted(fields)  # one to one
+    for a in actions:
+        f = fields[a.dest]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert a.default == default, a.dest
+        assert f.metadata["help"] and a.help == f.metadata["help"]
+        name = f.metadata.get("flag", a.dest.rpartition(".")[2].replace("_", "-"))
+        assert a.option_strings[0] == f"--{name}", a.dest
+    by_flag = {s: a for a in actions for s in a.option_strings}
+    for flag, default in USER_FLAGS.items():
+        assert by_flag[flag].default == default, flag
+    assert by_flag["--hicache-size-gb"] is by_flag["--hicache-gb"]
+    assert ServerConfig.from_argv([]) == ServerConfig()
+    cfg = ServerConfig.from_argv(
+        "--hicache-size-gb 2 --prefill-sdpa off --prefill-sdpa-min-pairs 7 --no-chain-residuals "
+        "--accept-transports tcp,ipc --ipc-time-copies --idle-timeout-s 3 --num-swa-slots 5".split()
+    )
+    assert (cfg.engine.hicache_gb, cfg.engine.num_swa_slots, cfg.engine.forward) == (
+        2.0,
+        5,
+        ForwardConfig(prefill_sdpa="off", prefill_sdpa_min_pairs=7, chain_residuals=False),
+    )
+    assert cfg.transfer == TransferConfig(accept_transports=("tcp", "ipc"), ipc_time_copies=True, idle_timeout_s=3.0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-num-seq", "3"],  # an abbreviation is not taken either
+        ["--determinstic"],
+        ["--deterministic=yes"],
+        ["--prefill-sdpa", "fast"],
+        ["--accept-transports", "tcp,udp"],
+        ["--dp", "two"],
+    ],
+)
+def test_a_misspelled_flag_is_an_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        ServerConfig.from_argv(argv)
+    assert "error" in capsys.readouterr().err
+
+
+def test_a_bad_value_is_an_error():
+    for argv in (["--max-model-len", "1"], ["--ipc-arena-gb", "-1"], ["--prefill-sdpa-min-pairs", "0"]):
+        with pytest.raises(ValueError):
+            ServerConfig.from_argv(argv)
+
+
+def test_rank_configs_are_typed_and_strict():
+    """What a rank is told (--engine-config, --role-config): the codec's encoding of EngineConfig and
+    RoleConfig, decoded as it was sent; an unknown, renamed or mistyped key is an error."""
+    cfg = ServerConfig.from_argv(["--role", "ce", "--deterministic", "--prefill-sdpa", "off", "--kv-cache-gb", "1"])
+    engine_json, role_json = json.dumps(to_wire(cfg.engine)), json.dumps(to_wire(cfg.role_config(1)))
+    assert read_configs(engine_json, role_json) == (cfg.engine, cfg.role_config(1))
+    assert read_configs(engine_json, None) == (cfg.engine, None)
+    good = to_wire(cfg.engine)
+    for bad in (
+        {**good, "max_num_seq": 3},
+        {**good, "deterministic": True},  # the old name of is_deterministic
+        {**good, "max_num_seqs": "3"},
+        {**good, "forward": {"prefill_sdpa": "fast"}},
+        {**good, "forward": {"chain_residual": False}},
+    ):
+        with pytest.raises(WireError):
+            read_configs(json.dumps(bad), None)
+    with pytest.raises(WireError):
+        read_configs(engine_json, json.dumps({**to_wire(cfg.role_config(0)), "transport": "tcp"}))
+    threads = torch.get_num_threads()
+    try:
+        device = f"cuda:{1 % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+        assert rank_engine_config(cfg.engine, 1, 2) == dataclasses.replace(cfg.engine, device=device)
+    finally:
+        torch.set_num_threads(threads)

@@ -65,7 +65,7 @@ async def test_engine_handoff_continues_like_an_uninterrupted_run(
     def on_handoff(h: HandoffHeader):
         headers.append(h)
         return (
-            allocate_payload(h) if ce.can_import(len(h.prompt_token_ids) + len(h.output_token_ids)) else None
+            allocate_payload(h) if ce.handoffs.can_import(len(h.prompt_token_ids) + len(h.output_token_ids)) else None
         )
 
     def on_complete(h: HandoffHeader, export: SequenceExport) -> None:

@@ -245,7 +245,10 @@ def _tamper(h: HandoffHeader, **changes) -> bytes:
         (dict(num_prompt_tokens=KeyError), BAD_HEADER),
         (dict(window=KeyError), BAD_HEADER),
         (dict(dtype="int4"), BAD_HEADER),
-        (dict(params={"max_tokens": 1}), BAD_HEADER),
+        (dict(params={"max_tokens": 1, "top_n": 2}), BAD_HEADER),  # an unknown field
+        (dict(params={"max_tokens": True}), BAD_HEADER),  # a bool for an int
+        (dict(params={"stop": "x"}), BAD_HEADER),  # a string for a list
+        (dict(params=[1]), BAD_HEADER),
         (dict(params={**dataclasses.asdict(SamplingParams()), "temperature": -1.0}), BAD_HEADER),
     ],
 )
@@ -254,6 +257,15 @@ def test_header_decode_refuses(changes: dict, code: str) -> None:
     with pytest.raises(HandoffError) as e:
         HandoffHeader.decode(_tamper(h, **changes))
     assert e.value.code == code
+
+
+def test_header_params_decode_through_the_codec() -> None:
+    """The header's sampling params are the codec's: defaults for missing fields, the path of a bad one."""
+    h = make_header(make_export(), LAYOUT_SWA)
+    assert HandoffHeader.decode(_tamper(h, params={"max_tokens": 3})).params == SamplingParams(max_tokens=3)
+    with pytest.raises(HandoffError) as e:
+        HandoffHeader.decode(_tamper(h, params={"top_k": "x"}))
+    assert e.value.code == BAD_HEADER and "params.top_k" in e.value.message
 
 
 def test_header_decode_refuses_garbage() -> None:

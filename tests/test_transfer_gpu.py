@@ -202,7 +202,7 @@ def in_arena(tr, exp, rid):
     return dataclasses.replace(exp, request_id=rid, pages=pages, state=state)
 
 async def main():
-    sender = KVSender(TOKEN, LAYOUT, config=dataclasses.replace(CONFIG, transport="ipc", ipc_arena_bytes=64 << 20))
+    sender = KVSender(TOKEN, LAYOUT, config=dataclasses.replace(CONFIG, transport="ipc", ipc_arena_gb=64 / 1024))
     tr = sender.transport
     exp = cuda_export(seed=3, request_id="x")
     a1 = await sender.send({addr!r}, in_arena(tr, exp, "a1"))

@@ -16,6 +16,7 @@ from test_transfer_tcp import FAST, TOKEN, Sink, receiver
 from transfer.auth import client_handshake
 from transfer.errors import BAD_HEADER, TIMEOUT, UNEXPECTED, HandoffError
 from transfer.handoff import IDS_INLINE_MAX, make_header
+from transfer.messages import Ids, Nack, Offer
 from transfer.sender import KVSender
 from transfer.wire import Channel
 
@@ -151,11 +152,11 @@ async def test_announced_ids_missing_or_wrong_are_refused(ids: bytes | None) -> 
         ch = Channel(socket.create_connection((host, int(port))), r.address)
         try:
             await client_handshake(ch, TOKEN, "raw-test-sender")
-            await ch.send({"t": "offer", "transport": "tcp", "header": header.encode(), "extra": {}})
+            await ch.send(Offer("tcp", header.encode()))
             if ids is not None:
-                await ch.send({"t": "ids", "ids": ids})
+                await ch.send(Ids(ids))
             reply = await asyncio.wait_for(ch.recv(), 10)
         finally:
             ch.close()
-    assert reply["t"] == "nack" and reply["code"] == (TIMEOUT if ids is None else BAD_HEADER)
+    assert isinstance(reply, Nack) and reply.code == (TIMEOUT if ids is None else BAD_HEADER)
     assert sink.delivered == {} and len(sink.errors) == 1  # the reservation is released

@@ -8,11 +8,13 @@ import dataclasses
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 from test_transfer_format import LAYOUT_SWA, make_export
@@ -20,12 +22,24 @@ from test_transfer_format import LAYOUT_SWA, make_export
 from engine.handoff import KVLayout, SequenceExport
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig
-from transfer.errors import AUTH, CHECKSUM, INCOMPLETE, LAYOUT, REJECTED, TIMEOUT, UNEXPECTED, HandoffError
+from transfer.errors import (
+    AUTH,
+    CHECKSUM,
+    INCOMPLETE,
+    LAYOUT,
+    PROTOCOL,
+    REJECTED,
+    TIMEOUT,
+    UNEXPECTED,
+    VERSION,
+    HandoffError,
+)
 from transfer.handoff import HandoffHeader, allocate_payload, make_header, payload_segments
+from transfer.messages import Auth, AuthOk, ControlMessage, HandoffAck, Hello, Ids, Nack, Offer, Ready
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.tcp import byte_view
-from transfer.wire import Channel
+from transfer.wire import PROTOCOL_VERSION, Channel, pack, unpack
 
 TOKEN = b"test-cluster-token-0123456789"
 FAST = TransferConfig(idle_timeout_s=5.0, handshake_timeout_s=5.0, send_timeout_s=20.0)
@@ -66,7 +80,7 @@ def payload_bytes(exp: SequenceExport, layout: KVLayout = LAYOUT_SWA) -> bytes:
     return b"".join(byte_view(t).numpy().tobytes() for t in payload_segments(exp, layout))
 
 
-async def raw_offer(addr: str, header: bytes, payload: bytes | None, token: bytes = TOKEN) -> dict[str, Any]:
+async def raw_offer(addr: str, header: bytes, payload: bytes | None, token: bytes = TOKEN) -> ControlMessage:
     """A hand-driven sender: authenticates, offers header, sends payload (or part of it), then closes
     (payload None) or waits for the receiver's verdict."""
     host, port = addr.rsplit(":", 1)
@@ -74,9 +88,9 @@ async def raw_offer(addr: str, header: bytes, payload: bytes | None, token: byte
     ch = Channel(sock, addr)
     try:
         await client_handshake(ch, token, "raw-test-sender")
-        await ch.send({"t": "offer", "transport": "tcp", "header": header, "extra": {}})
+        await ch.send(Offer("tcp", header))
         reply = await ch.recv()
-        if reply["t"] != "ready":
+        if not isinstance(reply, Ready):
             return reply
         await asyncio.get_running_loop().sock_sendall(sock, payload or b"")
         if payload is None:
@@ -84,6 +98,75 @@ async def raw_offer(addr: str, header: bytes, payload: bytes | None, token: byte
         return await ch.recv()
     finally:
         ch.close()
+
+
+# ---- control messages --------------------------------------------------------------------------------
+
+
+def _frame(d: dict[str, Any]) -> bytes:
+    """A frame as a peer of another make could send it (no dataclass, no checks)."""
+    body = msgpack.packb(d, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def test_control_messages_round_trip() -> None:
+    for msg in (
+        Hello(PROTOCOL_VERSION, b"n" * 32),
+        Auth(PROTOCOL_VERSION, "pe/1", b"c" * 32, b"m" * 32),
+        AuthOk(b"m" * 32, "sha256:x", LAYOUT_SWA.fields()),
+        Offer("nccl", b"header", {"comm": "k", "uid": b"u"}),
+        Ids(b"\x01\x00\x00\x00"),
+        Ready(),
+        HandoffAck("r", 100, 0.5, 0, {"decode": 0.001}),
+        Nack(AUTH, "no"),
+    ):
+        frame = pack(msg)
+        assert struct.unpack(">I", frame[:4])[0] == len(frame) - 4
+        assert unpack(msgpack.unpackb(frame[4:]), "peer") == msg
+    assert msgpack.unpackb(pack(Ready())[4:]) == {"t": "ready", "fields": {}}
+
+
+@pytest.mark.parametrize(
+    "body, code, where",
+    [
+        ({"t": "ack", "request_id": "r", "payload_bytes": 1, "recv_s": 0.1, "verify_s": 0.1, "x": 1}, PROTOCOL, "x"),
+        ({"t": "ack", "request_id": "r", "payload_bytes": True, "recv_s": 0.1, "verify_s": 0.1}, PROTOCOL, "payload_bytes"),
+        ({"t": "ack", "request_id": "r", "recv_s": 0.1, "verify_s": 0.1}, PROTOCOL, "payload_bytes"),
+        ({"t": "ids", "ids": [1, 2]}, PROTOCOL, "ids"),  # a list for the packed bytes
+        ({"t": "offer", "transport": "tcp", "header": b"", "extra": "x"}, PROTOCOL, "extra"),
+        ({"t": "nack", "code": "auth"}, PROTOCOL, "reason"),
+        ({"t": "what"}, PROTOCOL, "what"),
+        ({"t": "hello", "v": PROTOCOL_VERSION + 1, "nonce": b"n", "more": 1}, VERSION, "version"),
+    ],
+)
+def test_control_messages_decode_strictly(body: dict[str, Any], code: str, where: str) -> None:
+    with pytest.raises(HandoffError) as e:
+        unpack(dict(body), "peer")
+    assert e.value.code == code and where in e.value.message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"transport": "tcp", "header": b"", "extra": {}, "bogus": 1},  # an unknown field
+        {"transport": 5, "header": b""},  # a wrong type
+        {"transport": "tcp"},  # no header
+    ],
+)
+async def test_malformed_offer_is_refused(fields: dict[str, Any]) -> None:
+    sink = Sink("req-1")
+    async with receiver(sink) as r:
+        host, port = r.address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        ch = Channel(sock, r.address)
+        try:
+            await client_handshake(ch, TOKEN, "malformed")
+            await ch.loop.sock_sendall(sock, _frame({"t": "offer", **fields}))
+            reply = await asyncio.wait_for(ch.recv(), 10)
+        finally:
+            ch.close()
+    assert isinstance(reply, Nack) and reply.code == PROTOCOL and "offer" in reply.reason
+    assert sink.offered == [] and r.counters["refused"] == 1
 
 
 async def test_round_trip_synthetic() -> None:
@@ -128,10 +211,10 @@ async def test_wrong_or_missing_token_refused(caplog: pytest.LogCaptureFixture) 
         # a peer that skips authentication and goes straight to an offer
         with socket.create_connection(("127.0.0.1", r.port)) as s:
             ch = Channel(s, "x")
-            await ch.expect("hello")
-            await ch.send({"t": "offer", "transport": "tcp", "header": b"", "extra": {}})
+            await ch.recv()  # the hello
+            await ch.send(Offer("tcp", b""))
             reply = await ch.recv()
-        assert reply["t"] == "nack" and reply["code"] == AUTH
+        assert isinstance(reply, Nack) and reply.code == AUTH
         # a peer that sends nothing but junk
         reader, writer = await asyncio.open_connection("127.0.0.1", r.port)
         writer.write(b"\xff" * 64)
@@ -150,12 +233,12 @@ async def test_mismatched_header_refused_by_receiver() -> None:
     exp = make_export(other)
     async with receiver(sink) as r:
         reply = await raw_offer(r.address, make_header(exp, other).encode(), payload_bytes(exp, other))
-        assert reply["t"] == "nack" and reply["code"] == LAYOUT and "block_size" in reply["reason"]
+        assert isinstance(reply, Nack) and reply.code == LAYOUT and "block_size" in reply.reason
     async with receiver(sink, model="mine") as r2:
         reply = await raw_offer(
             r2.address, make_header(make_export(), LAYOUT_SWA, model="other").encode(), None
         )
-        assert reply["t"] == "nack" and reply["code"] == LAYOUT and "model" in reply["reason"]
+        assert isinstance(reply, Nack) and reply.code == LAYOUT and "model" in reply.reason
     assert sink.offered == [] and sink.delivered == {}
 
 
@@ -175,7 +258,7 @@ async def test_corrupt_payload_refused() -> None:
     data[len(data) // 2] ^= 0x10
     async with receiver(sink) as r:
         reply = await raw_offer(r.address, make_header(exp, LAYOUT_SWA).encode(), bytes(data))
-    assert reply["t"] == "nack" and reply["code"] == CHECKSUM
+    assert isinstance(reply, Nack) and reply.code == CHECKSUM
     assert sink.delivered == {} and [e.code for e in sink.errors] == [CHECKSUM]
 
 
@@ -211,10 +294,8 @@ async def test_connection_dropped_mid_payload() -> None:
         sock = socket.create_connection((host, int(port)))
         ch = Channel(sock, r.address)
         await client_handshake(ch, TOKEN, "half")
-        await ch.send(
-            {"t": "offer", "transport": "tcp", "header": make_header(exp, LAYOUT_SWA).encode(), "extra": {}}
-        )
-        await ch.expect("ready")
+        await ch.send(Offer("tcp", make_header(exp, LAYOUT_SWA).encode()))
+        await ch.expect(Ready)
         await asyncio.get_running_loop().sock_sendall(sock, data[: len(data) // 2])
         sock.setsockopt(
             socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
@@ -229,6 +310,7 @@ async def test_connection_dropped_mid_payload() -> None:
 KILLED_SENDER = r"""
 import asyncio, socket, sys
 from transfer.auth import client_handshake
+from transfer.messages import Offer, Ready
 from transfer.wire import Channel
 
 async def main(port, header_file, payload_file):
@@ -236,8 +318,8 @@ async def main(port, header_file, payload_file):
     sock = socket.create_connection(("127.0.0.1", port))
     ch = Channel(sock, "r")
     await client_handshake(ch, sys.argv[4].encode(), "doomed")
-    await ch.send({"t": "offer", "transport": "tcp", "header": header, "extra": {}})
-    await ch.expect("ready")
+    await ch.send(Offer("tcp", header))
+    await ch.expect(Ready)
     await asyncio.get_running_loop().sock_sendall(sock, payload[: len(payload) // 3])
     print("sent", flush=True)
     await asyncio.sleep(60)
@@ -312,14 +394,12 @@ async def test_stalled_sender_fails_after_the_idle_timeout() -> None:
         sock = socket.create_connection((host, int(port)))
         ch = Channel(sock, r.address)
         await client_handshake(ch, TOKEN, "stalls")
-        await ch.send(
-            {"t": "offer", "transport": "tcp", "header": make_header(exp, LAYOUT_SWA).encode(), "extra": {}}
-        )
-        await ch.expect("ready")
+        await ch.send(Offer("tcp", make_header(exp, LAYOUT_SWA).encode()))
+        await ch.expect(Ready)
         await asyncio.get_running_loop().sock_sendall(
             sock, payload_bytes(exp)[:1000]
         )  # then nothing, connection open
         reply = await asyncio.wait_for(ch.recv(), 10)
         ch.close()
-    assert reply["t"] == "nack" and reply["code"] == INCOMPLETE and "no payload bytes" in reply["reason"]
+    assert isinstance(reply, Nack) and reply.code == INCOMPLETE and "no payload bytes" in reply.reason
     assert sink.delivered == {} and [e.code for e in sink.errors] == [INCOMPLETE]

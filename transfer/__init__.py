@@ -5,6 +5,7 @@
     checksum_gpu.py  the same in one pass on a GPU (Triton), used once it matches torch there
     auth.py       the cluster token and the HMAC challenge-response
     wire.py       control-connection framing and message flow
+    messages.py   the control messages (hello .. ack, nack), one frozen dataclass each
     sender.py     KVSender.send(addr, export) -> Ack
     receiver.py   KVReceiver(on_handoff, on_complete): verify, then deliver
     transport.py  the transport interface and factory: tcp.py, nccl.py, ipc.py

@@ -18,9 +18,13 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transfer.errors import AUTH, VERSION, HandoffError
-from transfer.wire import MAX_CONTROL_BYTES, PROTOCOL_VERSION, Channel
+from transfer.errors import AUTH, HandoffError
+
+if TYPE_CHECKING:
+    from transfer.messages import AuthOk
+    from transfer.wire import Channel
 
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 TOKEN_FILE_ENV = "PDSERVE_CLUSTER_TOKEN_FILE"
@@ -60,48 +64,39 @@ def _mac(token: bytes, *parts: bytes) -> bytes:
     return hmac.new(token, b"".join(parts), hashlib.sha256).digest()
 
 
+# NOTE: the handshakes import the wire (and through the codec, torch) when they run, so that making a
+# token (`python -m transfer.auth`, deploy/pd_run.sh) stays a fraction of a second.
 async def server_handshake(ch: Channel, token: bytes) -> tuple[str, bytes]:
     """Receiver side: (the sender's id, this receiver's proof for auth_ok). Raises HandoffError if the
-    peer fails. The caller sends auth_ok with the proof, its model and layout, or a nack."""
+    peer fails (VERSION for another protocol version). The caller sends AuthOk with the proof, its
+    model and layout, or a nack."""
+    from transfer.messages import Auth, Hello
+    from transfer.wire import MAX_CONTROL_BYTES, PROTOCOL_VERSION
+
     nonce = secrets.token_bytes(NONCE_BYTES)
-    await ch.send({"t": "hello", "v": PROTOCOL_VERSION, "nonce": nonce})
-    msg = await ch.expect("auth")
-    sender, c_nonce, mac = msg.get("sender"), msg.get("nonce"), msg.get("mac")
-    if msg.get("v") != PROTOCOL_VERSION:
-        err = HandoffError(
-            VERSION, f"protocol version {msg.get('v')!r}, this receiver speaks {PROTOCOL_VERSION}"
-        )
-    elif not (
-        isinstance(sender, str)
-        and isinstance(c_nonce, bytes)
-        and len(c_nonce) == NONCE_BYTES
-        and isinstance(mac, bytes)
-    ):
-        err = HandoffError(AUTH, "malformed authentication")
-    elif not hmac.compare_digest(mac, _mac(token, _CLIENT, nonce, c_nonce, sender.encode())):
-        err = HandoffError(AUTH, "authentication failed")
-    else:
-        ch.max_frame_bytes = MAX_CONTROL_BYTES
-        return sender, _mac(token, _SERVER, c_nonce, nonce)
-    raise err
+    await ch.send(Hello(PROTOCOL_VERSION, nonce))
+    msg = await ch.expect(Auth)
+    if len(msg.nonce) != NONCE_BYTES:
+        raise HandoffError(AUTH, "malformed authentication")
+    if not hmac.compare_digest(msg.mac, _mac(token, _CLIENT, nonce, msg.nonce, msg.sender.encode())):
+        raise HandoffError(AUTH, "authentication failed")
+    ch.max_frame_bytes = MAX_CONTROL_BYTES
+    return msg.sender, _mac(token, _SERVER, msg.nonce, nonce)
 
 
-async def client_handshake(ch: Channel, token: bytes, sender_id: str) -> dict:
-    """Sender side. Returns the receiver's auth_ok (its model and layout); raises HandoffError."""
-    hello = await ch.expect("hello")
-    s_nonce = hello.get("nonce")
-    if hello.get("v") != PROTOCOL_VERSION:
-        raise HandoffError(
-            VERSION, f"receiver speaks protocol {hello.get('v')!r}, this sender {PROTOCOL_VERSION}"
-        )
-    if not isinstance(s_nonce, bytes) or len(s_nonce) != NONCE_BYTES:
+async def client_handshake(ch: Channel, token: bytes, sender_id: str) -> AuthOk:
+    """Sender side. Returns the receiver's AuthOk (its model and layout); raises HandoffError."""
+    from transfer.messages import Auth, AuthOk, Hello
+    from transfer.wire import MAX_CONTROL_BYTES, PROTOCOL_VERSION
+
+    hello = await ch.expect(Hello)  # another protocol version: VERSION
+    if len(hello.nonce) != NONCE_BYTES:
         raise HandoffError(AUTH, "malformed hello")
     nonce = secrets.token_bytes(NONCE_BYTES)
-    mac = _mac(token, _CLIENT, s_nonce, nonce, sender_id.encode())
-    await ch.send({"t": "auth", "v": PROTOCOL_VERSION, "sender": sender_id, "nonce": nonce, "mac": mac})
-    ok = await ch.expect("auth_ok")
-    proof = ok.get("mac")
-    if not isinstance(proof, bytes) or not hmac.compare_digest(proof, _mac(token, _SERVER, nonce, s_nonce)):
+    mac = _mac(token, _CLIENT, hello.nonce, nonce, sender_id.encode())
+    await ch.send(Auth(PROTOCOL_VERSION, sender_id, nonce, mac))
+    ok = await ch.expect(AuthOk)
+    if not hmac.compare_digest(ok.mac, _mac(token, _SERVER, nonce, hello.nonce)):
         raise HandoffError(AUTH, f"receiver {ch.peer} failed to prove it holds the cluster token")
     ch.max_frame_bytes = MAX_CONTROL_BYTES
     return ok

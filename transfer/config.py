@@ -1,30 +1,58 @@
-"""TransferConfig: how a PE sends and a CE receives handoffs (one per process, shared by both ends)."""
+"""TransferConfig: how a PE sends and a CE receives handoffs (one per process, shared by both ends).
+
+Every setting is one field with its default, type and help (metadata "help": pd/settings.py makes the
+`python -m pd.server` flags from them; a P/D rank receives it inside its RoleConfig through the codec).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kernels.checksum import CHUNK_BYTES
 
 TRANSPORT_NAMES = ("tcp", "nccl", "ipc")
+GiB = 1 << 30
 
 
 @dataclass(frozen=True)
 class TransferConfig:
-    transport: str = "tcp"  # what a sender uses: tcp | nccl | ipc
-    accept_transports: tuple[str, ...] = TRANSPORT_NAMES  # what a receiver takes
-    send_timeout_s: float = 120.0  # a whole send, connect to ack; keep the PE's lease longer than this
-    connect_timeout_s: float = 5.0
-    handshake_timeout_s: float = 10.0  # receiver: hello to offer; a silent peer is dropped after this
-    idle_timeout_s: float = 30.0  # payload: this long without progress fails the handoff
+    transport: str = field(
+        default="tcp", metadata={"help": "PE: the KV transport it sends with", "choices": TRANSPORT_NAMES}
+    )
+    accept_transports: tuple[str, ...] = field(
+        default=TRANSPORT_NAMES, metadata={"help": "CE: the transports its receivers take", "choices": TRANSPORT_NAMES}
+    )
+    send_timeout_s: float = field(
+        default=120.0, metadata={"help": "a whole send, connect to ack; keep the PE's lease longer than this"}
+    )
+    connect_timeout_s: float = field(default=5.0, metadata={"help": "PE: connecting to a CE's receiver"})
+    handshake_timeout_s: float = field(
+        default=10.0, metadata={"help": "CE: hello to offer; a silent peer is dropped after this"}
+    )
+    idle_timeout_s: float = field(
+        default=30.0, metadata={"help": "this long without progress of a payload fails the handoff"}
+    )
     # an authenticated connection carries one handoff after another: the receiver closes one idle for
     # keepalive_s, a sender reuses one only while it has been idle less than half of that
-    keepalive_s: float = 60.0
-    chunk_bytes: int = 8 << 20  # TCP: bytes per send/recv call and per pinned staging buffer (x2)
-    max_workers: int = 8  # threads for blocking payload I/O, checksums and NCCL/IPC waits
+    keepalive_s: float = field(
+        default=60.0, metadata={"help": "CE: closes a connection idle this long (a PE reuses one up to half)"}
+    )
+    chunk_bytes: int = field(
+        default=8 << 20,
+        metadata={"help": "tcp: bytes per send/recv call and per pinned staging buffer (x2); a multiple of 1 MiB"},
+    )
+    max_workers: int = field(
+        default=8, metadata={"help": "threads for blocking payload I/O, checksums and NCCL/IPC waits"}
+    )
     # ipc sender: a device buffer exported once that exports are gathered into (0: none; every
     # handoff then exports its tensors' own handles). Allocated on the first ipc export.
-    ipc_arena_bytes: int = 4 << 30
+    ipc_arena_gb: float = field(
+        default=4.0, metadata={"help": "PE, ipc: a GPU buffer exported once that exports are gathered into; 0: off"}
+    )
+    ipc_time_copies: bool = field(
+        default=False,
+        metadata={"help": "CE, ipc: time each copy on its stream (the ack's ipc_copy_gpu phase; costs host time)"},
+    )
 
     def __post_init__(self) -> None:
         names = (self.transport, *self.accept_transports)
@@ -43,7 +71,11 @@ class TransferConfig:
             raise ValueError("timeouts must be > 0")
         if self.chunk_bytes < CHUNK_BYTES or self.chunk_bytes % CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be a positive multiple of {CHUNK_BYTES} (the checksum chunk)")
-        if self.ipc_arena_bytes < 0:
-            raise ValueError("ipc_arena_bytes must be >= 0")
+        if self.ipc_arena_gb < 0:
+            raise ValueError(f"ipc_arena_gb must be >= 0, got {self.ipc_arena_gb}")
         if self.max_workers < 1:
             raise ValueError("max_workers must be >= 1")
+
+    @property
+    def ipc_arena_bytes(self) -> int:
+        return int(self.ipc_arena_gb * GiB)

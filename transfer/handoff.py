@@ -13,8 +13,8 @@ num_pages = ceil(num_computed / block_size) (0 for a model without full-attentio
 page's rows past num_computed are whatever the sender had there. The first sampled token(s) and their
 logprobs travel in the header: they are small, typed, and needed before the payload is.
 
-Token ids travel as packed little-endian int32 bytes (a 16k-token prompt as a msgpack list costs
-~0.3 ms to pack and as much to unpack and check, on each side of every handoff). A prompt longer than
+Token ids travel as packed little-endian int32 bytes (a long prompt as a msgpack list costs a
+noticeable part of the handoff to pack, unpack and check, on each side). A prompt longer than
 IDS_INLINE_MAX tokens is not in the header's bytes: the header says how many ids there are
 (num_prompt_tokens) and the sender sends them in an `ids` message right after the offer (wire.py),
 so packing them, carrying them and reading them overlap the payload instead of delaying its start.
@@ -39,14 +39,13 @@ import msgpack
 import numpy as np
 import torch
 
-from engine.handoff import DTYPES, KVLayout, SamplingParams, SequenceExport, TokenLogprob
+from engine.handoff import DTYPES, KVLayout, SamplingParams, SequenceExport, TokenLogprob, from_wire, to_wire
 from kernels.checksum import MASK64, as_words, fold
 from transfer.checksum import segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
 HEADER_VERSION = 3
 IDS_INLINE_MAX = 1024  # prompts longer than this send their token ids after the offer
-_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass(frozen=True)
@@ -160,13 +159,11 @@ class HandoffHeader:
         return pack_ids(ids)
 
     def encode(self) -> bytes:
-        p = self.params
         d: dict[str, Any] = {name: getattr(self, name) for name in _HEADER_FIELDS}
         d["num_prompt_tokens"] = len(self.prompt_token_ids)
         d["prompt_token_ids"] = self.ids_bytes() if self.ids_inline else None
         d["output_token_ids"] = pack_ids(self.output_token_ids)
-        params = {k: getattr(p, k) for k in _PARAM_FIELDS}
-        d["params"] = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+        d["params"] = to_wire(self.params)
         d["output_logprobs"] = [
             [lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.output_logprobs
         ]
@@ -201,7 +198,7 @@ class HandoffHeader:
                 raise ValueError(f"{count} token ids must be in the header")
             kw["prompt_token_ids"] = ids
             kw["output_token_ids"] = _int_tuple(d["output_token_ids"])
-            kw["params"] = _params(d["params"])
+            kw["params"] = from_wire(SamplingParams, d["params"], "params")  # a WireError is a ValueError
             kw["output_logprobs"] = tuple(
                 TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
                 for t, lp, top in d["output_logprobs"]
@@ -303,7 +300,7 @@ class PackedIds(Sequence[int]):
 
 def _int_tuple(v: Any) -> tuple[int, ...]:
     # NOTE: checked and converted in C (numpy's min, array.tolist): min() or tuple() over the array
-    # iterate in Python, ~0.4 ms each for 16k tokens
+    # would iterate in Python
     if not isinstance(v, bytes) or len(v) % 4:
         raise TypeError("token ids must be packed int32 bytes")
     if v and int(np.frombuffer(v, dtype="<i4").min()) < 0:
@@ -317,13 +314,6 @@ def _unpack_ids(raw: bytes) -> list[int]:
     if sys.byteorder != "little":
         ids.byteswap()
     return ids.tolist()
-
-
-def _params(d: Any) -> SamplingParams:
-    if not isinstance(d, dict) or set(d) != set(_PARAM_FIELDS):
-        raise TypeError(f"sampling params must have exactly the fields {_PARAM_FIELDS}")
-    kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-    return SamplingParams(**kw)  # its own checks raise InvalidRequestError, a ValueError
 
 
 def check_layout(header: HandoffHeader, layout: KVLayout, model: str = "") -> None:
@@ -439,7 +429,7 @@ def check_segments(header: HandoffHeader, segments: list[torch.Tensor]) -> None:
 def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceExport:
     """The SequenceExport a verified payload stands for (receiver side)."""
     ids = header.prompt_token_ids
-    export = SequenceExport(
+    return SequenceExport(
         request_id=header.request_id,
         prompt_token_ids=ids.tolist() if isinstance(ids, PackedIds) else list(ids),
         output_token_ids=list(header.output_token_ids),
@@ -448,10 +438,8 @@ def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceEx
         seed=header.seed,
         pages=segments[0],
         state=segments[1] if header.has_state else None,
+        output_logprobs=list(header.output_logprobs),
     )
-    if hasattr(export, "output_logprobs"):  # once SequenceExport carries them
-        export.output_logprobs = list(header.output_logprobs)
-    return export
 
 
 def model_fingerprint(folder: str | Path) -> str:

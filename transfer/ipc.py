@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import socket
 import threading
 import time
@@ -55,8 +54,6 @@ log = logging.getLogger("transfer.ipc")
 POLL_S = 50e-6  # how often a worker thread asks whether the copy is done (a copy takes ~1 ms per GiB)
 ALIGN = 4096  # arena slices start at multiples of this
 MAX_OPEN_ARENAS = 4  # receiver: senders' arenas kept mapped
-# receiver: time each copy on its stream (the ack's ipc_copy_gpu phase); costs host time per handoff
-TIME_COPIES = os.environ.get("PDSERVE_IPC_TIME_COPIES", "") not in ("", "0")
 
 
 def host_id() -> str:
@@ -185,12 +182,14 @@ class TorchCudaIpc:
             h["event_handle"], h["event_sync"],
         )  # fmt: skip
 
-    def __init__(self) -> None:
+    def __init__(self, time_copies: bool = False) -> None:
+        """time_copies: time each copy on its stream (TransferConfig.ipc_time_copies)."""
+        self.time_copies = time_copies
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Copy:
-        # NOTE: on the handoff's critical path: few torch calls (each costs microseconds of host time;
-        # the launch is about 0.4 ms of Python per handoff, as long as a third of the copy of 2 GiB)
+        # NOTE: on the handoff's critical path: few torch calls (each costs microseconds of host time,
+        # and the launch's Python is a sizeable part of a long sequence's copy: bench/RESULTS.md)
         from kernels.checksum_gpu import copy_segment
 
         device = dst[0].device
@@ -202,7 +201,7 @@ class TorchCudaIpc:
         torch.cuda.set_stream(stream)
         try:
             start = None
-            if TIME_COPIES:
+            if self.time_copies:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
             sums: list[torch.Tensor | None] = []
@@ -215,7 +214,7 @@ class TorchCudaIpc:
             stacked = None
             if len(hashed) == len(sums):
                 stacked = hashed[0].view(1) if len(hashed) == 1 else torch.stack(hashed)
-            event = torch.cuda.Event(enable_timing=TIME_COPIES)
+            event = torch.cuda.Event(enable_timing=self.time_copies)
             event.record(stream)
         finally:
             torch.cuda.set_stream(current)
@@ -318,7 +317,7 @@ class IpcTransport(Transport):
 
     def __init__(self, config: TransferConfig, backend: IpcBackend | None = None) -> None:
         super().__init__(config)
-        self.backend: IpcBackend = backend or TorchCudaIpc()
+        self.backend: IpcBackend = backend or TorchCudaIpc(config.ipc_time_copies)
         self._host = host_id()
         self._arena: ExportArena | None = None
         self._arena_lock = threading.Lock()

@@ -43,6 +43,7 @@ from transfer.handoff import (
     check_segments,
     to_export,
 )
+from transfer.messages import AuthOk, HandoffAck, Ids, Offer, Ready
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -147,7 +148,7 @@ class KVReceiver:
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
-    def _transport(self, name: Any) -> Transport:
+    def _transport(self, name: str) -> Transport:
         if name not in self.config.accept_transports:
             raise HandoffError(
                 TRANSPORT,
@@ -186,22 +187,25 @@ class KVReceiver:
             )
             log.warning("refused unauthenticated KV peer %s: %s", ch.peer, reason)
             raise HandoffError(AUTH, f"not authenticated: {reason}") from None
-        await ch.send(
-            {"t": "auth_ok", "mac": proof, "model": self.model, "layout": self.layout.fields()}
-        )
+        await ch.send(AuthOk(proof, self.model, self.layout.fields()))
 
     async def _handle(self, ch: Channel, timeout_s: float) -> bool:
         """One handoff: False if the sender closed the connection, or sent nothing for timeout_s,
         before an offer; raises HandoffError (the caller nacks and closes) if the handoff fails."""
         try:
-            msg = await asyncio.wait_for(ch.recv_or_eof(), timeout_s)
+            offer = await asyncio.wait_for(ch.expect_or_eof(Offer), timeout_s)
         except asyncio.TimeoutError:
             return False
-        if msg is None:
+        except HandoffError as e:
+            if e.code == PROTOCOL:  # not an offer, or a malformed one
+                self.counters["refused"] += 1
+                log.warning("refused handoff offer from %s: %s", ch.peer, e)
+            raise
+        if offer is None:
             return False
         t0 = time.perf_counter()
         try:
-            header, transport, extra = self._read_offer(ch, msg)
+            header, transport, extra = self._read_offer(offer)
             t_offer = time.perf_counter()
             segments = await _call(self.on_handoff, header)
             if segments is None:
@@ -237,8 +241,8 @@ class KVReceiver:
         if not isinstance(ids, PackedIds) or not ids.pending:
             return
         try:
-            msg = await asyncio.wait_for(ch.expect("ids"), self.config.handshake_timeout_s)
-            ids.fill(msg.get("ids"))
+            msg = await asyncio.wait_for(ch.expect(Ids), self.config.handshake_timeout_s)
+            ids.fill(msg.ids)
         except asyncio.TimeoutError:
             raise HandoffError(
                 TIMEOUT, f"request {header.request_id!r}: no token ids after the offer"
@@ -246,18 +250,11 @@ class KVReceiver:
         except (TypeError, ValueError) as e:
             raise HandoffError(BAD_HEADER, f"request {header.request_id!r}: {e}") from None
 
-    def _read_offer(
-        self, ch: Channel, msg: dict[str, Any]
-    ) -> tuple[HandoffHeader, Transport, dict[str, Any]]:
+    def _read_offer(self, offer: Offer) -> tuple[HandoffHeader, Transport, dict[str, Any]]:
         """The offer's header, if it is for this engine, and the transport it asks for."""
-        if msg["t"] != "offer":
-            raise HandoffError(PROTOCOL, f"expected offer from {ch.peer}, got {msg['t']!r}")
-        raw, extra = msg.get("header"), msg.get("extra", {})
-        if not isinstance(raw, bytes) or not isinstance(extra, dict):
-            raise HandoffError(PROTOCOL, "malformed offer")
-        header = HandoffHeader.decode(raw)
+        header = HandoffHeader.decode(offer.header)
         check_layout(header, self.layout, self.model)
-        return header, self._transport(msg.get("transport")), extra
+        return header, self._transport(offer.transport), offer.extra
 
     async def _receive(
         self,
@@ -267,7 +264,7 @@ class KVReceiver:
         extra: dict[str, Any],
         segments: list[torch.Tensor],
         phases: dict[str, float],
-    ) -> dict[str, Any]:
+    ) -> HandoffAck:
         """Receive, verify, deliver; returns the ack (with where the receiver's time went, phases).
         Nothing reaches on_complete unverified."""
         rid = header.request_id
@@ -278,12 +275,12 @@ class KVReceiver:
         phases["accept"] = t0 - t_accept
         if not transport.reads_in_place:
             await self._read_ids(ch, header)
-            await ch.send({"t": "ready", **reply})
+            await ch.send(Ready(reply))
         pulling = asyncio.ensure_future(transport.pull(ch, header, extra, segments, phases=phases))
         try:
             await asyncio.sleep(0)  # the pull starts: ipc launches its copy before anything below
             if transport.reads_in_place:  # the sender waits for nothing before the payload
-                await ch.send({"t": "ready", **reply})
+                await ch.send(Ready(reply))
                 await self._read_ids(ch, header)
             export = to_export(header, segments)  # token ids unpacked while the payload moves
             checksum = await pulling
@@ -310,11 +307,4 @@ class KVReceiver:
         except Exception as e:
             raise HandoffError(REJECTED, f"request {rid!r} refused after transfer: {e!r}") from e
         phases["complete"] = time.perf_counter() - t_complete
-        return {
-            "t": "ack",
-            "request_id": rid,
-            "payload_bytes": header.payload_bytes,
-            "recv_s": recv_s,
-            "verify_s": verify_s,
-            "phases": phases,
-        }
+        return HandoffAck(rid, header.payload_bytes, recv_s, verify_s, phases)

@@ -29,6 +29,7 @@ from transfer.config import TransferConfig
 from transfer.errors import INCOMPLETE, LAYOUT, PROTOCOL, STALE, TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader, check_layout, make_header, payload_segments, peer_layout
 from transfer.ipc import IpcTransport
+from transfer.messages import HandoffAck, Ids, Offer, Ready
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -119,7 +120,7 @@ class KVSender:
         t0 = time.perf_counter()
         timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
         if output_logprobs is None:
-            output_logprobs = getattr(export, "output_logprobs", ())
+            output_logprobs = export.output_logprobs
         try:
             return await asyncio.wait_for(self._send(addr, export, tuple(output_logprobs or ()), t0), timeout)
         except asyncio.TimeoutError:
@@ -131,7 +132,7 @@ class KVSender:
         self, addr: str, export: SequenceExport, logprobs: tuple[TokenLogprob, ...], t0: float
     ) -> Ack:
         segments = payload_segments(export, self.layout)
-        if getattr(export, "pages_sum", None) is not None and not self.layout.num_swa_layers:
+        if export.pages_sum is not None and not self.layout.num_swa_layers:
             header = make_header(export, self.layout, self.model, logprobs)  # no hashing left to do
         else:
             header = await asyncio.get_running_loop().run_in_executor(
@@ -174,30 +175,23 @@ class KVSender:
             ch = conn.ch
             extra = await self.transport.offer(ch, segments)
             try:
-                await ch.send(
-                    {
-                        "t": "offer",
-                        "transport": self.transport.name,
-                        "header": header.encode(),
-                        "extra": extra,
-                    }
-                )
+                await ch.send(Offer(self.transport.name, header.encode(), extra))
                 if not header.ids_inline:  # a long prompt's ids follow: packed while the receiver starts
-                    await ch.send({"t": "ids", "ids": header.ids_bytes()})
+                    await ch.send(Ids(header.ids_bytes()))
                 marks.append(time.perf_counter())
-                ready = await ch.expect("ready")
+                ready = await ch.expect(Ready)
             except (HandoffError, OSError) as e:
                 if reused and (isinstance(e, OSError) or e.code == INCOMPLETE):
                     self.counters["stale"] += 1
                     raise _Stale() from None  # it closed the connection without an answer
                 raise
             marks.append(time.perf_counter())
-            await self.transport.push(ch, segments, ready)
+            await self.transport.push(ch, segments, ready.fields)
             marks.append(time.perf_counter())
-            ack = await ch.expect("ack")
+            ack = await ch.expect(HandoffAck)
             marks.append(time.perf_counter())
-            if ack.get("request_id") != header.request_id:
-                raise HandoffError(PROTOCOL, f"ack for {ack.get('request_id')!r}, sent {header.request_id!r}")
+            if ack.request_id != header.request_id:
+                raise HandoffError(PROTOCOL, f"ack for {ack.request_id!r}, sent {header.request_id!r}")
             ok = True
         except OSError as e:
             raise HandoffError(TRANSPORT, f"connection to the KV receiver at {addr} failed: {e!r}") from None
@@ -207,26 +201,21 @@ class KVSender:
             else:
                 conn.ch.close()
         connect_s, offer_s, ready_wait_s, push_s, ack_wait_s = (b - a for a, b in zip(marks, marks[1:]))
-        phases = ack.get("phases")
         return Ack(
             request_id=header.request_id,
             transport=self.transport.name,
             payload_bytes=header.payload_bytes,
             elapsed_s=marks[-1] - t0,
             checksum_s=checksum_s,
-            recv_s=float(ack.get("recv_s", 0.0)),
-            verify_s=float(ack.get("verify_s", 0.0)),
+            recv_s=ack.recv_s,
+            verify_s=ack.verify_s,
             connect_s=connect_s,
             offer_s=offer_s,
             ready_wait_s=ready_wait_s,
             push_s=push_s,
             ack_wait_s=ack_wait_s,
             reused=reused,
-            receiver_phases=(
-                {str(k): float(v) for k, v in phases.items() if isinstance(v, (int, float))}
-                if isinstance(phases, dict)
-                else {}
-            ),
+            receiver_phases=ack.phases,
         )
 
     def _kept(self, addr: str) -> _Conn | None:
@@ -255,7 +244,7 @@ class KVSender:
         ch = await self._connect(addr)
         try:
             ok = await client_handshake(ch, self.token, self.sender_id)
-            conn = _Conn(ch, peer_layout(ok.get("layout") or {}), str(ok.get("model", "")))
+            conn = _Conn(ch, peer_layout(ok.layout), ok.model)
         except BaseException:
             ch.close()
             raise

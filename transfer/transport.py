@@ -2,7 +2,8 @@
 
 The header and every control message go over the TCP control connection (wire.py) whatever the
 transport; a transport moves only the payload bytes, and may add fields to the offer (sender) and the
-ready (receiver) messages, e.g. CUDA IPC handles or an NCCL bootstrap id.
+ready (receiver) messages (Offer.extra, Ready.fields: transfer/messages.py), e.g. CUDA IPC handles or
+an NCCL bootstrap id; it checks them itself.
 
     sender:   extra = offer(ch, segments)  -> [offer sent, ready received] -> push(ch, segments, ready)
     receiver: reply = accept(ch, header, extra, segments) -> [ready sent] -> pull(ch, header, extra, segments)

@@ -1,22 +1,25 @@
 """The control connection: length-prefixed msgpack messages on a TCP socket, plus the two helpers
 that move bulk bytes on the same socket from a worker thread.
 
-Frame: 4-byte big-endian length, then a msgpack map with a "t" (type) key. Before authentication a
+Frame: 4-byte big-endian length, then a msgpack map: {"t": TYPE, **to_wire(msg)} for one of the typed
+control messages of transfer/messages.py (Channel.send / Channel.expect). Before authentication a
 frame may be at most MAX_PREAUTH_BYTES, so an unauthenticated peer cannot make us buffer much.
 
 Message flow (S: KVSender, R: KVReceiver). A connection is authenticated once, then carries one
 handoff after another; a nack or any failure closes it (both sides), as does R after
 TransferConfig.keepalive_s without an offer, or S when it is done with the peer:
 
-    R -> S  hello    {v, nonce}                              (auth.py)
-    S -> R  auth     {v, sender, nonce, mac}
-    R -> S  auth_ok  {mac, model, layout}       | nack {code: auth}; R logs and closes
+    R -> S  hello    Hello {v, nonce}                             (auth.py)
+    S -> R  auth     Auth {v, sender, nonce, mac}
+    R -> S  auth_ok  AuthOk {mac, model, layout}   | nack {code: auth}; R logs and closes
   per handoff:
-    S -> R  offer    {transport, header, extra} (S first checks R's model/layout itself)
-    S -> R  ids      {ids}  (only when the header announces a long prompt's ids: handoff.py)
-    R -> S  ready    {...transport fields}      | nack {code, reason}
+    S -> R  offer    Offer {transport, header, extra} (S first checks R's model/layout itself)
+    S -> R  ids      Ids {ids}  (only when the header announces a long prompt's ids: handoff.py)
+    R -> S  ready    Ready {fields}                 | nack {code, reason}
     S => R  payload  (tcp: raw bytes on this socket; nccl: a NCCL send; ipc: handles in the offer)
-    R -> S  ack      {request_id, payload_bytes, recv_s, verify_s, phases} | nack {code, reason}
+    R -> S  ack      HandoffAck {request_id, payload_bytes, recv_s, verify_s, phases} | nack {code, reason}
+
+Protocol version 2: every message decodes strictly; ready carries the transport's fields as a map.
 """
 
 from __future__ import annotations
@@ -32,13 +35,16 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from transfer.errors import INCOMPLETE, PROTOCOL, HandoffError
+from engine.handoff import WireError, from_wire, to_wire
+from transfer.errors import INCOMPLETE, PROTOCOL, VERSION, HandoffError
+from transfer.messages import TYPES, ControlMessage, Nack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_PREAUTH_BYTES = 4096
 MAX_CONTROL_BYTES = 64 << 20
 _LEN = struct.Struct(">I")
 T = TypeVar("T")
+M = TypeVar("M", bound=ControlMessage)
 
 
 _EXECUTOR: ThreadPoolExecutor | None = None
@@ -53,9 +59,27 @@ def io_executor(max_workers: int = 8) -> ThreadPoolExecutor:
     return _EXECUTOR
 
 
-def pack(msg: dict[str, Any]) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
+def pack(msg: ControlMessage) -> bytes:
+    """One frame: the length, then {"t": TYPE, **to_wire(msg)}."""
+    body = msgpack.packb({"t": msg.TYPE, **to_wire(msg)}, use_bin_type=True)
     return _LEN.pack(len(body)) + body
+
+
+def unpack(body: dict[str, Any], peer: str) -> ControlMessage:
+    """The message a frame's map holds; raises HandoffError (PROTOCOL; VERSION for a hello or auth
+    of another protocol version, which is refused before its fields are read: they may differ)."""
+    kind = body.pop("t")
+    cls = TYPES.get(kind)
+    if cls is None:
+        raise HandoffError(PROTOCOL, f"unknown control message {kind!r} from {peer}")
+    if "v" in cls.__dataclass_fields__ and body.get("v") != PROTOCOL_VERSION:
+        raise HandoffError(
+            VERSION, f"{peer} speaks protocol version {body.get('v')!r}, this side {PROTOCOL_VERSION}"
+        )
+    try:
+        return from_wire(cls, body)
+    except WireError as e:
+        raise HandoffError(PROTOCOL, f"malformed {kind} from {peer}: {e}") from None
 
 
 class Channel:
@@ -75,18 +99,35 @@ class Channel:
         """The event loop this channel's socket is used from."""
         return self._loop
 
-    async def send(self, msg: dict[str, Any]) -> None:
+    async def send(self, msg: ControlMessage) -> None:
         await self._loop.sock_sendall(self.sock, pack(msg))
 
-    async def recv(self) -> dict[str, Any]:
+    async def recv(self) -> ControlMessage:
+        """The next message, whatever its type; raises HandoffError if it is not a well-formed one."""
         return await self._recv(await self._read_exactly(_LEN.size))
 
-    async def recv_or_eof(self) -> dict[str, Any] | None:
+    async def recv_or_eof(self) -> ControlMessage | None:
         """The next message, or None if the peer closed the connection between messages."""
         first = await self._loop.sock_recv(self.sock, 1)
         if not first:
             return None
         return await self._recv(first + await self._read_exactly(_LEN.size - 1))
+
+    async def expect(self, cls: type[M]) -> M:
+        """The next message, which must be a cls; a nack becomes the HandoffError it carries."""
+        return self._expected(await self.recv(), cls)
+
+    async def expect_or_eof(self, cls: type[M]) -> M | None:
+        """expect(cls), or None if the peer closed the connection between messages."""
+        msg = await self.recv_or_eof()
+        return None if msg is None else self._expected(msg, cls)
+
+    def _expected(self, msg: ControlMessage, cls: type[M]) -> M:
+        if isinstance(msg, cls):
+            return msg
+        if isinstance(msg, Nack):
+            raise HandoffError(msg.code, msg.reason)
+        raise HandoffError(PROTOCOL, f"expected {cls.TYPE} from {self.peer}, got {msg.TYPE!r}")
 
     def is_idle_open(self) -> bool:
         """Whether the peer has neither closed the connection nor sent anything (checked without
@@ -99,7 +140,7 @@ class Channel:
             return False
         return False  # b"": closed; anything else: a message nobody asked for
 
-    async def _recv(self, prefix: bytes) -> dict[str, Any]:
+    async def _recv(self, prefix: bytes) -> ControlMessage:
         (n,) = _LEN.unpack(prefix)
         if n > self.max_frame_bytes:
             raise HandoffError(
@@ -112,21 +153,12 @@ class Channel:
             raise HandoffError(PROTOCOL, f"undecodable control message from {self.peer}: {e}") from None
         if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
             raise HandoffError(PROTOCOL, f"control message without a type from {self.peer}")
-        return msg
-
-    async def expect(self, *types: str) -> dict[str, Any]:
-        """The next message, which must be one of types; a nack becomes the HandoffError it carries."""
-        msg = await self.recv()
-        if msg["t"] == "nack" and "nack" not in types:
-            raise HandoffError(str(msg.get("code", PROTOCOL)), str(msg.get("reason", "refused by peer")))
-        if msg["t"] not in types:
-            raise HandoffError(PROTOCOL, f"expected {'/'.join(types)} from {self.peer}, got {msg['t']!r}")
-        return msg
+        return unpack(msg, self.peer)
 
     async def nack(self, err: HandoffError) -> None:
         """Best effort: the peer may already be gone."""
         with suppress(OSError, asyncio.TimeoutError):
-            await asyncio.wait_for(self.send({"t": "nack", "code": err.code, "reason": err.message}), 5.0)
+            await asyncio.wait_for(self.send(Nack(err.code, err.message)), 5.0)
 
     async def _read_exactly(self, n: int) -> bytes:
         buf = bytearray(n)

@@ -1,0 +1,101 @@
+"""The handoff's control messages (the flow is drawn in wire.py): one frozen dataclass each.
+
+On the wire a message is the msgpack map `{"t": TYPE, **to_wire(msg)}`, sent by Channel.send and
+read by Channel.expect(cls), which decode with the one strict codec (engine/codec.py): an unknown or
+missing field or a wrong type is a HandoffError(PROTOCOL), never a key read with a default.
+
+What a transport adds travels as plain maps that the transport itself checks (Offer.extra: nccl's
+communicator key and bootstrap id, ipc's host and CUDA IPC handles or arena offsets; Ready.fields:
+none of today's transports adds any): their shapes belong to the transport, not to this protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Hello:
+    """R -> S, first: the receiver's protocol version and its challenge."""
+
+    TYPE: ClassVar[str] = "hello"
+    v: int
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class Auth:
+    """S -> R: the sender's id, its own challenge and its answer to the receiver's (auth.py)."""
+
+    TYPE: ClassVar[str] = "auth"
+    v: int
+    sender: str
+    nonce: bytes
+    mac: bytes
+
+
+@dataclass(frozen=True)
+class AuthOk:
+    """R -> S: the receiver's answer to the sender's challenge, and the engine it serves (its model
+    fingerprint and KVLayout.fields(), which transfer.handoff.peer_layout reads)."""
+
+    TYPE: ClassVar[str] = "auth_ok"
+    mac: bytes
+    model: str
+    layout: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Offer:
+    """S -> R, per handoff: the encoded HandoffHeader, the transport and its fields."""
+
+    TYPE: ClassVar[str] = "offer"
+    transport: str
+    header: bytes
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ids:
+    """S -> R, right after an offer whose header announces a long prompt's ids: them, packed."""
+
+    TYPE: ClassVar[str] = "ids"
+    ids: bytes
+
+
+@dataclass(frozen=True)
+class Ready:
+    """R -> S: the receive buffers are ready; the payload may go (fields: the transport's)."""
+
+    TYPE: ClassVar[str] = "ready"
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HandoffAck:
+    """R -> S: the payload was verified and the engine took the sequence; where the receiver's time
+    went (phases: its steps by name, in seconds)."""
+
+    TYPE: ClassVar[str] = "ack"
+    request_id: str
+    payload_bytes: int
+    recv_s: float
+    verify_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Nack:
+    """Either way: the handoff (or the connection) failed; code is a transfer.errors code. The sender
+    of a nack closes the connection."""
+
+    TYPE: ClassVar[str] = "nack"
+    code: str
+    reason: str
+
+
+ControlMessage = Hello | Auth | AuthOk | Offer | Ids | Ready | HandoffAck | Nack
+TYPES: dict[str, type[ControlMessage]] = {
+    c.TYPE: c for c in (Hello, Auth, AuthOk, Offer, Ids, Ready, HandoffAck, Nack)
+}
