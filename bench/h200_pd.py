@@ -7,7 +7,7 @@ ends with one summary table, whatever failed on the way:
   model    SmolLM2-135M-Instruct converted here from its GGUF (--gguf, parts joined by '+') into
            $PDSERVE_HOME/models (what `--model smollm2-135m-instruct` resolves to); with no GGUF and
            --fallback-folder (config.json + tokenizer files), that model's shape with random weights
-  tests    tests/test_transfer_gpu.py: the checksum, TCP and CUDA IPC paths on the GPU (in the
+  tests    tests/transfer/test_transfer_gpu.py: the checksum, TCP and CUDA IPC paths on the GPU (in the
            background from the start, collected before the handoff step, or after the check step
            with --handoff-last, which runs the handoff step at the end, alone)
   handoff  bench/bench_handoff.py: a --handoff-tokens sequence of the llama8b layout over tcp and ipc,
@@ -222,7 +222,7 @@ def make_8b_folder(dst: Path, tokenizer_from: Path, tiny: bool) -> Path:
 
 
 class Tests:
-    """tests/test_transfer_gpu.py in a child process, started first: it runs beside the model's
+    """tests/transfer/test_transfer_gpu.py in a child process, started first: it runs beside the model's
     conversion and the servers' start, and is collected before anything that is timed."""
 
     def __init__(self, run: Run) -> None:
@@ -236,7 +236,7 @@ class Tests:
             "-p",
             "no:cacheprovider",
             "-rs",
-            "tests/test_transfer_gpu.py",
+            "tests/transfer/test_transfer_gpu.py",
         ]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
 

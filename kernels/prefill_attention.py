@@ -27,7 +27,7 @@ its prompt was chunked:
   numpy's BLAS under the Triton interpreter does);
 - the query tile decides only which key tiles are visited; the extra ones are no-ops for the rows that
   cannot see them.
-tests/test_kernels_prefill_gpu.py checks chunked against whole bit for bit.
+tests/kernels/test_kernels_prefill_gpu.py checks chunked against whole bit for bit.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class DecodeRole:
         self.engine = engine
         self.handoffs = engine.handoffs
         self.send = send
-        token = load_token(token_file=config.token_file) if config.token_file else load_token()
+        token = load_token(token_file=config.token_file or None)
         self.lt = LoopThread(ctx, "kv-receiver")
         self.wake = self.lt.wake
         self.receiver = KVReceiver(

@@ -65,11 +65,7 @@ class Coordinator:
             from pd.prefill_client import PrefillClient
             from transfer.auth import load_token
 
-            token = (
-                load_token(token_file=self.cfg.cluster_token_file)
-                if self.cfg.cluster_token_file
-                else load_token()
-            )
+            token = load_token(token_file=self.cfg.cluster_token_file or None)
             cm = self.cluster_metrics
             assert cm is not None
             client = PrefillClient(

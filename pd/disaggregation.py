@@ -173,7 +173,8 @@ class DisaggregatedPath:
             raise ApiError(503, ev.message, type="server_error", code="engine_down")
         if isinstance(ev, RequestRejected):
             raise bad_request(ev.message, ev.param)
-        raise internal(getattr(ev, "error", None) or f"unexpected event while reserving: {type(ev).__name__}")
+        error = ev.error if isinstance(ev, RequestOutput) else None
+        raise internal(error or f"unexpected event while reserving: {type(ev).__name__}")
 
     async def _prefill(self, rank: RankClient, req: PDRequest) -> PrefillReply:
         body = PrefillBody(

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from engine.errors import InvalidRequestError
 from engine.handoff import SequenceExport
 from engine.request import RequestOutput
 from pd.config import RoleConfig
 from pd.loop_thread import LoopThread
 from pd.messages import AbortRequests, Message, Prefill, PrefillResult
+from pd.rank import add_request
 from transfer.auth import load_token
 from transfer.errors import TRANSPORT, HandoffError
 from transfer.handoff import model_fingerprint
@@ -65,7 +65,7 @@ class PrefillRole:
     ) -> None:
         self.engine = engine
         self.send = send
-        token = load_token(token_file=config.token_file) if config.token_file else load_token()
+        token = load_token(token_file=config.token_file or None)
         self.sender = KVSender(
             token, engine.layout, model=model_fingerprint(engine.folder), config=config.transfer
         )
@@ -80,19 +80,11 @@ class PrefillRole:
 
     def handle(self, msg: Message) -> bool:
         if isinstance(msg, Prefill):
-            try:
-                self.engine.add_request(
-                    msg.request_id,
-                    list(msg.prompt_token_ids),
-                    msg.params,
-                    use_prefix_cache=msg.use_prefix_cache,
-                    prefill_only=True,
-                    seed=msg.seed,
-                )
-            except InvalidRequestError as e:
-                self.send(PrefillResult(msg.request_id, False, code=REJECTED, message=str(e)))
-                return True
-            self.jobs[msg.request_id] = _Job(msg, time.monotonic())
+            error = add_request(self.engine, msg, prefill_only=True, seed=msg.seed)
+            if error is None:
+                self.jobs[msg.request_id] = _Job(msg, time.monotonic())
+            else:
+                self.send(PrefillResult(msg.request_id, False, code=REJECTED, message=str(error)))
             return True
         if isinstance(msg, AbortRequests):
             for rid in msg.request_ids:

@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -39,6 +39,7 @@ from pd.messages import (
     AbortRequests,
     AddRequest,
     Message,
+    Prefill,
     RankFatal,
     RankReady,
     RankStats,
@@ -48,6 +49,10 @@ from pd.messages import (
     decode,
     encode,
 )
+
+if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed import is a RankFatal
+    from engine.engine import LLMEngine
+    from engine.request import RequestOutput
 
 HEARTBEAT_S = 1.0
 BUSY_STATS_EVERY_S = 0.1
@@ -81,6 +86,25 @@ def engine_config(cfg: EngineConfig, rank: int, dp: int) -> EngineConfig:
     return replace(cfg, device=device)
 
 
+def add_request(
+    engine: LLMEngine, msg: AddRequest | Prefill, *, prefill_only: bool = False, seed: int | None = None
+) -> InvalidRequestError | None:
+    """Queues the request msg carries (the rank loop's AddRequest, the PE's Prefill). Returns the
+    engine's refusal, which each caller answers in its own message, or None once it is queued."""
+    try:
+        engine.add_request(
+            msg.request_id,
+            list(msg.prompt_token_ids),
+            msg.params,
+            use_prefix_cache=msg.use_prefix_cache,
+            prefill_only=prefill_only,
+            seed=seed,
+        )
+    except InvalidRequestError as e:
+        return e
+    return None
+
+
 class RankRole(Protocol):
     """What a P/D role adds to the rank loop. Every method runs on the engine thread."""
 
@@ -94,7 +118,7 @@ class RankRole(Protocol):
         """Applies what the role's threads queued; expires what is overdue."""
         ...
 
-    def on_outputs(self, outputs: list[Any]) -> list[Any]:
+    def on_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The engine step's outputs that go to the HTTP process."""
         ...
 
@@ -111,7 +135,12 @@ class RankRole(Protocol):
 
 class RankWorker:
     def __init__(
-        self, rank: int, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket, role: RankRole | None = None
+        self,
+        rank: int,
+        engine: LLMEngine,
+        inbox: zmq.Socket,
+        outbox: zmq.Socket,
+        role: RankRole | None = None,
     ) -> None:
         self.rank = rank
         self.engine = engine
@@ -136,16 +165,11 @@ class RankWorker:
         if self.role is not None and self.role.handle(msg):
             return True
         if isinstance(msg, AddRequest):
-            try:
-                self.engine.add_request(
-                    msg.request_id,
-                    list(msg.prompt_token_ids),
-                    msg.params,
-                    use_prefix_cache=msg.use_prefix_cache,
-                )
+            error = add_request(self.engine, msg)
+            if error is None:
                 self.added_s[msg.request_id] = time.monotonic()
-            except InvalidRequestError as e:
-                self.send(RequestRejected(msg.request_id, str(e), e.param))
+            else:
+                self.send(RequestRejected(msg.request_id, str(error), error.param))
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
                 self.added_s.pop(rid, None)
@@ -205,7 +229,7 @@ class RankWorker:
 
 
 def make_role(
-    name: str, config: RoleConfig | None, engine: Any, ctx: zmq.Context, outbox: zmq.Socket
+    name: str, config: RoleConfig | None, engine: LLMEngine, ctx: zmq.Context, outbox: zmq.Socket
 ) -> RankRole | None:
     def send(msg: Message) -> None:
         outbox.send(encode(msg))

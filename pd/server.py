@@ -145,7 +145,7 @@ async def serve(cfg: ServerConfig) -> int:
         from transfer.auth import load_token
 
         try:
-            token = load_token(token_file=cfg.cluster_token_file) if cfg.cluster_token_file else load_token()
+            token = load_token(token_file=cfg.cluster_token_file or None)
         except (ValueError, OSError) as e:
             log.error("--role %s needs the cluster token: %s", cfg.role, e)
             return 2

@@ -1,13 +1,10 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_models import make_tiny  # noqa: E402
+from tests.tiny_models import make_tiny
 
 
 @pytest.fixture(scope="session")

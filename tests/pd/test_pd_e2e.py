@@ -1,0 +1,160 @@
+"""The P/D pair end to end (SmolLM2-135M, TCP handoff on loopback): a PE and a CE started on free ports
+next to a single-engine server, all --deterministic. The openai client against the CE; bench/check_pd.py
+against both (every case, streaming and 16 concurrent conversations included); the cluster token
+required on /prefill and on the KV receiver; both pools back to idle afterwards."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+
+import orjson
+import pytest
+
+from pd.testing import PDPair, get_json, rank_metrics
+from tests.server_fixtures import (
+    SMALL_DETERMINISTIC,
+    module_ref_and_pair,
+    openai_client,
+    run_check_pd,
+    wait_pair_idle,
+)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+ARGS = (
+    "--model",
+    MODEL,
+    *SMALL_DETERMINISTIC,
+)
+LONG = "Background: " + " ".join(f"Fact {i}: the value of item {i} is {i * 7 % 13}." for i in range(60))
+
+
+servers = module_ref_and_pair(*ARGS)
+
+
+def test_roles_and_health(servers):
+    _, pair = servers
+    status, ce = get_json(pair.url + "/health")
+    assert status == 200 and ce["role"] == "ce" and ce["status"] == "ok"
+    assert ce["prefill_engine"] == {"url": pair.pe.url, "state": "up"}
+    status, pe = get_json(pair.pe.url + "/health")
+    assert status == 200 and pe["role"] == "pe"
+    assert [m.id for m in openai_client(pair.url).models.list().data] == [MODEL]
+    # the PE serves no OpenAI generation: a CE never prefills, a PE never decodes
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(pair.pe.url + "/v1/chat/completions", data=b"{}"))
+    assert e.value.code in (404, 405)
+
+
+def test_chat_matches_single_engine_with_usage_and_cached_tokens(servers):
+    ref, pair = servers
+    messages = [{"role": "user", "content": LONG + "\n\nWhat is the value of item 12?"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    first = openai_client(pair.url).chat.completions.create(**kw)
+    again = openai_client(pair.url).chat.completions.create(**kw)
+    want = openai_client(ref.url).chat.completions.create(**kw)
+    assert (
+        first.choices[0].message.content
+        == again.choices[0].message.content
+        == want.choices[0].message.content
+    )
+    assert first.usage.prompt_tokens == want.usage.prompt_tokens > 256
+    assert first.usage.completion_tokens == want.usage.completion_tokens
+    # the second time the PE's prefix cache has the prompt's full pages; the CE reports the PE's count
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 256 and cached % 128 == 0 and cached < again.usage.prompt_tokens
+    # streamed, with usage at the end
+    text, usage = "", None
+    for ch in openai_client(pair.url).chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            text += c.delta.content or ""
+    assert text == want.choices[0].message.content
+    assert usage is not None and usage.prompt_tokens == want.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens == cached
+    m = rank_metrics(pair.ce.port)
+    assert m["pdserve_engine_handoffs_imported_total"] >= 3
+    wait_pair_idle(pair)
+
+
+@pytest.mark.timeout(1800)
+def test_check_pd_every_case(servers, capsys):
+    ref, pair = servers
+    assert run_check_pd(ref, pair, "--concurrency", "1") == 0
+    out = capsys.readouterr().out
+    assert "DIFF" not in out and "FAIL" not in out and "stream" in out and "conversation" in out
+    wait_pair_idle(pair)
+
+
+@pytest.mark.timeout(1800)
+def test_check_pd_16_concurrent_conversations(servers, capsys):
+    ref, pair = servers
+    assert run_check_pd(ref, pair, "--concurrency", "16", "--only", "concurrent") == 0
+    out = capsys.readouterr().out
+    assert "16 concurrent conversations" in out and "16 concurrent completion conversations" in out
+    wait_pair_idle(pair)
+
+
+def post_prefill(pair: PDPair, token: str | None) -> tuple[int, dict]:
+    body = {
+        "request_id": f"unauth-{time.monotonic_ns()}",
+        "prompt_token_ids": [1, 2, 3],
+        "params": {"max_tokens": 4},
+        "receiver": f"127.0.0.1:{pair.kv_port}",
+    }
+    req = urllib.request.Request(pair.pe.url + "/prefill", data=orjson.dumps(body), method="POST")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, orjson.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, orjson.loads(e.read())
+
+
+async def test_cluster_token_required(servers):
+    import torch
+
+    from engine.handoff import SequenceExport
+    from engine.kv_cache import layout_of
+    from engine.model_config import arch_from_hf, load_hf_config
+    from engine.models import resolve_model
+    from engine.request import SamplingParams
+    from transfer.errors import AUTH, HandoffError
+    from transfer.handoff import model_fingerprint
+    from transfer.sender import KVSender
+
+    _, pair = servers
+    for token in (None, "wrong-token-wrong-token-0123"):
+        status, body = post_prefill(pair, token)
+        assert status == 401 and body["error"]["code"] == "unauthorized"
+    assert "refused unauthenticated POST /prefill" in pair.pe.log_tail(20000)
+    assert (
+        "pdserve_unauthenticated_requests_total 2.0"
+        in urllib.request.urlopen(pair.pe.url + "/metrics").read().decode()
+    )
+
+    folder = resolve_model(MODEL)
+    layout = layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
+    pages = torch.zeros((1, layout.num_full_layers, 2, 128, layout.num_kv_heads, layout.head_dim))
+    export = SequenceExport("intruder", [1, 2, 3], [4], 3, SamplingParams(max_tokens=4), 0, pages, None)
+    sender = KVSender(b"wrong-token-wrong-token-0123", layout, model=model_fingerprint(folder))
+    with pytest.raises(HandoffError) as e:
+        await sender.send(f"127.0.0.1:{pair.kv_port}", export, timeout_s=30)
+    assert e.value.code == AUTH
+    deadline = time.monotonic() + 10
+    while rank_metrics(pair.ce.port).get("pdserve_engine_handoffs_refused_auth_total", 0) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    # and the cluster keeps serving
+    r = openai_client(pair.url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
+    assert r.choices[0].message.content
+    wait_pair_idle(pair)

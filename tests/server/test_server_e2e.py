@@ -1,0 +1,291 @@
+"""End to end: the real `openai` client against `python -m pd.server` (SmolLM2-135M), one server for the
+module. Requests that are compared run alone, so their batches match without --deterministic (which
+test_server_concurrency.py covers)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from pd.testing import get_json, rank_metrics
+from pd.testing import wait_idle as _wait_idle
+from tests.server_fixtures import SMALL_DETERMINISTIC, module_server, openai_client
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+server = module_server(
+    "--model",
+    MODEL,
+    *SMALL_DETERMINISTIC,
+)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server.url)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pd.coordinator import load_tokenizer
+
+    return load_tokenizer(MODEL)
+
+
+def metrics(server) -> dict[str, float]:
+    return rank_metrics(server.port)
+
+
+def wait_idle(server) -> dict[str, float]:
+    return _wait_idle(server.port)
+
+
+def stream_text(client, **kw) -> tuple[str, str | None]:
+    text, finish = "", None
+    for ch in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            finish = ch.choices[0].finish_reason or finish
+    return text, finish
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status, body = get_json(server.url + "/health")
+    assert status == 200 and body["status"] == "ok" and body["ranks"][0]["state"] == "up"
+
+
+def test_chat_whole_then_streamed_with_usage(client):
+    r = client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=8, temperature=0)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    assert c.message.role == "assistant" and c.message.content and "Paris" in c.message.content
+    assert c.finish_reason in ("stop", "length")
+    u = r.usage
+    assert (
+        u.prompt_tokens > 5
+        and 1 <= u.completion_tokens <= 8
+        and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    )
+    assert u.prompt_tokens_details.cached_tokens >= 0
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CAPITAL,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        c.finish_reason
+    ]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == u.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == u.prompt_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_max_completion_tokens_and_prefix_cache_off(client):
+    r = client.chat.completions.create(model=MODEL, messages=CAPITAL, max_completion_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2 and r.choices[0].finish_reason == "length"
+    off = client.chat.completions.create(
+        model=MODEL,
+        messages=CAPITAL,
+        max_completion_tokens=2,
+        temperature=0,
+        extra_body={"prefix_cache": False},
+    )
+    assert off.choices[0].message.content == r.choices[0].message.content
+    assert off.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_n_choices(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, max_tokens=6, temperature=1.0, seed=7, n=2
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.message.content and c.finish_reason in ("stop", "length") for c in r.choices)
+    assert 2 <= r.usage.completion_tokens <= 12
+    seen = {}
+    for ch in client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, max_tokens=6, temperature=1.0, seed=7, n=2, stream=True
+    ):
+        for c in ch.choices:
+            seen[c.index] = seen.get(c.index, "") + (c.delta.content or "")
+    assert seen == {
+        0: r.choices[0].message.content,
+        1: r.choices[1].message.content,
+    }  # seeds 7 and 8, both ways
+
+
+def test_stop_strings(client):
+    base = (
+        client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=8, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    words = base.split(" ")
+    assert len(words) >= 4, base
+    stop = " " + words[2]
+    for stop_arg in (stop, ["no such text", stop]):
+        r = client.chat.completions.create(
+            model=MODEL, messages=CAPITAL, max_tokens=8, temperature=0, stop=stop_arg
+        )
+        assert r.choices[0].message.content == base[: base.index(stop)]
+        assert r.choices[0].finish_reason == "stop"
+    text, finish = stream_text(client, messages=CAPITAL, max_tokens=8, temperature=0, stop=stop)
+    assert (text, finish) == (base[: base.index(stop)], "stop")
+
+
+def test_seed_reproducible(client):
+    story = [{"role": "user", "content": "Write the first line of a story."}]  # many likely answers
+    kw = dict(model=MODEL, messages=story, max_tokens=5, temperature=1.0)
+    a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    assert a == b
+    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2)}
+    assert len(others | {a}) > 1
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    for lp in content:
+        assert lp.logprob <= 0 and len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0].token == lp.token  # greedy: the chosen token is the most likely one
+        assert abs(lp.top_logprobs[0].logprob - lp.logprob) < 1e-4
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob >= lp.top_logprobs[2].logprob
+        assert bytes(lp.bytes).decode() == lp.token
+    assert "".join(lp.token for lp in content) == r.choices[0].message.content
+    plain = client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions(client, tokenizer):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    text = r.choices[0].text
+    assert r.object == "text_completion" and text and r.choices[0].finish_reason in ("stop", "length")
+    ids = tokenizer(prompt)["input_ids"]
+    assert r.usage.prompt_tokens == len(ids)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == text
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True
+        )
+        if ch.choices
+    )
+    assert streamed == text
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text == prompt + text
+    lp = (
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
+        .choices[0]
+        .logprobs
+    )
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert all(len(t) == 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
+    two = client.completions.create(
+        model=MODEL, prompt=[prompt, "One plus one is"], max_tokens=2, temperature=0, n=2
+    )
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert all(c.text and c.finish_reason == "length" for c in two.choices)
+
+
+def test_tool_call_comes_back_as_tool_calls(client, tokenizer):
+    from pd.prompt_renderer import PromptRenderer
+
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=[WEATHER], tool_choice=choice, max_tokens=40, temperature=0
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments), dict)
+    # the tools were rendered into the prompt: the server's prompt is the renderer's, tools included
+    rendered = PromptRenderer(tokenizer).render_chat(tuple(msgs), (WEATHER,), choice)
+    assert '"get_weather"' in tokenizer.decode(list(rendered.token_ids))
+    assert r.usage.prompt_tokens == len(rendered.token_ids)
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    assert plain.usage.prompt_tokens < r.usage.prompt_tokens
+    # streamed: the call arrives as a tool_calls delta (cache off: the same prefill as above, same numerics)
+    calls, finish = [], None
+    for ch in client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        tools=[WEATHER],
+        tool_choice=choice,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        extra_body={"prefix_cache": False},
+    ):
+        if ch.choices:
+            calls += ch.choices[0].delta.tool_calls or []
+            finish = ch.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and [t.function.name for t in calls] == ["get_weather"]
+    assert calls[0].function.arguments == call.function.arguments
+
+
+def test_client_disconnect_aborts_and_frees(server):
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": CAPITAL,
+            "max_tokens": 1000,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")  # streaming has begun
+    busy = metrics(server)
+    assert busy["pdserve_num_requests_inflight"] == 1
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    m = wait_idle(server)
+    assert m["pdserve_kv_cache_usage_ratio"] == 0.0
+
+
+def test_metrics_cover_the_requests(server):
+    m = wait_idle(server)
+    for name in (
+        "pdserve_time_to_first_token_seconds_count",
+        "pdserve_inter_token_latency_seconds_count",
+        "pdserve_e2e_request_latency_seconds_count",
+        "pdserve_request_queue_time_seconds_count",
+        "pdserve_prompt_tokens_total",
+        "pdserve_generation_tokens_total",
+    ):
+        assert m[name] > 0, name
+    assert m["pdserve_rank_up"] == 1.0

@@ -1,0 +1,285 @@
+"""Bad input gets OpenAI's error object with the right status, and the server keeps serving: every case
+is followed by a normal request that succeeds."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import openai
+import pytest
+
+from pd.testing import get_json
+from tests.server_fixtures import module_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+MAX_MODEL_LEN = 512
+MAX_BODY_BYTES = 65536
+HI = [{"role": "user", "content": "Hi"}]
+
+
+server = module_server(
+    "--model",
+    MODEL,
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-body-bytes",
+    str(MAX_BODY_BYTES),
+    "--kv-cache-gb",
+    "0.1",
+)
+
+
+def request(server, path: str, body: Any = None, method: str = "POST") -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        server.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if r.headers.get_content_type() == "application/json" else raw
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def assert_error(
+    status: int, body: Any, want_status: int, param: str | None = None, code: str | None = None
+) -> None:
+    assert status == want_status, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+
+
+def assert_serving(server) -> None:
+    status, body = request(server, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 1})
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant", body
+    assert get_json(server.url + "/health")[0] == 200
+
+
+LONG = " ".join(["word"] * (MAX_MODEL_LEN + 50))
+
+CASES = [
+    # (id, path, body, status, param, code)
+    ("malformed-json", "/v1/chat/completions", b'{"model": "x", "messages": [', 400, None, "invalid_json"),
+    ("empty-body", "/v1/chat/completions", b"", 400, None, None),
+    ("not-an-object", "/v1/chat/completions", [1, 2, 3], 400, None, None),
+    (
+        "messages-wrong-type",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": "hi"},
+        400,
+        "messages",
+        None,
+    ),
+    ("empty-messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
+    (
+        "bad-role",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "x", "content": "a"}]},
+        400,
+        "messages[0].role",
+        None,
+    ),
+    (
+        "max-tokens-string",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "max_tokens": "5"},
+        400,
+        "max_tokens",
+        None,
+    ),
+    (
+        "max-tokens-zero",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "max_tokens": 0},
+        400,
+        "max_tokens",
+        None,
+    ),
+    (
+        "max-completion-tokens-neg",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "max_completion_tokens": -3},
+        400,
+        "max_completion_tokens",
+        None,
+    ),
+    ("n-zero", "/v1/chat/completions", {"model": MODEL, "messages": HI, "n": 0}, 400, "n", None),
+    (
+        "temperature-type",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "temperature": "hot"},
+        400,
+        "temperature",
+        None,
+    ),
+    ("top-p-range", "/v1/chat/completions", {"model": MODEL, "messages": HI, "top_p": 2}, 400, "top_p", None),
+    (
+        "stop-type",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "stop": {"a": 1}},
+        400,
+        "stop",
+        None,
+    ),
+    (
+        "stream-type",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "stream": "yes"},
+        400,
+        "stream",
+        None,
+    ),
+    (
+        "top-logprobs-range",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "logprobs": True, "top_logprobs": 99},
+        400,
+        "top_logprobs",
+        None,
+    ),
+    (
+        "tool-choice-unknown",
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": HI,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice",
+        None,
+    ),
+    (
+        "unknown-model",
+        "/v1/chat/completions",
+        {"model": "gpt-9", "messages": HI},
+        404,
+        "model",
+        "model_not_found",
+    ),
+    (
+        "chat-too-long",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": LONG}]},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "chat-too-long-stream",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "stream": True},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "chat-plus-max-tokens-too-long",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "max_tokens": MAX_MODEL_LEN},
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "completion-too-long",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [1] * (MAX_MODEL_LEN + 1)},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "completion-bad-prompt",
+        "/v1/completions",
+        {"model": MODEL, "prompt": {"text": "a"}},
+        400,
+        "prompt",
+        None,
+    ),
+    ("completion-empty-prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
+    (
+        "completion-token-out-of-vocab",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [10**8]},
+        400,
+        "prompt",
+        None,
+    ),
+    (
+        "completion-token-out-of-vocab-stream",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [10**8], "stream": True},
+        400,
+        "prompt",
+        None,
+    ),
+    (
+        "completion-unknown-model",
+        "/v1/completions",
+        {"model": "nope", "prompt": "a"},
+        404,
+        "model",
+        "model_not_found",
+    ),
+    (
+        "completion-max-tokens-zero",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "max_tokens": 0},
+        400,
+        "max_tokens",
+        None,
+    ),
+    ("completion-n-zero", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n", None),
+    (
+        "oversize-body",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x" * MAX_BODY_BYTES}]},
+        413,
+        None,
+        "request_too_large",
+    ),
+    ("unknown-route", "/v1/embeddings", {"input": "a"}, 404, None, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_then_serving(server, path, body, status, param, code):
+    got_status, got = request(server, path, body)
+    assert_error(got_status, got, status, param, code)
+    assert_serving(server)
+
+
+def test_wrong_method_and_unknown_model_card(server):
+    assert_error(*request(server, "/v1/chat/completions", method="GET"), 405)
+    assert_error(*request(server, "/v1/models/nope", method="GET"), 404, "model", "model_not_found")
+    assert_serving(server)
+
+
+def test_openai_client_sees_typed_errors(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=HI)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
+    assert r.choices[0].message.role == "assistant"
+
+
+def test_metrics_count_errors(server):
+    status, text = request(server, "/metrics", method="GET")
+    assert status == 200
+    assert 'pdserve_http_errors_total{status="400"}' in text.decode()

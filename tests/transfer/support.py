@@ -1,0 +1,94 @@
+"""What the transfer tests share: a small hybrid KV layout, a synthetic export of it, the cluster
+token, and a KVReceiver around a recording sink (a CE stand-in)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from engine.handoff import KVLayout, SequenceExport
+from engine.request import SamplingParams
+from transfer.config import TransferConfig
+from transfer.errors import HandoffError
+from transfer.handoff import HandoffHeader, allocate_payload
+from transfer.receiver import KVReceiver
+
+LAYOUT_SWA = KVLayout(
+    num_full_layers=2,
+    num_swa_layers=2,
+    block_size=16,
+    window=24,
+    num_kv_heads=2,
+    head_dim=8,
+    dtype=torch.float32,
+)
+
+
+def make_export(layout: KVLayout = LAYOUT_SWA, num_prompt: int = 37, seed: int = 0) -> SequenceExport:
+    g = torch.Generator().manual_seed(seed)
+    n_pages = -(-num_prompt // layout.block_size) if layout.num_full_layers else 0
+    pages = torch.randn(
+        (n_pages, layout.num_full_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
+        generator=g,
+    )
+    state = None
+    if layout.num_swa_layers:
+        state = torch.randn(
+            (layout.num_swa_layers, 2, layout.window, layout.num_kv_heads, layout.head_dim), generator=g
+        )
+    params = SamplingParams(
+        max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        seed=11,
+        stop=("\n\n", "END"),
+        stop_token_ids=(7,),
+        logprobs=2,
+    )
+    return SequenceExport(
+        "req-1",
+        list(range(3, 3 + num_prompt)),
+        [42],
+        num_prompt,
+        params,
+        1234,
+        pages.to(layout.dtype),
+        None if state is None else state.to(layout.dtype),
+    )
+
+
+TOKEN = b"test-cluster-token-0123456789"
+FAST = TransferConfig(idle_timeout_s=5.0, handshake_timeout_s=5.0, send_timeout_s=20.0)
+
+
+class Sink:
+    """A CE stand-in: expects the request ids it is told to, records what it gets."""
+
+    def __init__(self, *expected: str) -> None:
+        self.expected = set(expected)
+        self.offered: list[str] = []
+        self.delivered: dict[str, SequenceExport] = {}
+        self.errors: list[HandoffError] = []
+        self.failed = asyncio.Event()
+
+    def on_handoff(self, header: HandoffHeader) -> list[torch.Tensor] | None:
+        self.offered.append(header.request_id)
+        return allocate_payload(header) if header.request_id in self.expected else None
+
+    def on_complete(self, header: HandoffHeader, export: SequenceExport) -> None:
+        self.delivered[header.request_id] = export
+
+    def on_error(self, header: HandoffHeader, err: HandoffError) -> None:
+        self.errors.append(err)
+        self.failed.set()
+
+
+def receiver(
+    sink: Sink, layout: KVLayout = LAYOUT_SWA, config: TransferConfig = FAST, **kw: Any
+) -> KVReceiver:
+    return KVReceiver(
+        TOKEN, layout, sink.on_handoff, sink.on_complete, on_error=sink.on_error, config=config, **kw
+    )

@@ -1,0 +1,322 @@
+"""The ipc transport's export arena on the CPU, with an in-process fake of CUDA IPC: the allocator, the
+offer's format, the receiver's cache of opened arenas (hits, eviction), the fallback to per-tensor
+handles, slices freed after an ack and after a failure, the checksum from the copy (and a corrupt
+copy refused); also the export's recorded pages sum in the header, and the sender's phase timings."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+import uuid
+from typing import Any
+
+import pytest
+import torch
+
+from engine.handoff import SequenceExport
+from tests.transfer.support import LAYOUT_SWA, TOKEN, Sink, make_export, receiver
+from transfer import ipc
+from transfer.checksum import as_words, segment_sum
+from transfer.config import TransferConfig
+from transfer.errors import CHECKSUM, TRANSPORT, UNEXPECTED, HandoffError
+from transfer.handoff import IDS_INLINE_MAX, make_header, payload_segments
+from transfer.ipc import ALIGN, ExportArena, IpcTransport
+from transfer.sender import KVSender
+
+CPU = torch.device("cpu")
+ARENA_BYTES = 1 << 20  # a few exports of make_export's size (~10 KiB each)
+
+
+class _Copy:
+    def __init__(self, sums: list[int] | None) -> None:
+        self.sums = sums
+
+    def done(self) -> bool:
+        return True
+
+    def segment_sums(self) -> list[int] | None:
+        return self.sums
+
+
+class FakeIpc:
+    """'Handles' are keys into a dict shared by both ends (one process). Counts opens; copies hash
+    their destination (as the fused kernel does) unless hash is False; corrupt flips a copied byte."""
+
+    def __init__(self, hash: bool = True) -> None:
+        self.shared: dict[str, torch.Tensor] = {}
+        self.opens: list[str] = []
+        self.offers: list[dict[str, Any]] = []
+        self.hash = hash
+        self.corrupt = False
+        self.lock = threading.Lock()
+
+    def can_carry(self, t: torch.Tensor) -> bool:
+        return True
+
+    def export(self, t: torch.Tensor) -> dict[str, Any]:
+        key = uuid.uuid4().hex
+        self.shared[key] = t
+        return {"key": key}
+
+    def open(self, handle: dict[str, Any]) -> torch.Tensor:
+        with self.lock:
+            self.opens.append(handle["key"])
+        return self.shared[handle["key"]]
+
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> _Copy:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+        if self.corrupt:
+            dst[0][3] ^= 0x10
+        return _Copy([segment_sum(as_words(d)) for d in dst] if self.hash else None)
+
+    def produced(self, device: torch.device) -> _Copy:
+        return _Copy(None)
+
+
+class RecordingIpc(IpcTransport):
+    """Keeps the offers it makes (the sender's extra fields)."""
+
+    async def offer(self, ch: Any, segments: list[torch.Tensor]) -> dict[str, Any]:
+        extra = await super().offer(ch, segments)
+        self.offers = [*getattr(self, "offers", []), extra]
+        return extra
+
+
+def config(arena_bytes: int = ARENA_BYTES) -> TransferConfig:
+    return TransferConfig(
+        transport="ipc",
+        idle_timeout_s=10.0,
+        handshake_timeout_s=10.0,
+        send_timeout_s=20.0,
+        ipc_arena_gb=arena_bytes / 2**30,
+    )
+
+
+def in_arena(tr: IpcTransport, exp: SequenceExport, rid: str) -> SequenceExport:
+    """The export as the PE makes it for ipc: its tensors gathered into arena slices."""
+    pages = tr.allocate(tuple(exp.pages.shape), exp.pages.dtype, CPU)
+    assert pages is not None
+    pages.copy_(exp.pages)
+    state = None
+    if exp.state is not None:
+        state = tr.allocate(tuple(exp.state.shape), exp.state.dtype, CPU)
+        assert state is not None
+        state.copy_(exp.state)
+    return dataclasses.replace(exp, request_id=rid, pages=pages, state=state)
+
+
+# ---- the allocator ----------------------------------------------------------------------------
+
+
+def test_arena_first_fit_alignment_coalescing_and_offsets() -> None:
+    arena = ExportArena(torch.zeros(8 * ALIGN, dtype=torch.uint8), {"key": "k"})
+    a = arena.alloc((ALIGN // 4,), torch.float32)  # exactly one slot
+    b = arena.alloc((3, 5), torch.bfloat16)  # 30 bytes: rounded up to one slot
+    c = arena.alloc((2 * ALIGN,), torch.uint8)
+    assert a is not None and b is not None and c is not None
+    assert [arena.offset_of(t) for t in (a, b, c)] == [0, ALIGN, 2 * ALIGN]
+    assert arena.num_used_bytes == 4 * ALIGN
+    assert arena.alloc((5 * ALIGN,), torch.uint8) is None  # 4 slots left
+    assert arena.offset_of(torch.zeros(4)) is None  # not in the arena
+    assert arena.offset_of(a[1:]) == 4  # a contiguous part of a live slice
+    del a
+    gc.collect()
+    assert arena.num_used_bytes == 3 * ALIGN
+    assert arena.offset_of(arena.buf[:16]) is None  # in the arena, but freed
+    d = arena.alloc((ALIGN,), torch.uint8)  # first fit: the hole a left
+    assert d is not None and arena.offset_of(d) == 0
+    del b, c, d
+    gc.collect()
+    assert arena.num_used_bytes == 0
+    whole = arena.alloc((8 * ALIGN,), torch.uint8)  # the holes coalesced again
+    assert whole is not None and arena.alloc((1,), torch.uint8) is None
+    assert arena.alloc((0, 4), torch.float32) is None  # nothing to place
+
+
+def test_export_allocator_only_for_ipc_with_an_arena() -> None:
+    ipc_sender = KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=IpcTransport(config(), FakeIpc()))
+    assert ipc_sender.export_allocator is not None
+    no_arena = config(0)
+    assert (
+        KVSender(
+            TOKEN, LAYOUT_SWA, config=no_arena, transport=IpcTransport(no_arena, FakeIpc())
+        ).export_allocator
+        is None
+    )
+    assert KVSender(TOKEN, LAYOUT_SWA, config=TransferConfig()).export_allocator is None
+    with pytest.raises(ValueError):
+        TransferConfig(ipc_arena_gb=-1)
+
+
+# ---- handoffs through the arena -----------------------------------------------------------------
+
+
+async def test_arena_offer_cache_hit_and_slices_freed_after_ack() -> None:
+    fake = FakeIpc()
+    sender_tr = RecordingIpc(config(), fake)
+    recv_tr = IpcTransport(config(), fake)
+    sink = Sink("a", "b")
+    sender = KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr)
+    a, b = make_export(seed=1), make_export(num_prompt=IDS_INLINE_MAX + 20, seed=2)  # b: its ids follow the offer
+    async with receiver(sink, transports={"ipc": recv_tr}) as r:
+        for rid, exp in (("a", a), ("b", b)):
+            ex = in_arena(sender_tr, exp, rid)
+            ack = await sender.send(r.address, ex)
+            assert ack.verify_s < 0.05  # hashed on the way: no verify pass to speak of
+            del ex
+    arena = sender_tr.arena
+    assert arena is not None
+    for extra in sender_tr.offers:  # (arena id, handle, offsets), no per-tensor handles
+        assert set(extra) == {"host", "arena", "offsets"} and extra["arena"]["id"] == arena.id
+        assert extra["arena"]["nbytes"] == ARENA_BYTES and all(o % ALIGN == 0 for o in extra["offsets"])
+    assert fake.opens == [arena.handle["key"]]  # opened once, then a cache hit
+    assert recv_tr.counters["arena_opens"] == 1 and recv_tr.counters["arena_hits"] == 1
+    for rid, exp in (("a", a), ("b", b)):
+        got = sink.delivered[rid]
+        assert (
+            torch.equal(got.pages, exp.pages) and got.state is not None and torch.equal(got.state, exp.state)
+        )
+    gc.collect()
+    assert arena.num_used_bytes == 0  # the exports are gone: their slices are free
+
+
+async def test_receiver_keeps_a_few_arenas_and_drops_the_oldest() -> None:
+    fake = FakeIpc()
+    recv_tr = IpcTransport(config(), fake)
+    n = ipc.MAX_OPEN_ARENAS + 1
+    senders = [IpcTransport(config(), fake) for _ in range(n)]
+    rids = [f"r{i}" for i in range(n + 1)]
+    sink = Sink(*rids)
+    exp = make_export()
+    async with receiver(sink, transports={"ipc": recv_tr}) as r:
+        for rid, tr in zip(rids, senders + senders[:1]):  # the first sender again, after eviction
+            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=tr).send(
+                r.address, in_arena(tr, exp, rid)
+            )
+        kept = {arena_id for _, arena_id in recv_tr._opened}
+    assert len(kept) == ipc.MAX_OPEN_ARENAS and not recv_tr._opened  # closing drops them all
+    assert recv_tr.counters["arena_opens"] == n + 1 and recv_tr.counters["arena_hits"] == 0
+    assert senders[1].arena is not None and senders[1].arena.id not in kept  # the least recently used
+    assert senders[0].arena is not None and senders[0].arena.id in kept
+    assert all(torch.equal(sink.delivered[rid].pages, exp.pages) for rid in rids)
+
+
+async def test_payload_larger_than_the_arena_goes_with_per_tensor_handles() -> None:
+    fake = FakeIpc(hash=False)  # and the receiver verifies the copy itself
+    small = config(ALIGN)
+    sender_tr = RecordingIpc(small, fake)
+    exp = make_export(num_prompt=60)
+    assert sender_tr.allocate(tuple(exp.pages.shape), exp.pages.dtype, CPU) is None  # does not fit
+    sink = Sink("req-1")
+    async with receiver(sink, transports={"ipc": IpcTransport(small, fake)}) as r:
+        await KVSender(TOKEN, LAYOUT_SWA, config=small, transport=sender_tr).send(r.address, exp)
+    (extra,) = sender_tr.offers
+    assert set(extra) == {"host", "handles"} and len(extra["handles"]) == 2
+    assert torch.equal(sink.delivered["req-1"].pages, exp.pages)
+
+
+async def test_slices_freed_after_a_failed_handoff() -> None:
+    fake = FakeIpc()
+    sender_tr = IpcTransport(config(), fake)
+    sink = Sink()  # expects nothing: the offer is refused
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        ex = in_arena(sender_tr, make_export(), "nobody")
+        with pytest.raises(HandoffError) as e:
+            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(r.address, ex)
+        assert e.value.code == UNEXPECTED
+        assert sender_tr.arena is not None and sender_tr.arena.num_used_bytes > 0
+        del ex, e  # the error's traceback holds the send's frames, and so the export
+        gc.collect()
+        assert sender_tr.arena.num_used_bytes == 0
+
+
+@pytest.mark.parametrize("hash", [True, False])
+async def test_a_corrupt_copy_is_refused(hash: bool) -> None:
+    fake = FakeIpc(hash=hash)
+    sender_tr = IpcTransport(config(), fake)
+    sink = Sink("req-1")
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        fake.corrupt = True
+        with pytest.raises(HandoffError) as e:
+            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
+                r.address, in_arena(sender_tr, make_export(), "req-1")
+            )
+    assert e.value.code == CHECKSUM and "req-1" not in sink.delivered and sink.errors
+
+
+async def test_offsets_outside_the_arena_are_refused() -> None:
+    fake = FakeIpc()
+
+    class Lying(IpcTransport):
+        async def offer(self, ch: Any, segments: list[torch.Tensor]) -> dict[str, Any]:
+            extra = await super().offer(ch, segments)
+            extra["offsets"][-1] = extra["arena"]["nbytes"] - 8
+            return extra
+
+    sender_tr = Lying(config(), fake)
+    sink = Sink("req-1")
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        with pytest.raises(HandoffError) as e:
+            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
+                r.address, in_arena(sender_tr, make_export(), "req-1")
+            )
+    assert e.value.code == TRANSPORT and "malformed" in e.value.message
+    assert fake.opens == []
+
+
+def test_engine_export_gathers_into_the_arena(tiny_model_dir) -> None:
+    from engine.request import SamplingParams
+    from tests.engine_utils import small_engine
+
+    eng = small_engine(tiny_model_dir("qwen3_hybrid"), hicache_gb=0)
+    tr = IpcTransport(config(), FakeIpc())
+    eng.add_request(
+        "r", list(range(3, 44)), SamplingParams(max_tokens=4, ignore_eos=True), use_prefix_cache=False
+    )
+    seq = eng.scheduler.find("r")
+    assert seq is not None
+    while not seq.output_token_ids:
+        eng.step()
+    plain = eng.export_sequence("r", device=None)
+    ex = eng.export_sequence("r", device=None, alloc=tr.allocate)
+    arena = tr.arena
+    assert arena is not None and arena.offset_of(ex.pages) is not None
+    assert ex.state is not None and arena.offset_of(ex.state) is not None
+    # Page slots past the sequence's last token hold whatever the pool had there (possibly NaN bit
+    # patterns), so compare bits, not values.
+    assert plain.state is not None
+    assert torch.equal(ex.pages.view(torch.uint8), plain.pages.view(torch.uint8))
+    assert torch.equal(ex.state.view(torch.uint8), plain.state.view(torch.uint8))
+    assert ex.pages_sum is None  # CPU: hashed by the sender, as before
+    del ex
+    gc.collect()
+    assert arena.num_used_bytes == 0
+
+
+# ---- header and timings ---------------------------------------------------------------------------
+
+
+def test_make_header_takes_the_recorded_pages_sum() -> None:
+    exp = make_export()
+    want = make_header(exp, LAYOUT_SWA).checksum
+    pages = payload_segments(exp, LAYOUT_SWA)[0]
+    exp.pages_sum = torch.tensor(segment_sum(as_words(pages)) - (1 << 64))  # as the kernel leaves it
+    assert make_header(exp, LAYOUT_SWA).checksum == want
+    exp.pages_sum = torch.tensor(12345)  # used as given, not recomputed
+    assert make_header(exp, LAYOUT_SWA).checksum != want
+
+
+async def test_ack_carries_the_senders_phases() -> None:
+    fake = FakeIpc()
+    tr = IpcTransport(config(), fake)
+    sink = Sink("req-1")
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        ack = await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=tr).send(
+            r.address, in_arena(tr, make_export(), "req-1")
+        )
+    phases = ack.phases
+    assert list(phases) == ["checksum", "connect", "offer", "ready_wait", "push", "ack_wait"]
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= ack.elapsed_s + 1e-6
+    assert phases["connect"] > 0 and phases["ack_wait"] > 0

@@ -1,0 +1,90 @@
+"""A real engine's sequence handed off over TCP on loopback: exported after its prefill on one engine,
+imported into a second, decoded there; the tokens must equal an uninterrupted run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.engine import LLMEngine
+from engine.handoff import SequenceExport
+from engine.request import SamplingParams
+from tests.engine_utils import small_engine
+from transfer.config import TransferConfig
+from transfer.handoff import HandoffHeader, allocate_payload, model_fingerprint
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
+
+TOKEN = b"test-cluster-token-0123456789"
+
+
+def prefill_and_export(
+    pe: LLMEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> tuple[SequenceExport, list]:
+    """What the PE does: prefill, sample the first token, export, free its copy."""
+    pe.add_request(rid, prompt, params, use_prefix_cache=False)
+    seq = pe.scheduler.find(rid)
+    assert seq is not None
+    while not seq.output_token_ids:
+        pe.step()
+    exp = pe.export_sequence(rid)
+    logprobs = list(seq.output_logprobs)
+    pe.abort(rid)
+    pe.step()
+    return exp, logprobs
+
+
+@pytest.mark.parametrize(
+    "family, params",
+    [
+        ("llama", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
+        (
+            "qwen3_hybrid",
+            SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=7, ignore_eos=True, logprobs=2),
+        ),
+    ],
+)
+async def test_engine_handoff_continues_like_an_uninterrupted_run(
+    tiny_model_dir, family: str, params: SamplingParams
+) -> None:
+    folder = tiny_model_dir(family)
+    pe, ce = small_engine(folder, hicache_gb=0), small_engine(folder, hicache_gb=0)
+    model = model_fingerprint(folder)
+    prompt = [
+        random.Random(1).randrange(3, 500) for _ in range(41)
+    ]  # > the hybrid's SWA window (24): the ring wraps
+
+    (reference,) = pe.generate([prompt], params)
+    exp, logprobs = prefill_and_export(pe, "h1", prompt, params)
+    assert exp.output_token_ids == reference.output_token_ids[:1]
+
+    headers: list[HandoffHeader] = []
+
+    def on_handoff(h: HandoffHeader):
+        headers.append(h)
+        return (
+            allocate_payload(h) if ce.handoffs.can_import(len(h.prompt_token_ids) + len(h.output_token_ids)) else None
+        )
+
+    def on_complete(h: HandoffHeader, export: SequenceExport) -> None:
+        ce.import_sequence(export)
+
+    config = TransferConfig(idle_timeout_s=10.0)
+    async with KVReceiver(TOKEN, ce.layout, on_handoff, on_complete, model=model, config=config) as r:
+        ack = await KVSender(TOKEN, pe.layout, model=model, config=config).send(
+            r.address, exp, output_logprobs=logprobs
+        )
+    assert ack.payload_bytes == headers[0].payload_bytes > 0
+
+    tokens: list[int] = []
+    while ce.has_unfinished():
+        for out in ce.step():
+            tokens += out.new_token_ids
+    assert tokens == reference.output_token_ids
+    assert headers[0].output_logprobs == tuple(logprobs)
+    assert (params.logprobs is not None) == bool(logprobs)
+    if ce.arch.has_sliding:
+        assert headers[0].swa_fill == ce.layout.window and headers[0].state_bytes > 0
+    pe.check_idle()
+    ce.check_idle()
