@@ -28,7 +28,7 @@ from engine.request import RequestOutput
 from pd.config import RoleConfig
 from pd.loop_thread import LoopThread
 from pd.messages import AbortRequests, Message, Prefill, PrefillResult
-from pd.rank import add_request
+from pd.rank_role import add_request
 from transfer.auth import load_token
 from transfer.errors import TRANSPORT, HandoffError
 from transfer.handoff import model_fingerprint

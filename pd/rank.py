@@ -27,19 +27,17 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from engine.codec import from_wire
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
 from pd.config import RoleConfig
 from pd.messages import (
     AbortRequests,
     AddRequest,
     Message,
-    Prefill,
     RankFatal,
     RankReady,
     RankStats,
@@ -49,10 +47,10 @@ from pd.messages import (
     decode,
     encode,
 )
+from pd.rank_role import RankRole, add_request
 
 if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed import is a RankFatal
     from engine.engine import LLMEngine
-    from engine.request import RequestOutput
 
 HEARTBEAT_S = 1.0
 BUSY_STATS_EVERY_S = 0.1
@@ -84,53 +82,6 @@ def engine_config(cfg: EngineConfig, rank: int, dp: int) -> EngineConfig:
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp))
     return replace(cfg, device=device)
-
-
-def add_request(
-    engine: LLMEngine, msg: AddRequest | Prefill, *, prefill_only: bool = False, seed: int | None = None
-) -> InvalidRequestError | None:
-    """Queues the request msg carries (the rank loop's AddRequest, the PE's Prefill). Returns the
-    engine's refusal, which each caller answers in its own message, or None once it is queued."""
-    try:
-        engine.add_request(
-            msg.request_id,
-            list(msg.prompt_token_ids),
-            msg.params,
-            use_prefix_cache=msg.use_prefix_cache,
-            prefill_only=prefill_only,
-            seed=seed,
-        )
-    except InvalidRequestError as e:
-        return e
-    return None
-
-
-class RankRole(Protocol):
-    """What a P/D role adds to the rank loop. Every method runs on the engine thread."""
-
-    wake: zmq.Socket  # readable when the role's threads have news for tick()
-
-    def handle(self, msg: Message) -> bool:
-        """Takes a message the role owns (True), or does its bookkeeping and lets the loop apply it."""
-        ...
-
-    def tick(self) -> None:
-        """Applies what the role's threads queued; expires what is overdue."""
-        ...
-
-    def on_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The engine step's outputs that go to the HTTP process."""
-        ...
-
-    def poll_timeout_s(self) -> float:
-        """How long the idle loop may block before tick() must run again."""
-        ...
-
-    def stats(self) -> dict[str, Any]:
-        """Numbers the role adds to the rank's stats (exported as pdserve_engine_<name>)."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class RankWorker:
