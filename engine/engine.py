@@ -3,6 +3,7 @@ sequence's memory (the prefix cache and the P/D handoff are built on these two).
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
 from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
 from engine.prefix_cache import PrefixIndex
-from engine.request import RequestOutput, SamplingParams
+from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -35,6 +36,7 @@ DEFAULT_CPU_HICACHE_GB = 1.0
 DEFAULT_CUDA_HICACHE_GB = 32.0
 NUM_STATELESS_CACHE_PAGES = 1 << 16  # index entries for a model with no full-attention layers
 MAX_DEFAULT_MODEL_LEN = 32768
+log = logging.getLogger("engine.engine")
 
 
 class LLMEngine:
@@ -71,7 +73,7 @@ class LLMEngine:
             ),
             self.blocks,
             self.slots,
-            on_admit=self._restore_prefix,
+            on_admit=self._admit,
         )
         self.host_kv, self.prefix_index = self._make_prefix_cache()
         self.runner = ModelRunner(
@@ -87,6 +89,7 @@ class LLMEngine:
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
+        self._admit_errors: dict[str, Exception] = {}  # request id -> its failed prefix restore (step() ends it)
         self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs)  # every P/D state of a sequence
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
@@ -206,6 +209,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}", "prompt")
+        bad = [t for t in params.stop_token_ids if t >= vocab]  # SamplingParams checked type and sign
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}); got {bad[:5]!r}", "stop_token_ids")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -236,6 +242,7 @@ class LLMEngine:
         """Queues a request. prefill_only (PE side): after the first token the sequence parks with
         its memory for export_sequence() instead of decoding; seed overrides the drawn one."""
         self.validate(request_id, prompt_token_ids, params)
+        check_seed(seed)
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, time.monotonic())
@@ -261,30 +268,113 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One batch: schedule, run the model, sample, detokenize. An exception in any phase ends the
+        request(s) it came from with finish_reason "error" (memory freed) and the engine serves the
+        others: one sequence when it can be told apart (its prefix restore or store, its sampling,
+        its detokenizing), the whole batch when not (the batched model run), every queued request
+        when the scheduler itself fails. Fatal errors (is_fatal: out of device memory, CUDA) propagate."""
         outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+        try:
+            batch = self.scheduler.schedule()
+        except Exception as e:
+            _raise_if_fatal(e)
+            doomed = [*self.scheduler.running, *self.scheduler.waiting]
+            return outputs + [self._fail(seq, e, "scheduling") for seq in doomed]
+        seqs, num_new = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            admit_error = self._admit_errors.pop(seq.request_id, None)
+            if admit_error is None:
+                seqs.append(seq)
+                num_new.append(n)
+            else:
+                outputs.append(self._fail(seq, admit_error, "restoring its cached prefix"))
+        if not seqs:
             return outputs
-        for seq in batch.seqs:
+        for seq in seqs:
             if seq.num_computed == 0 and not seq.output_token_ids:
                 self.num_prompt_tokens_total += seq.num_prompt_tokens
-        sampled, logits = self.runner.run(batch.seqs, batch.num_new_tokens)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        try:
+            sampled, logits = self.runner.run(seqs, num_new)
+        except Exception as e:
+            _raise_if_fatal(e)  # NOTE: the culprit is unknown in a batched forward: the batch fails
+            return outputs + [self._fail(seq, e, "running the model") for seq in seqs]
+        for seq, n in zip(seqs, num_new):
             seq.num_computed += n
             if seq.cache_store_upto and seq.num_computed == seq.cache_store_upto:
-                self._store_prefix(seq)
+                try:
+                    self._store_prefix(seq)
+                except Exception as e:
+                    _raise_if_fatal(e)
+                    outputs.append(self._fail(seq, e, "storing its prefix"))
         if logits is None:
             return outputs
-        seqs = [batch.seqs[i] for i in sampled]
-        tokens, logprobs = sample(
-            logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]
-        )
-        for seq, token, lp in zip(seqs, tokens, logprobs):
-            self._append_token(seq, token, lp)
-            outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
+        rows = [i for i, _ in enumerate(sampled) if seqs[sampled[i]].status is SeqStatus.RUNNING]
+        to_sample = [seqs[sampled[i]] for i in rows]
+        drawn = self._sample(logits if len(rows) == len(sampled) else logits[rows], to_sample)
+        for seq, got in zip(to_sample, drawn):
+            try:
+                if isinstance(got, Exception):
+                    raise got
+                self._append_token(seq, *got)
+                outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
+            except Exception as e:
+                _raise_if_fatal(e)
+                outputs.append(self._fail(seq, e, "sampling or detokenizing"))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, lp: Any) -> None:
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """Each sequence's token and logprobs, or the exception its row raised. The batch is drawn at
+        once; if that fails it is drawn again row by row, which gives the same tokens (a row's draw
+        depends only on its own logits, seed and output index), so only the culprit fails."""
+        try:
+            tokens, logprobs = sample(
+                logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]
+            )
+            return list(zip(tokens, logprobs))
+        except Exception as e:
+            _raise_if_fatal(e)
+        out: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for i, s in enumerate(seqs):
+            try:
+                tokens, logprobs = sample(logits[i : i + 1], [s.params], [s.seed], [len(s.output_token_ids)])
+                out.append((tokens[0], logprobs[0]))
+            except Exception as e:
+                _raise_if_fatal(e)
+                out.append(e)
+        return out
+
+    def _admit(self, seq: Sequence) -> None:
+        """The scheduler's on_admit: a failed prefix restore is remembered and fails seq in step()."""
+        try:
+            self._restore_prefix(seq)
+        except Exception as e:
+            _raise_if_fatal(e)
+            self._admit_errors[seq.request_id] = e
+
+    def _fail(self, seq: Sequence, error: Exception, phase: str) -> RequestOutput:
+        """Ends seq, in whatever state the failure left it (running, parked for export, imported,
+        already finished), with finish_reason "error"; frees its memory and its P/D entry."""
+        rid = seq.request_id
+        log.error("request %r failed while %s; the engine goes on", rid, phase, exc_info=error)
+        self.handoffs.abort(rid)  # parked/exported: freed here; imported/local: its commit ends
+        if seq.status is not SeqStatus.FINISHED:
+            self.scheduler.finish(seq, "error")
+        seq.finish_reason = "error"
+        self._detok.pop(rid, None)
+        return RequestOutput(
+            rid,
+            [],
+            is_finished=True,
+            finish_reason="error",
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_prompt,
+            num_output_tokens=len(seq.output_token_ids),
+            error=f"the engine failed while {phase} this request: {type(error).__name__}: {error}",
+        )
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         seq.output_token_ids.append(token)
         if lp is not None:
             seq.output_logprobs.append(lp)
@@ -468,6 +558,23 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return [seqs[rid] for rid in ids]
+
+
+def is_fatal(error: BaseException) -> bool:
+    """An error the process cannot serve on after: out of device or host memory, a CUDA error (the
+    context is likely unusable). The rank exits on these (pd/rank.py sends RankFatal)."""
+    if not isinstance(error, Exception) or isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8: CUDA errors
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("CUDA error" in text or "CUBLAS_STATUS" in text or "CUDNN_STATUS" in text)
+
+
+def _raise_if_fatal(error: Exception) -> None:
+    if is_fatal(error):
+        raise error
 
 
 def _load_tokenizer(folder: Path) -> Any:

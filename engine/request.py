@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # a seed fits a 64-bit generator (torch.Generator.manual_seed) with room for step_seed
+GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy (as in vLLM): logits / 1e-40 overflow to inf
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_seed(seed: object, param: str = "seed") -> None:
+    """A sampling seed: None (drawn by the engine) or an integer in [0, MAX_SEED]."""
+    if seed is not None and not (_is_int(seed) and 0 <= seed <= MAX_SEED):  # type: ignore[operator]
+        raise InvalidRequestError(f"{param} must be an integer in [0, {MAX_SEED}], got {seed!r}", param)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy; top_k <= 0 means off."""
+    """Per-request sampling. temperature below GREEDY_TEMPERATURE (0 included) means greedy; top_k <= 0
+    means off.
+
+    NOTE: every field is checked here, for type, range and finiteness, before anything computes with it:
+    the HTTP layer, the codec's decode of rank messages, /prefill bodies and handoff headers all build
+    one, so a value that passes can never crash the sampler. Token ids against the vocabulary are the
+    engine's check (LLMEngine.validate), since only it knows the vocabulary.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -24,22 +48,29 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N >= 0: chosen token's logprob plus the top N
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
-        if not (self.temperature >= 0.0):  # also refuses NaN
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        if not isinstance(self.top_k, int):
+        if not _is_number(self.temperature) or self.temperature < 0.0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}", "top_p")
+        if not _is_int(self.top_k):
             raise InvalidRequestError(f"top_k must be an integer, got {self.top_k!r}", "top_k")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}", "top_logprobs")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        check_seed(self.seed)
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+        if not isinstance(self.stop_token_ids, tuple) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}", "stop_token_ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", "ignore_eos")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}", "top_logprobs"
+            )
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import msgpack
 
 from engine.codec import WireError, from_wire, to_wire
 from engine.errors import InvalidRequestError
-from engine.request import RequestOutput, SamplingParams
+from engine.request import RequestOutput, SamplingParams, check_seed
 
 PROTOCOL_VERSION = 2
 
@@ -109,6 +109,7 @@ class Prefill:
         if not self.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids must not be empty", "prompt_token_ids")
         _positive("lease_s", self.lease_s)
+        check_seed(self.seed)
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,7 @@ class PrefillBody:
             raise InvalidRequestError("prompt_token_ids must be a non-empty list of integers", "prompt_token_ids")
         if self.lease_s is not None:
             _positive("lease_s", self.lease_s)
+        check_seed(self.seed)
 
     def prefill(self, default_lease_s: float) -> Prefill:
         """The PE rank's message for this body."""

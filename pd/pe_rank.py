@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pd.pe_rank")
 ABORTED = "aborted"
 REJECTED = "rejected"
+ENGINE_ERROR = "engine_error"  # the engine failed this request (finish_reason "error"); the rank goes on
 
 
 @dataclass
@@ -115,8 +116,10 @@ class PrefillRole:
                 job.sending = self.lt.submit(self._send_one(job.msg, export))
             elif o.is_finished:
                 del self.jobs[o.request_id]
-                if o.finish_reason in ("abort", "error"):
+                if o.finish_reason == "abort":
                     self.send(PrefillResult(o.request_id, False, code=ABORTED, message=o.error or "aborted"))
+                elif o.finish_reason == "error":
+                    self.send(PrefillResult(o.request_id, False, code=ENGINE_ERROR, message=o.error or "engine error"))
                 else:  # the first token ended it: no handoff, the output itself goes back
                     self.send(
                         PrefillResult(

@@ -89,6 +89,8 @@ async def prefill(co: Coordinator, request: web.Request) -> web.Response:
         metrics.handoff_failures.labels(transport, ev.code or "unknown").inc()
         if ev.code == "rejected":
             raise bad_request(ev.message)
+        if ev.code == "engine_error":  # this request failed in the PE's engine; the rank serves on
+            raise ApiError(500, f"prefill failed: {ev.message}", type="server_error", code="engine_error")
         raise ApiError(502, f"handoff failed: {ev.message}", type="server_error", code=ev.code)
     reply = PrefillReply(
         ev.is_handed_off,

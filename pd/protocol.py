@@ -11,13 +11,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.request import MAX_TOP_LOGPROBS, SamplingParams
+from engine.request import MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 from pd.errors import bad_request
 
 MAX_N = 16
 MAX_STOP = 16
 MAX_SUBREQUESTS = 256  # prompts x n in one request
-MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1  # token ids are 32-bit (the handoff packs them as int32)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _UNSET = object()
 
@@ -344,9 +344,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         prompts = [tuple(p) for p in prompt]
     else:
         raise bad_request("'prompt' must be a string, an array of token ids, or an array of either", "prompt")
-    for p in prompts:
-        if isinstance(p, tuple) and any(t < 0 for t in p):
-            raise bad_request("'prompt' token ids must be >= 0", "prompt")
+    for p in prompts:  # the vocabulary is the engine's check; this one keeps the tokenizer's decode (echo) safe
+        if isinstance(p, tuple) and any(not 0 <= t <= MAX_TOKEN_ID for t in p):
+            raise bad_request(f"'prompt' token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported", "suffix")
     sampling = _sampling(body, ("max_tokens",))

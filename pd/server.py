@@ -20,12 +20,12 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from engine.errors import ModelNotFoundError
+from engine.errors import InvalidRequestError, ModelNotFoundError
 from pd.chat_api import chat_completions
 from pd.completions_api import completions
 from pd.config import ServerConfig
 from pd.coordinator import Coordinator, load_tokenizer
-from pd.errors import ApiError, internal
+from pd.errors import ApiError, bad_request, internal
 from pd.http_io import error_response, json_response
 from pd.metrics import CONTENT_TYPE
 from pd.prefill_server import TOKEN, prefill
@@ -59,6 +59,8 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return await handler(request)
     except ApiError as e:
         err = e
+    except InvalidRequestError as e:  # the engine's own checks (SamplingParams), run in this process
+        err = bad_request(str(e), e.param)
     except web.HTTPException as e:
         if e.status < 400:
             raise

@@ -434,11 +434,27 @@ async def test_bad_prefill_body_is_a_400_naming_the_field(cluster):
             ({**good, "prompt_token_ids": "1 2 3"}, "prompt_token_ids"),  # a string for a list
             ({**good, "lease": 3.0}, "lease"),  # an unknown field
             ({k: v for k, v in good.items() if k != "receiver"}, "receiver"),  # a missing field
+            ({**good, "seed": -1}, "seed"),  # values the engine must never compute with
+            ({**good, "params": {"max_tokens": 8, "seed": 2**64 - 1}}, "params.seed"),
+            ({**good, "params": {"max_tokens": 8, "stop_token_ids": [-5]}}, "params.stop_token_ids"),
+            ({**good, "params": {"max_tokens": 8, "logprobs": 21}}, "params.top_logprobs"),
         ):
             async with s.post(pair.pe.url + "/prefill", json=body, headers=auth) as resp:
                 got = await resp.json()
             assert resp.status == 400 and got["error"]["param"] == param, got
     await asyncio.to_thread(idle, pair.pe.port)
+
+
+def test_tiny_temperature_does_not_take_the_pe_down(cluster):
+    """The PE samples the first token: temperature 1e-300 made its rank die (multinomial on inf/NaN)
+    and every later request get a 503. It is greedy now; both sides keep serving."""
+    pair = cluster[0]
+    client = openai_client(pair.url)
+    for temperature in (1e-300, 1e-40):
+        r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, temperature=temperature)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    ask(pair.url)
+    idle(pair.ce.port, pair.pe.port)
 
 
 async def test_pe_lease_expires_on_a_receiver_that_never_acks(cluster):

@@ -552,3 +552,27 @@ def test_unreadable_prefill_answer_fails_the_request_cleanly():
     (rid, ev), aborted = asyncio.run(main())
     assert rid == "r" and isinstance(ev, PhaseError) and ev.error.status == 502
     assert ev.error.code == "bad_response" and aborted == ["r"]
+
+
+def test_an_engine_error_on_the_pe_answers_its_prefill_and_the_rank_serves_on(pd, monkeypatch):
+    """The PE samples the first token: a fault there ends that Prefill with an engine_error result
+    (its memory freed), and the next Prefill is handed off as usual."""
+    import engine.engine as engine_module
+
+    pe, ce, _ = pd
+    real = engine_module.sample
+
+    def faulty(logits: Any, params: list[SamplingParams], *rest: Any) -> Any:
+        if any(p.seed == 4242 for p in params):
+            raise RuntimeError("injected sampling fault")
+        return real(logits, params, *rest)
+
+    monkeypatch.setattr(engine_module, "sample", faulty)
+    prompt = list(range(3, 40))
+    bad = SamplingParams(max_tokens=4, temperature=0.5, seed=4242)
+    res = handoff(pe, ce, "e", prompt, bad)
+    assert not res.is_handed_off and res.code == "engine_error" and "injected" in res.message
+    ce.handle(AbortRequests(("e",)))  # what the coordinator does with the reservation
+    res = handoff(pe, ce, "ok", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert res.is_handed_off and len(decode_all([pe, ce], ce, "ok")) == 4
+    idle(pe, ce)

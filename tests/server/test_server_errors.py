@@ -251,6 +251,24 @@ CASES = [
         "request_too_large",
     ),
     ("unknown-route", "/v1/embeddings", {"input": "a"}, 404, None, None),
+    # values that took (or could take) a rank down (issue 14): refused before anything computes with them
+    (
+        "nan-temperature",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
+        400,
+        None,
+        "invalid_json",
+    ),
+    ("seed-over-int64", "/v1/chat/completions", {"model": MODEL, "messages": HI, "seed": 2**63}, 400, "seed", None),
+    (
+        "completion-echo-token-over-int64",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [2**64 - 1], "echo": True},
+        400,
+        "prompt",
+        None,
+    ),
 ]
 
 
@@ -258,6 +276,19 @@ CASES = [
 def test_bad_input_then_serving(server, path, body, status, param, code):
     got_status, got = request(server, path, body)
     assert_error(got_status, got, status, param, code)
+    assert_serving(server)
+
+
+def test_tiny_temperature_is_greedy_not_a_crash(server):
+    """temperature 1e-300 passed the checks and divided the logits to inf: multinomial raised and the
+    rank died (every later request a 503). Below 1e-5 it is greedy now, as in vLLM."""
+    base = {"model": MODEL, "messages": HI, "max_tokens": 4, "ignore_eos": True}
+    status, want = request(server, "/v1/chat/completions", {**base, "temperature": 0})
+    assert status == 200, want
+    for temperature in (1e-300, 1e-40):
+        status, got = request(server, "/v1/chat/completions", {**base, "temperature": temperature, "top_k": 5})
+        assert status == 200, got
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
     assert_serving(server)
 
 
