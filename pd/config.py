@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from pd.restart_policy import RestartPolicy
 from pd.settings import from_flags, parser_for
 from transfer.config import TransferConfig
 
@@ -72,6 +73,26 @@ class ServerConfig:
     )
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "larger request bodies get 413"})
     rank_start_timeout_s: float = field(default=600.0, metadata={"help": "engine ranks must be up within this"})
+    rank_restart_max: int = field(
+        default=5,
+        metadata={
+            "help": "a dead engine rank is restarted at most this often per --rank-restart-window-s, "
+            "then stays down; 0: never"
+        },
+    )
+    rank_restart_window_s: float = field(
+        default=600.0, metadata={"help": "the sliding window (seconds) --rank-restart-max counts in"}
+    )
+    rank_restart_backoff_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "wait before a dead rank's restart; doubles per restart in the window, "
+            "up to --rank-restart-max-backoff-s"
+        },
+    )
+    rank_restart_max_backoff_s: float = field(
+        default=30.0, metadata={"help": "the longest wait before a rank's restart"}
+    )
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "engine (every rank)"})
     # ---- P/D (--role pe|ce) ----
@@ -122,6 +143,10 @@ class ServerConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.rank_restart_max < 0 or self.rank_restart_window_s <= 0:
+            raise ValueError("--rank-restart-max must be >= 0 and --rank-restart-window-s > 0")
+        if not 0 <= self.rank_restart_backoff_s <= self.rank_restart_max_backoff_s:
+            raise ValueError("need 0 <= --rank-restart-backoff-s <= --rank-restart-max-backoff-s")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -150,6 +175,15 @@ class ServerConfig:
     def role_config(self, rank: int) -> RoleConfig:
         """What P/D rank `rank` is told about its role."""
         return RoleConfig(self.cluster_token_file, self.kv_host, self.kv_port_base + rank, self.transfer)
+
+    def restart_policy(self) -> RestartPolicy:
+        """A rank's restart policy (one per rank: each counts its own restarts)."""
+        return RestartPolicy(
+            self.rank_restart_max,
+            self.rank_restart_window_s,
+            self.rank_restart_backoff_s,
+            self.rank_restart_max_backoff_s,
+        )
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> ServerConfig:

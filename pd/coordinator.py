@@ -85,6 +85,7 @@ class Coordinator:
                 self._ctx,
                 self.cfg.role,
                 self.cfg.role_config(i) if self.cfg.is_pd else None,
+                self.cfg.restart_policy(),
             )
             for i in range(self.cfg.dp)
         ]
@@ -107,14 +108,16 @@ class Coordinator:
     def pick_rank(self, affinity_key: str | None) -> RankClient:
         rank = self.router.pick(affinity_key, self.ranks)
         if rank is None:
-            if any(r.state is RankState.STARTING for r in self.ranks):
+            if any(r.state is RankState.STARTING and r.num_restarts == 0 for r in self.ranks):
                 raise unavailable("the server is starting: the engines are not ready yet")
             raise unavailable("no engine rank is up")
         assert isinstance(rank, RankClient)
         return rank
 
     def snapshot(self) -> list[RankSnapshot]:
-        return [RankSnapshot(r.index, r.is_up, r.num_inflight, dict(r.stats)) for r in self.ranks]
+        return [
+            RankSnapshot(r.index, r.is_up, r.num_inflight, dict(r.stats), r.num_restarts) for r in self.ranks
+        ]
 
     def health(self) -> tuple[int, dict[str, Any]]:
         states = [r.state for r in self.ranks]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -29,6 +29,7 @@ class RankSnapshot:
     is_up: bool
     num_inflight: int
     stats: dict[str, Any] = field(default_factory=dict)
+    num_restarts: int = 0  # times the server started the rank's process again after it died
 
 
 class _RankCollector:
@@ -45,11 +46,15 @@ class _RankCollector:
         inflight = GaugeMetricFamily(
             "pdserve_num_requests_inflight", "Requests the server has sent to the rank", labels=["rank"]
         )
+        restarts = CounterMetricFamily(
+            "pdserve_rank_restarts", "Times the rank's dead engine process was started again", labels=["rank"]
+        )
         families: dict[str, GaugeMetricFamily] = {}
         for r in ranks:
             label = [str(r.index)]
             up.add_metric(label, 1.0 if r.is_up else 0.0)
             inflight.add_metric(label, float(r.num_inflight))
+            restarts.add_metric(label, float(r.num_restarts))
             for key, value in sorted(r.stats.items()):
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue
@@ -59,6 +64,7 @@ class _RankCollector:
                 families[name].add_metric(label, float(value))
         yield up
         yield inflight
+        yield restarts
         yield from families.values()
 
 

@@ -1,5 +1,7 @@
 """The HTTP process's handle on one engine rank: starts the process, talks to it over ZeroMQ, and
-notices its death at once (it awaits the process's exit), failing that rank's in-flight requests.
+notices its death at once (it awaits the process's exit), failing that rank's in-flight requests, then
+starts it again as its RestartPolicy allows (backoff, a limit per window; never while stopping): the new
+process re-registers with RankReady on the same sockets and the rank is up again.
 
 Outputs are delivered per request to the asyncio.Queue given at submit, as (request_id, event) pairs,
 where event is a RequestOutput, a RequestRejected, or a RankDown; P/D ranks add Reserved (CE, then
@@ -15,6 +17,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +46,7 @@ from pd.messages import (
     decode,
     encode,
 )
+from pd.restart_policy import RestartPolicy
 
 log = logging.getLogger("pd.rank_client")
 
@@ -74,9 +78,10 @@ class RankClient:
         ctx: zmq.asyncio.Context,
         role: str = "single",
         role_config: RoleConfig | None = None,
+        restart_policy: RestartPolicy | None = None,
     ) -> None:
         """engine: what the rank builds its engine from (its device is resolved in the rank);
-        role_config: pe|ce ranks' RoleConfig."""
+        role_config: pe|ce ranks' RoleConfig; restart_policy: None never restarts a dead process."""
         self.index = index
         self.dp = dp
         self.engine = engine
@@ -90,6 +95,9 @@ class RankClient:
         self.stats: dict[str, Any] = {}
         self.down_reason: str | None = None
         self.proc: asyncio.subprocess.Process | None = None
+        self.restart_policy = restart_policy
+        self.num_restarts = 0
+        self._stopping = False
         self._streams: dict[str, asyncio.Queue[tuple[str, RankEvent]]] = {}
         self._ready: asyncio.Future[RankReady] = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task[None]] = []
@@ -117,6 +125,7 @@ class RankClient:
             "state": self.state.value,
             "pid": self.pid,
             "num_inflight": self.num_inflight,
+            "num_restarts": self.num_restarts,
         }
         if self.info:
             d["device"] = self.info.device
@@ -133,6 +142,12 @@ class RankClient:
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(self.inbox_addr)
         self._pull.bind(self.outbox_addr)
+        await self._spawn()
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def _spawn(self) -> None:
+        """Starts the rank's process; it connects to the sockets bound in start and sends RankReady."""
+        self._fatal = None
         role_args = [] if self.role_config is None else ["--role-config", json.dumps(to_wire(self.role_config))]
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -153,17 +168,18 @@ class RankClient:
             *role_args,
             env=os.environ.copy(),
         )
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def wait_ready(self, timeout_s: float) -> RankReady:
         return await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Asks the rank to exit, then kills it if it does not."""
+        """Asks the rank to exit, then kills it if it does not; nothing is restarted from here on."""
+        self._stopping = True
         if self.proc is not None and self.proc.returncode is None:
             self.state = RankState.STOPPED
-            with contextlib.suppress(zmq.ZMQError):
-                await self._push.send(encode(Shutdown()))
+            with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):
+                # a process still starting may not have connected yet: PUSH would wait for it
+                await asyncio.wait_for(self._push.send(encode(Shutdown())), 1.0)
             try:
                 await asyncio.wait_for(self.proc.wait(), timeout_s)
             except asyncio.TimeoutError:
@@ -174,6 +190,9 @@ class RankClient:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self.proc is not None and self.proc.returncode is None:  # spawned while the watch was cancelled
+            self.proc.kill()
+            await self.proc.wait()
         self._push.close(linger=0)
         self._pull.close(linger=0)
 
@@ -256,25 +275,51 @@ class RankClient:
                 self.info, self.stats = msg, msg.stats
                 if self.state is RankState.STARTING:
                     self.state = RankState.UP
+                    self.down_reason = None
                 if not self._ready.done():
                     self._ready.set_result(msg)
             elif isinstance(msg, RankFatal):
                 self._fatal = msg.message
 
     async def _watch(self) -> None:
-        assert self.proc is not None
-        code = await self.proc.wait()
-        await asyncio.sleep(0.05)  # let a RankFatal sent just before the exit arrive
-        stopping = self.state is RankState.STOPPED
-        reason = f"engine rank {self.index} (pid {self.proc.pid}) exited with code {code}"
-        if self._fatal:
-            reason += f": {self._fatal}"
-        if not stopping:
-            self.state = RankState.DOWN
-            self.down_reason = reason
-            log.error("%s", reason)
-        if not self._ready.done():
-            self._ready.set_exception(RuntimeError(reason))
-        streams, self._streams = self._streams, {}
-        for rid, q in streams.items():
-            q.put_nowait((rid, RankDown(reason)))
+        """Awaits the process; on its death fails the in-flight requests, then restarts it (a new
+        process) when the rank had been ready once, the server is not stopping and the policy allows."""
+        while True:
+            assert self.proc is not None
+            code = await self.proc.wait()  # NOTE: reaped, so its KV receiver port is free to rebind
+            await asyncio.sleep(0.05)  # let a RankFatal sent just before the exit arrive
+            stopping = self._stopping or self.state is RankState.STOPPED
+            reason = f"engine rank {self.index} (pid {self.proc.pid}) exited with code {code}"
+            if self._fatal:
+                reason += f": {self._fatal}"
+            if not stopping:
+                self.state = RankState.DOWN
+                self.down_reason = reason
+                log.error("%s", reason)
+            was_ready = self._ready.done() and self._ready.exception() is None
+            if not self._ready.done():
+                self._ready.set_exception(RuntimeError(reason))
+            streams, self._streams = self._streams, {}
+            for rid, q in streams.items():
+                q.put_nowait((rid, RankDown(reason)))
+            if stopping or not was_ready or self.restart_policy is None:
+                return
+            delay_s = self.restart_policy.next_delay_s(time.monotonic())
+            if delay_s is None:
+                self.down_reason = f"{reason}; not restarted: {self.restart_policy.describe_limit()}"
+                log.error("engine rank %d stays down: %s", self.index, self.restart_policy.describe_limit())
+                return
+            log.warning("restarting engine rank %d in %.1f s", self.index, delay_s)
+            self.down_reason = f"{reason}; restarting in {delay_s:g} s"
+            await asyncio.sleep(delay_s)
+            if self._stopping:
+                return
+            self.state = RankState.STARTING
+            self.down_reason = f"{reason}; restarting"
+            self.num_restarts += 1
+            await self._spawn()
+            if self._stopping:  # stop() ran while the process was being created
+                assert self.proc is not None
+                self.proc.kill()
+                await self.proc.wait()
+                return

@@ -1,5 +1,6 @@
 """Two engine ranks: affinity keeps a conversation on one rank; killing a rank's engine process mid-stream
-fails that stream with an error, /health and /metrics show the rank down, and the other rank serves."""
+fails that stream with an error, /health and /metrics show the rank down, and the other rank serves; after
+the restart backoff the server starts the rank again, which serves its conversations once more."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 
 
+RESTART_BACKOFF_S = 5.0  # long enough to see the rank down and the survivor serve before it is back
+
 server = module_server(
-    "--model", MODEL, "--dp", "2", "--routing", "affinity", "--max-model-len", "1024", "--kv-cache-gb", "0.1"
+    "--model", MODEL, "--dp", "2", "--routing", "affinity", "--max-model-len", "1024", "--kv-cache-gb", "0.1",
+    "--rank-restart-backoff-s", str(RESTART_BACKOFF_S),
 )
 
 
@@ -47,7 +51,7 @@ def test_affinity_keeps_a_conversation_on_one_rank(server, client):
         assert sorted(a - b for a, b in zip(after, before)) == [0.0, 2.0]  # both turns on the same rank
 
 
-def test_killed_rank_fails_its_stream_and_the_other_serves(server, client):
+def test_killed_rank_fails_its_stream_the_other_serves_and_it_is_restarted(server, client) -> None:
     status, health = get_json(server.url + "/health")
     assert status == 200 and [r["state"] for r in health["ranks"]] == ["up", "up"]
     pids = {r["rank"]: r["pid"] for r in health["ranks"]}
@@ -55,11 +59,13 @@ def test_killed_rank_fails_its_stream_and_the_other_serves(server, client):
     started = threading.Event()
     outcome: dict[str, object] = {}
 
+    story = [{"role": "user", "content": "Tell me a very long story."}]
+
     def long_stream() -> None:
         try:
             stream = client.chat.completions.create(
                 model=MODEL,
-                messages=[{"role": "user", "content": "Tell me a very long story."}],
+                messages=story,
                 max_tokens=900,
                 stream=True,
                 extra_body={"ignore_eos": True},
@@ -102,3 +108,22 @@ def test_killed_rank_fails_its_stream_and_the_other_serves(server, client):
         )
         assert r.choices[0].message.content is not None
     assert rank_metrics(server.port, survivor)["pdserve_requests_total"] == before + 4
+
+    # the restart: the new process re-registers, /health is ok again and the rank serves its conversations
+    deadline = time.monotonic() + RESTART_BACKOFF_S + 120
+    while time.monotonic() < deadline:
+        status, health = get_json(server.url + "/health")
+        if health["status"] == "ok":
+            break
+        time.sleep(0.5)
+    assert status == 200 and health["status"] == "ok", health
+    states = {r["rank"]: r for r in health["ranks"]}
+    assert states[victim]["num_restarts"] == 1 and states[victim]["pid"] != pids[victim]
+    assert "error" not in states[victim]
+    assert rank_metrics(server.port, victim)["pdserve_rank_restarts_total"] == 1.0
+    assert rank_metrics(server.port, survivor)["pdserve_rank_restarts_total"] == 0.0
+    assert rank_metrics(server.port, victim)["pdserve_rank_up"] == 1.0
+    before = rank_metrics(server.port, victim).get("pdserve_requests_total", 0.0)
+    r = client.chat.completions.create(model=MODEL, messages=story, max_tokens=2)  # affinity: the victim
+    assert r.choices[0].message.content is not None
+    assert rank_metrics(server.port, victim)["pdserve_requests_total"] == before + 1

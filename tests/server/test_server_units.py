@@ -34,6 +34,7 @@ from pd.metrics import RankSnapshot, ServerMetrics
 from pd.protocol import parse_chat_request, parse_completion_request
 from pd.rank import engine_config as rank_engine_config
 from pd.rank import read_configs
+from pd.restart_policy import RestartPolicy
 from pd.router import AffinityRouter, LeastLoadedRouter, make_router
 from pd.settings import parser_for
 from pd.sse import DONE, sse_event
@@ -332,7 +333,7 @@ def test_metrics_render_per_rank():
                 "x_new": 7,
             },
         ),
-        RankSnapshot(1, False, 0, {}),
+        RankSnapshot(1, False, 0, {}, num_restarts=2),
     ]
     m = ServerMetrics(lambda: snap)
     m.ttft_s.labels("0").observe(0.1)
@@ -341,6 +342,8 @@ def test_metrics_render_per_rank():
     for line in (
         'pdserve_rank_up{rank="0"} 1.0',
         'pdserve_rank_up{rank="1"} 0.0',
+        'pdserve_rank_restarts_total{rank="0"} 0.0',
+        'pdserve_rank_restarts_total{rank="1"} 2.0',
         'pdserve_kv_cache_usage_ratio{rank="0"} 0.25',
         'pdserve_num_requests_running{rank="0"} 1.0',
         'pdserve_engine_x_new{rank="0"} 7.0',
@@ -473,3 +476,19 @@ def test_rank_configs_are_typed_and_strict():
         assert rank_engine_config(cfg.engine, 1, 2) == dataclasses.replace(cfg.engine, device=device)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_restart_policy_backs_off_and_stops_at_the_window_limit() -> None:
+    p = RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=1.0, max_backoff_s=3.0)
+    assert [p.next_delay_s(t) for t in (0.0, 10.0, 20.0)] == [1.0, 2.0, 3.0]  # doubling, capped
+    assert p.next_delay_s(30.0) is None  # 3 restarts within 600 s: stays down
+    assert p.next_delay_s(599.0) is None and p.num_recent(599.0) == 3  # a refusal is not counted
+    assert p.next_delay_s(600.0) == 3.0  # the restart at 0 s left the window: 2 recent, backoff 4 capped
+    assert p.next_delay_s(5000.0) == 1.0  # a quiet window: the backoff starts over
+    assert RestartPolicy(0, 600.0, 1.0, 30.0).next_delay_s(0.0) is None  # 0: never restart
+    with pytest.raises(ValueError):
+        RestartPolicy(1, 600.0, 10.0, 5.0)
+    cfg = ServerConfig.from_argv(["--rank-restart-max", "2", "--rank-restart-backoff-s", "0.5"])
+    assert cfg.restart_policy() == RestartPolicy(2, 600.0, 0.5, 30.0)
+    with pytest.raises(ValueError):
+        ServerConfig.from_argv(["--rank-restart-backoff-s", "60"])
