@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import cache
 from typing import Any, TypeVar, Union
 
@@ -239,13 +239,7 @@ def _sequence(item_type: Any, kind: type) -> Convert:
     def convert(v: Any) -> Any:
         if not isinstance(v, (list, tuple)):
             _fail(f"must be a list, got {type(v).__name__}")
-        out = []
-        for i, x in enumerate(v):
-            try:
-                out.append(item(x))
-            except WireError as e:
-                raise _within(f"[{i}]", e) from None
-        return kind(out)
+        return kind(_each((item, x) for x in v))
 
     return convert
 
@@ -254,15 +248,20 @@ def _fixed_tuple(items: list[Convert]) -> Convert:
     def convert(v: Any) -> Any:
         if not isinstance(v, (list, tuple)) or len(v) != len(items):
             _fail(f"must be a list of {len(items)} values")
-        out = []
-        for i, (c, x) in enumerate(zip(items, v)):
-            try:
-                out.append(c(x))
-            except WireError as e:
-                raise _within(f"[{i}]", e) from None
-        return tuple(out)
+        return tuple(_each(zip(items, v)))
 
     return convert
+
+
+def _each(pairs: Iterable[tuple[Convert, Any]]) -> list[Any]:
+    """Each value through its converter; an error names the value's index."""
+    out = []
+    for i, (convert, x) in enumerate(pairs):
+        try:
+            out.append(convert(x))
+        except WireError as e:
+            raise _within(f"[{i}]", e) from None
+    return out
 
 
 def _mapping(value: Convert) -> Convert:
