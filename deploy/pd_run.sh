@@ -7,18 +7,26 @@
 #
 # start runs `python -m pd.server --role pe` on pe-host (POST /prefill on --pe-port, 8889) and
 # `--role ce` on ce-host (OpenAI API on --port, 8888; KV receivers on --kv-port-base + rank, 8900+),
-# each in its own process group, waits for both /health and prints the endpoint. It starts only what
-# is not running: after a PE crash, running it again brings the PE back and leaves the CE alone.
-# Server flags (--model, --dp, --deterministic, --max-model-len, ...) go to both sides.
-# stop ends both process groups (SIGTERM, then SIGKILL): no engine survives on either host.
+# each in its own process group, waits for both /health/ready and prints the endpoint. It starts only
+# what is not running as it should: after a PE crash, running it again brings the PE back and leaves the
+# CE alone; a side with a rank down for good (its restart limit reached), or that does not answer
+# /health, is stopped and started anew. Server flags (--model, --dp, --deterministic, --max-model-len,
+# ...) go to both sides.
+# stop sends SIGTERM to each side's server (the CE first): it stops admitting requests, lets those in
+# flight finish (up to --shutdown-timeout, 30 s), stops its engine ranks and exits; whatever of its
+# process group is left after $PDSERVE_STOP_TIMEOUT_S (45 s) gets SIGKILL: no engine survives anywhere.
+# A pid file is trusted only while it names a live pd.server of this user: one naming another process is
+# reported and never signalled (stop exits 1), one naming nothing is removed.
 #
 # Hosts: localhost or 127.x runs there locally; any other host through ssh, with the repository at the
-# same path. A remote PE binds pe-host (the CE's coordinator reaches it there); a remote CE binds its KV
-# receivers to ce-host. Locally everything binds 127.0.0.1, so the hosts are both local or both remote.
+# same path (a host name starting with '-' is refused: ssh would read it as an option). A remote PE binds
+# pe-host (the CE's coordinator reaches it there); a remote CE binds its KV receivers to ce-host. Locally
+# everything binds 127.0.0.1, so the hosts are both local or both remote.
 # Cluster token: $PDSERVE_CLUSTER_TOKEN or $PDSERVE_CLUSTER_TOKEN_FILE if set, else RUN_DIR/cluster.token
-# (made once, mode 600, copied to a remote host's RUN_DIR). Logs and pid files: RUN_DIR (default run/,
-# or $PDSERVE_RUN_DIR) as pd-pe-PORT.{log,pid} and pd-ce-PORT.{log,pid}; deploy/server.sh's
-# server-PORT.* files are another name space, so a single-engine server runs beside the pair.
+# (made once, mode 600, copied to a remote host's RUN_DIR). A token file that group or others may read
+# is refused, here and by the server (chmod 600 it). Logs and pid files: RUN_DIR (default run/, or
+# $PDSERVE_RUN_DIR) as pd-pe-PORT.{log,pid} and pd-ce-PORT.{log,pid}; deploy/server.sh's server-PORT.*
+# files are another name space, so a single-engine server runs beside the pair.
 set -euo pipefail
 
 # shellcheck source=deploy/lib.sh
@@ -27,34 +35,43 @@ SELF="$ROOT/deploy/pd_run.sh"
 
 die() { echo "pd_run.sh: $*" >&2; exit 1; }
 
-usage() {
-    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+usage() {  # the comment at the top of this file
+    awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
     exit "${1:-0}"
 }
 
 is_local() { case "$1" in localhost|127.*|::1) return 0 ;; *) return 1 ;; esac; }
 
+check_host() {  # check_host HOST: dies on a name ssh would take for an option (-oProxyCommand=...)
+    case "$1" in
+        "") die "empty host name" ;;
+        -*) die "host name '$1' starts with '-': refused (ssh would read it as an option)" ;;
+    esac
+}
+
 # on HOST CMD...: runs this script's internal command CMD on HOST (here, or through ssh).
 on() {
     local host="$1"; shift
+    check_host "$host"
     if is_local "$host"; then
         "$SELF" "$@"
     else
         local q="" a
         for a in "$@"; do q+=" $(printf '%q' "$a")"; done
         # shellcheck disable=SC2029
-        ssh -o BatchMode=yes "$host" "PDSERVE_RUN_DIR=$(printf '%q' "$RUN_DIR") $(printf '%q' "$SELF")$q"
+        ssh -o BatchMode=yes -- "$host" "PDSERVE_RUN_DIR=$(printf '%q' "$RUN_DIR") $(printf '%q' "$SELF")$q"
     fi
 }
 
 # ---- internal commands (run on the host they concern) ----------------------------------------------
 
-# _start ROLE PORT URL [server flags]: starts one side unless it runs; waits for /health.
+# _start ROLE PORT URL [server flags]: starts one side unless it runs as it should (keep_running);
+# waits until it is ready.
 internal_start() {
     local role="$1" port="$2" url="$3"; shift 3
     local pidfile="$RUN_DIR/pd-$role-$port.pid"
-    if [ -f "$pidfile" ] && alive "$(cat "$pidfile")"; then
-        echo "$role already running on port $port (pid $(cat "$pidfile")): $url"
+    if keep_running "$role" "$port" "$pidfile" "$url"; then
+        echo "$role already running on port $port (pid $PIDFILE_PID): $url"
         return 0
     fi
     start_server "the $role" "$pidfile" "$url" -- --role "$role" --port "$port" "$@"
@@ -70,15 +87,16 @@ pidfiles() {  # pidfiles ROLE [PORT]: one a line (RUN_DIR may hold spaces: read 
     return 0
 }
 
-# _stop ROLE [PORT]
+# _stop ROLE [PORT]: exit 1 when a pid file names a process that is not ours (left alone)
 internal_stop() {
-    local -a files; local f
+    local -a files; local f rc=0
     mapfile -t files < <(pidfiles "$1" "${2:-}")
     if [ "${#files[@]}" -eq 0 ]; then
         echo "no $1 running${2:+ on port $2} ($(hostname))"
         return 0
     fi
-    for f in "${files[@]}"; do stop_pidfile "$f"; done
+    for f in "${files[@]}"; do stop_pidfile "$f" || rc=1; done
+    return "$rc"
 }
 
 # _status ROLE [PORT]: exit 3 when nothing runs
@@ -106,6 +124,14 @@ internal_token() {
 
 # ---- user commands ---------------------------------------------------------------------------------
 
+check_token_file() {  # check_token_file FILE: dies unless FILE is a token file only this user can read
+    local mode
+    mode="$(stat -c %a -- "$1" 2>/dev/null)" || die "cluster token file $1: no such file"
+    if (( 8#$mode & 8#077 )); then
+        die "cluster token file $1 is readable by others (mode $mode): chmod 600 $1"
+    fi
+}
+
 parse_ports() {  # sets CE_PORT PE_PORT KV_BASE ARGS from "$@"
     CE_PORT=8888 PE_PORT=8889 KV_BASE=8900 CE_HOST_BIND=127.0.0.1 ARGS=()
     while [ $# -gt 0 ]; do
@@ -129,6 +155,8 @@ parse_ports() {  # sets CE_PORT PE_PORT KV_BASE ARGS from "$@"
 cmd_start() {
     [ $# -ge 2 ] || usage 2 >&2
     local pe_host="$1" ce_host="$2"; shift 2
+    check_host "$pe_host"
+    check_host "$ce_host"
     parse_ports "$@"
     # A side bound to 127.0.0.1 is out of the other host's reach (it would dial its own loopback).
     local pe_local=0 ce_local=0
@@ -140,9 +168,17 @@ cmd_start() {
     is_local "$pe_host" || pe_bind="$pe_host"
     is_local "$ce_host" || kv_bind="$ce_host"
     local token_args=()
-    if [ -z "${PDSERVE_CLUSTER_TOKEN:-}" ] && [ -z "${PDSERVE_CLUSTER_TOKEN_FILE:-}" ]; then
+    if [ -n "${PDSERVE_CLUSTER_TOKEN:-}" ]; then
+        :  # the servers read it from their environment
+    elif [ -n "${PDSERVE_CLUSTER_TOKEN_FILE:-}" ]; then
+        # A remote side reads the file its own environment names: only a file here can be checked here.
+        if [ "$pe_local" = 1 ] || [ -e "$PDSERVE_CLUSTER_TOKEN_FILE" ]; then
+            check_token_file "$PDSERVE_CLUSTER_TOKEN_FILE"
+        fi
+    else
         local tf
         tf="$(internal_token)"
+        check_token_file "$tf"
         local h
         for h in "$pe_host" "$ce_host"; do
             is_local "$h" || on "$h" _token --from-stdin <"$tf" >/dev/null
@@ -176,16 +212,22 @@ parse_side_ports() {  # parse_side_ports COMMAND [--port P] [--pe-port P]: sets 
 cmd_stop() {
     [ $# -ge 2 ] || usage 2 >&2
     local pe_host="$1" ce_host="$2"; shift 2
+    check_host "$pe_host"
+    check_host "$ce_host"
     local CE_PORT_ARG="" PE_PORT_ARG=""
     parse_side_ports stop "$@"
-    # The CE first: its clients get an error rather than waiting on a PE that is gone.
-    on "$ce_host" _stop ce "$CE_PORT_ARG"
-    on "$pe_host" _stop pe "$PE_PORT_ARG"
+    # The CE first: it drains while the PE still serves its prefills.
+    local rc=0
+    on "$ce_host" _stop ce "$CE_PORT_ARG" || rc=1
+    on "$pe_host" _stop pe "$PE_PORT_ARG" || rc=1
+    return "$rc"
 }
 
 cmd_status() {
     local pe_host=localhost ce_host=localhost
     if [ $# -ge 2 ] && [ "${1#-}" = "$1" ]; then pe_host="$1" ce_host="$2"; shift 2; fi
+    check_host "$pe_host"
+    check_host "$ce_host"
     local CE_PORT_ARG="" PE_PORT_ARG=""
     parse_side_ports status "$@"
     local rc=0

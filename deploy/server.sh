@@ -6,8 +6,14 @@
 #   deploy/server.sh status [--port P]
 #
 # start runs the server in its own process group (engine ranks included), logs to
-# $RUN_DIR/server-PORT.log, writes $RUN_DIR/server-PORT.pid, waits until /health is ready and prints
-# the URL. stop ends the whole group, so no engine process survives holding memory.
+# $RUN_DIR/server-PORT.log, writes $RUN_DIR/server-PORT.pid, waits until /health/ready says it serves
+# and prints the URL. A server that already runs is left alone, unless a rank of it is down for good
+# (its restart limit reached) or it does not answer /health: then start stops it and starts it anew.
+# stop sends SIGTERM to the server: it stops admitting requests, lets those in flight finish (up to
+# --shutdown-timeout, 30 s), stops its engine ranks and exits; whatever of its process group is left
+# after $PDSERVE_STOP_TIMEOUT_S (45 s) gets SIGKILL, so no engine process survives holding memory.
+# A pid file is trusted only while it names a live pd.server of this user: one naming another process
+# is reported and never signalled (stop exits 1), one naming nothing is removed.
 # RUN_DIR is $PDSERVE_RUN_DIR, or run/ in the repository.
 set -euo pipefail
 
@@ -16,8 +22,8 @@ set -euo pipefail
 
 die() { echo "server.sh: $*" >&2; exit 1; }
 
-usage() {
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+usage() {  # the comment at the top of this file
+    awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"
     exit "${1:-0}"
 }
 
@@ -47,8 +53,8 @@ cmd_start() {
     local show_host="$host"
     [ "$host" = "0.0.0.0" ] && show_host=127.0.0.1
     local url="http://$show_host:$port"
-    if [ -f "$pidfile" ] && alive "$(cat "$pidfile")"; then
-        echo "pdserve is already running on port $port (pid $(cat "$pidfile")): $url/v1"
+    if keep_running pdserve "$port" "$pidfile" "$url"; then
+        echo "pdserve is already running on port $port (pid $PIDFILE_PID): $url/v1"
         return 0
     fi
     start_server pdserve "$pidfile" "$url" -- --model "$model" --host "$host" --port "$port" ${args[@]+"${args[@]}"}
@@ -72,8 +78,9 @@ cmd_stop() {
         echo "no pdserve server is running${port:+ on port $port} (no pid file in $RUN_DIR)"
         return 0
     fi
-    local f
-    for f in $files; do stop_pidfile "$f"; done
+    local f rc=0
+    for f in $files; do stop_pidfile "$f" || rc=1; done
+    return "$rc"
 }
 
 cmd_status() {

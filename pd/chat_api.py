@@ -10,8 +10,11 @@ from aiohttp import web
 from engine.request import TokenLogprob
 from pd.coordinator import Coordinator
 from pd.generation import ChoiceUpdate, Generation, SubRequest
-from pd.http_io import json_response, new_id, read_json, usage
+from pd.http_io import json_response, usage
+from pd.prompt_renderer import RenderedPrompt
 from pd.protocol import ChatRequest, parse_chat_request
+from pd.rank_client import RankClient
+from pd.request_log import REQUEST_ID
 from pd.sse import stream_choices
 from pd.toolcalls import ParsedOutput, ToolStreamFilter, parse_forced_arguments
 
@@ -54,13 +57,28 @@ def parse_tool_output(co: Coordinator, req: ChatRequest, prefix: str, text: str)
 
 async def chat_completions(co: Coordinator, request: web.Request) -> web.StreamResponse:
     arrival_s = time.monotonic()
-    req = parse_chat_request(await read_json(request, co.cfg.max_body_bytes))
+    req = parse_chat_request(await co.read_json(request))
     co.check_model(req.model)
-    rendered = co.renderer.render_chat(req.messages, req.tools, req.tool_choice)
+    rendered = await co.offload(co.renderer.render_chat, req.messages, req.tools, req.tool_choice)
     prompt = list(rendered.token_ids)
     max_tokens = co.max_tokens_for(len(prompt), req.sampling.max_tokens, "messages")
     rank = co.pick_rank(affinity_key(req))
-    rid = new_id("chatcmpl")
+    rid = f"chatcmpl-{REQUEST_ID.get()}"
+    with co.claim(rid):
+        return await _generate(co, request, req, rendered, rank, rid, arrival_s, max_tokens)
+
+
+async def _generate(
+    co: Coordinator,
+    request: web.Request,
+    req: ChatRequest,
+    rendered: RenderedPrompt,
+    rank: RankClient,
+    rid: str,
+    arrival_s: float,
+    max_tokens: int,
+) -> web.StreamResponse:
+    prompt = list(rendered.token_ids)
     subs = [
         SubRequest(
             f"{rid}-{i}",
@@ -175,4 +193,6 @@ async def _stream(
     def final_usage() -> dict[str, Any]:
         return usage(num_prompt, sum(num_out), num_cached)
 
-    return await stream_choices(request, gen, head, choice, final_usage if req.sampling.include_usage else None)
+    return await stream_choices(
+        request, gen, head, choice, final_usage if req.sampling.include_usage else None
+    )

@@ -11,8 +11,10 @@ from engine.request import TokenLogprob
 from pd.coordinator import Coordinator
 from pd.errors import bad_request
 from pd.generation import ChoiceUpdate, Generation, SubRequest
-from pd.http_io import json_response, new_id, read_json, usage
+from pd.http_io import json_response, usage
 from pd.protocol import CompletionRequest, parse_completion_request
+from pd.rank_client import RankClient
+from pd.request_log import REQUEST_ID
 from pd.sse import stream_choices
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -45,22 +47,15 @@ def _merge(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
 
 async def completions(co: Coordinator, request: web.Request) -> web.StreamResponse:
     arrival_s = time.monotonic()
-    req = parse_completion_request(await read_json(request, co.cfg.max_body_bytes))
+    req = parse_completion_request(await co.read_json(request))
     co.check_model(req.model)
     if req.echo and req.logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported (no prompt logprobs)", "echo")
     n = req.sampling.n
-    prompt_ids: list[list[int]] = []
-    prompt_texts: list[str] = []
+    prompt_ids, prompt_texts = await co.offload(_tokenize, co, req)
     subs: list[SubRequest] = []
-    rid = new_id("cmpl")
-    for j, p in enumerate(req.prompts):
-        ids = co.renderer.encode(p) if isinstance(p, str) else list(p)
-        if not ids:
-            raise bad_request("the prompt is empty", "prompt")
-        prompt_ids.append(ids)
-        if req.echo:
-            prompt_texts.append(p if isinstance(p, str) else co.tokenizer.decode(ids))
+    rid = f"cmpl-{REQUEST_ID.get()}"
+    for j, ids in enumerate(prompt_ids):
         max_tokens = co.max_tokens_for(len(ids), req.sampling.max_tokens, "prompt", DEFAULT_MAX_TOKENS)
         for i in range(n):
             params = req.sampling.params(max_tokens, req.logprobs, i)
@@ -73,6 +68,35 @@ async def completions(co: Coordinator, request: web.Request) -> web.StreamRespon
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": co.model_name}
     echo = [prompt_texts[k // n] if req.echo else "" for k in range(len(subs))]
     num_prompt = sum(len(ids) for ids in prompt_ids)
+    with co.claim(rid):
+        return await _generate(co, request, req, rank, subs, arrival_s, head, echo, num_prompt)
+
+
+def _tokenize(co: Coordinator, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's ids, and its text when echoed (on the render threads: pd/coordinator.py)."""
+    prompt_ids: list[list[int]] = []
+    prompt_texts: list[str] = []
+    for p in req.prompts:
+        ids = co.renderer.encode(p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise bad_request("the prompt is empty", "prompt")
+        prompt_ids.append(ids)
+        if req.echo:
+            prompt_texts.append(p if isinstance(p, str) else co.tokenizer.decode(ids))
+    return prompt_ids, prompt_texts
+
+
+async def _generate(
+    co: Coordinator,
+    request: web.Request,
+    req: CompletionRequest,
+    rank: RankClient,
+    subs: list[SubRequest],
+    arrival_s: float,
+    head: dict[str, Any],
+    echo: list[str],
+    num_prompt: int,
+) -> web.StreamResponse:
     async with Generation(rank, co.metrics, arrival_s, co.pd) as gen:
         await gen.submit(subs)
         if req.sampling.stream:
@@ -150,4 +174,6 @@ async def _stream(
     def final_usage() -> dict[str, Any]:
         return usage(num_prompt, sum(num_out), sum(cached.values()))
 
-    return await stream_choices(request, gen, head, choice, final_usage if req.sampling.include_usage else None)
+    return await stream_choices(
+        request, gen, head, choice, final_usage if req.sampling.include_usage else None
+    )

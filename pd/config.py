@@ -10,6 +10,8 @@ codec (engine/codec.py), which refuses an unknown key.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import socket
 from dataclasses import dataclass, field
 
@@ -23,6 +25,7 @@ DEFAULT_PE_PORT = 8889
 DEFAULT_KV_PORT_BASE = 8900
 ROUTING_POLICIES = ("affinity", "least-loaded")
 ROLES = ("single", "pe", "ce")
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,8 @@ class ServerConfig:
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP server binds"})
     port: int | None = field(
-        default=None, metadata={"help": f"HTTP port; default {DEFAULT_PORT} ({DEFAULT_PE_PORT} for --role pe)"}
+        default=None,
+        metadata={"help": f"HTTP port; default {DEFAULT_PORT} ({DEFAULT_PE_PORT} for --role pe)"},
     )
     dp: int = field(default=1, metadata={"help": "engine ranks (one process each; one GPU each on CUDA)"})
     routing: str = field(
@@ -72,7 +76,9 @@ class ServerConfig:
         default=None, metadata={"help": "a Jinja file that replaces the checkpoint's chat template"}
     )
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "larger request bodies get 413"})
-    rank_start_timeout_s: float = field(default=600.0, metadata={"help": "engine ranks must be up within this"})
+    rank_start_timeout_s: float = field(
+        default=600.0, metadata={"help": "engine ranks must be up within this"}
+    )
     rank_restart_max: int = field(
         default=5,
         metadata={
@@ -94,6 +100,45 @@ class ServerConfig:
         default=30.0, metadata={"help": "the longest wait before a rank's restart"}
     )
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
+    access_log: bool = field(
+        default=False, metadata={"help": "log one line per HTTP request (address, request, status, time, id)"}
+    )
+    # ---- HTTP limits and security (every role) ----
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": "clients must send `Authorization: Bearer KEY` on /v1/*; default $PDSERVE_API_KEY"},
+    )
+    ssl_certfile: str | None = field(
+        default=None, metadata={"help": "serve HTTPS with this certificate (PEM)"}
+    )
+    ssl_keyfile: str | None = field(default=None, metadata={"help": "the certificate's private key (PEM)"})
+    ssl_ca_certs: str | None = field(
+        default=None,
+        metadata={"help": "CE: CA certificates that verify an https --prefill-url; default the system's"},
+    )
+    http_max_connections: int = field(
+        default=1024, metadata={"help": "HTTP connections held at once; more get 503 and are closed"}
+    )
+    timeout_keep_alive_s: float = field(
+        default=5.0,
+        metadata={
+            "flag": "timeout-keep-alive",
+            "help": "an HTTP connection without a complete request for this long (idle, or headers "
+            "still arriving) is closed",
+        },
+    )
+    body_timeout_s: float = field(
+        default=30.0,
+        metadata={"flag": "body-timeout", "help": "a request body must arrive within this, else 408"},
+    )
+    shutdown_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "flag": "shutdown-timeout",
+            "help": "on SIGTERM, requests in flight get this long to finish (new ones get 503), then the "
+            "server stops",
+        },
+    )
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "engine (every rank)"})
     # ---- P/D (--role pe|ce) ----
     prefill_url: str = field(
@@ -107,7 +152,8 @@ class ServerConfig:
         default=DEFAULT_KV_PORT_BASE, metadata={"help": "CE: rank i receives KV on kv_port_base + i"}
     )
     handoff_lease_s: float = field(
-        default=30.0, metadata={"help": "PE: a prefilled sequence's KV is kept at most this long for the CE's ack"}
+        default=30.0,
+        metadata={"help": "PE: a prefilled sequence's KV is kept at most this long for the CE's ack"},
     )
     prefill_timeout_s: float = field(
         default=600.0, metadata={"help": "CE: a /prefill answer (PE queue, prefill and handoff) within this"}
@@ -120,6 +166,13 @@ class ServerConfig:
     )
     queue_timeout_s: float = field(
         default=120.0, metadata={"help": "CE: a request waits this long for decode memory, then 503"}
+    )
+    prefill_auth_window_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "PE: a signed /prefill must be this fresh (seconds, either way); its nonce is "
+            "remembered this long, so a replay is refused"
+        },
     )
     cluster_token_file: str | None = field(
         default=None, metadata={"help": "the cluster token's file; default $PDSERVE_CLUSTER_TOKEN(_FILE)"}
@@ -147,6 +200,16 @@ class ServerConfig:
             raise ValueError("--rank-restart-max must be >= 0 and --rank-restart-window-s > 0")
         if not 0 <= self.rank_restart_backoff_s <= self.rank_restart_max_backoff_s:
             raise ValueError("need 0 <= --rank-restart-backoff-s <= --rank-restart-max-backoff-s")
+        if min(self.timeout_keep_alive_s, self.body_timeout_s, self.prefill_auth_window_s) <= 0:
+            raise ValueError("--timeout-keep-alive, --body-timeout and --prefill-auth-window-s must be > 0")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.http_max_connections < 1:
+            raise ValueError(f"--http-max-connections must be >= 1, got {self.http_max_connections}")
+        if bool(self.ssl_keyfile) and not self.ssl_certfile:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
 
@@ -190,4 +253,7 @@ class ServerConfig:
         """The config the command line gives (argparse exits on an unknown or misspelled flag; a bad
         value raises ValueError)."""
         parser = parser_for(cls, "python -m pd.server", "pdserve OpenAI-compatible server")
-        return from_flags(cls, parser.parse_args(argv))
+        cfg = from_flags(cls, parser.parse_args(argv))
+        if cfg.api_key is None and os.environ.get(API_KEY_ENV):
+            cfg = dataclasses.replace(cfg, api_key=os.environ[API_KEY_ENV])
+        return cfg

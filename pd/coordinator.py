@@ -5,26 +5,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
+import os
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq.asyncio
+from aiohttp import web
 
 from pd.cluster_metrics import ClusterMetrics
 from pd.config import ServerConfig
 from pd.disaggregation import DisaggregatedPath
-from pd.errors import bad_request, model_not_found, unavailable
+from pd.errors import ApiError, bad_request, model_not_found, unavailable
+from pd.http_io import read_json
+from pd.lifecycle import Admission
 from pd.metrics import RankSnapshot, ServerMetrics
 from pd.prompt_renderer import PromptRenderer
 from pd.rank_client import RankClient, RankState
 from pd.router import make_router
 
 log = logging.getLogger("pd.coordinator")
+T = TypeVar("T")
+RENDER_THREADS = 2  # chat rendering and tokenization run here, off the event loop
+RENDER_NICE = 10
 
 
 def load_tokenizer(model: str) -> Any:
@@ -34,6 +45,13 @@ def load_tokenizer(model: str) -> Any:
     from engine.models import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
+
+
+def _lower_priority() -> None:
+    """A render thread yields the CPU to the event loop and the engine ranks: a long prompt being
+    tokenized must not slow the streams already decoding (nice 10, this thread only, on Linux)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), RENDER_NICE)
 
 
 class Coordinator:
@@ -48,6 +66,9 @@ class Coordinator:
         self.pd: DisaggregatedPath | None = None  # the CE's P/D generation path (set by start)
         self.ranks: list[RankClient] = []
         self.created = int(time.time())
+        self.admission = Admission()
+        self.inflight_ids: set[str] = set()  # the HTTP requests' ids in flight (a duplicate gets 409)
+        self._pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="render", initializer=_lower_priority)
         self._ctx: zmq.asyncio.Context | None = None
         self._socket_dir: str | None = None
 
@@ -73,6 +94,7 @@ class Coordinator:
                 token,
                 self.cfg.prefill_timeout_s,
                 on_state=lambda up: cm.prefill_engine_up.set(1.0 if up else 0.0),
+                ssl_ca_certs=self.cfg.ssl_ca_certs,
             )
             await client.start()
             self.pd = DisaggregatedPath(self.cfg, client, cm)
@@ -97,6 +119,7 @@ class Coordinator:
             raise RuntimeError(f"ranks disagree on max_model_len: {sorted(lens)}")
 
     async def stop(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.pd is not None:
             await self.pd.client.stop()
         await asyncio.gather(*(r.stop() for r in self.ranks), return_exceptions=True)
@@ -114,20 +137,50 @@ class Coordinator:
         assert isinstance(rank, RankClient)
         return rank
 
+    # ---- serving one HTTP request ----------------------------------------------------------------
+
+    async def read_json(self, request: web.Request) -> Any:
+        """The request's JSON body, within --max-body-bytes and --body-timeout."""
+        return await read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the render threads (templates, tokenizers): a long prompt does not stall the
+        event loop, so other streams keep their pace. The request's log context goes with it."""
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, ctx.run, fn, *args)
+
+    @contextlib.contextmanager
+    def claim(self, request_id: str) -> Iterator[None]:
+        """Holds a request id while its request is served; one already in flight is a 409."""
+        if request_id in self.inflight_ids:
+            raise ApiError(
+                409, f"a request with id {request_id!r} is in flight already", code="duplicate_request_id"
+            )
+        self.inflight_ids.add(request_id)
+        try:
+            yield
+        finally:
+            self.inflight_ids.discard(request_id)
+
     def snapshot(self) -> list[RankSnapshot]:
         return [
             RankSnapshot(r.index, r.is_up, r.num_inflight, dict(r.stats), r.num_restarts) for r in self.ranks
         ]
 
     def health(self) -> tuple[int, dict[str, Any]]:
+        """/health: 200 while a rank is up (and the server is not draining), with every rank's state.
+        status: ok | degraded (a rank down, or on a CE the PE unreachable without local fallback) |
+        starting | down | draining."""
         states = [r.state for r in self.ranks]
         num_up = states.count(RankState.UP)
-        if not states or RankState.STARTING in states and num_up == 0:
-            status = "starting"
-        elif num_up == len(states):
+        if self.admission.is_draining:
+            status = "draining"
+        elif num_up == len(states) and states:
             status = "ok"
         elif num_up:
             status = "degraded"
+        elif any(s in (RankState.STARTING, RankState.RESTARTING) for s in states) or not states:
+            status = "starting"
         else:
             status = "down"
         body: dict[str, Any] = {
@@ -141,7 +194,19 @@ class Coordinator:
             body["prefill_engine"] = pe
             if status == "ok" and pe["state"] != "up" and not self.cfg.fallback_local_prefill:
                 body["status"] = "degraded"
-        return (200 if num_up else 503), body
+        if self.admission.is_draining:
+            body["num_inflight"] = self.admission.num_inflight
+        return (200 if num_up and not self.admission.is_draining else 503), body
+
+    def readiness(self) -> tuple[bool, str]:
+        """/health/ready: whether a request can be served now, and if not, why."""
+        if self.admission.is_draining:
+            return False, "draining"
+        if not any(r.is_up for r in self.ranks):
+            return False, "no engine rank is up"
+        if self.pd is not None and not self.pd.client.is_up and not self.cfg.fallback_local_prefill:
+            return False, "the prefill engine is not reachable"
+        return True, "ready"
 
     # ---- request checks -----------------------------------------------------------------------
 

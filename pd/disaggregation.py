@@ -27,6 +27,7 @@ from pd.errors import ApiError, bad_request, internal
 from pd.messages import PrefillBody, PrefillReply, RequestRejected, Reserved
 from pd.prefill_client import PrefillClient, PrefillFailed
 from pd.rank_client import RankClient, RankDown, RankEvent
+from transfer.errors import MESSAGE_CHARS, printable
 
 log = logging.getLogger("pd.disaggregation")
 RESERVATION_MARGIN_S = 5.0  # a reservation outlives the coordinator's wait for /prefill by this much
@@ -106,7 +107,11 @@ class DisaggregatedPath:
                 self._gauge()
             if failure is not None and is_decoding:
                 # NOTE: the CE only decodes from KV it verified, so its tokens stand whatever the PE says.
-                log.warning("prefill of %s reported %s after the CE began decoding it", rid, failure)
+                log.warning(
+                    "prefill of %s reported %s after the CE began decoding it",
+                    rid,
+                    printable(failure, MESSAGE_CHARS),
+                )
                 self.metrics.handoff_failures.labels(self.cfg.transfer.transport, failure.code).inc()
                 await self._forward(events, out, None, held=held)
                 return
@@ -115,7 +120,11 @@ class DisaggregatedPath:
                 # NOTE: a 200 we cannot read may have handed the KV off: the request is not prefilled twice.
                 if not self.cfg.fallback_local_prefill or failure.status in (200, 400):
                     raise _prefill_error(failure)
-                log.warning("prefill of %s failed (%s); prefilling it on the CE", rid, failure)
+                log.warning(
+                    "prefill of %s failed (%s); prefilling it on the CE",
+                    rid,
+                    printable(failure, MESSAGE_CHARS),
+                )
                 self.metrics.local_prefills.inc()
                 await rank.submit(rid, req.prompt_token_ids, req.params, events, req.use_prefix_cache)
                 await self._forward(events, out, None, held=held)

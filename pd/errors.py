@@ -16,6 +16,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -23,6 +24,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}  # sent with the error (Retry-After, Connection: close)
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

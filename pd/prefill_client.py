@@ -1,7 +1,7 @@
 """The CE coordinator's client of the PE's prefill server: POST /prefill with the cluster token, and a
 health watch with backoff (the PE's state is never "failed for good": it is probed until it answers).
 
-POST /prefill (JSON of the codec's to_wire; `Authorization: Bearer <cluster token>`):
+POST /prefill (JSON of the codec's to_wire; signed with the cluster token: pd/prefill_auth.py):
 
     PrefillBody {"request_id", "prompt_token_ids": [int], "params": {SamplingParams fields},
                  "receiver": "host:port", "use_prefix_cache": bool, "seed": int | null, "lease_s": float | null}
@@ -26,7 +26,11 @@ import aiohttp
 import orjson
 
 from engine.codec import WireError, from_wire, to_wire
+from pd.http_site import client_ssl_context
 from pd.messages import PrefillBody, PrefillReply
+from pd.prefill_auth import sign
+from pd.request_log import HEADER, REQUEST_ID
+from transfer.errors import MESSAGE_CHARS, printable
 
 log = logging.getLogger("pd.prefill_client")
 HEALTH_EVERY_S = 2.0
@@ -51,10 +55,12 @@ class PrefillClient:
         timeout_s: float,
         connect_timeout_s: float = 5.0,
         on_state: Callable[[bool], None] | None = None,
+        ssl_ca_certs: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.on_state = on_state  # told True/False when the PE comes up or goes down
-        self._auth = {"Authorization": "Bearer " + token.decode()}
+        self._token = token
+        self._ssl = client_ssl_context(ssl_ca_certs)  # used for an https URL only
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.state = "unknown"  # unknown | up | down
         self.error: str | None = None
@@ -89,9 +95,14 @@ class PrefillClient:
         """Raises PrefillFailed for anything but a completed handoff (or a request the PE finished)."""
         assert self._session is not None
         data = orjson.dumps(to_wire(body))
+        headers = {
+            "Authorization": sign(self._token, "POST", "/prefill", data),
+            "Content-Type": "application/json",
+            HEADER: REQUEST_ID.get(),
+        }
         try:
             async with self._session.post(
-                self.url + "/prefill", data=data, headers=self._auth, timeout=self.timeout
+                self.url + "/prefill", data=data, headers=headers, timeout=self.timeout, ssl=self._ssl
             ) as r:
                 raw = await r.read()
                 status = r.status
@@ -116,7 +127,9 @@ class PrefillClient:
             err = answer.get("error", {}) if isinstance(answer, dict) else {}
             err = err if isinstance(err, dict) else {}
             raise PrefillFailed(
-                str(err.get("code") or "prefill_failed"), str(err.get("message") or raw[:200]), status
+                printable(err.get("code") or "prefill_failed", 64),
+                printable(err.get("message") or raw[:200], MESSAGE_CHARS),
+                status,
             )
         try:
             return from_wire(PrefillReply, answer)
@@ -128,7 +141,10 @@ class PrefillClient:
     def _set(self, state: str, error: str | None) -> None:
         if state != self.state:
             (log.info if state == "up" else log.warning)(
-                "prefill engine %s is %s%s", self.url, state, f": {error}" if error else ""
+                "prefill engine %s is %s%s",
+                self.url,
+                state,
+                f": {printable(error, MESSAGE_CHARS)}" if error else "",
             )
             self.changed_s = time.monotonic()
             if self.on_state is not None:
@@ -140,7 +156,9 @@ class PrefillClient:
     async def _probe(self) -> tuple[bool, str | None]:
         assert self._session is not None
         try:
-            async with self._session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+            async with self._session.get(
+                self.url + "/health", timeout=aiohttp.ClientTimeout(total=5.0), ssl=self._ssl
+            ) as r:
                 body = await r.read()
                 if r.status == 200:
                     return True, None

@@ -1,8 +1,9 @@
 """The PE's HTTP side (`python -m pd.server --role pe`, port 8889): POST /prefill, /health, /metrics.
 
 /prefill (body PrefillBody, answer PrefillReply: pd/messages.py, pd/prefill_client.py) takes only
-callers that present the cluster token as `Authorization: Bearer <token>`; others get 401 and are
-logged. The request goes to a PE rank (affinity on the prompt's first tokens, so a conversation's turns
+requests signed with the cluster token (pd/prefill_auth.py: an HMAC over the method, path, time,
+a nonce and the body; the token itself never crosses the wire); others, replays included, get 401 and
+are logged. A request id already in flight gets 409. The request goes to a PE rank (affinity on the prompt's first tokens, so a conversation's turns
 meet their cached prefix); the answer comes once the CE has acknowledged the handoff (or it failed). A
 caller that goes away (the CE's client disconnected, an abort) cancels the handler, which aborts the
 rank's request in whatever phase it is: queued, prefilling, or in transfer.
@@ -11,7 +12,6 @@ rank's request in whatever phase it is: queued, prefilling, or in transfer.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import Any
 
@@ -20,30 +20,28 @@ from aiohttp import web
 from engine.codec import WireError, from_wire, to_wire
 from pd.coordinator import Coordinator
 from pd.errors import ApiError, bad_request
-from pd.http_io import json_response, read_json
+from pd.http_io import json_response, parse_json, read_body
 from pd.messages import Prefill, PrefillBody, PrefillReply, PrefillResult, RequestRejected
+from pd.prefill_auth import AuthFailed, Verifier
 from pd.rank_client import RankDown, RankEvent
 
 log = logging.getLogger("pd.prefill_server")
-TOKEN = web.AppKey("cluster_token", bytes)
+VERIFIER = web.AppKey("prefill_verifier", Verifier)
 AFFINITY_TOKENS = 1024
 
 
-def _unauthorized() -> ApiError:
-    return ApiError(
-        401,
-        "this endpoint needs the cluster token (Authorization: Bearer ...)",
-        type="authentication_error",
-        code="unauthorized",
-    )
-
-
-def check_token(request: web.Request, token: bytes) -> None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
-        log.warning("refused unauthenticated %s %s from %s", request.method, request.path, request.remote)
-        raise _unauthorized()
+def check_signature(request: web.Request, verifier: Verifier, body: bytes) -> None:
+    """401 unless the request is signed with the cluster token, fresh and not replayed."""
+    try:
+        verifier.verify(request.method, request.path, request.headers.get("Authorization"), body)
+    except AuthFailed as e:
+        log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, e)
+        raise ApiError(
+            401,
+            "this endpoint needs a request signed with the cluster token (pd/prefill_auth.py)",
+            type="authentication_error",
+            code="unauthorized",
+        ) from None
 
 
 def parse_prefill(body: Any, default_lease_s: float) -> Prefill:
@@ -58,12 +56,20 @@ def parse_prefill(body: Any, default_lease_s: float) -> Prefill:
 async def prefill(co: Coordinator, request: web.Request) -> web.Response:
     metrics = co.cluster_metrics
     assert metrics is not None
+    body = await read_body(request, co.cfg.max_body_bytes, co.cfg.body_timeout_s)
     try:
-        check_token(request, request.app[TOKEN])
+        check_signature(request, request.app[VERIFIER], body)
     except ApiError:
         metrics.unauthenticated.inc()
         raise
-    msg = parse_prefill(await read_json(request, co.cfg.max_body_bytes), co.cfg.handoff_lease_s)
+    msg = parse_prefill(parse_json(body), co.cfg.handoff_lease_s)
+    with co.claim(msg.request_id):
+        return await _prefill(co, msg)
+
+
+async def _prefill(co: Coordinator, msg: Prefill) -> web.Response:
+    metrics = co.cluster_metrics
+    assert metrics is not None
     rank = co.pick_rank(",".join(map(str, msg.prompt_token_ids[:AFFINITY_TOKENS])))
     events: asyncio.Queue[tuple[str, RankEvent]] = asyncio.Queue()
     await rank.prefill(msg, events)

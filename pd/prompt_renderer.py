@@ -47,7 +47,7 @@ def _arguments_as_object(args: Any) -> Any:
     if isinstance(args, str):
         try:
             return json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return args
     return args
 

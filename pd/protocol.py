@@ -11,13 +11,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from engine.request import MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 from pd.errors import bad_request
 
 MAX_N = 16
 MAX_STOP = 16
+MAX_STOP_TOKEN_IDS = 64
 MAX_SUBREQUESTS = 256  # prompts x n in one request
 MAX_TOKEN_ID = 2**31 - 1  # token ids are 32-bit (the handoff packs them as int32)
+MAX_DEPTH = 32  # JSON nesting in a body, tool schemas and tool-call arguments included
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _UNSET = object()
 
@@ -32,6 +36,7 @@ class SamplingFields:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     n: int
     stream: bool
@@ -50,6 +55,7 @@ class SamplingFields:
             top_k=self.top_k,
             seed=seed,
             stop=self.stop + tuple(s for s in extra_stop if s not in self.stop),
+            stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
         )
@@ -155,6 +161,17 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
             raise bad_request(f"'stop' takes at most {MAX_STOP} strings", "stop")
     else:
         raise bad_request("'stop' must be a string or an array of strings", "stop")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in stop_ids):
+        raise bad_request(
+            "'stop_token_ids' must be an array of token ids (integers >= 0; the model's vocabulary "
+            "is checked too)",
+            "stop_token_ids",
+        )
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     stream = _bool(body, "stream", False)
     so = body.get("stream_options")
     include_usage = False
@@ -172,6 +189,7 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         top_k=0 if top_k < 0 else top_k,
         seed=_int(body, "seed", None, lo=0, hi=MAX_SEED),
         stop=stops,
+        stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(body, "ignore_eos", False),
         n=_int(body, "n", 1, lo=1, hi=MAX_N),
         stream=stream,
@@ -223,6 +241,11 @@ def _tool_calls(v: Any, param: str) -> list[dict[str, Any]]:
         args = fn.get("arguments", "{}")
         if not isinstance(args, (str, dict)):
             raise bad_request(f"'{param}[{j}].function.arguments' must be a JSON string", param)
+        if isinstance(args, str) and args.count("[") + args.count("{") > MAX_DEPTH:
+            try:  # the template may parse and walk them
+                check_depth(orjson.loads(args), f"{param}[{j}].function.arguments")
+            except orjson.JSONDecodeError:
+                pass  # not JSON: the template gets the string as it is
         calls.append(
             {
                 "id": str(c.get("id", f"call_{j}")),
@@ -306,9 +329,26 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str | dict
     return tuple(checked), {"type": "function", "function": {"name": fn["name"]}}
 
 
+def check_depth(value: Any, param: str | None = None, limit: int = MAX_DEPTH) -> None:
+    """400 when arrays and objects nest deeper than `limit` (rendering recurses through them)."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [
+            item
+            for v in level
+            if isinstance(v, (dict, list))
+            for item in (v.values() if isinstance(v, dict) else v)
+            if isinstance(item, (dict, list))
+        ]
+        if not level:
+            return
+    raise bad_request(f"JSON nested deeper than {limit} levels", param, code="too_deep")
+
+
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_depth(body)
     return body
 
 
@@ -344,7 +384,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         prompts = [tuple(p) for p in prompt]
     else:
         raise bad_request("'prompt' must be a string, an array of token ids, or an array of either", "prompt")
-    for p in prompts:  # the vocabulary is the engine's check; this one keeps the tokenizer's decode (echo) safe
+    for (
+        p
+    ) in prompts:  # the vocabulary is the engine's check; this one keeps the tokenizer's decode (echo) safe
         if isinstance(p, tuple) and any(not 0 <= t <= MAX_TOKEN_ID for t in p):
             raise bad_request(f"'prompt' token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
     if body.get("suffix"):

@@ -211,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--role-config", default=None, help="pe|ce: the RoleConfig as JSON (engine/codec.py)")
     args = p.parse_args(argv)
     _die_with_parent()
+    # The server drains on SIGTERM/SIGINT (a terminal's Ctrl-C reaches the whole group) and then tells
+    # its ranks to stop: a rank ends on Shutdown, or with its server (PR_SET_PDEATHSIG), not on these.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

@@ -54,7 +54,8 @@ log = logging.getLogger("pd.rank_client")
 class RankState(str, enum.Enum):
     STARTING = "starting"
     UP = "up"
-    DOWN = "down"
+    RESTARTING = "restarting"  # dead; the server restarts it after its backoff
+    DOWN = "down"  # dead for good: its restart limit was reached, or it never came up
     STOPPED = "stopped"
 
 
@@ -123,7 +124,6 @@ class RankClient:
         d: dict[str, Any] = {
             "rank": self.index,
             "state": self.state.value,
-            "pid": self.pid,
             "num_inflight": self.num_inflight,
             "num_restarts": self.num_restarts,
         }
@@ -148,7 +148,9 @@ class RankClient:
     async def _spawn(self) -> None:
         """Starts the rank's process; it connects to the sockets bound in start and sends RankReady."""
         self._fatal = None
-        role_args = [] if self.role_config is None else ["--role-config", json.dumps(to_wire(self.role_config))]
+        role_args = (
+            [] if self.role_config is None else ["--role-config", json.dumps(to_wire(self.role_config))]
+        )
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -233,6 +235,13 @@ class RankClient:
                 (request_id, RankDown(self.down_reason or f"engine rank {self.index} is {self.state.value}"))
             )
             return
+        # The coordinator refuses duplicate ids (409); this is a backstop. The same queue is the same
+        # request going on (a CE's reservation, then its local prefill).
+        if self._streams.get(request_id, queue) is not queue:
+            queue.put_nowait(
+                (request_id, RequestRejected(request_id, f"request id {request_id!r} is in flight already"))
+            )
+            return
         self._streams[request_id] = queue
         await self._push.send(encode(msg))
 
@@ -289,13 +298,13 @@ class RankClient:
             code = await self.proc.wait()  # NOTE: reaped, so its KV receiver port is free to rebind
             await asyncio.sleep(0.05)  # let a RankFatal sent just before the exit arrive
             stopping = self._stopping or self.state is RankState.STOPPED
-            reason = f"engine rank {self.index} (pid {self.proc.pid}) exited with code {code}"
+            reason = f"engine rank {self.index} exited with code {code}"
             if self._fatal:
                 reason += f": {self._fatal}"
             if not stopping:
                 self.state = RankState.DOWN
                 self.down_reason = reason
-                log.error("%s", reason)
+                log.error("%s (pid %d)", reason, self.proc.pid)
             was_ready = self._ready.done() and self._ready.exception() is None
             if not self._ready.done():
                 self._ready.set_exception(RuntimeError(reason))
@@ -310,6 +319,7 @@ class RankClient:
                 log.error("engine rank %d stays down: %s", self.index, self.restart_policy.describe_limit())
                 return
             log.warning("restarting engine rank %d in %.1f s", self.index, delay_s)
+            self.state = RankState.RESTARTING
             self.down_reason = f"{reason}; restarting in {delay_s:g} s"
             await asyncio.sleep(delay_s)
             if self._stopping:

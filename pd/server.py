@@ -13,8 +13,10 @@ SIGTERM/SIGINT, when it stops its ranks. A rank that fails to start makes the se
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 
@@ -27,11 +29,18 @@ from pd.config import ServerConfig
 from pd.coordinator import Coordinator, load_tokenizer
 from pd.errors import ApiError, bad_request, internal
 from pd.http_io import error_response, json_response
+from pd.http_site import LimitedSite, server_ssl_context
+from pd.lifecycle import RETRY_AFTER_S
 from pd.metrics import CONTENT_TYPE
-from pd.prefill_server import TOKEN, prefill
+from pd.prefill_auth import Verifier
+from pd.prefill_server import VERIFIER, prefill
+from pd.request_log import ACCESS_LOG_FORMAT, HEADER, REQUEST_ID, request_id_of
+from pd.request_log import install as install_logging
 
 log = logging.getLogger("pd.server")
 COORDINATOR = web.AppKey("coordinator", Coordinator)
+REQUEST_ID_KEY = "request_id"
+LINGER_S = 1.0  # after an early answer (408, 413), the rest of a body is read and dropped this long
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -51,11 +60,36 @@ def _api_error_of(e: web.HTTPException) -> ApiError:
     )
 
 
+def _is_api(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/prefill"
+
+
+def _check_api_key(request: web.Request, key: str) -> None:
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given_b = given.strip().encode("utf-8", "surrogateescape")  # a header's bytes may not be UTF-8
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given_b, key.encode()):
+        raise ApiError(
+            401,
+            "Incorrect API key provided: send it as `Authorization: Bearer KEY`",
+            code="invalid_api_key",
+        )
+
+
 @web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as OpenAI's error object; nothing a client sends takes the server down."""
+async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request: its id (X-Request-Id, on its log lines and its response), the API key on /v1/*,
+    admission (503 while draining); every error leaves as OpenAI's error object, and nothing a client
+    sends takes the server down."""
     co = request.app[COORDINATOR]
+    admitted = False
     try:
+        request[REQUEST_ID_KEY] = request_id = request_id_of(request.headers.get(HEADER))
+        REQUEST_ID.set(request_id)
+        if co.cfg.api_key is not None and request.path.startswith("/v1/"):
+            _check_api_key(request, co.cfg.api_key)
+        if _is_api(request.path) and request.method == "POST":
+            co.admission.admit()
+            admitted = True
         return await handler(request)
     except ApiError as e:
         err = e
@@ -69,9 +103,19 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         raise
     except Exception as e:
         log.exception("unexpected error in %s %s", request.method, request.path)
-        err = internal(f"internal error: {type(e).__name__}: {e}")
+        err = internal(f"internal error: {type(e).__name__}")
+    finally:
+        if admitted:
+            co.admission.done()
     co.metrics.http_errors.labels(str(err.status)).inc()
+    if err.status == 503 and "Retry-After" not in err.headers:
+        err.headers["Retry-After"] = str(RETRY_AFTER_S)
     return error_response(err)
+
+
+async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    if REQUEST_ID_KEY in request:
+        response.headers[HEADER] = request[REQUEST_ID_KEY]
 
 
 def _handler(fn: Callable[[Coordinator, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
@@ -103,32 +147,50 @@ async def health(request: web.Request) -> web.Response:
     return json_response(body, status)
 
 
+async def live(request: web.Request) -> web.Response:
+    """The process serves HTTP (a liveness probe: restart it if this fails)."""
+    return json_response({"status": "live"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """A request can be served now (a readiness probe: send traffic only while this is 200)."""
+    is_ready, reason = request.app[COORDINATOR].readiness()
+    return json_response(
+        {"status": "ready" if is_ready else "not_ready", "reason": reason}, 200 if is_ready else 503
+    )
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[COORDINATOR].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def make_app(co: Coordinator) -> web.Application:
-    app = web.Application(client_max_size=co.cfg.max_body_bytes, middlewares=[openai_errors])
+def _base_app(co: Coordinator) -> web.Application:
+    app = web.Application(client_max_size=co.cfg.max_body_bytes, middlewares=[guard])
     app[COORDINATOR] = co
-    app.router.add_post("/v1/chat/completions", _handler(chat_completions))
-    app.router.add_post("/v1/completions", _handler(completions))
+    app.on_response_prepare.append(_request_id_header)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/health/live", live)
+    app.router.add_get("/health/ready", ready)
     app.router.add_get("/metrics", metrics)
     return app
 
 
+def make_app(co: Coordinator) -> web.Application:
+    app = _base_app(co)
+    app.router.add_post("/v1/chat/completions", _handler(chat_completions))
+    app.router.add_post("/v1/completions", _handler(completions))
+    app.router.add_get("/v1/models/{model}", models)
+    return app
+
+
 def make_prefill_app(co: Coordinator, token: bytes) -> web.Application:
-    """The PE's app: /prefill (cluster token required), /health, /metrics, /v1/models."""
-    app = web.Application(client_max_size=co.cfg.max_body_bytes, middlewares=[openai_errors])
-    app[COORDINATOR] = co
-    app[TOKEN] = token
+    """The PE's app: /prefill (signed with the cluster token: pd/prefill_auth.py), /health*, /metrics,
+    /v1/models."""
+    app = _base_app(co)
+    app[VERIFIER] = Verifier(token, co.cfg.prefill_auth_window_s)
     app.router.add_post("/prefill", _handler(prefill))
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -152,16 +214,26 @@ async def serve(cfg: ServerConfig) -> int:
             log.error("--role %s needs the cluster token: %s", cfg.role, e)
             return 2
     app = make_prefill_app(co, token) if cfg.role == "pe" else make_app(co)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=logging.getLogger("pd.access") if cfg.access_log else None,
+        access_log_format=ACCESS_LOG_FORMAT,
+        keepalive_timeout=cfg.timeout_keep_alive_s,
+        lingering_time=LINGER_S,
+    )
     await runner.setup()
     try:
-        await web.TCPSite(runner, cfg.host, cfg.http_port).start()
-    except OSError as e:
+        tls = server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)
+        await LimitedSite(runner, cfg.host, cfg.http_port, cfg.http_max_connections, ssl_context=tls).start()
+    except (OSError, ssl.SSLError) as e:
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.http_port, e)
         await runner.cleanup()
         return 1
-    url = f"http://{cfg.host}:{cfg.http_port}"
-    log.info("listening on %s (role %s); starting %d engine rank(s) of %s", url, cfg.role, cfg.dp, cfg.engine.model)
+    url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.http_port}"
+    log.info(
+        "listening on %s (role %s); starting %d engine rank(s) of %s", url, cfg.role, cfg.dp, cfg.engine.model
+    )
     code = 0
     try:
         starting = asyncio.create_task(co.start())
@@ -174,6 +246,7 @@ async def serve(cfg: ServerConfig) -> int:
             else:
                 log.info("ready: %s/v1 serves %s on %d rank(s)", url, co.model_name, cfg.dp)
                 await stopping
+                await _drain(co, cfg.shutdown_timeout_s, stop)
         else:
             starting.cancel()
         stopping.cancel()
@@ -184,13 +257,27 @@ async def serve(cfg: ServerConfig) -> int:
     return code
 
 
+async def _drain(co: Coordinator, timeout_s: float, stop: asyncio.Event) -> None:
+    """Takes no new requests and gives those in flight up to timeout_s; a second signal cuts it short."""
+    co.admission.drain()
+    stop.clear()
+    n = co.admission.num_inflight
+    log.info(
+        "draining: %d request(s) in flight, waiting up to %g s (a second signal stops at once)", n, timeout_s
+    )
+    if await co.admission.wait_idle(timeout_s, interrupt=stop):
+        log.info("drained: no request in flight")
+    else:
+        log.warning("stopping with %d request(s) still in flight", co.admission.num_inflight)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = ServerConfig.from_argv(argv)
     except ValueError as e:
         print(f"pd.server: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    install_logging(cfg.log_level)
     return asyncio.run(serve(cfg))
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -24,10 +25,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def get_json(url: str, timeout_s: float = 10.0) -> tuple[int, Any]:
-    """(status, parsed body) of a GET, error statuses included."""
+def signed_headers(token: str | bytes, body: bytes) -> dict[str, str]:
+    """Headers of a /prefill signed with the cluster token (pd/prefill_auth.py), as a CE sends them."""
+    from pd.prefill_auth import sign
+
+    key = token.encode() if isinstance(token, str) else token
+    return {"Authorization": sign(key, "POST", "/prefill", body), "Content-Type": "application/json"}
+
+
+def get_json(url: str, timeout_s: float = 10.0, context: ssl.SSLContext | None = None) -> tuple[int, Any]:
+    """(status, parsed body) of a GET, error statuses included (`context`: how an https URL is verified)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"null")
@@ -41,9 +50,12 @@ class ServerProcess:
         ready_timeout_s: float = 600.0,
         env: dict[str, str] | None = None,
         port: int | None = None,
+        ssl_ca: str | None = None,
     ) -> None:
+        """ssl_ca: the server serves https (its --ssl-certfile is in args), verified with this CA file."""
         self.port = port or free_port()
         self.args = ["--port", str(self.port), *args]
+        self.ssl_context = ssl.create_default_context(cafile=ssl_ca) if ssl_ca else None
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.env = env
@@ -51,7 +63,16 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def rank_pids(self) -> dict[int, int]:
+        """The live engine rank processes of this server: rank -> pid (/health shows no pids)."""
+        return rank_pids(self.pid)
 
     def __enter__(self) -> ServerProcess:
         return self.start().wait_ready()
@@ -75,7 +96,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_tail()}")
             with contextlib.suppress(OSError, ValueError):
-                status, body = get_json(self.url + "/health", 2.0)
+                status, body = get_json(self.url + "/health", 2.0, self.ssl_context)
                 # 200 comes with the first rank up: wait for every rank (routing sees them all)
                 if status == 200 and all(r.get("state") != "starting" for r in body.get("ranks", [])):
                     return self
@@ -108,6 +129,20 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)  # ranks included, whatever state they are in
         self.proc.wait()
         self.proc = None
+
+
+def rank_pids(server_pid: int) -> dict[int, int]:
+    """The engine ranks (`python -m pd.rank --rank N`) that are children of server_pid: rank -> pid."""
+    out: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            if ppid == server_pid and b"pd.rank" in argv:
+                out[int(argv[argv.index(b"--rank") + 1])] = int(d.name)
+    return out
 
 
 class PDPair:

@@ -41,15 +41,18 @@ def generate_token() -> str:
 
 def load_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None) -> bytes:
     """The cluster token: the argument, else the token file, else $PDSERVE_CLUSTER_TOKEN, else the file
-    named by $PDSERVE_CLUSTER_TOKEN_FILE. Raises ValueError if there is none or it is too short."""
+    named by $PDSERVE_CLUSTER_TOKEN_FILE. Raises ValueError if there is none, it is too short, or its
+    file grants group or others any access (checked on every load: a secret others can read is none)."""
     if token is None and token_file is None:
         token = os.environ.get(TOKEN_ENV) or None
         token_file = os.environ.get(TOKEN_FILE_ENV) or None
     if token is None and token_file is not None:
         path = Path(token_file)
-        mode = path.stat().st_mode
+        mode = stat.S_IMODE(path.stat().st_mode)
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("cluster token file %s is readable by others (mode %o)", path, stat.S_IMODE(mode))
+            raise ValueError(
+                f"cluster token file {path} is readable by others (mode {mode:o}): chmod 600 {path}"
+            )
         token = path.read_text().strip()
     if not token:
         raise ValueError(

@@ -27,7 +27,21 @@ class TransferConfig:
     )
     connect_timeout_s: float = field(default=5.0, metadata={"help": "PE: connecting to a CE's receiver"})
     handshake_timeout_s: float = field(
-        default=10.0, metadata={"help": "CE: hello to offer; a silent peer is dropped after this"}
+        default=10.0, metadata={"help": "CE: auth_ok to the first offer; a silent peer is dropped after this"}
+    )
+    auth_timeout_s: float = field(
+        default=5.0, metadata={"help": "CE: a KV peer must authenticate within this, or is dropped"}
+    )
+    # At most max_connections // 2 of them (at least 1) may be unauthenticated: a new connection past
+    # that share closes the oldest unauthenticated one, so slow peers without the token neither hold
+    # the slots the PEs' kept connections need nor keep a PE's new connection out for auth_timeout_s.
+    max_connections: int = field(
+        default=64,
+        metadata={
+            "help": "CE: KV connections a receiver holds at once (authenticated or not);"
+            " more are closed at once",
+            "flag": "kv-max-connections",  # --http-max-connections is the HTTP port's
+        },
     )
     idle_timeout_s: float = field(
         default=30.0, metadata={"help": "this long without progress of a payload fails the handoff"}
@@ -63,6 +77,7 @@ class TransferConfig:
                 self.send_timeout_s,
                 self.connect_timeout_s,
                 self.handshake_timeout_s,
+                self.auth_timeout_s,
                 self.idle_timeout_s,
                 self.keepalive_s,
             )
@@ -75,6 +90,8 @@ class TransferConfig:
             raise ValueError(f"ipc_arena_gb must be >= 0, got {self.ipc_arena_gb}")
         if self.max_workers < 1:
             raise ValueError("max_workers must be >= 1")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 
     @property
     def ipc_arena_bytes(self) -> int:

@@ -1,4 +1,5 @@
-"""The one error type of the handoff: every refusal and failure, with a short machine-readable code."""
+"""The one error type of the handoff: every refusal and failure, with a short machine-readable code;
+and printable(), which every log line and error message applies to text a peer sent."""
 
 from __future__ import annotations
 
@@ -15,6 +16,26 @@ TIMEOUT = "timeout"
 REJECTED = "rejected"  # the receiver's on_complete refused the verified sequence (e.g. import failed)
 PROTOCOL = "protocol"  # an unexpected or malformed control message
 STALE = "stale"  # the receiver does not know the sender's NCCL communicator (it restarted): bootstrap again
+# the codes this side knows: a nack with another code is read as PROTOCOL (wire.py)
+CODES = frozenset(
+    {
+        AUTH,
+        VERSION,
+        LAYOUT,
+        BAD_HEADER,
+        UNEXPECTED,
+        TRANSPORT,
+        CHECKSUM,
+        INCOMPLETE,
+        TIMEOUT,
+        REJECTED,
+        PROTOCOL,
+        STALE,
+    }
+)
+
+FIELD_CHARS = 200  # one value a peer sent (a request or sender id, a model name)
+MESSAGE_CHARS = 1000  # a whole error message, which may quote several such values
 
 
 class HandoffError(Exception):
@@ -24,3 +45,21 @@ class HandoffError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+def printable(text: object, limit: int = FIELD_CHARS) -> str:
+    """str(text) made safe for one log line or an error message: every character that is not printable
+    (newlines, escapes, other controls, separators such as U+2028) written as repr writes it (\\n, \\x1b,
+    \\u2028), without quotes, and cut after `limit` characters with "...". Backslashes stay as they are,
+    so text that is already escaped (a repr, an earlier printable()) comes through unchanged: a peer can
+    neither start a line of its own nor fill the log."""
+    s = text if isinstance(text, str) else str(text)
+    out: list[str] = []
+    size = 0
+    for ch in s[: limit + 1]:  # every character gives at least one: no need to look further
+        piece = ch if ch.isprintable() else repr(ch)[1:-1]
+        if size + len(piece) > limit:
+            return "".join(out) + "..."
+        out.append(piece)
+        size += len(piece)
+    return "".join(out)

@@ -1,6 +1,20 @@
 """KVReceiver: the CE rank's end of the handoff. One TCP listener; a sender's connection is
 authenticated once and then carries its handoffs one after another (wire.py).
 
+Limits on the port, for peers that do not hold the token (TransferConfig):
+
+    limit                          flag                   a new connection past it
+    connections held at once       --kv-max-connections   closes the oldest unauthenticated one; if all
+                                                          are authenticated, is itself closed unread
+    unauthenticated at once        half of that (>= 1)    closes the oldest unauthenticated one
+    Hello sent to Auth received    --auth-timeout-s       (the peer is nacked and closed)
+    auth_ok to the first offer     --handshake-timeout-s  (closed)
+    between offers                 --keepalive-s          (closed)
+
+Refused connections, closed unauthenticated ones and failed authentications are each logged at most
+every LOG_EVERY_S; text a peer sent (its sender id, a request id, a nack's reason) reaches a log line
+only through errors.printable().
+
 For each connection: authenticate (else refuse and log); for each offer on it: read the offer, refuse a header that does not
 match this engine, ask the CE whether it expects the request and where the payload goes (on_handoff),
 receive into those buffers, verify the checksum, and only then hand the sequence over (on_complete).
@@ -11,6 +25,7 @@ late or corrupt is never handed over: the CE hears about it through on_error ins
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import socket
@@ -29,12 +44,14 @@ from transfer.errors import (
     AUTH,
     BAD_HEADER,
     CHECKSUM,
+    MESSAGE_CHARS,
     PROTOCOL,
     REJECTED,
     TIMEOUT,
     TRANSPORT,
     UNEXPECTED,
     HandoffError,
+    printable,
 )
 from transfer.handoff import (
     HandoffHeader,
@@ -48,6 +65,7 @@ from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
 log = logging.getLogger("transfer.receiver")
+LOG_EVERY_S = 10.0  # each kind of refusal a flood can cause is logged at most this often
 
 # on_handoff: the buffers to receive into (transfer.handoff.allocate_payload shapes), or None to refuse.
 OnHandoff = Callable[[HandoffHeader], "Awaitable[list[torch.Tensor] | None] | list[torch.Tensor] | None"]
@@ -60,6 +78,25 @@ OnError = Callable[[HandoffHeader, HandoffError], "Awaitable[None] | None"]
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
     out = fn(*args)
     return await out if inspect.isawaitable(out) else out
+
+
+class _Throttled:
+    """One kind of warning, logged at most once per LOG_EVERY_S: a flood of peers cannot fill the log.
+    A line that is logged says how many were not since the last one."""
+
+    def __init__(self) -> None:
+        self._logged_s = -LOG_EVERY_S
+        self._held = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._logged_s < LOG_EVERY_S:
+            self._held += 1
+            return
+        if self._held:
+            msg += f" ({self._held} more not logged since the last such line)"
+        self._logged_s, self._held = now, 0
+        log.warning(msg, *args)
 
 
 class KVReceiver:
@@ -94,8 +131,24 @@ class KVReceiver:
         self._transports: dict[str, Transport] = dict(transports or {})
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
-        self.counters = {"handoffs": 0, "bytes": 0, "refused_auth": 0, "refused": 0, "failed": 0}
+        self._conns: set[asyncio.Task[None]] = set()  # every connection's task until it ends
+        # the connections held, by state; a closed (evicted) one leaves these at once, _conns when it ends
+        self._unauthenticated: dict[asyncio.Task[None], str] = {}  # peer by task, oldest first
+        self._authenticated: set[asyncio.Task[None]] = set()
+        # a slow peer without the token may hold at most this many slots: the rest stay for the PEs
+        self.max_unauthenticated = max(1, self.config.max_connections // 2)
+        self._refusals = _Throttled()
+        self._evictions = _Throttled()
+        self._auth_failures = _Throttled()
+        self.counters = {
+            "handoffs": 0,
+            "bytes": 0,
+            "refused_auth": 0,  # peers that failed or did not finish authentication in time
+            "refused": 0,
+            "failed": 0,
+            "refused_connections": 0,  # closed unread: --kv-max-connections authenticated ones held
+            "evicted_unauthenticated": 0,  # closed unauthenticated to make room for a new connection
+        }
 
     @property
     def address(self) -> str:
@@ -134,6 +187,11 @@ class KVReceiver:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def num_connections(self) -> int:
+        """Connections held now (evicted ones that are still closing not counted)."""
+        return len(self._authenticated) + len(self._unauthenticated)
+
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
@@ -144,9 +202,53 @@ class KVReceiver:
                 log.warning("accept failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            task = asyncio.create_task(self._serve(conn, f"{addr[0]}:{addr[1]}"))
+            peer = f"{addr[0]}:{addr[1]}"
+            if not self._make_room(peer):
+                conn.close()
+                self.counters["refused_connections"] += 1
+                self._refusals.warning(
+                    "refused KV connection from %s: %d connections open (the limit, --kv-max-connections)",
+                    peer,
+                    self.num_connections,
+                )
+                continue
+            task = asyncio.create_task(self._serve(conn, peer))
             self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            self._unauthenticated[task] = peer
+            task.add_done_callback(functools.partial(self._ended, sock=conn))
+            # NOTE: sock_accept returns without yielding while connections are queued: yield here so
+            # that a flood of them does not starve the connections already served (and their closing).
+            await asyncio.sleep(0)
+
+    def _make_room(self, peer: str) -> bool:
+        """Whether a new connection from peer may be served. Under the limits, yes; when unauthenticated
+        connections hold their share, or the cap is reached, the oldest unauthenticated one is closed for
+        it (so a slow peer without the token cannot keep a PE out); refused only when every connection
+        held is authenticated."""
+        full = self.num_connections >= self.config.max_connections
+        if not full and len(self._unauthenticated) < self.max_unauthenticated:
+            return True
+        if not self._unauthenticated:
+            return False
+        self._evictions.warning(
+            "closed unauthenticated KV connection from %s for one from %s: %d connections open, %d of them"
+            " unauthenticated (the limits: --kv-max-connections, half of it unauthenticated)",
+            next(iter(self._unauthenticated.values())),
+            peer,
+            self.num_connections,
+            len(self._unauthenticated),
+        )
+        oldest = next(iter(self._unauthenticated))
+        del self._unauthenticated[oldest]
+        oldest.cancel()  # its _serve closes the socket; it never authenticated: nothing to release
+        self.counters["evicted_unauthenticated"] += 1
+        return True
+
+    def _ended(self, task: asyncio.Task[None], sock: socket.socket) -> None:
+        self._conns.discard(task)
+        self._unauthenticated.pop(task, None)
+        self._authenticated.discard(task)
+        sock.close()  # already closed by _serve, unless the task was cancelled before it began
 
     def _transport(self, name: str) -> Transport:
         if name not in self.config.accept_transports:
@@ -177,16 +279,26 @@ class KVReceiver:
 
     async def _authenticate(self, ch: Channel) -> None:
         try:
-            _, proof = await asyncio.wait_for(
-                server_handshake(ch, self.token), self.config.handshake_timeout_s
+            sender, proof = await asyncio.wait_for(
+                server_handshake(ch, self.token), self.config.auth_timeout_s
             )
         except (HandoffError, asyncio.TimeoutError) as e:
             self.counters["refused_auth"] += 1
             reason = (
-                e.message if isinstance(e, HandoffError) else "no authentication within the handshake timeout"
+                printable(e.message, MESSAGE_CHARS)
+                if isinstance(e, HandoffError)
+                else f"no authentication within {self.config.auth_timeout_s:g} s (--auth-timeout-s)"
             )
-            log.warning("refused unauthenticated KV peer %s: %s", ch.peer, reason)
+            self._auth_failures.warning("refused unauthenticated KV peer %s: %s", ch.peer, reason)
             raise HandoffError(AUTH, f"not authenticated: {reason}") from None
+        log.debug("KV peer %s authenticated as %s", ch.peer, printable(sender))
+        task = asyncio.current_task()
+        assert task is not None
+        # NOTE: an evicted connection's task is cancelled, but wait_for (Python < 3.12) can lose a
+        # cancellation that comes as the handshake finishes: such a connection must not go on.
+        if self._unauthenticated.pop(task, None) is None:
+            raise HandoffError(AUTH, "closed to make room for another connection")
+        self._authenticated.add(task)
         await ch.send(AuthOk(proof, self.model, self.layout.fields()))
 
     async def _handle(self, ch: Channel, timeout_s: float) -> bool:
@@ -199,7 +311,7 @@ class KVReceiver:
         except HandoffError as e:
             if e.code == PROTOCOL:  # not an offer, or a malformed one
                 self.counters["refused"] += 1
-                log.warning("refused handoff offer from %s: %s", ch.peer, e)
+                log.warning("refused handoff offer from %s: %s", ch.peer, printable(e, MESSAGE_CHARS))
             raise
         if offer is None:
             return False
@@ -212,7 +324,7 @@ class KVReceiver:
                 raise HandoffError(UNEXPECTED, f"request {header.request_id!r} is not expected here")
         except HandoffError as refused:
             self.counters["refused"] += 1
-            log.warning("refused handoff offer from %s: %s", ch.peer, refused)
+            log.warning("refused handoff offer from %s: %s", ch.peer, printable(refused, MESSAGE_CHARS))
             raise
         phases = {"decode": t_offer - t0, "on_handoff": time.perf_counter() - t_offer}
         try:
@@ -225,7 +337,12 @@ class KVReceiver:
             else:
                 err = HandoffError(PROTOCOL, f"receiver failed: {e!r}")
             self.counters["failed"] += 1
-            log.warning("handoff %r from %s failed: %s", header.request_id, ch.peer, err)
+            log.warning(
+                "handoff %s from %s failed: %s",
+                printable(header.request_id),
+                ch.peer,
+                printable(err, MESSAGE_CHARS),
+            )
             if self.on_error is not None:
                 with suppress(Exception):
                     await _call(self.on_error, header, err)

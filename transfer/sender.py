@@ -26,7 +26,17 @@ import torch
 from engine.handoff import KVLayout, SequenceExport, TokenLogprob
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig
-from transfer.errors import INCOMPLETE, LAYOUT, PROTOCOL, STALE, TIMEOUT, TRANSPORT, HandoffError
+from transfer.errors import (
+    INCOMPLETE,
+    LAYOUT,
+    MESSAGE_CHARS,
+    PROTOCOL,
+    STALE,
+    TIMEOUT,
+    TRANSPORT,
+    HandoffError,
+    printable,
+)
 from transfer.handoff import HandoffHeader, check_layout, make_header, payload_segments, peer_layout
 from transfer.ipc import IpcTransport
 from transfer.messages import HandoffAck, Ids, Offer, Ready
@@ -168,8 +178,9 @@ class KVSender:
             try:
                 check_layout(header, conn.layout, conn.model)
             except HandoffError as e:
+                theirs = printable(e.message, MESSAGE_CHARS)  # quotes the receiver's model name
                 raise HandoffError(
-                    LAYOUT, f"the receiver at {addr} serves another engine: {e.message}"
+                    LAYOUT, f"the receiver at {addr} serves another engine: {theirs}"
                 ) from None
             marks.append(time.perf_counter())
             ch = conn.ch
@@ -191,7 +202,9 @@ class KVSender:
             ack = await ch.expect(HandoffAck)
             marks.append(time.perf_counter())
             if ack.request_id != header.request_id:
-                raise HandoffError(PROTOCOL, f"ack for {ack.request_id!r}, sent {header.request_id!r}")
+                raise HandoffError(
+                    PROTOCOL, f"ack for {printable(repr(ack.request_id))}, sent {header.request_id!r}"
+                )
             ok = True
         except OSError as e:
             raise HandoffError(TRANSPORT, f"connection to the KV receiver at {addr} failed: {e!r}") from None

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from engine.handoff import WireError, from_wire, to_wire
-from transfer.errors import INCOMPLETE, PROTOCOL, VERSION, HandoffError
+from transfer.errors import CODES, INCOMPLETE, MESSAGE_CHARS, PROTOCOL, VERSION, HandoffError, printable
 from transfer.messages import TYPES, ControlMessage, Nack
 
 PROTOCOL_VERSION = 2
@@ -125,8 +125,10 @@ class Channel:
     def _expected(self, msg: ControlMessage, cls: type[M]) -> M:
         if isinstance(msg, cls):
             return msg
-        if isinstance(msg, Nack):
-            raise HandoffError(msg.code, msg.reason)
+        if isinstance(msg, Nack):  # the peer's text, escaped; a code this side does not know is PROTOCOL
+            if msg.code in CODES:
+                raise HandoffError(msg.code, printable(msg.reason, MESSAGE_CHARS))
+            raise HandoffError(PROTOCOL, printable(f"{msg.code}: {msg.reason}", MESSAGE_CHARS))
         raise HandoffError(PROTOCOL, f"expected {cls.TYPE} from {self.peer}, got {msg.TYPE!r}")
 
     def is_idle_open(self) -> bool:

@@ -12,7 +12,7 @@ import urllib.request
 import orjson
 import pytest
 
-from pd.testing import PDPair, get_json, rank_metrics
+from pd.testing import PDPair, get_json, rank_metrics, signed_headers
 from tests.server_fixtures import (
     SMALL_DETERMINISTIC,
     module_ref_and_pair,
@@ -101,16 +101,8 @@ def test_check_pd_16_concurrent_conversations(servers, capsys):
     wait_pair_idle(pair)
 
 
-def post_prefill(pair: PDPair, token: str | None) -> tuple[int, dict]:
-    body = {
-        "request_id": f"unauth-{time.monotonic_ns()}",
-        "prompt_token_ids": [1, 2, 3],
-        "params": {"max_tokens": 4},
-        "receiver": f"127.0.0.1:{pair.kv_port}",
-    }
-    req = urllib.request.Request(pair.pe.url + "/prefill", data=orjson.dumps(body), method="POST")
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
+def post_prefill(pair: PDPair, headers: dict[str, str], data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(pair.pe.url + "/prefill", data=data, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, orjson.loads(r.read())
@@ -131,12 +123,26 @@ async def test_cluster_token_required(servers):
     from transfer.sender import KVSender
 
     _, pair = servers
-    for token in (None, "wrong-token-wrong-token-0123"):
-        status, body = post_prefill(pair, token)
-        assert status == 401 and body["error"]["code"] == "unauthorized"
-    assert "refused unauthenticated POST /prefill" in pair.pe.log_tail(20000)
+    # a body that passes the signature check and then fails validation (a 400, not a prefill)
+    data = orjson.dumps({"request_id": f"unauth-{time.monotonic_ns()}", "prompt_token_ids": [1, 2, 3]})
+    signed = signed_headers(pair.token, data)
+    for headers in (
+        {},  # no credentials
+        {"Authorization": f"Bearer {pair.token}"},  # the old scheme: the secret itself on the wire
+        signed_headers("wrong-token-wrong-token-0123", data),
+        {**signed, "Authorization": signed["Authorization"].replace("ts=", "ts=1")},  # tampered
+        {"Authorization": "Bearer \udcff".encode("utf-8", "surrogateescape").decode("latin-1")},
+    ):
+        status, body = post_prefill(pair, headers, data)
+        assert status == 401 and body["error"]["code"] == "unauthorized", (headers, body)
+    assert post_prefill(pair, signed, data)[0] == 400  # signed: it reaches the body's checks
+    status, body = post_prefill(pair, signed, data)  # the same request again: a replay
+    assert status == 401 and body["error"]["code"] == "unauthorized"
+    assert post_prefill(pair, signed, data + b" ")[0] == 401  # another body under that signature
+    log = pair.pe.log_tail(20000)
+    assert "refused POST /prefill" in log and "replayed" in log
     assert (
-        "pdserve_unauthenticated_requests_total 2.0"
+        "pdserve_unauthenticated_requests_total 7.0"
         in urllib.request.urlopen(pair.pe.url + "/metrics").read().decode()
     )
 

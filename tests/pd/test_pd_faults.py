@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import torch
 from aiohttp import web
@@ -38,7 +39,7 @@ from engine.kv_cache import layout_of
 from engine.model_config import arch_from_hf, load_hf_config
 from engine.models import resolve_model
 from pd.messages import PrefillBody
-from pd.testing import PDPair, ServerProcess, free_port, get_json, rank_metrics, wait_idle
+from pd.testing import PDPair, ServerProcess, free_port, get_json, rank_metrics, signed_headers, wait_idle
 from tests.server_fixtures import openai_client
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig
@@ -64,8 +65,9 @@ class FakePE:
     to the real PE; the others send a synthetic handoff of the right shape to the CE's receiver and
     break it in one way, or never answer."""
 
-    def __init__(self, real_url: str) -> None:
+    def __init__(self, real_url: str, token: str) -> None:
         self.real_url = real_url
+        self.token = token.encode()
         self.mode = "proxy"
         self.port = free_port()
         self.replies: list[ControlMessage | None] = []  # the CE receiver's answers (None: cut short)
@@ -115,7 +117,7 @@ class FakePE:
         if mode == "silent":
             await asyncio.sleep(3600)
         body = from_wire(PrefillBody, json.loads(raw))
-        token = request.headers["Authorization"].removeprefix("Bearer ").encode()
+        token = self.token
         export = self._export(body)
         header = make_header(export, self.layout, self.model)
         if mode == "corrupt":
@@ -189,7 +191,7 @@ def cluster(tmp_path_factory):
     )
     pair.start()
     try:
-        with FakePE(pair.pe.url) as fake:
+        with FakePE(pair.pe.url, pair.token) as fake:
             fault_ce = ServerProcess(
                 "--role",
                 "ce",
@@ -376,6 +378,46 @@ def test_pe_killed_during_a_request_then_back(cluster):
     idle(pair.ce.port, pair.pe.port)
 
 
+def wait_ok(server: ServerProcess, timeout_s: float = 120.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, health = get_json(server.url + "/health")
+        if status == 200 and health["status"] == "ok" or time.monotonic() > deadline:
+            return health
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("side", ["ce", "pe"])
+def test_a_killed_rank_is_restarted_and_the_pair_serves_through_it(cluster, side):
+    """A rank of either side killed mid-request: that request fails (503), the server restarts the
+    rank, and the pair serves through the new process (the PE reconnects to the CE rank's new KV
+    receiver; the CE uses the PE's new rank)."""
+    pair = cluster[0]
+    ask(pair.url)  # the PE holds a kept-alive KV connection to the CE rank's receiver now
+    server = pair.ce if side == "ce" else pair.pe
+    old = server.rank_pids()[0]
+    if side == "ce":  # mid-decode: the stream has begun, its end is an error event
+        stream = RawStream(pair.url, HI, 400, temperature=0, ignore_eos=True)
+        stream.read_chunks(2)
+        os.kill(old, signal.SIGKILL)
+        rest = stream.response().read().decode()
+        assert "engine_down" in rest and "[DONE]" not in rest, rest[-500:]  # in-band error, no [DONE]
+    else:  # mid-prefill: the request fails before its first token
+        stream = RawStream(pair.url, [{"role": "user", "content": "Once more. " + LONG}], 8, temperature=0)
+        wait_for(lambda: pe_has_it(pair), 60, "the PE to take the request")
+        os.kill(old, signal.SIGKILL)
+        resp = stream.response()
+        assert resp.status == 503 and json.loads(resp.read())["error"]["code"] == "engine_down"
+    stream.close()
+    health = wait_ok(server)
+    assert health["status"] == "ok" and health["ranks"][0]["num_restarts"] >= 1, health
+    assert server.rank_pids()[0] != old
+    pair.wait_pe_seen()
+    assert ask(pair.url, "Hi again")
+    assert rank_metrics(server.port)["pdserve_rank_restarts_total"] >= 1
+    idle(pair.ce.port, pair.pe.port)
+
+
 # ---- the real PE driven directly: lease and abort in transfer -----------------------------------------
 
 
@@ -426,7 +468,6 @@ def prefill_body(receiver: str, lease_s: float) -> dict[str, Any]:
 
 async def test_bad_prefill_body_is_a_400_naming_the_field(cluster):
     pair = cluster[0]
-    auth = {"Authorization": f"Bearer {pair.token}"}
     good = prefill_body("127.0.0.1:1", 3.0)
     async with aiohttp.ClientSession() as s:
         for body, param in (
@@ -439,7 +480,8 @@ async def test_bad_prefill_body_is_a_400_naming_the_field(cluster):
             ({**good, "params": {"max_tokens": 8, "stop_token_ids": [-5]}}, "params.stop_token_ids"),
             ({**good, "params": {"max_tokens": 8, "logprobs": 21}}, "params.top_logprobs"),
         ):
-            async with s.post(pair.pe.url + "/prefill", json=body, headers=auth) as resp:
+            data = orjson.dumps(body)
+            async with s.post(pair.pe.url + "/prefill", data=data, headers=signed_headers(pair.token, data)) as resp:
                 got = await resp.json()
             assert resp.status == 400 and got["error"]["param"] == param, got
     await asyncio.to_thread(idle, pair.pe.port)
@@ -460,12 +502,10 @@ def test_tiny_temperature_does_not_take_the_pe_down(cluster):
 async def test_pe_lease_expires_on_a_receiver_that_never_acks(cluster):
     pair = cluster[0]
     async with stalling_receiver(pair) as (r, stall):
-        auth = {"Authorization": f"Bearer {pair.token}"}
+        data = orjson.dumps(prefill_body(r.address, 3.0))
         async with aiohttp.ClientSession() as s:
             t0 = time.monotonic()
-            async with s.post(
-                pair.pe.url + "/prefill", json=prefill_body(r.address, 3.0), headers=auth
-            ) as resp:
+            async with s.post(pair.pe.url + "/prefill", data=data, headers=signed_headers(pair.token, data)) as resp:
                 body = await resp.json()
             assert stall.pulling.is_set()
             assert resp.status == 502 and body["error"]["code"] == "timeout", body
@@ -477,10 +517,10 @@ async def test_pe_lease_expires_on_a_receiver_that_never_acks(cluster):
 async def test_abort_while_the_kv_is_in_transfer(cluster):
     pair = cluster[0]
     async with stalling_receiver(pair) as (r, stall):
-        auth = {"Authorization": f"Bearer {pair.token}"}
+        data = orjson.dumps(prefill_body(r.address, 600.0))
         async with aiohttp.ClientSession() as s:
             post = asyncio.create_task(
-                s.post(pair.pe.url + "/prefill", json=prefill_body(r.address, 600.0), headers=auth)
+                s.post(pair.pe.url + "/prefill", data=data, headers=signed_headers(pair.token, data))
             )
             await asyncio.wait_for(stall.pulling.wait(), 120)
             m = await asyncio.to_thread(rank_metrics, pair.pe.port)

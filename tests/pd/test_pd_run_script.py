@@ -27,17 +27,23 @@ def run(script: str, *args: str, env: dict[str, str]) -> subprocess.CompletedPro
     )
 
 
-def group_alive(pgid: int) -> bool:
-    """A live (not zombie) process is in the group."""
+def group_members(pgid: int) -> dict[int, list[bytes]]:
+    """The live (not zombie) processes of the group: pid -> command line."""
+    members = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                args = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
             if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+                members[int(d.name)] = args
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
 
 
 def ask(port: int) -> str:
@@ -71,8 +77,9 @@ def test_pair_beside_a_single_engine_server(tmp_path):
         pe_pid = int((tmp_path / f"pd-pe-{pe}.pid").read_text())
         pids += [ce_pid, pe_pid]
         status, health = get_json(f"http://127.0.0.1:{ce}/health")
-        assert status == 200 and health["role"] == "ce" and health["ranks"][0]["pid"] != ce_pid
-        assert os.getpgid(health["ranks"][0]["pid"]) == ce_pid  # the rank is in the CE's process group
+        assert status == 200 and health["role"] == "ce" and health["ranks"][0]["state"] == "up"
+        # the rank is in the CE's process group
+        assert [p for p, args in group_members(ce_pid).items() if b"pd.rank" in args and p != ce_pid]
         assert ask(ce) and ask(single)
 
         st = run("pd_run.sh", "status", *ports[:4], env=env)
@@ -99,6 +106,7 @@ def test_pair_beside_a_single_engine_server(tmp_path):
         stopped = run("pd_run.sh", "stop", "localhost", "localhost", env=env)
         run("server.sh", "stop", env=env)
     assert stopped.returncode == 0 and "stopped pd-ce" in stopped.stdout and "stopped pd-pe" in stopped.stdout
+    assert "killing" not in stopped.stdout  # each side drained and stopped its ranks within the timeout
     assert not [p for p in pids if group_alive(p)]
     assert not list(tmp_path.glob("*.pid"))
     assert run("pd_run.sh", "status", env=env).returncode == 3

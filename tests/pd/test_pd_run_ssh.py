@@ -7,7 +7,8 @@ Checked with real servers: start sends the token with `_token --from-stdin` and 
 ssh; the PE and the CE's KV receivers bind the remote address; a chat request through the printed endpoint
 works; status over ssh sees both; start again starts nothing; stop leaves no process. A flag value full of
 shell metacharacters and a RUN_DIR with a space survive the hop. A pair with one side on loopback and one
-remote is refused: neither could reach the other."""
+remote is refused: neither could reach the other. A host name that ssh would read as an option is refused
+before anything runs."""
 
 from __future__ import annotations
 
@@ -33,22 +34,23 @@ FLAGS = ("--max-model-len", "512", "--kv-cache-gb", "0.1", "--hicache-gb", "0.05
 
 # Kept here as written by the test: LOG and STDIN are replaced by quoted paths.
 FAKE_SSH = r"""#!/usr/bin/env bash
-# Stand-in for ssh: checks the call is `ssh -o BatchMode=yes HOST COMMAND`, logs HOST<TAB>COMMAND, runs
-# COMMAND as sshd would on HOST: `bash -c` from $HOME, in a clean environment (nothing of the caller's
-# PDSERVE_* comes through but what COMMAND sets; PDSERVE_HOME stands for the remote user's profile).
+# Stand-in for ssh: checks the call is `ssh -o BatchMode=yes -- HOST COMMAND` (after `--`, no host name
+# can be read as an option), logs HOST<TAB>COMMAND, runs COMMAND as sshd would on HOST: `bash -c` from
+# $HOME, in a clean environment (nothing of the caller's PDSERVE_* comes through but what COMMAND sets;
+# PDSERVE_HOME stands for the remote user's profile).
 set -uo pipefail
-if [ $# -ne 4 ] || [ "$1" != -o ] || [ "$2" != BatchMode=yes ]; then
+if [ $# -ne 5 ] || [ "$1" != -o ] || [ "$2" != BatchMode=yes ] || [ "$3" != -- ]; then
     { printf 'BAD'; printf ' %q' "$@"; echo; } >>LOG
-    echo "ssh stand-in: expected ssh -o BatchMode=yes HOST COMMAND" >&2
+    echo "ssh stand-in: expected ssh -o BatchMode=yes -- HOST COMMAND" >&2
     exit 255
 fi
-printf '%s\t%s\n' "$3" "$4" >>LOG
+printf '%s\t%s\n' "$4" "$5" >>LOG
 cd "$HOME" || exit 255
 clean=(env -i HOME="$HOME" PATH="$PATH" LANG="${LANG:-C.UTF-8}")
 [ -n "${PDSERVE_HOME:-}" ] && clean+=(PDSERVE_HOME="$PDSERVE_HOME")
-case "$4" in
-    *" _token --from-stdin") tee -a STDIN | "${clean[@]}" bash -c "$4" ;;
-    *) exec "${clean[@]}" bash -c "$4" ;;
+case "$5" in
+    *" _token --from-stdin") tee -a STDIN | "${clean[@]}" bash -c "$5" ;;
+    *) exec "${clean[@]}" bash -c "$5" ;;
 esac
 """
 
@@ -226,3 +228,16 @@ def test_one_local_one_remote_side_is_refused(
     r = pd_run("start", *hosts, "--port", str(free_port()), "--pe-port", str(free_port()), *FLAGS, env=env)
     assert r.returncode != 0 and "one side on loopback, one remote" in r.stderr, r.stdout + r.stderr
     assert not ssh_calls(log) and not list(run_dir.glob("*.pid"))
+
+
+@pytest.mark.parametrize("command", ["start", "stop", "status"])
+def test_a_host_name_ssh_would_read_as_an_option_is_refused(
+    command: str, ssh_env: tuple[dict[str, str], Path, Path]
+) -> None:
+    env, run_dir, log = ssh_env
+    host = "-oProxyCommand=touch pwned"
+    r = pd_run(command, "localhost", host, env=env)
+    assert r.returncode != 0 and f"host name '{host}' starts with '-': refused" in r.stderr, (
+        r.stdout + r.stderr
+    )
+    assert not log.exists() and not run_dir.exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import struct
 
 import msgpack
@@ -280,3 +281,14 @@ def test_load_token(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv(auth.TOKEN_FILE_ENV, str(f))
     assert auth.load_token() == f.read_text().strip().encode()
     assert auth.load_token(token_file=f) == auth.load_token()
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_load_token_refuses_a_file_others_can_access(tmp_path, mode: int) -> None:
+    f = tmp_path / "token"
+    f.write_text(auth.generate_token() + "\n")
+    f.chmod(mode)
+    with pytest.raises(ValueError, match=re.escape(f"readable by others (mode {mode:o}): chmod 600 {f}")):
+        auth.load_token(token_file=f)
+    f.chmod(0o400)
+    assert auth.load_token(token_file=f) == f.read_text().strip().encode()
