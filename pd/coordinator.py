@@ -8,10 +8,8 @@ import contextlib
 import contextvars
 import functools
 import logging
-import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +33,6 @@ from pd.router import make_router
 log = logging.getLogger("pd.coordinator")
 T = TypeVar("T")
 RENDER_THREADS = 2  # chat rendering and tokenization run here, off the event loop
-RENDER_NICE = 10
 
 
 def load_tokenizer(model: str) -> Any:
@@ -47,19 +44,11 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
-def _lower_priority() -> None:
-    """A render thread yields the CPU to the event loop and the engine ranks: a long prompt being
-    tokenized must not slow the streams already decoding (nice 10, this thread only, on Linux)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), RENDER_NICE)
-
-
 class Coordinator:
-    def __init__(self, cfg: ServerConfig, tokenizer: Any) -> None:
+    def __init__(self, cfg: ServerConfig, tokenizer: Any = None) -> None:
+        """tokenizer: None until load_tokenizer (the server loads it while its ranks start)."""
         self.cfg = cfg
-        self.tokenizer = tokenizer
-        template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
-        self.renderer = PromptRenderer(tokenizer, template)
+        self._renderer = None if tokenizer is None else self._make_renderer(tokenizer)
         self.router = make_router(cfg.routing)
         self.metrics = ServerMetrics(self.snapshot)
         self.cluster_metrics = ClusterMetrics(self.metrics.registry) if cfg.is_pd else None
@@ -68,13 +57,31 @@ class Coordinator:
         self.created = int(time.time())
         self.admission = Admission()
         self.inflight_ids: set[str] = set()  # the HTTP requests' ids in flight (a duplicate gets 409)
-        self._pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="render", initializer=_lower_priority)
+        self._pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="render")
         self._ctx: zmq.asyncio.Context | None = None
         self._socket_dir: str | None = None
 
     @property
     def model_name(self) -> str:
         return self.cfg.model_name
+
+    def _make_renderer(self, tokenizer: Any) -> PromptRenderer:
+        template = Path(self.cfg.chat_template).read_text() if self.cfg.chat_template else None
+        return PromptRenderer(tokenizer, template)
+
+    async def load_tokenizer(self) -> None:
+        """Loads the model's tokenizer and chat template (raises ModelNotFoundError, OSError, ValueError)."""
+        tokenizer = await asyncio.to_thread(load_tokenizer, self.cfg.engine.model)
+        self._renderer = await asyncio.to_thread(self._make_renderer, tokenizer)
+
+    @property
+    def renderer(self) -> PromptRenderer:
+        assert self._renderer is not None, "the server serves requests only once the tokenizer is loaded"
+        return self._renderer
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.renderer.tokenizer
 
     # ---- ranks --------------------------------------------------------------------------------
 

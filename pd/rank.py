@@ -34,6 +34,7 @@ import zmq
 from engine.codec import from_wire
 from engine.config import EngineConfig
 from pd.config import RoleConfig
+from pd.lifecycle import exit_now
 from pd.messages import (
     AbortRequests,
     AddRequest,
@@ -264,4 +265,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -13,6 +13,7 @@ SIGTERM/SIGINT, when it stops its ranks. A rank that fails to start makes the se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import signal
@@ -26,11 +27,11 @@ from engine.errors import InvalidRequestError, ModelNotFoundError
 from pd.chat_api import chat_completions
 from pd.completions_api import completions
 from pd.config import ServerConfig
-from pd.coordinator import Coordinator, load_tokenizer
+from pd.coordinator import Coordinator
 from pd.errors import ApiError, bad_request, internal
 from pd.http_io import error_response, json_response
 from pd.http_site import LimitedSite, server_ssl_context
-from pd.lifecycle import RETRY_AFTER_S
+from pd.lifecycle import RETRY_AFTER_S, exit_now
 from pd.metrics import CONTENT_TYPE
 from pd.prefill_auth import Verifier
 from pd.prefill_server import VERIFIER, prefill
@@ -199,11 +200,6 @@ async def serve(cfg: ServerConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        co = Coordinator(cfg, await asyncio.to_thread(load_tokenizer, cfg.engine.model))
-    except (ModelNotFoundError, OSError, ValueError) as e:
-        log.error("cannot load the tokenizer or chat template of %s: %s", cfg.engine.model, e)
-        return 1
     token = b""
     if cfg.is_pd:
         from transfer.auth import load_token
@@ -213,6 +209,14 @@ async def serve(cfg: ServerConfig) -> int:
         except (ValueError, OSError) as e:
             log.error("--role %s needs the cluster token: %s", cfg.role, e)
             return 2
+    co = Coordinator(cfg)
+    starting = asyncio.create_task(co.start())  # the ranks load while this process loads the tokenizer
+    try:
+        await co.load_tokenizer()
+    except (ModelNotFoundError, OSError, ValueError) as e:
+        log.error("cannot load the tokenizer or chat template of %s: %s", cfg.engine.model, e)
+        await _abandon(co, starting)
+        return 1
     app = make_prefill_app(co, token) if cfg.role == "pe" else make_app(co)
     runner = web.AppRunner(
         app,
@@ -229,14 +233,12 @@ async def serve(cfg: ServerConfig) -> int:
     except (OSError, ssl.SSLError) as e:
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.http_port, e)
         await runner.cleanup()
+        await _abandon(co, starting)
         return 1
     url = f"{'https' if tls else 'http'}://{cfg.host}:{cfg.http_port}"
-    log.info(
-        "listening on %s (role %s); starting %d engine rank(s) of %s", url, cfg.role, cfg.dp, cfg.engine.model
-    )
+    log.info("listening on %s (role %s); starting %d engine rank(s) of %s", url, cfg.role, cfg.dp, cfg.engine.model)
     code = 0
     try:
-        starting = asyncio.create_task(co.start())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
@@ -255,6 +257,14 @@ async def serve(cfg: ServerConfig) -> int:
         await co.stop()
         await runner.cleanup()
     return code
+
+
+async def _abandon(co: Coordinator, starting: asyncio.Task[None]) -> None:
+    """Stops the ranks that were starting (the server gives up before it served)."""
+    starting.cancel()
+    with contextlib.suppress(BaseException):
+        await starting
+    await co.stop()
 
 
 async def _drain(co: Coordinator, timeout_s: float, stop: asyncio.Event) -> None:
@@ -282,4 +292,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -116,11 +116,16 @@ class ServerProcess:
             else ""
         )
 
+    def terminate(self) -> None:
+        """SIGTERM to the whole group without waiting (stop several at once: terminate each, then stop)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        self.terminate()
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -234,7 +239,12 @@ class PDPair:
     ) -> None:
         self.stop()
 
+    def terminate(self) -> None:
+        self.ce.terminate()
+        self.pe.terminate()
+
     def stop(self) -> None:
+        self.terminate()
         self.ce.stop()
         self.pe.stop()
 

@@ -53,6 +53,8 @@ def module_ref_and_pair(*args: str) -> Callable[..., Iterator[tuple[ServerProces
             pair.wait_ready()
             yield ref, pair
         finally:
+            pair.terminate()
+            ref.terminate()
             pair.stop()
             ref.stop()
 

@@ -229,6 +229,8 @@ def cluster(tmp_path_factory):
                 fallback_ce.wait_ready()
                 yield pair, fault_ce, fake, fallback_ce
             finally:
+                for s in (fallback_ce, fault_ce, pair):
+                    s.terminate()  # all at once: each drains and stops its ranks in parallel
                 fallback_ce.stop()
                 fault_ce.stop()
     finally:
