@@ -299,12 +299,12 @@ class RankClient:
             await asyncio.sleep(0.05)  # let a RankFatal sent just before the exit arrive
             stopping = self._stopping or self.state is RankState.STOPPED
             reason = f"engine rank {self.index} exited with code {code}"
-            if self._fatal:
-                reason += f": {self._fatal}"
+            if self._fatal:  # clients and /health get the error's type; its text (paths...) goes to the log
+                reason += f": {self._fatal.split(':', 1)[0]}"
             if not stopping:
                 self.state = RankState.DOWN
                 self.down_reason = reason
-                log.error("%s (pid %d)", reason, self.proc.pid)
+                log.error("%s (pid %d): %s", reason, self.proc.pid, self._fatal or "killed or crashed")
             was_ready = self._ready.done() and self._ready.exception() is None
             if not self._ready.done():
                 self._ready.set_exception(RuntimeError(reason))
