@@ -136,6 +136,22 @@ class ServerProcess:
         self.proc = None
 
 
+def group_members(pgid: int) -> dict[int, list[bytes]]:
+    """The live (not zombie) processes of a process group: pid -> command line."""
+    members: dict[int, list[bytes]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    members[int(d.name)] = (d / "cmdline").read_bytes().split(b"\0")
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
 def rank_pids(server_pid: int) -> dict[int, int]:
     """The engine ranks (`python -m pd.rank --rank N`) that are children of server_pid: rank -> pid."""
     out: dict[int, int] = {}

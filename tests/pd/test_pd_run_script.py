@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.testing import free_port, get_json
+from pd.testing import free_port, get_json, group_alive, group_members
 from tests.server_fixtures import openai_client
 
 pytestmark = pytest.mark.slow
@@ -27,23 +27,8 @@ def run(script: str, *args: str, env: dict[str, str]) -> subprocess.CompletedPro
     )
 
 
-def group_members(pgid: int) -> dict[int, list[bytes]]:
-    """The live (not zombie) processes of the group: pid -> command line."""
-    members = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                args = (d / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members[int(d.name)] = args
-    return members
 
 
-def group_alive(pgid: int) -> bool:
-    return bool(group_members(pgid))
 
 
 def ask(port: int) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.testing import free_port, get_json
+from pd.testing import free_port, get_json, group_members
 from tests.server_fixtures import openai_client
 
 pytestmark = pytest.mark.slow
@@ -83,16 +83,6 @@ def listening(port: int) -> set[str]:
     return found
 
 
-def group_members(pgid: int) -> set[int]:
-    """The live (not zombie) processes of a process group."""
-    members = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError):
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    members.add(int(d.name))
-    return members
 
 
 def ssh_calls(log: Path) -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.testing import free_port
+from pd.testing import free_port, group_members
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -141,16 +141,6 @@ def fake_log(env: dict[str, str]) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def group_members(pgid: int) -> set[int]:
-    """The live (not zombie) processes of a process group."""
-    members = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError):
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    members.add(int(d.name))
-    return members
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ import openai
 import orjson
 import pytest
 
-from pd.testing import ServerProcess, get_json
+from pd.testing import ServerProcess, get_json, group_alive
 
 pytestmark = pytest.mark.slow
 
@@ -113,12 +113,6 @@ def read_all(sock: socket.socket, timeout_s: float) -> tuple[bytes, float]:
     return data, time.monotonic() - t0
 
 
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_api_key_required_on_v1_only(server):

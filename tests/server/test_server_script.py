@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.testing import free_port, get_json
+from pd.testing import free_port, get_json, group_alive
 from tests.server_fixtures import openai_client
 
 pytestmark = pytest.mark.slow
@@ -24,12 +24,6 @@ def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=900)
 
 
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def rank_children(pid: int) -> list[int]:
