@@ -90,7 +90,7 @@ async def _generate(
         for i in range(req.sampling.n)
     ]
     head = {"id": rid, "created": int(time.time()), "model": co.model_name}
-    async with Generation(rank, co.metrics, arrival_s, co.pd) as gen:
+    async with Generation(rank, co.metrics, arrival_s, co.pd, affinity_key(req)) as gen:
         await gen.submit(subs)
         if req.sampling.stream:
             return await _stream(co, request, req, gen, head, len(prompt), rendered.assistant_prefix)

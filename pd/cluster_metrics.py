@@ -1,7 +1,7 @@
 """Prometheus metrics of the P/D roles, in the server's registry next to ServerMetrics.
 
 CE coordinator: TTFT split by phase, handoffs as the PE reported them, reservations in flight, the PE's
-reachability. PE server: the handoffs it made (bytes, duration, failures by transport and code).
+reachability (each PE's, its in-flight prefills and why it was chosen). PE server: the handoffs it made (bytes, duration, failures by transport and code).
 """
 
 from __future__ import annotations
@@ -55,7 +55,21 @@ class ClusterMetrics:
             registry=r,
         )
         self.prefill_engine_up = Gauge(
-            "pdserve_prefill_engine_up", "CE: 1 while the PE answers its health check", registry=r
+            "pdserve_prefill_engine_up", "CE: 1 while any PE answers its health check", registry=r
+        )
+        self.pe_up = Gauge(
+            "pdserve_pe_up", "CE: 1 while this PE answers its health check", ["pe"], registry=r
+        )
+        self.pe_inflight = Gauge(
+            "pdserve_pe_inflight", "CE: this CE's /prefill requests in flight at this PE", ["pe"], registry=r
+        )
+        self.pe_selected = Counter(
+            "pdserve_pe_selected",
+            "CE: prefills sent to this PE, by why it was chosen: affinity (the conversation's first PE), "
+            "overflow (the first was over its load bound), least-loaded | round-robin (--pe-routing), "
+            "failover (the retry after a failed first attempt), fallback (no PE was known to be up)",
+            ["pe", "reason"],
+            registry=r,
         )
         self.unauthenticated = Counter(
             "pdserve_unauthenticated_requests", "Requests refused for lacking the cluster token", registry=r

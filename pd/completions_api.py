@@ -69,7 +69,7 @@ async def completions(co: Coordinator, request: web.Request) -> web.StreamRespon
     echo = [prompt_texts[k // n] if req.echo else "" for k in range(len(subs))]
     num_prompt = sum(len(ids) for ids in prompt_ids)
     with co.claim(rid):
-        return await _generate(co, request, req, rank, subs, arrival_s, head, echo, num_prompt)
+        return await _generate(co, request, req, rank, key, subs, arrival_s, head, echo, num_prompt)
 
 
 def _tokenize(co: Coordinator, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
@@ -91,13 +91,14 @@ async def _generate(
     request: web.Request,
     req: CompletionRequest,
     rank: RankClient,
+    key: str,
     subs: list[SubRequest],
     arrival_s: float,
     head: dict[str, Any],
     echo: list[str],
     num_prompt: int,
 ) -> web.StreamResponse:
-    async with Generation(rank, co.metrics, arrival_s, co.pd) as gen:
+    async with Generation(rank, co.metrics, arrival_s, co.pd, key) as gen:
         await gen.submit(subs)
         if req.sampling.stream:
             return await _stream(co, request, req, gen, head, echo, num_prompt)

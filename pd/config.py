@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from pd.pe_targets import PE_ROUTING, parse_prefill_urls
 from pd.restart_policy import RestartPolicy
 from pd.settings import from_flags, parser_for
 from transfer.config import TransferConfig
@@ -142,7 +143,30 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "engine (every rank)"})
     # ---- P/D (--role pe|ce) ----
     prefill_url: str = field(
-        default=f"http://127.0.0.1:{DEFAULT_PE_PORT}", metadata={"help": "CE: the PE's prefill server"}
+        default=f"http://127.0.0.1:{DEFAULT_PE_PORT}",
+        metadata={
+            "help": "CE: the PEs' prefill servers, comma-separated; dns+http://NAME:PORT stands for every "
+            "address NAME resolves to (a Kubernetes headless service), looked up again every "
+            "--pe-dns-refresh-s. Give every CE the same list"
+        },
+    )
+    pe_routing: str = field(
+        default="affinity",
+        metadata={
+            "help": "CE: PE choice: affinity (rendezvous hashing of the conversation: its turns meet "
+            "their prefix cache, from any CE) | least-loaded | round-robin",
+            "choices": PE_ROUTING,
+        },
+    )
+    pe_load_slack: float = field(
+        default=0.5,
+        metadata={
+            "help": "CE, affinity: a PE holding (1 + this) times the mean in-flight prefills is passed "
+            "over for the next in the conversation's order"
+        },
+    )
+    pe_dns_refresh_s: float = field(
+        default=10.0, metadata={"help": "CE: how often dns+ entries of --prefill-url are resolved again"}
     )
     kv_host: str = field(default="127.0.0.1", metadata={"help": "CE: address the KV receivers bind"})
     kv_advertise_host: str | None = field(
@@ -210,6 +234,11 @@ class ServerConfig:
             raise ValueError("--ssl-keyfile needs --ssl-certfile")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
+        if self.pe_routing not in PE_ROUTING:
+            raise ValueError(f"--pe-routing must be one of {PE_ROUTING}, got {self.pe_routing!r}")
+        if self.pe_load_slack < 0 or self.pe_dns_refresh_s <= 0:
+            raise ValueError("--pe-load-slack must be >= 0 and --pe-dns-refresh-s > 0")
+        parse_prefill_urls(self.prefill_url)  # raises ValueError naming a bad entry
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
 

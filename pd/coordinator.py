@@ -90,21 +90,24 @@ class Coordinator:
         self._ctx = zmq.asyncio.Context()
         self._socket_dir = tempfile.mkdtemp(prefix="pdserve-")
         if self.cfg.role == "ce":
-            from pd.prefill_client import PrefillClient
+            from pd.pe_pool import PrefillPool
             from transfer.auth import load_token
 
             token = load_token(token_file=self.cfg.cluster_token_file or None)
             cm = self.cluster_metrics
             assert cm is not None
-            client = PrefillClient(
+            pool = PrefillPool(
                 self.cfg.prefill_url,
                 token,
                 self.cfg.prefill_timeout_s,
-                on_state=lambda up: cm.prefill_engine_up.set(1.0 if up else 0.0),
+                cm,
+                routing=self.cfg.pe_routing,
+                load_slack=self.cfg.pe_load_slack,
+                dns_refresh_s=self.cfg.pe_dns_refresh_s,
                 ssl_ca_certs=self.cfg.ssl_ca_certs,
             )
-            await client.start()
-            self.pd = DisaggregatedPath(self.cfg, client, cm)
+            self.pd = DisaggregatedPath(self.cfg, pool, cm)
+            await pool.start()
         self.ranks = [
             RankClient(
                 i,
@@ -128,7 +131,7 @@ class Coordinator:
     async def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.pd is not None:
-            await self.pd.client.stop()
+            await self.pd.pool.stop()
         await asyncio.gather(*(r.stop() for r in self.ranks), return_exceptions=True)
         if self._ctx is not None:
             self._ctx.term()
@@ -176,8 +179,8 @@ class Coordinator:
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """/health: 200 while a rank is up (and the server is not draining), with every rank's state.
-        status: ok | degraded (a rank down, or on a CE the PE unreachable without local fallback) |
-        starting | down | draining."""
+        status: ok | degraded (a rank down, or on a CE a PE not up, without local fallback) |
+        starting | down | draining. A CE lists its PEs (state, prefills in flight, last error)."""
         states = [r.state for r in self.ranks]
         num_up = states.count(RankState.UP)
         if self.admission.is_draining:
@@ -197,10 +200,12 @@ class Coordinator:
             "ranks": [r.describe() for r in self.ranks],
         }
         if self.pd is not None:
-            pe = self.pd.client.describe()
-            body["prefill_engine"] = pe
-            if status == "ok" and pe["state"] != "up" and not self.cfg.fallback_local_prefill:
-                body["status"] = "degraded"
+            pool = self.pd.pool
+            body["prefill_engines"] = pool.describe()
+            if pool.dns_error:
+                body["prefill_dns_error"] = pool.dns_error
+            if status == "ok" and not pool.all_up and not self.cfg.fallback_local_prefill:
+                body["status"] = "degraded"  # every CE still serves while one PE is up
         if self.admission.is_draining:
             body["num_inflight"] = self.admission.num_inflight
         return (200 if num_up and not self.admission.is_draining else 503), body
@@ -211,8 +216,8 @@ class Coordinator:
             return False, "draining"
         if not any(r.is_up for r in self.ranks):
             return False, "no engine rank is up"
-        if self.pd is not None and not self.pd.client.is_up and not self.cfg.fallback_local_prefill:
-            return False, "the prefill engine is not reachable"
+        if self.pd is not None and not self.pd.pool.any_up and not self.cfg.fallback_local_prefill:
+            return False, "no prefill engine is reachable"
         return True, "ready"
 
     # ---- request checks -----------------------------------------------------------------------

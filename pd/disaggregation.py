@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.request import RequestOutput, SamplingParams
@@ -25,7 +25,8 @@ from pd.cluster_metrics import ClusterMetrics
 from pd.config import ServerConfig
 from pd.errors import ApiError, bad_request, internal
 from pd.messages import PrefillBody, PrefillReply, RequestRejected, Reserved
-from pd.prefill_client import PrefillClient, PrefillFailed
+from pd.pe_pool import PrefillPool
+from pd.prefill_client import PrefillFailed
 from pd.rank_client import RankClient, RankDown, RankEvent
 from transfer.errors import MESSAGE_CHARS, printable
 
@@ -53,6 +54,29 @@ class PDRequest(Protocol):
     def use_prefix_cache(self) -> bool: ...
 
 
+@dataclass
+class _Progress:
+    """What the CE rank said while the prefill ran: events held back for after the PE's answer, and
+    whether decode outputs were passed on."""
+
+    held: list[tuple[str, RankEvent]] = field(default_factory=list)
+    is_decoding: bool = False
+
+    @property
+    def began(self) -> bool:
+        """The CE rank has spoken: it imported the KV (it decodes) or ended the request."""
+        return self.is_decoding or bool(self.held)
+
+
+def _may_fail_over(e: PrefillFailed) -> bool:
+    """Whether a failed prefill may go to another PE: no answer (refused, reset, the PE died, timed out)
+    or a 5xx other than 502. A 502 is a handoff that began and failed (fail as before); a 4xx is the
+    request's own fault; a 200 that did not decode may have handed the KV off. The CE imports only KV
+    it verified, and a reservation whose handoff broke off is reserved again, so a second PE's handoff
+    lands in it; one the CE imported already shows as decoding (progress.began)."""
+    return e.status is None or (e.status >= 500 and e.status != 502)
+
+
 def _prefill_error(e: PrefillFailed) -> ApiError:
     msg = f"prefill failed: {e.message}"
     if e.status is None:
@@ -67,9 +91,9 @@ def _prefill_error(e: PrefillFailed) -> ApiError:
 
 
 class DisaggregatedPath:
-    def __init__(self, cfg: ServerConfig, client: PrefillClient, metrics: ClusterMetrics) -> None:
+    def __init__(self, cfg: ServerConfig, pool: PrefillPool, metrics: ClusterMetrics) -> None:
         self.cfg = cfg
-        self.client = client
+        self.pool = pool
         self.metrics = metrics
         self.num_waiting = 0  # reservations asked for, not granted yet
         self.num_held = 0  # reservations granted, handoff not arrived yet
@@ -84,8 +108,10 @@ class DisaggregatedPath:
         req: PDRequest,
         out: asyncio.Queue[tuple[str, object]],
         arrival_s: float,
+        key: str | None = None,
     ) -> None:
-        """Runs one request to its end, putting its events on `out` as Generation expects them."""
+        """Runs one request to its end, putting its events on `out` as Generation expects them. key:
+        the conversation's (PE choice: pd/pe_pool.py)."""
         rid = req.request_id
         events: asyncio.Queue[tuple[str, RankEvent]] = asyncio.Queue()
         try:
@@ -94,15 +120,17 @@ class DisaggregatedPath:
             self.num_held += 1
             self._gauge()
             failure: PrefillFailed | None = None
-            prefill = asyncio.create_task(self._prefill(rank, req))
+            progress = _Progress()
+            prefill = asyncio.create_task(self._prefill(rank, req, key, progress))
             try:
-                held, is_decoding = await self._while_prefilling(prefill, events, out)
+                await self._while_prefilling(prefill, events, out, progress)
                 res = prefill.result()
             except PrefillFailed as e:
                 failure = e
             finally:
                 if not prefill.done():  # this task was cancelled (the client went away): so is the POST
                     prefill.cancel()
+                held, is_decoding = progress.held, progress.is_decoding
                 self.num_held -= 1
                 self._gauge()
             if failure is not None and is_decoding:
@@ -159,7 +187,8 @@ class DisaggregatedPath:
             )
         num_prompt = len(req.prompt_token_ids)
         max_tokens = req.params.max_tokens
-        ttl_s = self.cfg.prefill_timeout_s + RESERVATION_MARGIN_S
+        attempts = 2 if len(self.pool) > 1 else 1  # a failed first prefill is retried on another PE
+        ttl_s = attempts * self.cfg.prefill_timeout_s + RESERVATION_MARGIN_S
         self.num_waiting += 1
         self._gauge()
         try:
@@ -185,7 +214,11 @@ class DisaggregatedPath:
         error = ev.error if isinstance(ev, RequestOutput) else None
         raise internal(error or f"unexpected event while reserving: {type(ev).__name__}")
 
-    async def _prefill(self, rank: RankClient, req: PDRequest) -> PrefillReply:
+    async def _prefill(
+        self, rank: RankClient, req: PDRequest, key: str | None, progress: _Progress
+    ) -> PrefillReply:
+        """The PE's answer: from the conversation's PE, or once from the next in its order when the
+        first failed before the handoff could have reached the CE (see _may_fail_over)."""
         body = PrefillBody(
             request_id=req.request_id,
             prompt_token_ids=tuple(req.prompt_token_ids),
@@ -195,21 +228,43 @@ class DisaggregatedPath:
             seed=None,  # the PE uses the request's seed, or draws one that travels with the KV
             lease_s=self.cfg.handoff_lease_s,
         )
-        return await self.client.prefill(body)
+        choice = self.pool.choose(key)
+        if choice is None:
+            raise PrefillFailed("prefill_unavailable", "no prefill engine is known (see --prefill-url)")
+        client, reason = choice
+        try:
+            with self.pool.attempt(client, reason):
+                return await client.prefill(body)
+        except PrefillFailed as e:
+            if not _may_fail_over(e) or progress.began:
+                raise
+            second = self.pool.choose(key, exclude=frozenset({client.url}))
+            if second is None:
+                raise
+            log.warning(
+                "prefill of %s at %s failed (%s); retrying it at %s",
+                req.request_id,
+                client.url,
+                printable(e, MESSAGE_CHARS),
+                second[0].url,
+            )
+            self.metrics.handoff_failures.labels(self.cfg.transfer.transport, e.code).inc()
+        with self.pool.attempt(second[0], "failover"):
+            return await second[0].prefill(body)
 
     async def _while_prefilling(
         self,
         prefill: asyncio.Task[PrefillReply],
         events: asyncio.Queue[tuple[str, RankEvent]],
         out: asyncio.Queue[tuple[str, object]],
-    ) -> tuple[list[tuple[str, RankEvent]], bool]:
+        progress: _Progress,
+    ) -> None:
         """Until the PE answers /prefill, passes on the CE rank's decode outputs: the CE decodes as soon
         as it has verified the KV, and the PE's answer can come later (its server busy with the next
         prefill), so waiting for it would hold the first tokens back. A finished output (it needs the
-        PE's cached count) and any other event wait for the answer. Returns (the events held back,
-        whether decode outputs were passed on)."""
-        held: list[tuple[str, RankEvent]] = []
-        is_decoding = False
+        PE's cached count) and any other event wait for the answer. `progress` says which events were
+        held back and whether decode outputs were passed on."""
+        held = progress.held
         while not prefill.done():
             get = asyncio.ensure_future(events.get())
             await asyncio.wait({prefill, get}, return_when=asyncio.FIRST_COMPLETED)
@@ -219,10 +274,9 @@ class DisaggregatedPath:
             rid, ev = get.result()
             if isinstance(ev, RequestOutput) and not ev.is_finished and not held:
                 out.put_nowait((rid, ev))
-                is_decoding = True
+                progress.is_decoding = True
             else:
                 held.append((rid, ev))
-        return held, is_decoding
 
     async def _forward(
         self,

@@ -67,6 +67,7 @@ class Generation:
     metrics: ServerMetrics
     arrival_s: float
     pd: DisaggregatedPath | None = None
+    key: str | None = None  # the conversation's (a CE picks its PE by it)
     queue: asyncio.Queue[tuple[str, RankEvent | PhaseError]] = field(default_factory=asyncio.Queue)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _subs: dict[str, SubRequest] = field(default_factory=dict)
@@ -91,7 +92,7 @@ class Generation:
             self._open.add(s.request_id)
             self._timing[s.request_id] = _Timing(self.arrival_s)
             if self.pd is not None:
-                run = self.pd.run(self.rank, s, self.queue, self.arrival_s)  # type: ignore[arg-type]
+                run = self.pd.run(self.rank, s, self.queue, self.arrival_s, self.key)  # type: ignore[arg-type]
                 self._tasks.append(asyncio.create_task(run))
             else:
                 queue: Any = self.queue  # RankEvents only: PhaseError comes from self.pd alone

@@ -61,12 +61,15 @@ class Admission:
         return self._idle.is_set()
 
 
+DRAINING_CODE = "shutting_down"  # the error code of a request refused while the server drains
+
+
 def draining_error() -> ApiError:
     return ApiError(
         503,
         "the server is shutting down and takes no new requests; retry on another server",
         type="server_error",
-        code="shutting_down",
+        code=DRAINING_CODE,
     )
 
 

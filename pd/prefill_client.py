@@ -27,6 +27,7 @@ import orjson
 
 from engine.codec import WireError, from_wire, to_wire
 from pd.http_site import client_ssl_context
+from pd.lifecycle import DRAINING_CODE
 from pd.messages import PrefillBody, PrefillReply
 from pd.prefill_auth import sign
 from pd.request_log import HEADER, REQUEST_ID
@@ -62,8 +63,12 @@ class PrefillClient:
         self._token = token
         self._ssl = client_ssl_context(ssl_ca_certs)  # used for an https URL only
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
-        self.state = "unknown"  # unknown | up | down
-        self.error: str | None = None
+        self.state = "unknown"  # unknown | up | down | draining
+        self.error: str | None = None  # why it is not up
+        self.last_error: str | None = None  # the last failed prefill's, kept after it is up again
+        self.num_inflight = 0  # /prefill requests in flight (pd/pe_pool.py counts them)
+        self.source = self.url  # the --prefill-url entry it comes from (a dns+ name, or itself)
+        self.retired = False  # gone from its dns+ name
         self.changed_s = time.monotonic()
         self._session: aiohttp.ClientSession | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -86,9 +91,13 @@ class PrefillClient:
             await self._session.close()
 
     def describe(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"url": self.url, "state": self.state}
+        d: dict[str, Any] = {"url": self.url, "state": self.state, "inflight": self.num_inflight}
+        if self.source != self.url:
+            d["source"] = self.source
         if self.error:
             d["error"] = self.error
+        if self.last_error:
+            d["last_error"] = self.last_error
         return d
 
     async def prefill(self, body: PrefillBody) -> PrefillReply:
@@ -107,16 +116,19 @@ class PrefillClient:
                 raw = await r.read()
                 status = r.status
         except asyncio.TimeoutError:
+            self.last_error = "prefill_timeout"
             raise PrefillFailed(
                 "prefill_timeout",
                 f"the prefill engine at {self.url} did not answer within {self.timeout.total} s",
             ) from None
         except (aiohttp.ClientError, OSError) as e:
-            self._set("down", f"{type(e).__name__}: {e}")
+            self.last_error = f"{type(e).__name__}: {e}"
+            self._set("down", self.last_error)
             raise PrefillFailed(
                 "pe_unreachable", f"the prefill engine at {self.url} is unreachable: {e}"
             ) from None
-        self._set("up", None)
+        if status < 500:
+            self._set("up", None)
         try:
             answer = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -126,11 +138,16 @@ class PrefillClient:
         if status != 200:
             err = answer.get("error", {}) if isinstance(answer, dict) else {}
             err = err if isinstance(err, dict) else {}
-            raise PrefillFailed(
+            failed = PrefillFailed(
                 printable(err.get("code") or "prefill_failed", 64),
                 printable(err.get("message") or raw[:200], MESSAGE_CHARS),
                 status,
             )
+            if status >= 500:
+                self.last_error = f"{status} {failed.code}"
+            if failed.code == DRAINING_CODE:  # left out at once; its probe sees it back
+                self._set("draining", failed.message)
+            raise failed
         try:
             return from_wire(PrefillReply, answer)
         except WireError as e:
@@ -149,11 +166,12 @@ class PrefillClient:
             self.changed_s = time.monotonic()
             if self.on_state is not None:
                 self.on_state(state == "up")
-            if state == "down":
+            if state != "up":
                 self._poke.set()  # probe again soon (with backoff) rather than at the next period
         self.state, self.error = state, error
 
-    async def _probe(self) -> tuple[bool, str | None]:
+    async def _probe(self) -> tuple[str, str | None]:
+        """(up | down | draining, why not up) from the PE's /health."""
         assert self._session is not None
         try:
             async with self._session.get(
@@ -161,19 +179,22 @@ class PrefillClient:
             ) as r:
                 body = await r.read()
                 if r.status == 200:
-                    return True, None
-                return False, f"/health answered {r.status}: {body[:200]!r}"
+                    return "up", None
+                with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+                    if orjson.loads(body).get("status") == "draining":
+                        return "draining", "the prefill engine is shutting down"
+                return "down", f"/health answered {r.status}: {body[:200]!r}"
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-            return False, f"{type(e).__name__}: {e}"
+            return "down", f"{type(e).__name__}: {e}"
 
     async def _watch(self) -> None:
         """Probes /health: every HEALTH_EVERY_S while up; with doubling backoff (to MAX_BACKOFF_S) while
         down, so a PE that comes back is seen within seconds and a dead one is not hammered."""
         backoff_s = 0.25
         while True:
-            ok, error = await self._probe()
-            self._set("up" if ok else "down", error)
-            if ok:
+            state, error = await self._probe()
+            self._set(state, error)
+            if state == "up":
                 backoff_s = 0.25
                 wait_s = HEALTH_EVERY_S
             else:

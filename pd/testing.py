@@ -231,7 +231,7 @@ class PDPair:
     def wait_pe_seen(self, timeout_s: float = 30.0) -> None:
         """Waits until the CE's health check sees the PE up."""
         deadline = time.monotonic() + timeout_s
-        while get_json(self.ce.url + "/health")[1].get("prefill_engine", {}).get("state") != "up":
+        while not all(p["state"] == "up" for p in get_json(self.ce.url + "/health")[1].get("prefill_engines") or [{}]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the CE does not see the PE after {timeout_s} s")
             time.sleep(0.2)

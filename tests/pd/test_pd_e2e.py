@@ -39,7 +39,7 @@ def test_roles_and_health(servers):
     _, pair = servers
     status, ce = get_json(pair.url + "/health")
     assert status == 200 and ce["role"] == "ce" and ce["status"] == "ok"
-    assert ce["prefill_engine"] == {"url": pair.pe.url, "state": "up"}
+    assert ce["prefill_engines"] == [{"url": pair.pe.url, "state": "up", "inflight": 0}]
     status, pe = get_json(pair.pe.url + "/health")
     assert status == 200 and pe["role"] == "pe"
     assert [m.id for m in openai_client(pair.url).models.list().data] == [MODEL]

@@ -374,7 +374,7 @@ def test_pe_killed_during_a_request_then_back(cluster):
         ask(pair.url)
     assert e.value.status_code == 503
     status, health = get_json(pair.url + "/health")
-    assert status == 200 and health["status"] == "degraded" and health["prefill_engine"]["state"] == "down"
+    assert status == 200 and health["status"] == "degraded" and health["prefill_engines"][0]["state"] == "down"
     pair.restart_pe()  # the CE's health check (with backoff) sees it come back
     assert ask(pair.url)
     idle(pair.ce.port, pair.pe.port)
@@ -591,7 +591,7 @@ def test_abort_while_waiting_for_the_pe(cluster):
 def test_fallback_local_prefill(cluster):
     pair, fallback_ce = cluster[0], cluster[3]
     status, health = get_json(fallback_ce.url + "/health")
-    assert status == 200 and health["prefill_engine"]["state"] == "down" and health["status"] == "ok"
+    assert status == 200 and health["prefill_engines"][0]["state"] == "down" and health["status"] == "ok"
     question = "What is two plus two?"
     assert ask(fallback_ce.url, question, 6) == ask(pair.url, question, 6)  # same tokens, prefilled on the CE
     assert "pdserve_local_prefills_total 1.0" in urllib_text(fallback_ce.url + "/metrics")

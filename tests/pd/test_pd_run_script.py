@@ -83,7 +83,7 @@ def test_pair_beside_a_single_engine_server(tmp_path):
         new_pe = int((tmp_path / f"pd-pe-{pe}.pid").read_text())
         pids.append(new_pe)
         deadline = time.monotonic() + 60  # the CE's health check sees the new PE
-        while get_json(f"http://127.0.0.1:{ce}/health")[1]["prefill_engine"]["state"] != "up":
+        while get_json(f"http://127.0.0.1:{ce}/health")[1]["prefill_engines"][0]["state"] != "up":
             assert time.monotonic() < deadline
             time.sleep(0.3)
         assert ask(ce)

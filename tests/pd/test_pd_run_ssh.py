@@ -165,7 +165,7 @@ def test_pair_on_a_remote_host_through_ssh(
         status, health = get_json(f"http://{ip}:{pe}/health")
         assert status == 200 and health["role"] == "pe"
         status, health = get_json(f"{ce_url}/health")
-        assert status == 200 and health["role"] == "ce" and health["prefill_engine"]["state"] == "up"
+        assert status == 200 and health["role"] == "ce" and health["prefill_engines"][0]["state"] == "up"
         # the flag value came through both hops intact, and nothing in it was run by a shell
         assert get_json(f"http://{ip}:{pe}/v1/models")[1]["data"][0]["id"] == name
         assert get_json(f"{ce_url}/v1/models")[1]["data"][0]["id"] == name

@@ -4,7 +4,9 @@ waiting for memory, expiry, aborts, refusals), each ending with both engines idl
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -411,6 +413,23 @@ class _PE:
         return PrefillReply(True, 3, 2, 0.1, 0.01, 1000, "tcp", None)
 
 
+class _OnePE:
+    """A PrefillPool of one PE, as DisaggregatedPath sees it."""
+
+    def __init__(self, pe: _PE) -> None:
+        self.pe = pe
+
+    def __len__(self) -> int:
+        return 1
+
+    def choose(self, key: str | None, exclude: frozenset[str] = frozenset()) -> tuple[_PE, str] | None:
+        return None if exclude else (self.pe, "affinity")
+
+    @contextlib.contextmanager
+    def attempt(self, client: _PE, reason: str) -> Iterator[None]:
+        yield
+
+
 def test_decode_tokens_are_not_held_back_by_a_late_prefill_answer():
     import asyncio
 
@@ -427,7 +446,7 @@ def test_decode_tokens_are_not_held_back_by_a_late_prefill_answer():
 
     async def main() -> list[Any]:
         rank, pe = _Rank(), _PE()
-        path = DisaggregatedPath(ServerConfig(role="ce"), pe, ClusterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        path = DisaggregatedPath(ServerConfig(role="ce"), _OnePE(pe), ClusterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
         out: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         task = asyncio.create_task(path.run(rank, Req(), out, time.monotonic()))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)
@@ -544,7 +563,7 @@ def test_unreadable_prefill_answer_fails_the_request_cleanly():
     async def main() -> tuple[Any, list[str]]:
         rank = _Rank()
         cfg = ServerConfig(role="ce", fallback_local_prefill=True)
-        path = DisaggregatedPath(cfg, BadPE(), ClusterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        path = DisaggregatedPath(cfg, _OnePE(BadPE()), ClusterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
         out: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         await asyncio.wait_for(path.run(rank, Req(), out, time.monotonic()), 5.0)  # type: ignore[arg-type]
         return out.get_nowait(), rank.aborted
