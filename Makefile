@@ -28,7 +28,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
 lint: setup
-	$(BIN)/ruff check engine kernels pd transfer bench tests
+	$(BIN)/ruff check engine pdkernels pd transfer bench tests
 	$(BIN)/mypy
 
 clean:

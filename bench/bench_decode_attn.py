@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import kernels.decode_attention as da  # noqa: E402
+import pdkernels.decode_attention as da  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 32, 32, 8, 128, 128
 

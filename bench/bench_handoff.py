@@ -48,7 +48,7 @@ from engine.handoff import (
 )
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from kernels.checksum import as_words, fold, torch_segment_sum
+from pdkernels.checksum import as_words, fold, torch_segment_sum
 from transfer.checksum import payload_checksum  # noqa: E402
 from transfer.config import TransferConfig  # noqa: E402
 from transfer.handoff import (  # noqa: E402

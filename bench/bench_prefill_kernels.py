@@ -2,11 +2,11 @@
 
 1. Prefill attention at Llama-3-8B head shapes (32 heads, 8 kv heads, head_dim 128, bf16, 128-token
    pages), full layers and sliding layers (window 1024): a whole 8k prompt, the last 2k chunk of an 8k
-   prompt (6k cached), the last 8k chunk of a 32k prompt. Candidates: kernels/prefill_attention.py
+   prompt (6k cached), the last 8k chunk of a 32k prompt. Candidates: pdkernels/prefill_attention.py
    (a few tile configurations), the engine's previous path (keys gathered, SDPA with a boolean mask)
    and SDPA's flash backend with a lower-right causal mask over gathered keys (full layers only: it
    has no sliding window). TFLOP/s count 4 x heads x head_dim per visible (query, key) pair.
-2. kernels/bi_matmul.py at the 8B model's projection shapes, for several row counts, against cuBLAS
+2. pdkernels/bi_matmul.py at the 8B model's projection shapes, for several row counts, against cuBLAS
    (F.linear): TFLOP/s, and for small M the weight bytes read per second. Each time is one eager call:
    at small M a split-K weight (two Triton launches from Python) is bound by launch overhead here
    (seen on an H200: 0.11-0.14 ms for 20-60 us of reading), while the engine replays decode steps as
@@ -37,8 +37,8 @@ if str(REPO) not in sys.path:
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from kernels import bi_matmul as bim  # noqa: E402
-from kernels import prefill_attention as pa  # noqa: E402
+from pdkernels import bi_matmul as bim  # noqa: E402
+from pdkernels import prefill_attention as pa  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 128
 WINDOW = 1024

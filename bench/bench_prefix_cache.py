@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from kernels.page_copy import copy_units  # noqa: E402
+from pdkernels.page_copy import copy_units  # noqa: E402
 
 
 def _time_cuda(fn, reps: int = 10) -> float:

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kernels.copy_hash as ch  # noqa: E402
-from kernels.checksum_gpu import copy_segment, usable  # noqa: E402
+import pdkernels.copy_hash as ch  # noqa: E402
+from pdkernels.checksum_gpu import copy_segment, usable  # noqa: E402
 from transfer.ipc import TorchCudaIpc  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Attention over the paged KV pool and the SWA ring buffers.
 
 `paged_attention` stores the step's new K/V and attends. On CUDA (with Triton) every chunk of the
-step runs in one launch of kernels/prefill_attention.py, which reads keys in place from the pages and
+step runs in one launch of pdkernels/prefill_attention.py, which reads keys in place from the pages and
 rings; it is batch- and chunk-invariant by construction, so default and deterministic mode share it.
 In default mode only, a chunk may go through torch's SDPA instead (`_sdpa_chunk`); the step's other
 chunks still run in one Triton launch. By default ("fresh") that is a long chunk with nothing cached
@@ -110,7 +110,7 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: A
 @cache
 def _prefill_kernel() -> ModuleType | None:
     try:
-        from kernels import prefill_attention
+        from pdkernels import prefill_attention
     except ImportError:  # no triton
         return None
     return prefill_attention
@@ -141,7 +141,7 @@ def _flash_chunks(
     kern: ModuleType, ctx: ForwardContext, spec: AttnSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
     """The chunks that pay for it through torch's SDPA (`_sdpa_chunk`), the rest in one launch of
-    kernels/prefill_attention.py with keys read in place. Returns [tokens, heads, dim]."""
+    pdkernels/prefill_attention.py with keys read in place. Returns [tokens, heads, dim]."""
     chunks = ctx.chunks
     if not chunks:
         return torch.empty_like(q)

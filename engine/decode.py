@@ -11,7 +11,7 @@ views of that buffer, so a replay only needs the buffer refilled.
     | input ids [R] | positions [R] | context lens [R] | state slots [R] | block table [R, W] |
       a padded row: id 0, position 0, context len 0 (the kernels skip it), slot -1
 
-The attention reads K/V in place through kernels/decode_attention.py (full layers: pages through the
+The attention reads K/V in place through pdkernels/decode_attention.py (full layers: pages through the
 block table; sliding layers: the sequence's ring slot), storing the row's new K/V there as it goes.
 """
 
@@ -111,7 +111,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_slidi
                      window: int | None, scale: float, kv: KVCache, meta: DecodeMeta,
                      batch_invariant: bool = True) -> torch.Tensor:
     """Stores the rows' new K/V and attends over each row's cached keys, in one kernel pass. q: [rows, heads, dim]."""
-    from kernels.decode_attention import WIDE_SPLIT_TOKENS, paged_decode_attention
+    from pdkernels.decode_attention import WIDE_SPLIT_TOKENS, paged_decode_attention
 
     if is_sliding:
         assert window is not None

@@ -29,7 +29,7 @@ from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
-from kernels.page_copy import copy_units
+from pdkernels.page_copy import copy_units
 
 DEFAULT_CPU_KV_GB = 2.0
 DEFAULT_CPU_HICACHE_GB = 1.0

@@ -140,7 +140,7 @@ class SequenceExport:
     state: torch.Tensor | None
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the exporter took from its prefix cache
-    # The handoff checksum's sum of the pages' bytes (kernels/checksum.py's S), when the export
+    # The handoff checksum's sum of the pages' bytes (pdkernels/checksum.py's S), when the export
     # gather computed it on the way (CUDA): a 0-dim int64 device tensor, read by the sender. NOTE:
     # whoever changes pages after the export must set it to None.
     pages_sum: torch.Tensor | None = None

@@ -67,10 +67,10 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copies of the given pages, [n, num_full_layers, 2, block_size, kv_heads, head_dim], into out
         if given (else new memory), and, if with_checksum and the one-pass kernel runs here (CUDA),
-        the handoff checksum's sum of their bytes (kernels/checksum.py's S of the pages segment, a
+        the handoff checksum's sum of their bytes (pdkernels/checksum.py's S of the pages segment, a
         0-dim int64 device tensor, queued: no sync) computed in the same pass; else None."""
         if with_checksum and self.device.type == "cuda" and block_ids:
-            from kernels.checksum_gpu import gather_pages
+            from pdkernels.checksum_gpu import gather_pages
 
             if out is None:
                 out = torch.empty((len(block_ids), *self.pages.shape[1:]), dtype=self.pages.dtype, device=self.device)

@@ -9,7 +9,7 @@ rows share the call.
 
 On CUDA, after loading, `fuse_projections()` stacks q/k/v into one `qkv_proj` and gate/up into one
 `gate_up_proj` (one matrix-vector product each instead of three and two in a decode step), and the
-norms, rotary and SiLU-and-mul run as one Triton kernel each (kernels/fused_ops.py). Loading, the KV
+norms, rotary and SiLU-and-mul run as one Triton kernel each (pdkernels/fused_ops.py). Loading, the KV
 layout and everything outside the model are unchanged.
 """
 
@@ -35,14 +35,14 @@ PROBE_VOCAB_ROWS = 8192
 @cache
 def _fused_ops() -> ModuleType | None:
     try:
-        from kernels import fused_ops
+        from pdkernels import fused_ops
     except ImportError:  # no triton
         return None
     return fused_ops
 
 
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
-    """kernels.fused_ops when x is on CUDA and triton is there, else None (the torch code runs)."""
+    """pdkernels.fused_ops when x is on CUDA and triton is there, else None (the torch code runs)."""
     return _fused_ops() if x.is_cuda else None
 
 

@@ -9,9 +9,9 @@ after `probe_padded_is_invariant` has shown, on this machine and this model's ow
 that it gives bit-identical rows to TILED over a range of row counts; otherwise TILED.
 
 On CUDA (with Triton) deterministic mode is `BATCH_INVARIANT`: one call over the whole batch, with
-every matrix product routed to kernels/bi_matmul.py, whose arithmetic depends on the weight's shape
+every matrix product routed to pdkernels/bi_matmul.py, whose arithmetic depends on the weight's shape
 alone, never on the number of rows. The norms, rotary and activation there are one-program-per-row
-Triton kernels (kernels/fused_ops.py) and elementwise torch ops: invariant by construction. Any other
+Triton kernels (pdkernels/fused_ops.py) and elementwise torch ops: invariant by construction. Any other
 reduction inside a row function (a sum, a softmax) is refused rather than silently batch-dependent.
 """
 
@@ -34,7 +34,7 @@ class Numerics(enum.Enum):
     DEFAULT = "default"  # one call over the whole batch: fastest, not batch-invariant
     TILED = "tiled"  # fixed ROW_TILE-row calls: batch-invariant by construction
     PADDED = "padded"  # rows padded to a ROW_TILE multiple, one call: invariant where probed
-    BATCH_INVARIANT = "batch_invariant"  # CUDA: one call, matrix products through kernels/bi_matmul.py
+    BATCH_INVARIANT = "batch_invariant"  # CUDA: one call, matrix products through pdkernels/bi_matmul.py
 
     @property
     def is_deterministic(self) -> bool:
@@ -76,7 +76,7 @@ def probe_padded_is_invariant(
 @cache
 def _bi_kernels() -> Any | None:
     try:
-        from kernels import bi_matmul, fused_ops
+        from pdkernels import bi_matmul, fused_ops
     except ImportError:  # no triton
         return None
     return bi_matmul, fused_ops
@@ -104,7 +104,7 @@ _REFUSED = {
 
 
 class BatchInvariantOps(TorchFunctionMode):
-    """While active: F.linear and 2-D-weight matmuls run through kernels/bi_matmul.py; the reductions
+    """While active: F.linear and 2-D-weight matmuls run through pdkernels/bi_matmul.py; the reductions
     in _REFUSED raise. Everything else (elementwise ops, views, the Triton row kernels) runs as is."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -1,10 +1,10 @@
-"""The layers: kernels <- engine <- transfer <- pd <- bench (an arrow: "may be imported by").
+"""The layers: pdkernels <- engine <- transfer <- pd <- bench (an arrow: "may be imported by").
 
 Read from the source with ast (nothing is imported, so no import side effects and no GPU needed),
 every import counted, including those inside functions:
 - a module imports only from its own layer and the layers below it;
 - transfer/ imports from engine/ only engine.handoff, the boundary module, and that module's own
-  imports stay CUDA-free (no kernels, no model, loader or attention);
+  imports stay CUDA-free (no pdkernels, no model, loader or attention);
 - no import cycle among the project's modules.
 """
 
@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("kernels", "engine", "transfer", "pd", "bench")
+LAYERS = ("pdkernels", "engine", "transfer", "pd", "bench")
 BOUNDARY = "engine.handoff"
 BOUNDARY_MAY_IMPORT = {"engine.codec", "engine.errors", "engine.request"}
 
@@ -58,7 +58,7 @@ def _layer(module: str) -> int:
 
 
 def test_the_tree_is_seen() -> None:
-    assert {"engine.engine", "engine.handoff", "transfer.handoff", "pd.server", "kernels.checksum"} <= set(MODULES)
+    assert {"engine.engine", "engine.handoff", "transfer.handoff", "pd.server", "pdkernels.checksum"} <= set(MODULES)
     assert "engine.handoff" in GRAPH["transfer.handoff"]
 
 

@@ -1,14 +1,14 @@
-"""The handoff's payload checksum where the bytes are: the definition (kernels/checksum.py) in numpy on
-the CPU, in one Triton pass on a GPU where it has matched torch there (kernels/checksum_gpu.py), in
+"""The handoff's payload checksum where the bytes are: the definition (pdkernels/checksum.py) in numpy on
+the CPU, in one Triton pass on a GPU where it has matched torch there (pdkernels/checksum_gpu.py), in
 torch elsewhere. All compute the same value; tests check they agree bit for bit."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import checksum as definition
-from kernels import checksum_gpu
-from kernels.checksum import MASK64, as_words, fold
+from pdkernels import checksum as definition
+from pdkernels import checksum_gpu
+from pdkernels.checksum import MASK64, as_words, fold
 
 
 def segment_sum(words: torch.Tensor, first_chunk: int = 0) -> int:
@@ -17,7 +17,7 @@ def segment_sum(words: torch.Tensor, first_chunk: int = 0) -> int:
     The run must be whole chunks, except that the last chunk of a segment may be partial. On the
     CPU this runs in numpy, single-threaded, one cache-sized chunk at a time (about twice torch's
     speed there: lower per-op overhead, no thread-pool handoff); on CUDA in one pass through a Triton
-    kernel (kernels/checksum_gpu.py) where it has matched torch on that device; elsewhere in torch, 64
+    kernel (pdkernels/checksum_gpu.py) where it has matched torch on that device; elsewhere in torch, 64
     chunks per launch. All compute the same definition; tests check they agree bit for bit.
     """
     if words.numel() == 0:

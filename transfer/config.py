@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kernels.checksum import CHUNK_BYTES
+from pdkernels.checksum import CHUNK_BYTES
 
 TRANSPORT_NAMES = ("tcp", "nccl", "ipc")
 GiB = 1 << 30

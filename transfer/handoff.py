@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from engine.handoff import DTYPES, KVLayout, SamplingParams, SequenceExport, TokenLogprob, from_wire, to_wire
-from kernels.checksum import MASK64, as_words, fold
+from pdkernels.checksum import MASK64, as_words, fold
 from transfer.checksum import segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.handoff import DTYPES, dtype_name
-from kernels.checksum import MASK64, fold
+from pdkernels.checksum import MASK64, fold
 from transfer.config import TransferConfig
 from transfer.errors import TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader
@@ -190,7 +190,7 @@ class TorchCudaIpc:
     def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Copy:
         # NOTE: on the handoff's critical path: few torch calls (each costs microseconds of host time,
         # and the launch's Python is a sizeable part of a long sequence's copy: bench/RESULTS.md)
-        from kernels.checksum_gpu import copy_segment
+        from pdkernels.checksum_gpu import copy_segment
 
         device = dst[0].device
         stream = self._streams.get(device)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kernels.checksum import fold
+from pdkernels.checksum import fold
 from transfer.checksum import SegmentHasher
 from transfer.config import TransferConfig
 from transfer.errors import INCOMPLETE, HandoffError

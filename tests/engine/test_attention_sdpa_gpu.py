@@ -20,7 +20,7 @@ require_triton()
 if not torch.cuda.is_available():  # under TRITON_INTERPRET: the SDPA path needs CUDA (flash, bf16)
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-import kernels.prefill_attention as prefill_kernel  # noqa: E402
+import pdkernels.prefill_attention as prefill_kernel  # noqa: E402
 from engine import attention  # noqa: E402
 from engine.attention import AttnSpec, chunked_attention  # noqa: E402
 from engine.config import ForwardConfig  # noqa: E402

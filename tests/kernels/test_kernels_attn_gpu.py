@@ -1,4 +1,4 @@
-"""kernels/decode_attention.py against a float64 torch reference (skipped without CUDA).
+"""pdkernels/decode_attention.py against a float64 torch reference (skipped without CUDA).
 
 Inputs are random, outputs poisoned (NaN) before each run, pages a sequence does not own and page
 slots past its context are NaN too (a read past the context would poison the result). Layouts: shuffled
@@ -22,7 +22,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not (torch.cuda.is_available() or INTERPRET):
     pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1)", allow_module_level=True)
 
-from kernels.decode_attention import paged_decode_attention, store_decode_kv  # noqa: E402
+from pdkernels.decode_attention import paged_decode_attention, store_decode_kv  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,7 +105,7 @@ def test_paged_decode_matches_reference(heads: int, kv_heads: int, dim: int, blo
 
 
 def test_min_split_must_be_whole_tiles() -> None:
-    from kernels.decode_attention import BLOCK_N
+    from pdkernels.decode_attention import BLOCK_N
 
     q = torch.zeros(1, 4, 64, device=DEVICE, dtype=DTYPE)
     cache = torch.zeros(2, 1, 2, 16, 1, 64, device=DEVICE, dtype=DTYPE)

@@ -1,4 +1,4 @@
-"""Batch-invariant matmul (kernels/bi_matmul.py) against a float64 reference, and the property it
+"""Batch-invariant matmul (pdkernels/bi_matmul.py) against a float64 reference, and the property it
 exists for: a row's output bit-identical whatever the number of rows. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tests.gpu_support import DEVICE, DTYPE, INTERPRET, require_triton
 
 require_triton()
 
-from kernels.bi_matmul import MatmulConfig, bi_linear, bi_matmul, matmul_config  # noqa: E402
+from pdkernels.bi_matmul import MatmulConfig, bi_linear, bi_matmul, matmul_config  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 TOL = 1e-2 if DTYPE == torch.bfloat16 else 1e-5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.page_copy import _cuda_kernel, copy_units
+from pdkernels.page_copy import _cuda_kernel, copy_units
 
 pytestmark = [
     pytest.mark.cuda,

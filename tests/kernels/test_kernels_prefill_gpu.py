@@ -1,4 +1,4 @@
-"""Prefill attention kernel (kernels/prefill_attention.py) against a float64 torch reference, and its
+"""Prefill attention kernel (pdkernels/prefill_attention.py) against a float64 torch reference, and its
 batch and chunk invariance, bit for bit. Skipped without CUDA (with TRITON_INTERPRET=1 and triton
 installed it runs on the CPU in float32, slowly: a debugging aid, not part of the suite)."""
 
@@ -13,7 +13,7 @@ from tests.gpu_support import DEVICE, DTYPE, require_triton
 
 require_triton()
 
-from kernels.prefill_attention import chunk_meta, prefill_attention, tile_config  # noqa: E402
+from pdkernels.prefill_attention import chunk_meta, prefill_attention, tile_config  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

@@ -14,7 +14,7 @@ import torch
 
 from engine.handoff import KVLayout
 from engine.request import SamplingParams, TokenLogprob
-from kernels import checksum as ck
+from pdkernels import checksum as ck
 from tests.transfer.support import LAYOUT_SWA, make_export
 from transfer import auth
 from transfer import checksum as tc

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.handoff import KVLayout, SequenceExport
-from kernels.checksum import CHUNK_BYTES, GPU_GROUP_CHUNKS, fold
+from pdkernels.checksum import CHUNK_BYTES, GPU_GROUP_CHUNKS, fold
 from tests.transfer.support import TOKEN, Sink, make_export, receiver
 from transfer.checksum import SegmentHasher, payload_checksum
 from transfer.config import TransferConfig
@@ -77,7 +77,7 @@ def test_checksum_on_the_gpu_equals_the_cpu(nbytes: int) -> None:
 
 def test_the_one_pass_checksum_kernel_runs_here() -> None:
     pytest.importorskip("triton")
-    from kernels.checksum_gpu import usable
+    from pdkernels.checksum_gpu import usable
 
     assert usable(torch.device("cuda"))  # it built and matched the torch path (else: torch is used)
 
@@ -87,8 +87,8 @@ def test_fused_copy_hash_gathers_and_copies_like_torch() -> None:
     ipc receiver's copy, each against torch's copy and the torch checksum path; prints GB/s."""
     pytest.importorskip("triton")
     from engine.kv_cache import KVCache
-    from kernels.checksum import MASK64, as_words, torch_segment_sum
-    from kernels.checksum_gpu import copy_segment, usable
+    from pdkernels.checksum import MASK64, as_words, torch_segment_sum
+    from pdkernels.checksum_gpu import copy_segment, usable
 
     dev = torch.device("cuda")
     assert usable(dev)

@@ -1,4 +1,4 @@
-"""The payload checksum of kernels/checksum.py in one pass over GPU memory (kernels/copy_hash.py, Triton),
+"""The payload checksum of pdkernels/checksum.py in one pass over GPU memory (pdkernels/copy_hash.py, Triton),
 alone or fused with the copy that moves the bytes anyway.
 
 Why: the torch version runs the definition as five elementwise passes and a reduction, about ten
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kernels.checksum import (
+from pdkernels.checksum import (
     CHUNK_WORDS,
     MASK64,
     MUL,
@@ -36,7 +36,7 @@ from kernels.checksum import (
     signed64,
     torch_segment_sum,
 )
-from kernels.copy_hash import copy_hash
+from pdkernels.copy_hash import copy_hash
 
 log = logging.getLogger("transfer.checksum")
 _KEYS: dict[torch.device, torch.Tensor] = {}
