@@ -1,0 +1,337 @@
+"""The Kubernetes base (deploy/k8s/), checked offline: every resource against the Kubernetes schemas
+(kubernetes-validate's bundled ones, strict: an unknown or misspelled field fails), and against the
+servers themselves: each container's args parse as `pd.server` flags, its probes ask routes the server
+serves on the port it listens on, the Services reach those ports, the CE finds the PEs through the
+headless Service, and a pod's grace period covers the drain."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pd.config import ServerConfig
+from pd.coordinator import Coordinator
+from pd.server import make_app, make_prefill_app
+from transfer.auth import load_token
+
+K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+# The oldest Kubernetes the base is meant for (the preStop `sleep` action is on by default from 1.30)
+# and the newest whose schemas kubernetes-validate bundles.
+SCHEMA_VERSIONS = ("1.30", ".".join(kubernetes_validate.latest_version().split(".")[:2]))
+POD_IP = "10.1.2.3"  # stands for the downward API's status.podIP
+# The server stops its ranks after the drain; deploy/*.sh allow 15 s for that (45 s in all).
+RANK_STOP_S = 15
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _kustomization() -> dict[str, Any]:
+    return yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+
+
+def _resources() -> list[tuple[str, dict[str, Any]]]:
+    """(file, document) for every document of every file kustomization.yaml lists."""
+    found = []
+    for name in _kustomization()["resources"]:
+        for doc in yaml.safe_load_all((K8S_DIR / name).read_text()):
+            if doc is not None:
+                found.append((name, doc))
+    return found
+
+
+RESOURCES = _resources()
+
+
+def _of_kind(kind: str) -> list[dict[str, Any]]:
+    return [doc for _, doc in RESOURCES if doc["kind"] == kind]
+
+
+def _generated_config() -> dict[str, dict[str, str]]:
+    """ConfigMap name -> data, from the kustomization's configMapGenerator literals."""
+    maps: dict[str, dict[str, str]] = {}
+    for gen in _kustomization().get("configMapGenerator", []):
+        maps[gen["name"]] = dict(literal.split("=", 1) for literal in gen.get("literals", []))
+    return maps
+
+
+@dataclass(frozen=True)
+class Server:
+    """A pdserve container, with what its args say."""
+
+    workload: dict[str, Any]
+    container: dict[str, Any]
+    argv: list[str]  # the pd.server flags, $(VAR) references expanded
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload['kind']}/{self.workload['metadata']['name']}"
+
+    @property
+    def pod(self) -> dict[str, Any]:
+        return self.workload["spec"]["template"]
+
+    def parse(self) -> ServerConfig:
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr):
+                return ServerConfig.from_argv(self.argv)
+        except SystemExit:  # argparse: an unknown or misspelled flag, or a bad choice
+            pass
+        error = stderr.getvalue().strip().splitlines()[-1:]
+        pytest.fail(f"{self.name}: `python -m pd.server` refuses its flags {self.argv}: {error}")
+
+    def port_number(self, port: int | str) -> int:
+        """A probe's or Service's port: a number, or the name of one of the container's ports."""
+        if isinstance(port, int):
+            return port
+        named = {p["name"]: p["containerPort"] for p in self.container.get("ports", []) if "name" in p}
+        assert port in named, f"{self.name}: no container port named {port!r}"
+        return named[port]
+
+
+def _env_values(container: dict[str, Any]) -> dict[str, str]:
+    """What the container's $(VAR) references expand to (secrets are not expanded: args never need one)."""
+    maps = _generated_config()
+    values = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            values[var["name"]] = var["value"]
+        elif "fieldRef" in var.get("valueFrom", {}):
+            assert var["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", var
+            values[var["name"]] = POD_IP
+        elif "configMapKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["configMapKeyRef"]
+            assert ref["name"] in maps, f"{var['name']}: no ConfigMap {ref['name']!r} is generated"
+            assert ref["key"] in maps[ref["name"]], (
+                f"{var['name']}: ConfigMap {ref['name']} lacks {ref['key']!r}"
+            )
+            values[var["name"]] = maps[ref["name"]][ref["key"]]
+    return values
+
+
+def _expand(arg: str, values: dict[str, str]) -> str:
+    return ENV_REF.sub(lambda m: values[m.group(1)], arg)
+
+
+def _servers() -> list[Server]:
+    servers = []
+    for kind in WORKLOAD_KINDS:
+        for workload in _of_kind(kind):
+            for container in workload["spec"]["template"]["spec"]["containers"]:
+                command = container.get("command", []) + container.get("args", [])
+                if "pd.server" not in command:
+                    continue
+                assert command[:3] == ["python", "-m", "pd.server"], command
+                values = _env_values(container)
+                unknown = {m for arg in command for m in ENV_REF.findall(arg)} - set(values)
+                # Kubernetes leaves an undefined $(VAR) as it is: the server would get it literally.
+                assert not unknown, f"{container['name']}: args refer to undefined env {sorted(unknown)}"
+                argv = [_expand(arg, values) for arg in command[3:]]
+                servers.append(Server(workload, container, argv))
+    return servers
+
+
+SERVERS = _servers()
+
+
+def _by_role() -> dict[str, tuple[Server, ServerConfig]]:
+    """role -> the server of that role and its parsed config (the base has one of each)."""
+    parsed = [(server, server.parse()) for server in SERVERS]
+    roles = {cfg.role: (server, cfg) for server, cfg in parsed}
+    assert sorted(roles) == ["ce", "pe"] and len(parsed) == 2, [s.name for s in SERVERS]
+    return roles
+
+
+def _get_routes(cfg: ServerConfig) -> set[str]:
+    """The GET paths the server of this config serves (its app built, nothing started)."""
+    co = Coordinator(cfg)
+    app = make_prefill_app(co, b"0" * 32) if cfg.role == "pe" else make_app(co)
+    return {
+        route.resource.canonical for route in app.router.routes() if route.method == "GET" and route.resource
+    }
+
+
+def _selects(service: dict[str, Any], server: Server) -> bool:
+    labels = server.pod["metadata"].get("labels", {})
+    selector = service["spec"].get("selector", {})
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+# ---- the files ----------------------------------------------------------------------------------
+
+
+def test_every_manifest_is_listed() -> None:
+    listed = set(_kustomization()["resources"])
+    on_disk = {p.name for p in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk, "kustomization.yaml's resources and deploy/k8s/*.yaml differ"
+    assert any(image["name"] == "pdserve" for image in _kustomization()["images"])
+    images = {s.container["image"] for s in SERVERS}
+    assert images == {"pdserve"}, "containers name the image that kustomization.yaml's images: sets"
+
+
+def _schema_error(doc: dict[str, Any], version: str) -> str | None:
+    """Why doc does not match version's strict schema (an unknown field included), or None."""
+    try:
+        used = kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return f"{doc['kind']}/{doc['metadata']['name']} at {'.'.join(map(str, e.path))}: {e.message}"
+    assert used == version, f"validated against {used}, not {version}"
+    return None
+
+
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
+@pytest.mark.parametrize(
+    "source,doc", RESOURCES, ids=[f"{f}:{d['kind']}/{d['metadata']['name']}" for f, d in RESOURCES]
+)
+def test_resource_matches_the_kubernetes_schema(source: str, doc: dict[str, Any], version: str) -> None:
+    error = _schema_error(doc, version)
+    assert error is None, f"{source}: {error}"
+
+
+def test_the_schema_check_catches_a_misspelled_field() -> None:
+    """The check above can fail: strict schemas refuse an unknown field (here a typo in a probe)."""
+    broken = yaml.safe_load(yaml.safe_dump(SERVERS[0].workload))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["periodSecond"] = 5
+    error = _schema_error(broken, SCHEMA_VERSIONS[-1])
+    assert error is not None and "periodSecond" in error, error
+
+
+def test_kustomize_builds_the_base() -> None:
+    """Where kustomize is at hand: the base renders, the image is set, and the output is valid too."""
+    if shutil.which("kustomize"):
+        cmd = ["kustomize", "build", str(K8S_DIR)]
+    elif shutil.which("kubectl"):
+        cmd = ["kubectl", "kustomize", str(K8S_DIR)]
+    else:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    image = next(i for i in _kustomization()["images"] if i["name"] == "pdserve")
+    for doc in docs:
+        error = _schema_error(doc, SCHEMA_VERSIONS[-1])
+        assert error is None, f"{' '.join(cmd)}: {error}"
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve", doc["metadata"]
+        if doc["kind"] in WORKLOAD_KINDS:
+            for c in doc["spec"]["template"]["spec"]["containers"]:
+                assert c["image"] == f"{image['newName']}:{image['newTag']}"
+
+
+# ---- the servers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("server", SERVERS, ids=[s.name for s in SERVERS])
+def test_args_are_server_flags(server: Server) -> None:
+    cfg = server.parse()
+    assert cfg.host == "0.0.0.0", f"{server.name}: --host must be reachable from other pods"
+
+
+def test_one_pe_and_one_ce_serving_one_model() -> None:
+    roles = _by_role()
+    assert roles["pe"][1].engine.model == roles["ce"][1].engine.model
+    assert roles["pe"][0].workload["kind"] == "StatefulSet"
+    assert roles["ce"][0].workload["kind"] == "Deployment"
+
+
+def test_probes_ask_the_servers_routes_on_their_port() -> None:
+    for server, cfg in _by_role().values():
+        routes = _get_routes(cfg)
+        assert {"/health", "/health/live", "/health/ready"} <= routes, routes
+        c = server.container
+        expected = {"startupProbe": None, "readinessProbe": "/health/ready", "livenessProbe": "/health/live"}
+        for kind, path in expected.items():
+            probe = c[kind]["httpGet"]
+            assert probe["path"] in routes, f"{server.name}: {kind} asks {probe['path']}, not served"
+            assert path is None or probe["path"] == path, f"{server.name}: {kind} must ask {path}"
+            assert server.port_number(probe["port"]) == cfg.http_port, f"{server.name}: {kind} port"
+        startup = c["startupProbe"]
+        # Model fetch and load: give it longer than the server's own rank start timeout.
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= cfg.rank_start_timeout_s
+
+
+def test_container_ports_and_gpus_match_the_flags() -> None:
+    for server, cfg in _by_role().values():
+        ports = {p["containerPort"] for p in server.container["ports"]}
+        assert cfg.http_port in ports, f"{server.name}: container ports {ports} lack {cfg.http_port}"
+        if cfg.role == "ce":
+            kv_ports = {cfg.kv_port_base + rank for rank in range(cfg.dp)}
+            assert kv_ports <= ports, f"{server.name}: container ports {ports} lack the KV ports {kv_ports}"
+        resources = server.container["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == cfg.dp, f"{server.name}: one GPU per rank (--dp)"
+        assert resources["requests"]["nvidia.com/gpu"] == cfg.dp
+        assert {"cpu", "memory"} <= set(resources["requests"])
+        mounts = {m["mountPath"]: m["name"] for m in server.container["volumeMounts"]}
+        volumes = {v["name"]: v for v in server.pod["spec"]["volumes"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        home = next(v["value"] for v in server.container["env"] if v["name"] == "PDSERVE_HOME")
+        assert home in mounts, f"{server.name}: PDSERVE_HOME {home} is not a mounted volume"
+
+
+def test_the_ce_advertises_its_pod_ip_for_kv() -> None:
+    _, cfg = _by_role()["ce"]
+    assert cfg.kv_host == "0.0.0.0"
+    assert cfg.kv_advertise_host == POD_IP, "--kv-advertise-host must be $(POD_IP) (status.podIP)"
+
+
+def test_services_reach_the_servers_ports() -> None:
+    roles = _by_role()
+    for service in _of_kind("Service"):
+        targets = [(s, cfg) for s, cfg in roles.values() if _selects(service, s)]
+        assert len(targets) == 1, f"Service/{service['metadata']['name']} selects {len(targets)} servers"
+        server, cfg = targets[0]
+        for port in service["spec"]["ports"]:
+            target = server.port_number(port.get("targetPort", port["port"]))
+            assert target == cfg.http_port, f"Service/{service['metadata']['name']} targets {target}"
+    ce_service = [s for s in _of_kind("Service") if _selects(s, roles["ce"][0])]
+    assert [p["name"] for p in ce_service[0]["spec"]["ports"]] == ["http"]
+
+
+def test_the_ce_finds_the_pes_through_the_headless_service() -> None:
+    roles = _by_role()
+    pe, pe_cfg = roles["pe"]
+    headless = [s for s in _of_kind("Service") if s["spec"].get("clusterIP") == "None" and _selects(s, pe)]
+    assert len(headless) == 1, "the PEs need one headless Service (clusterIP: None)"
+    service = headless[0]
+    name = service["metadata"]["name"]
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == pe_cfg.http_port
+    assert pe.workload["kind"] != "StatefulSet" or pe.workload["spec"]["serviceName"] == name
+    urls = [urlsplit(u.strip()) for u in roles["ce"][1].prefill_url.split(",")]
+    dns = [u for u in urls if u.scheme == "dns+http"]
+    assert dns, f"--prefill-url {roles['ce'][1].prefill_url!r} has no dns+http:// entry"
+    for url in dns:
+        # The short name resolves in the pod's own namespace; a qualified one must name it too.
+        assert url.hostname is not None and url.hostname.split(".")[0] == name, url.geturl()
+        assert url.port == port["port"], url.geturl()
+
+
+def test_the_grace_period_covers_the_drain() -> None:
+    for server, cfg in _by_role().values():
+        pod = server.pod["spec"]
+        pre_stop = server.container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        needed = pre_stop + cfg.shutdown_timeout_s + RANK_STOP_S
+        assert pod["terminationGracePeriodSeconds"] >= needed, f"{server.name}: grace < {needed} s"
+
+
+def test_the_token_comes_from_the_secret_and_its_placeholder_is_refused() -> None:
+    (secret,) = [s for s in _of_kind("Secret") if s["metadata"]["name"] == "pdserve-cluster-token"]
+    keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
+    for server in SERVERS:
+        (var,) = [v for v in server.container["env"] if v["name"] == "PDSERVE_CLUSTER_TOKEN"]
+        ref = var["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == secret["metadata"]["name"] and ref["key"] in keys, f"{server.name}: {ref}"
+    # A base applied without replacing the placeholder must not start with a guessable token.
+    for value in secret.get("stringData", {}).values():
+        with pytest.raises(ValueError):
+            load_token(value)
