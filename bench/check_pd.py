@@ -7,9 +7,11 @@ count). Cases: short and long prompts, stop strings, seeded sampling, n > 1, max
 first token ends it), completions, streaming, multi-turn conversations (each turn carries the
 reference's previous answer to both, so a difference shows at the turn it happens), and
 --concurrency conversations at once. A model without a chat template gets the completions cases only.
-Prints one line per case and a summary; exits 1 on any difference or failed request.
+Prints one line per case and a summary; exits 1 on any difference or failed request. `--pd` may
+list several CEs of one cluster (comma-separated): the cases take them in turn.
 
     python bench/check_pd.py --ref http://127.0.0.1:8890 --pd http://127.0.0.1:8888
+    python bench/check_pd.py --ref http://127.0.0.1:8890 --pd http://127.0.0.4:8888,http://127.0.0.5:8888
 """
 
 from __future__ import annotations
@@ -429,7 +431,9 @@ def has_chat_template(client: Any, model: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/check_pd.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--ref", required=True, help="single-engine server URL (http://host:port)")
-    p.add_argument("--pd", required=True, help="P/D pair's CE URL (http://host:port)")
+    p.add_argument(
+        "--pd", required=True, help="the P/D CE's URL (http://host:port); several, comma-separated: in turn"
+    )
     p.add_argument("--model", default=None, help="default: the ref server's only model")
     p.add_argument("--concurrency", type=int, default=16, help="conversations at once in the concurrent case")
     p.add_argument("--max-tokens", type=int, default=24)
@@ -444,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             base_url=url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=args.timeout_s
         )
 
-    ref, pd = client(args.ref), client(args.pd)
+    pd_urls = [u.strip() for u in args.pd.split(",") if u.strip()]
+    ref, pds = client(args.ref), [client(u) for u in pd_urls]
     model = args.model or ref.models.list().data[0].id
     cases = completion_cases(args.concurrency, args.max_tokens)
     if has_chat_template(ref, model):
@@ -453,17 +458,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model} has no chat template: completions cases only")
     if args.only:
         cases = [c for c in cases if args.only in c[0]]
-    print(f"check_pd: {len(cases)} cases, model {model}\n  ref {args.ref}\n  pd  {args.pd}")
+    print(f"check_pd: {len(cases)} cases, model {model}\n  ref {args.ref}\n  pd  {', '.join(pd_urls)}")
     results = []
-    for name, run in cases:
+    for i, (name, run) in enumerate(cases):
         t0 = time.perf_counter()
         try:
-            r = run(ref, pd, model)
+            r = run(ref, pds[i % len(pds)], model)
         except Exception as e:  # a failed request is a failed check, reported like a difference
             r = CaseResult(name, error=f"{type(e).__name__}: {e}")
         results.append(r)
         status = "ok  " if r.ok else "DIFF" if r.diffs else "FAIL"
-        print(f"{status} {name:<45} {r.num_requests:>3} request(s) {time.perf_counter() - t0:6.1f} s")
+        via = f" via {pd_urls[i % len(pds)]}" if len(pds) > 1 else ""
+        print(f"{status} {name:<45} {r.num_requests:>3} request(s) {time.perf_counter() - t0:6.1f} s{via}")
         for d in r.diffs[:10]:
             print(f"       {d}")
         if r.error:

@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
-# The P/D pair: a prefill engine (PE) on one host, a decode engine + OpenAI coordinator (CE) on another.
+# The P/D cluster: prefill engines (PE) on some hosts, decode engines + OpenAI coordinators (CE) on others.
 #
-#   deploy/pd_run.sh start <pe-host> <ce-host> [--port P] [--pe-port P] [--kv-port-base P] [server flags]
-#   deploy/pd_run.sh stop <pe-host> <ce-host> [--port P] [--pe-port P]
-#   deploy/pd_run.sh status [<pe-host> <ce-host>] [--port P] [--pe-port P]
+#   deploy/pd_run.sh start <pe-hosts> <ce-hosts> [--port P] [--pe-port P] [--kv-port-base P] [server flags]
+#   deploy/pd_run.sh stop <pe-hosts> <ce-hosts> [--port P] [--pe-port P]
+#   deploy/pd_run.sh status [<pe-hosts> <ce-hosts>] [--port P] [--pe-port P]
 #
-# start runs `python -m pd.server --role pe` on pe-host (POST /prefill on --pe-port, 8889) and
-# `--role ce` on ce-host (OpenAI API on --port, 8888; KV receivers on --kv-port-base + rank, 8900+),
-# each in its own process group, waits for both /health/ready and prints the endpoint. It starts only
-# what is not running as it should: after a PE crash, running it again brings the PE back and leaves the
-# CE alone; a side with a rank down for good (its restart limit reached), or that does not answer
-# /health, is stopped and started anew. Server flags (--model, --dp, --deterministic, --max-model-len,
-# ...) go to both sides.
-# stop sends SIGTERM to each side's server (the CE first): it stops admitting requests, lets those in
-# flight finish (up to --shutdown-timeout, 30 s), stops its engine ranks and exits; whatever of its
-# process group is left after $PDSERVE_STOP_TIMEOUT_S (45 s) gets SIGKILL: no engine survives anywhere.
+# Hosts are comma-separated lists (one host each for a pair). start runs `python -m pd.server --role pe`
+# on every pe-host (POST /prefill on --pe-port, 8889) and `--role ce` on every ce-host (OpenAI API on
+# --port, 8888; KV receivers on --kv-port-base + rank, 8900+), each in its own process group, waits for
+# every /health/ready and prints the endpoints. Every CE is given every PE (--prefill-url a,b,...): it
+# picks a conversation's PE by rendezvous hashing, the same choice on every CE, so put any HTTP load
+# balancer in front of the CEs. start runs only what is not running as it should: after a crash, running
+# it again brings that server back and leaves the others alone; a server with a rank down for good (its
+# restart limit reached), or that does not answer /health, is stopped and started anew. Server flags
+# (--model, --dp, --deterministic, --pe-routing, ...) go to every server.
+# stop sends SIGTERM to each server (the CEs first): it stops admitting requests, lets those in flight
+# finish (up to --shutdown-timeout, 30 s), stops its engine ranks and exits; whatever of its process
+# group is left after $PDSERVE_STOP_TIMEOUT_S (45 s) gets SIGKILL: no engine survives anywhere.
+# status prints one row per server: host, role, port, pid, rank states, health, requests in flight.
 # A pid file is trusted only while it names a live pd.server of this user: one naming another process is
 # reported and never signalled (stop exits 1), one naming nothing is removed.
 #
-# Hosts: localhost or 127.x runs there locally; any other host through ssh, with the repository at the
-# same path (a host name starting with '-' is refused: ssh would read it as an option). A remote PE binds
-# pe-host (the CE's coordinator reaches it there); a remote CE binds its KV receivers to ce-host. Locally
-# everything binds 127.0.0.1, so the hosts are both local or both remote.
+# Hosts: localhost and 127.x.y.z run here: a 127.x.y.z server binds that address (so one machine stands
+# in for several hosts: 127.0.0.2,127.0.0.3 are two PE hosts), localhost binds 127.0.0.1. Any other host
+# is reached through ssh, with the repository at the same path (a host name starting with '-' is
+# refused: ssh would read it as an option); its PE binds the host's name, its CE's KV receivers too
+# (--host sets where a CE's OpenAI API binds, 127.0.0.1 by default there). Local and remote hosts do not
+# mix (a loopback address is out of another host's reach).
 # Cluster token: $PDSERVE_CLUSTER_TOKEN or $PDSERVE_CLUSTER_TOKEN_FILE if set, else RUN_DIR/cluster.token
-# (made once, mode 600, copied to a remote host's RUN_DIR). A token file that group or others may read
-# is refused, here and by the server (chmod 600 it). Logs and pid files: RUN_DIR (default run/, or
-# $PDSERVE_RUN_DIR) as pd-pe-PORT.{log,pid} and pd-ce-PORT.{log,pid}; deploy/server.sh's server-PORT.*
-# files are another name space, so a single-engine server runs beside the pair.
+# (made once, mode 600, copied to each remote host's RUN_DIR). A token file that group or others may
+# read is refused, here and by the server (chmod 600 it). Logs and pid files: RUN_DIR (default run/, or
+# $PDSERVE_RUN_DIR) as pd-pe-HOST-PORT.{log,pid} and pd-ce-HOST-PORT.{log,pid} (HOST: the address it
+# binds); deploy/server.sh's server-PORT.* files are another name space, so a single-engine server runs
+# beside the cluster.
 set -euo pipefail
 
 # shellcheck source=deploy/lib.sh
@@ -65,49 +71,82 @@ on() {
 
 # ---- internal commands (run on the host they concern) ----------------------------------------------
 
-# _start ROLE PORT URL [server flags]: starts one side unless it runs as it should (keep_running);
-# waits until it is ready.
+# _start ROLE HOST PORT URL [server flags]: starts one server unless it runs as it should (keep_running);
+# waits until it is ready. HOST (the host's address) names its files: pd-ROLE-HOST-PORT.*
 internal_start() {
-    local role="$1" port="$2" url="$3"; shift 3
-    local pidfile="$RUN_DIR/pd-$role-$port.pid"
+    local role="$1" bind="$2" port="$3" url="$4"; shift 4
+    local pidfile="$RUN_DIR/pd-$role-$bind-$port.pid"
     if keep_running "$role" "$port" "$pidfile" "$url"; then
-        echo "$role already running on port $port (pid $PIDFILE_PID): $url"
+        echo "$role already running on $bind:$port (pid $PIDFILE_PID): $url"
         return 0
     fi
-    start_server "the $role" "$pidfile" "$url" -- --role "$role" --port "$port" "$@"
+    start_server "the $role on $bind" "$pidfile" "$url" -- --role "$role" --port "$port" "$@"
     echo "$role ready: $url"
 }
 
-pidfiles() {  # pidfiles ROLE [PORT]: one a line (RUN_DIR may hold spaces: read them with mapfile)
-    if [ -n "${2:-}" ]; then
-        [ -f "$RUN_DIR/pd-$1-$2.pid" ] && echo "$RUN_DIR/pd-$1-$2.pid"
-    else
-        compgen -G "$RUN_DIR/pd-$1-*.pid" || true
-    fi
-    return 0
+pidfiles() {  # pidfiles ROLE [BIND [PORT]]: one a line (RUN_DIR may hold spaces: read them with mapfile)
+    compgen -G "$RUN_DIR/pd-$1-${2:-*}-${3:-*}.pid" || true
 }
 
-# _stop ROLE [PORT]: exit 1 when a pid file names a process that is not ours (left alone)
+# _stop ROLE BIND [PORT]: exit 1 when a pid file names a process that is not ours (left alone)
 internal_stop() {
     local -a files; local f rc=0
-    mapfile -t files < <(pidfiles "$1" "${2:-}")
+    mapfile -t files < <(pidfiles "$1" "$2" "${3:-}")
     if [ "${#files[@]}" -eq 0 ]; then
-        echo "no $1 running${2:+ on port $2} ($(hostname))"
+        echo "no $1 running on $2${3:+:$3} ($(hostname))"
         return 0
     fi
     for f in "${files[@]}"; do stop_pidfile "$f" || rc=1; done
     return "$rc"
 }
 
-# _status ROLE [PORT]: exit 3 when nothing runs
+# server_row URL: "RANKS HEALTH INFLIGHT" from URL/health (ranks: their states, comma-separated)
+server_row() {
+    "$PY" -c 'import json, sys, urllib.error, urllib.request
+try:
+    body = urllib.request.urlopen(sys.argv[1] + "/health", timeout=3).read()
+except urllib.error.HTTPError as e:
+    body = e.read()
+except OSError:
+    print("- no-answer -")
+    sys.exit(0)
+try:
+    h = json.loads(body)
+    ranks = h.get("ranks") or []
+    health = h["status"]
+    pes = h.get("prefill_engines")
+    if pes is not None:
+        health += "(pe:%d/%d)" % (sum(p["state"] == "up" for p in pes), len(pes))
+    print(",".join(r["state"] for r in ranks) or "-", health, sum(r.get("num_inflight", 0) for r in ranks))
+except (ValueError, KeyError, TypeError):
+    print("- bad-answer -")' "$1" 2>/dev/null
+}
+
+# _status ROLE BIND [PORT]: a row per server (BIND "*": every one here); exit 3 when none runs
 internal_status() {
-    local -a files; local any=0
-    mapfile -t files < <(pidfiles "$1" "${2:-}")
-    status_pidfiles "$1" "pd-$1-" ${files[@]+"${files[@]}"} || any=1
-    if [ "$any" -ne 0 ]; then
-        echo "no $1 running${2:+ on port $2} ($(hostname))"
-        return 3
-    fi
+    local -a files; local f rest host port url any=3
+    mapfile -t files < <(pidfiles "$1" "$2" "${3:-}")
+    for f in ${files[@]+"${files[@]}"}; do
+        rest="${f##*/pd-"$1"-}"
+        rest="${rest%.pid}"
+        host="${rest%-*}" port="${rest##*-}"
+        url="$(cat "${f%.pid}.url" 2>/dev/null || echo "http://$host:$port")"
+        pidfile_check "$f"
+        case "$PIDFILE_STATE" in
+            ours)
+                any=0
+                local ranks health inflight
+                read -r ranks health inflight <<<"$(server_row "$url")"
+                printf '%-16s %-4s %-6s %-8s %-12s %-16s %s\n' "$host" "$1" "$port" "$PIDFILE_PID" \
+                    "$ranks" "$health" "$inflight" ;;
+            foreign)
+                echo "$1 on $host:$port: foreign pid file: $(foreign_pidfile "$f")" ;;
+            *)
+                echo "$1 on $host:$port not running (stale pid file removed)"
+                remove_pidfile "$f" ;;
+        esac
+    done
+    return "$any"
 }
 
 # _token_file: prints the path of RUN_DIR/cluster.token, making it if missing (from stdin if given)
@@ -132,8 +171,8 @@ check_token_file() {  # check_token_file FILE: dies unless FILE is a token file 
     fi
 }
 
-parse_ports() {  # sets CE_PORT PE_PORT KV_BASE ARGS from "$@"
-    CE_PORT=8888 PE_PORT=8889 KV_BASE=8900 CE_HOST_BIND=127.0.0.1 ARGS=()
+parse_ports() {  # sets CE_PORT PE_PORT KV_BASE CE_HOST_BIND CE_HOST_SET ARGS from "$@"
+    CE_PORT=8888 PE_PORT=8889 KV_BASE=8900 CE_HOST_BIND=127.0.0.1 CE_HOST_SET="" ARGS=()
     while [ $# -gt 0 ]; do
         case "$1" in
             --port) CE_PORT="${2:?--port needs a value}"; shift 2 ;;
@@ -142,8 +181,8 @@ parse_ports() {  # sets CE_PORT PE_PORT KV_BASE ARGS from "$@"
             --pe-port=*) PE_PORT="${1#*=}"; shift ;;
             --kv-port-base) KV_BASE="${2:?--kv-port-base needs a value}"; shift 2 ;;
             --kv-port-base=*) KV_BASE="${1#*=}"; shift ;;
-            --host) CE_HOST_BIND="${2:?--host needs a value}"; shift 2 ;;
-            --host=*) CE_HOST_BIND="${1#*=}"; shift ;;
+            --host) CE_HOST_BIND="${2:?--host needs a value}" CE_HOST_SET=1; shift 2 ;;
+            --host=*) CE_HOST_BIND="${1#*=}" CE_HOST_SET=1; shift ;;
             --role|--role=*|--prefill-url|--prefill-url=*|--kv-host|--kv-host=*)
                 die "$1 is set by pd_run.sh itself" ;;
             -h|--help) usage 0 ;;
@@ -152,50 +191,113 @@ parse_ports() {  # sets CE_PORT PE_PORT KV_BASE ARGS from "$@"
     done
 }
 
+split_hosts() {  # split_hosts LIST NAME: sets array NAME to LIST's hosts (comma-separated), checked
+    local -n _out="$2"
+    local h
+    IFS=, read -r -a _out <<<"$1"
+    [ "${#_out[@]}" -gt 0 ] || die "empty host list"
+    for h in "${_out[@]}"; do check_host "$h"; done
+    [ "$(printf '%s\n' "${_out[@]}" | sort | uniq -d)" = "" ] || die "a host is named twice in '$1'"
+}
+
+bind_of() {  # bind_of HOST: the address a server on HOST binds (127.x.y.z itself; localhost: 127.0.0.1)
+    case "$1" in
+        127.*) echo "$1" ;;
+        localhost|::1) echo 127.0.0.1 ;;
+        *) echo "$1" ;;
+    esac
+}
+
+# parallel LABEL CMD...: runs `on HOST CMD...` for every host of HOSTS (an array set by the caller) at
+# once; prints each one's output (stdout, stderr) in order; fails if any failed.
+parallel() {
+    local tmp h i=0 rc=0
+    local -a pids=()
+    tmp="$(mktemp -d)"
+    for h in "${HOSTS[@]}"; do
+        "$@" "$h" >"$tmp/$i.out" 2>"$tmp/$i.err" &
+        pids+=($!)
+        i=$((i + 1))
+    done
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}" || rc=1
+        cat "$tmp/$i.out"
+        cat "$tmp/$i.err" >&2
+    done
+    rm -rf "$tmp"
+    return "$rc"
+}
+
+start_pe() {  # start_pe HOST
+    local bind
+    bind="$(bind_of "$1")"
+    on "$1" _start pe "$bind" "$PE_PORT" "http://$bind:$PE_PORT" --host "$bind" \
+        ${TOKEN_ARGS[@]+"${TOKEN_ARGS[@]}"} ${ARGS[@]+"${ARGS[@]}"}
+}
+
+start_ce() {  # start_ce HOST
+    local bind="$CE_HOST_BIND" kv_bind show
+    kv_bind="$(bind_of "$1")"
+    if is_local "$1" && [ -z "$CE_HOST_SET" ]; then bind="$kv_bind"; fi
+    show="$bind"
+    [ "$show" = "0.0.0.0" ] && show="$1"
+    [ "$show" = "localhost" ] && show=127.0.0.1
+    on "$1" _start ce "$kv_bind" "$CE_PORT" "http://$show:$CE_PORT" --host "$bind" --prefill-url "$PE_URLS" \
+        --kv-host "$kv_bind" --kv-port-base "$KV_BASE" ${TOKEN_ARGS[@]+"${TOKEN_ARGS[@]}"} ${ARGS[@]+"${ARGS[@]}"}
+}
+
+ce_endpoint() {  # ce_endpoint HOST: the CE's OpenAI endpoint as start printed it
+    local bind="$CE_HOST_BIND"
+    if is_local "$1" && [ -z "$CE_HOST_SET" ]; then bind="$(bind_of "$1")"; fi
+    [ "$bind" = "0.0.0.0" ] && bind="$1"
+    [ "$bind" = "localhost" ] && bind=127.0.0.1
+    echo "http://$bind:$CE_PORT/v1"
+}
+
 cmd_start() {
     [ $# -ge 2 ] || usage 2 >&2
-    local pe_host="$1" ce_host="$2"; shift 2
-    check_host "$pe_host"
-    check_host "$ce_host"
+    local -a pe_hosts ce_hosts
+    split_hosts "$1" pe_hosts
+    split_hosts "$2" ce_hosts
+    shift 2
     parse_ports "$@"
-    # A side bound to 127.0.0.1 is out of the other host's reach (it would dial its own loopback).
-    local pe_local=0 ce_local=0
-    is_local "$pe_host" && pe_local=1
-    is_local "$ce_host" && ce_local=1
-    [ "$pe_local" = "$ce_local" ] || die "start $pe_host $ce_host: one side on loopback, one remote;" \
-        "name this host by an address the other host reaches (it is then started through ssh)"
-    local pe_bind=127.0.0.1 kv_bind=127.0.0.1
-    is_local "$pe_host" || pe_bind="$pe_host"
-    is_local "$ce_host" || kv_bind="$ce_host"
-    local token_args=()
+    local h any_local=0 any_remote=0
+    for h in "${pe_hosts[@]}" "${ce_hosts[@]}"; do
+        if is_local "$h"; then any_local=1; else any_remote=1; fi
+    done
+    [ "$any_local" = 0 ] || [ "$any_remote" = 0 ] || die "start: hosts on loopback and remote ones do" \
+        "not mix; name this host by an address the others reach (it is then started through ssh)"
+    TOKEN_ARGS=()
     if [ -n "${PDSERVE_CLUSTER_TOKEN:-}" ]; then
         :  # the servers read it from their environment
     elif [ -n "${PDSERVE_CLUSTER_TOKEN_FILE:-}" ]; then
         # A remote side reads the file its own environment names: only a file here can be checked here.
-        if [ "$pe_local" = 1 ] || [ -e "$PDSERVE_CLUSTER_TOKEN_FILE" ]; then
+        if [ "$any_local" = 1 ] || [ -e "$PDSERVE_CLUSTER_TOKEN_FILE" ]; then
             check_token_file "$PDSERVE_CLUSTER_TOKEN_FILE"
         fi
     else
         local tf
         tf="$(internal_token)"
         check_token_file "$tf"
-        local h
-        for h in "$pe_host" "$ce_host"; do
+        for h in "${pe_hosts[@]}" "${ce_hosts[@]}"; do
             is_local "$h" || on "$h" _token --from-stdin <"$tf" >/dev/null
         done
-        token_args=(--cluster-token-file "$tf")
+        TOKEN_ARGS=(--cluster-token-file "$tf")
     fi
-    local pe_url="http://$pe_bind:$PE_PORT"
-    local show_host="$CE_HOST_BIND"
-    [ "$show_host" = "0.0.0.0" ] && show_host="$ce_host"
-    is_local "$show_host" && show_host=127.0.0.1
-    local ce_url="http://$show_host:$CE_PORT"
-    on "$pe_host" _start pe "$PE_PORT" "$pe_url" --host "$pe_bind" \
-        ${token_args[@]+"${token_args[@]}"} ${ARGS[@]+"${ARGS[@]}"}
-    on "$ce_host" _start ce "$CE_PORT" "$ce_url" --host "$CE_HOST_BIND" --prefill-url "$pe_url" \
-        --kv-host "$kv_bind" --kv-port-base "$KV_BASE" ${token_args[@]+"${token_args[@]}"} ${ARGS[@]+"${ARGS[@]}"}
-    echo "P/D pair ready: $ce_url/v1 (prefill on $pe_host:$PE_PORT, decode on $ce_host)"
-    echo "stop it with: deploy/pd_run.sh stop $pe_host $ce_host"
+    PE_URLS=""
+    for h in "${pe_hosts[@]}"; do PE_URLS+="${PE_URLS:+,}http://$(bind_of "$h"):$PE_PORT"; done
+    local -a HOSTS=("${pe_hosts[@]}")
+    parallel start_pe || die "a PE did not start (see above); the servers that did are left running"
+    HOSTS=("${ce_hosts[@]}")
+    parallel start_ce || die "a CE did not start (see above); the servers that did are left running"
+    local eps=""
+    for h in "${ce_hosts[@]}"; do eps+="${eps:+ }$(ce_endpoint "$h")"; done
+    if [ "${#pe_hosts[@]}" -eq 1 ] && [ "${#ce_hosts[@]}" -eq 1 ]; then
+        echo "P/D pair ready: $eps (prefill on ${pe_hosts[0]}:$PE_PORT, decode on ${ce_hosts[0]})"
+    else
+        echo "P/D cluster ready: ${#pe_hosts[@]} PE(s), ${#ce_hosts[@]} CE(s); OpenAI endpoints: $eps"
+    fi
+    echo "stop it with: deploy/pd_run.sh stop $1 $2"
 }
 
 parse_side_ports() {  # parse_side_ports COMMAND [--port P] [--pe-port P]: sets CE_PORT_ARG PE_PORT_ARG
@@ -209,30 +311,44 @@ parse_side_ports() {  # parse_side_ports COMMAND [--port P] [--pe-port P]: sets 
     done
 }
 
+stop_ce() { on "$1" _stop ce "$(bind_of "$1")" "$CE_PORT_ARG"; }
+stop_pe() { on "$1" _stop pe "$(bind_of "$1")" "$PE_PORT_ARG"; }
+
 cmd_stop() {
     [ $# -ge 2 ] || usage 2 >&2
-    local pe_host="$1" ce_host="$2"; shift 2
-    check_host "$pe_host"
-    check_host "$ce_host"
+    local -a pe_hosts ce_hosts
+    split_hosts "$1" pe_hosts
+    split_hosts "$2" ce_hosts
+    shift 2
     local CE_PORT_ARG="" PE_PORT_ARG=""
     parse_side_ports stop "$@"
-    # The CE first: it drains while the PE still serves its prefills.
+    # The CEs first: they drain while the PEs still serve their prefills.
     local rc=0
-    on "$ce_host" _stop ce "$CE_PORT_ARG" || rc=1
-    on "$pe_host" _stop pe "$PE_PORT_ARG" || rc=1
+    local -a HOSTS=("${ce_hosts[@]}")
+    parallel stop_ce || rc=1
+    HOSTS=("${pe_hosts[@]}")
+    parallel stop_pe || rc=1
     return "$rc"
 }
 
 cmd_status() {
-    local pe_host=localhost ce_host=localhost
-    if [ $# -ge 2 ] && [ "${1#-}" = "$1" ]; then pe_host="$1" ce_host="$2"; shift 2; fi
-    check_host "$pe_host"
-    check_host "$ce_host"
+    local -a pe_hosts=() ce_hosts=()
+    if [ $# -ge 2 ] && [ "${1#-}" = "$1" ]; then
+        split_hosts "$1" pe_hosts
+        split_hosts "$2" ce_hosts
+        shift 2
+    fi
     local CE_PORT_ARG="" PE_PORT_ARG=""
     parse_side_ports status "$@"
-    local rc=0
-    on "$pe_host" _status pe "$PE_PORT_ARG" || rc=3
-    on "$ce_host" _status ce "$CE_PORT_ARG" || rc=3
+    local rc=3 h
+    printf '%-16s %-4s %-6s %-8s %-12s %-16s %s\n' HOST ROLE PORT PID RANKS HEALTH INFLIGHT
+    if [ "${#pe_hosts[@]}" -eq 0 ]; then  # every server this RUN_DIR knows of, here
+        internal_status pe '*' "$PE_PORT_ARG" && rc=0
+        internal_status ce '*' "$CE_PORT_ARG" && rc=0
+        return "$rc"
+    fi
+    for h in "${pe_hosts[@]}"; do on "$h" _status pe "$(bind_of "$h")" "$PE_PORT_ARG" && rc=0; done
+    for h in "${ce_hosts[@]}"; do on "$h" _status ce "$(bind_of "$h")" "$CE_PORT_ARG" && rc=0; done
     return "$rc"
 }
 

@@ -265,11 +265,11 @@ class PDPair:
         self.pe.stop()
 
 
-def rank_metrics(port: int, rank: int = 0) -> dict[str, float]:
+def rank_metrics(port: int, rank: int = 0, host: str = "127.0.0.1") -> dict[str, float]:
     """One rank's samples from /metrics, other labels summed away: name -> value."""
     import re
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     pattern = rf'^(\w+)\{{(?:[^}}]*,)?rank="{rank}"(?:,[^}}]*)?\}} (\S+)$'
@@ -286,11 +286,11 @@ _PD_BUSY_GAUGES = (
 )
 
 
-def wait_idle(port: int, rank: int = 0, timeout_s: float = 20.0) -> dict[str, float]:
+def wait_idle(port: int, rank: int = 0, timeout_s: float = 20.0, host: str = "127.0.0.1") -> dict[str, float]:
     """Waits until the rank runs nothing and its KV pool is all free; returns its metrics then."""
     deadline = time.monotonic() + timeout_s
     while True:
-        m = rank_metrics(port, rank)
+        m = rank_metrics(port, rank, host)
         idle = m.get("pdserve_num_requests_running") == 0 and m.get("pdserve_num_requests_waiting") == 0
         free = m.get("pdserve_kv_free_blocks") == m.get("pdserve_kv_total_blocks")
         # P/D ranks: no reservation held or waiting, nothing committed, no handoff in flight

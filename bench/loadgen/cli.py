@@ -15,8 +15,11 @@ from .trace import Conversation, SyntheticSpec, read_trace, synthetic_trace, tra
 
 
 def chat_url(url: str) -> str:
-    """http://h:p, http://h:p/v1 or the full chat completions URL -> the full URL."""
-    url = url.rstrip("/")
+    """http://h:p, http://h:p/v1 or the full chat completions URL -> the full URL (each of a
+    comma-separated list: the CEs of one cluster, taken in turn)."""
+    if "," in url:
+        return ",".join(chat_url(u) for u in url.split(",") if u.strip())
+    url = url.strip().rstrip("/")
     if url.endswith("/chat/completions"):
         return url
     return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
@@ -25,7 +28,7 @@ def chat_url(url: str) -> str:
 def server_model(url: str) -> str:
     import urllib.request
 
-    base = chat_url(url).removesuffix("/chat/completions")
+    base = chat_url(url).split(",")[0].removesuffix("/chat/completions")
     with urllib.request.urlopen(base + "/models", timeout=30) as r:
         return str(json.loads(r.read())["data"][0]["id"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from .trace import Conversation, Turn
 
 @dataclass(frozen=True)
 class LoadConfig:
-    url: str  # the chat completions URL
+    url: str  # the chat completions URL; several, comma-separated: a conversation's turns take them in turn
     model: str
     concurrency: int | None = None  # concurrent conversations; None: no cap (rate only)
     request_rate: float | None = None  # new conversations per second (Poisson); None: all at once
@@ -115,6 +116,16 @@ class _Budget:
         return True
 
 
+def url_for(cfg: LoadConfig, rec: RequestRecord) -> str:
+    """The endpoint of a request: with several (the CEs of one cluster), a conversation starts at one
+    chosen by its name and each turn moves to the next, so consecutive turns land on different ones."""
+    urls = cfg.url.split(",")
+    if len(urls) == 1:
+        return urls[0]
+    start = int.from_bytes(hashlib.blake2b(rec.conversation.encode(), digest_size=4).digest(), "little")
+    return urls[(start + rec.turn) % len(urls)]
+
+
 async def _stream_one(
     session: Any, cfg: LoadConfig, messages: list[dict[str, Any]], rec: RequestRecord, t0: float
 ) -> str:
@@ -137,7 +148,9 @@ async def _stream_one(
     rec.start_s = start - t0
     last: float | None = None
     num_tokens = 0
-    async with session.post(cfg.url, json=body, timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
+    async with session.post(
+        url_for(cfg, rec), json=body, timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)
+    ) as resp:
         rec.http_status = resp.status
         if resp.status != 200:
             rec.status, rec.error = "error", f"HTTP {resp.status}: {(await resp.text())[:300]}"

@@ -372,6 +372,20 @@ def test_load_command_line_sweep(fake_in_thread, tmp_path: Path, capsys) -> None
     assert len(firsts) == 2
 
 
+def test_turns_of_a_conversation_move_between_the_endpoints_of_a_cluster() -> None:
+    from bench.loadgen import cli
+
+    urls = cli.chat_url("http://a:1, http://b:2/v1")
+    assert urls == "http://a:1/v1/chat/completions,http://b:2/v1/chat/completions"
+    cfg = runner.LoadConfig(urls, "m", concurrency=1)
+    turns = [runner.url_for(cfg, runner.RequestRecord("conv-1", t, "user", 4)) for t in range(4)]
+    assert turns[0] != turns[1] and turns[0] == turns[2] and turns[1] == turns[3]
+    firsts = {runner.url_for(cfg, runner.RequestRecord(f"c{i}", 0, "user", 4)) for i in range(20)}
+    assert firsts == set(urls.split(","))  # conversations start on either
+    one = runner.LoadConfig("http://a:1/v1/chat/completions", "m", concurrency=1)
+    assert runner.url_for(one, runner.RequestRecord("c", 3, "user", 4)) == one.url
+
+
 def test_compare_two_targets_side_by_side(fake_in_thread, tmp_path: Path) -> None:
     from bench import compare
     out = tmp_path / "cmp"

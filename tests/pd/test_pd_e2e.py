@@ -1,6 +1,6 @@
 """The P/D pair end to end (SmolLM2-135M, TCP handoff on loopback): a PE and a CE started on free ports
 next to a single-engine server, all --deterministic. The openai client against the CE; bench/check_pd.py
-against both (every case, streaming and 16 concurrent conversations included); the cluster token
+against both (every case, streaming and 8 concurrent conversations included); the cluster token
 required on /prefill and on the KV receiver; both pools back to idle afterwards."""
 
 from __future__ import annotations
@@ -93,11 +93,11 @@ def test_check_pd_every_case(servers, capsys):
 
 
 @pytest.mark.timeout(1800)
-def test_check_pd_16_concurrent_conversations(servers, capsys):
+def test_check_pd_8_concurrent_conversations(servers, capsys):
     ref, pair = servers
-    assert run_check_pd(ref, pair, "--concurrency", "16", "--only", "concurrent") == 0
+    assert run_check_pd(ref, pair, "--concurrency", "8", "--only", "concurrent") == 0
     out = capsys.readouterr().out
-    assert "16 concurrent conversations" in out and "16 concurrent completion conversations" in out
+    assert "8 concurrent conversations" in out and "8 concurrent completion conversations" in out
     wait_pair_idle(pair)
 
 

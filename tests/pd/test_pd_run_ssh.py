@@ -158,7 +158,8 @@ def test_pair_on_a_remote_host_through_ssh(
         assert m, r.stdout
         ce_url = m.group(1)
         groups = [
-            int((run_dir / f"pd-{side}-{port}.pid").read_text()) for side, port in (("pe", pe), ("ce", ce))
+            int((run_dir / f"pd-{side}-{bind}-{port}.pid").read_text())
+            for side, bind, port in (("pe", ip, pe), ("ce", ip, ce))
         ]
         # the PE and the KV receivers bind the remote address, the OpenAI API stays on loopback
         assert listening(pe) == {ip} and listening(kv) == {ip} and listening(ce) == {"127.0.0.1"}
@@ -176,10 +177,11 @@ def test_pair_on_a_remote_host_through_ssh(
         assert reply.choices[0].message.content
 
         st = pd_run("status", ip, ip, *ports, env=env)
-        assert st.returncode == 0 and "pe running" in st.stdout and "ce running" in st.stdout, st.stdout
-        assert [shlex.split(c)[2:5] for _, c in ssh_calls(log)[4:]] == [
-            ["_status", "pe", str(pe)],
-            ["_status", "ce", str(ce)],
+        rows = [line.split() for line in st.stdout.splitlines()[1:]]
+        assert st.returncode == 0 and [r[:3] for r in rows] == [[ip, "pe", str(pe)], [ip, "ce", str(ce)]]
+        assert [shlex.split(c)[2:6] for _, c in ssh_calls(log)[4:]] == [
+            ["_status", "pe", ip, str(pe)],
+            ["_status", "ce", ip, str(ce)],
         ]
 
         before = {g: group_members(g) for g in groups}

@@ -194,7 +194,7 @@ def test_a_pid_file_of_another_process_is_never_signalled(env: dict[str, str], o
         assert start.returncode == 1 and f"not starting pdserve on port {port}" in start.stderr, start.stderr
         assert not (run_dir(env) / f"server-{port}.log").exists()  # nothing was started
 
-        pd_pidfile = run_dir(env) / f"pd-ce-{port}.pid"
+        pd_pidfile = run_dir(env) / f"pd-ce-127.0.0.1-{port}.pid"
         pd_pidfile.write_text(f"{pid}\n")
         pd_stop = run("pd_run.sh", "stop", "localhost", "localhost", env=env)
         assert pd_stop.returncode == 1 and f"{pd_pidfile} holds pid {pid}" in pd_stop.stderr, pd_stop.stderr
