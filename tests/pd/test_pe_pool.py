@@ -180,3 +180,39 @@ async def test_dns_membership_follows_the_name(monkeypatch):
 async def test_dns_resolves_a_real_name():
     assert "127.0.0.1" in await pe_pool.resolve("localhost", 80)
     assert await pe_pool.resolve("127.0.0.7", 80) == ["127.0.0.7"]
+
+
+async def test_a_draining_pe_is_left_out_at_once():
+    """The PE's own app (pd.server.make_prefill_app; no engine ranks needed for this path) drains: its
+    /prefill answers 503 shutting_down and its /health says draining; the CE's client marks it
+    draining on the answer (before any probe) and the pool chooses the other PE."""
+    from aiohttp import web
+
+    from engine.request import SamplingParams
+    from pd.coordinator import Coordinator
+    from pd.messages import PrefillBody
+    from pd.prefill_client import PrefillFailed
+    from pd.server import make_prefill_app
+
+    co = Coordinator(ServerConfig(role="pe"))
+    runner = web.AppRunner(make_prefill_app(co, TOKEN))
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    pe = f"http://127.0.0.1:{port}"
+    pool, _ = await pool_of([pe, urls(1)[0]])
+    try:
+        client = pool.clients[pe]
+        body = PrefillBody("r-1", (1, 2, 3), SamplingParams(max_tokens=2), "127.0.0.1:1")
+        co.admission.drain()
+        with pytest.raises(PrefillFailed) as e:
+            await client.prefill(body)
+        assert e.value.status == 503 and e.value.code == "shutting_down"
+        assert client.state == "draining" and not client.is_up
+        key = next(k for k in (f"k{i}" for i in range(100)) if hrw_order(k, list(pool.clients))[0] == pe)
+        assert pool.choose(key)[0] is not client  # type: ignore[index]
+        assert await client._probe() == ("draining", "the prefill engine is shutting down")
+    finally:
+        await pool.stop()
+        await runner.cleanup()
+        await co.stop()
