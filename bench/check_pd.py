@@ -437,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default: the ref server's only model")
     p.add_argument("--concurrency", type=int, default=16, help="conversations at once in the concurrent case")
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--only", default=None, help="run only cases whose name contains this")
+    p.add_argument(
+        "--only", default=None, help="run only cases whose name contains this (or one of these, comma-separated)"
+    )
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
 
@@ -457,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{model} has no chat template: completions cases only")
     if args.only:
-        cases = [c for c in cases if args.only in c[0]]
+        wanted = [w for w in args.only.split(",") if w]
+        cases = [c for c in cases if any(w in c[0] for w in wanted)]
     print(f"check_pd: {len(cases)} cases, model {model}\n  ref {args.ref}\n  pd  {', '.join(pd_urls)}")
     results = []
     for i, (name, run) in enumerate(cases):

@@ -218,7 +218,7 @@ def test_one_local_one_remote_side_is_refused(
     env, run_dir, log = ssh_env
     hosts = ("localhost", ip) if local_side == "pe" else (ip, "127.0.0.1")
     r = pd_run("start", *hosts, "--port", str(free_port()), "--pe-port", str(free_port()), *FLAGS, env=env)
-    assert r.returncode != 0 and "one side on loopback, one remote" in r.stderr, r.stdout + r.stderr
+    assert r.returncode != 0 and "hosts on loopback and remote ones do not mix" in r.stderr, r.stdout + r.stderr
     assert not ssh_calls(log) and not list(run_dir.glob("*.pid"))
 
 
