@@ -257,8 +257,9 @@ ce_endpoint() {  # ce_endpoint HOST: the CE's OpenAI endpoint as start printed i
 cmd_start() {
     [ $# -ge 2 ] || usage 2 >&2
     local -a pe_hosts ce_hosts
-    split_hosts "$1" pe_hosts
-    split_hosts "$2" ce_hosts
+    local pe_list="$1" ce_list="$2"
+    split_hosts "$pe_list" pe_hosts
+    split_hosts "$ce_list" ce_hosts
     shift 2
     parse_ports "$@"
     local h any_local=0 any_remote=0
@@ -297,7 +298,7 @@ cmd_start() {
     else
         echo "P/D cluster ready: ${#pe_hosts[@]} PE(s), ${#ce_hosts[@]} CE(s); OpenAI endpoints: $eps"
     fi
-    echo "stop it with: deploy/pd_run.sh stop $1 $2"
+    echo "stop it with: deploy/pd_run.sh stop $pe_list $ce_list"
 }
 
 parse_side_ports() {  # parse_side_ports COMMAND [--port P] [--pe-port P]: sets CE_PORT_ARG PE_PORT_ARG

@@ -125,6 +125,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         assert r.returncode == 0, r.stdout + r.stderr
         endpoints = " ".join(f"{c.ce_url(h)}/v1" for h in CE_HOSTS)
         assert f"P/D cluster ready: 2 PE(s), 2 CE(s); OpenAI endpoints: {endpoints}" in r.stdout
+        assert f"stop it with: deploy/pd_run.sh stop {' '.join(c.hosts)}" in r.stdout
         token = run_dir / "cluster.token"
         assert token.stat().st_mode & 0o077 == 0
         yield c
