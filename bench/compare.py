@@ -22,8 +22,8 @@ Every run of a comparison starts its conversations with a marker of the target a
 tokens in front of the first user message), so no run hits prefix-cache entries an earlier run left.
 Writes into --out what bench/load.py writes (results.json with one run per target and load point,
 labelled `NAME c=4`, summary.txt, distributions.png, throughput.png, sweep.png with one line per
-target), compare.png (p90 TTFT, p90 ITL, p90 ITL of the gaps that overlap a long prefill, and output
-tokens/s, per target at each load point) and itl_timeline.png (at the highest load point, every
+target), compare.png (p50 and p90 TTFT, p90 ITL, p90 ITL of the gaps that overlap a long prefill,
+output tokens/s and the prefix-cache hit rate, per target at each load point) and itl_timeline.png (at the highest load point, every
 inter-token gap of each target against time, the long prefills shaded).
 """
 
@@ -80,17 +80,19 @@ def run_hook(cmd: str | None, what: str) -> None:
 
 
 def plot_compare(path: Path, series: dict[str, list[dict[str, Any]]]) -> Path:
-    """Grouped bars: p90 TTFT, p90 ITL (all gaps, and those overlapping a long prefill) and output
-    tokens/s of each target at each load point."""
+    """Grouped bars: p50 and p90 TTFT, p90 ITL (all gaps, and those overlapping a long prefill), output
+    tokens/s and the prefix-cache hit rate of each target at each load point."""
     plt = plots.pyplot()
     points = sorted({plots.load_of(r) for runs in series.values() for r in runs})
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    fig, axes = plt.subplots(1, 6, figsize=(22, 3.6))
     width = 0.8 / max(1, len(series))
     panels = (
+        ("TTFT p50 (ms)", lambda s: s["ttft_ms"]["p50"]),
         ("TTFT p90 (ms)", lambda s: s["ttft_ms"]["p90"]),
         ("inter-token gap p90 (ms)", lambda s: s["itl_ms"]["p90"]),
         ("gap p90 during long prefills (ms)", lambda s: s["itl_in_long_prefill_ms"]["p90"]),
         ("output tokens/s", lambda s: s["output_tokens_per_s"]),
+        ("prefix-cache hit rate (%)", lambda s: 100 * (s["prefix_cache_hit_rate"] or 0.0)),
     )
     for ax, (title, get) in zip(axes, panels):
         for k, (name, runs) in enumerate(series.items()):
