@@ -3,7 +3,8 @@
 
 Every case is sent to both; the outputs must be identical token for token (compared through the
 logprobs' token bytes where the API gives them, and always as text, finish reason and completion token
-count). Cases: short and long prompts, stop strings, seeded sampling, n > 1, max_tokens 1 (the PE's
+count). Cases: short and long prompts, stop strings, penalties, logit_bias, min_p and min_tokens,
+seeded sampling, n > 1, max_tokens 1 (the PE's
 first token ends it), completions, streaming, multi-turn conversations (each turn carries the
 reference's previous answer to both, so a difference shows at the turn it happens), and
 --concurrency conversations at once. A model without a chat template gets the completions cases only.
@@ -73,7 +74,7 @@ def _tokens(logprobs: Any) -> tuple[bytes, ...] | None:
 def _extra(kw: dict[str, Any]) -> dict[str, Any]:
     """Parameters the openai client does not know travel in extra_body."""
     kw = dict(kw)
-    for k in ("top_k", "ignore_eos", "prefix_cache"):
+    for k in ("top_k", "ignore_eos", "prefix_cache", "repetition_penalty", "min_p", "min_tokens"):
         if k in kw:
             kw.setdefault("extra_body", {})[k] = kw.pop(k)
     return kw
@@ -273,6 +274,29 @@ def chat_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]]:
             stop=[", four", "ten"],
         ),
         single(
+            "chat penalties",
+            "chat",
+            messages=user("Repeat the word 'echo' many times."),
+            max_tokens=m,
+            temperature=0,
+            presence_penalty=0.6,
+            frequency_penalty=0.8,
+            repetition_penalty=1.3,
+            logprobs=True,
+        ),
+        single(
+            "chat logit_bias, min_p and min_tokens",
+            "chat",
+            messages=user("Answer with one word: is the sky blue?"),
+            max_tokens=m,
+            temperature=0.8,
+            seed=99,
+            logit_bias={"13": -100, "28": 5},
+            min_p=0.05,
+            min_tokens=max(1, m - 2),
+            logprobs=True,
+        ),
+        single(
             "chat seeded sampling",
             "chat",
             messages=user(QUESTIONS[2]),
@@ -385,6 +409,19 @@ def completion_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]
             logprobs=0,
         ),
         single("completion stop", "completions", prompt="1, 2, 3,", max_tokens=m, temperature=0, stop=[" 7"]),
+        single(
+            "completion penalties and logit_bias",
+            "completions",
+            prompt="1, 2, 3, 1, 2, 3, 1, 2,",
+            max_tokens=m,
+            temperature=0,
+            frequency_penalty=1.0,
+            presence_penalty=0.5,
+            repetition_penalty=1.2,
+            logit_bias={"28": 3},
+            min_tokens=max(1, m - 1),
+            logprobs=0,
+        ),
         single(
             "completion max_tokens 1", "completions", prompt="Hello", max_tokens=1, temperature=0, logprobs=0
         ),

@@ -26,7 +26,7 @@ from engine.numerics import Numerics, batch_invariant_available, probe_padded_is
 from engine.prefix_cache import PrefixIndex
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
 from engine.runner import ModelRunner
-from engine.sampler import sample
+from engine.sampler import process_logits, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
 from pdkernels.page_copy import copy_units
@@ -212,6 +212,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]  # SamplingParams checked type and sign
         if bad:
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}); got {bad[:5]!r}", "stop_token_ids")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]!r}", "logit_bias")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -330,7 +333,11 @@ class LLMEngine:
         depends only on its own logits, seed and output index), so only the culprit fails."""
         try:
             tokens, logprobs = sample(
-                logits, [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs]
+                self._process(logits, seqs),
+                [s.params for s in seqs],
+                [s.seed for s in seqs],
+                [len(s.output_token_ids) for s in seqs],
+                logits,
             )
             return list(zip(tokens, logprobs))
         except Exception as e:
@@ -338,12 +345,24 @@ class LLMEngine:
         out: list[tuple[int, TokenLogprob | None] | Exception] = []
         for i, s in enumerate(seqs):
             try:
-                tokens, logprobs = sample(logits[i : i + 1], [s.params], [s.seed], [len(s.output_token_ids)])
+                row = logits[i : i + 1]
+                tokens, logprobs = sample(
+                    self._process(row, [s]), [s.params], [s.seed], [len(s.output_token_ids)], row
+                )
                 out.append((tokens[0], logprobs[0]))
             except Exception as e:
                 _raise_if_fatal(e)
                 out.append(e)
         return out
+
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        return process_logits(
+            logits,
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            self.eos_token_ids,
+        )
 
     def _admit(self, seq: Sequence) -> None:
         """The scheduler's on_admit: a failed prefix restore is remembered and fails seq in step()."""

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+LOGIT_BIAS_RANGE = 100.0
 MAX_SEED = 2**63 - 1  # a seed fits a 64-bit generator (torch.Generator.manual_seed) with room for step_seed
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy (as in vLLM): logits / 1e-40 overflow to inf
 
@@ -46,6 +48,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: chosen token's logprob plus the top N
+    # Logit processors, with OpenAI's and vLLM's meanings (engine/sampler.py applies them, batched):
+    presence_penalty: float = 0.0  # [-2, 2], subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2], times the token's count in the output
+    repetition_penalty: float = 1.0  # (0, 2]: a token in the prompt or output: logit / p if > 0, else * p
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
+    min_p: float = 0.0  # [0, 1]: tokens less likely than min_p times the likeliest are dropped (sampling)
+    min_tokens: int = 0  # EOS and stop_token_ids are barred until the output has this many tokens
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -67,10 +76,43 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}", "top_logprobs"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {v!r}", name)
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0.0 < rp <= 2.0:
+            raise InvalidRequestError(f"repetition_penalty must be a number in (0, 2], got {rp!r}", "repetition_penalty")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}", "min_p")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}",
+                "min_tokens",
+            )
+        lb = self.logit_bias
+        if not isinstance(lb, tuple) or len(lb) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        for entry in lb:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and _is_int(entry[0]) and entry[0] >= 0
+                    and _is_number(entry[1]) and abs(entry[1]) <= LOGIT_BIAS_RANGE):
+                raise InvalidRequestError(
+                    f"logit_bias maps token ids (integers >= 0) to numbers in [-100, 100], got {entry!r}", "logit_bias"
+                )
+        if len({t for t, _ in lb}) != len(lb):
+            raise InvalidRequestError("logit_bias names a token twice", "logit_bias")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits are changed before the choice (engine/sampler.py: process_logits)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            or self.min_tokens
+        )
 
 
 @dataclass(frozen=True)

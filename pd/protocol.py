@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from engine.request import MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
+from engine.request import MAX_LOGIT_BIAS, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 from pd.errors import bad_request
 
 MAX_N = 16
@@ -42,6 +42,12 @@ class SamplingFields:
     stream: bool
     include_usage: bool
     use_prefix_cache: bool
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def params(
         self, max_tokens: int, logprobs: int | None, choice: int, extra_stop: tuple[str, ...] = ()
@@ -58,6 +64,12 @@ class SamplingFields:
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
         )
 
 
@@ -131,18 +143,31 @@ def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = body.get(key)
-        if v is not None and (not _is_number(v) or v != 0):
-            raise bad_request(f"'{key}' is not supported (only 0)", key)
-    rp = body.get("repetition_penalty")
-    if rp is not None and (not _is_number(rp) or rp != 1):
-        raise bad_request("'repetition_penalty' is not supported (only 1)", "repetition_penalty")
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported", "logit_bias")
     rf = body.get("response_format")
     if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
         raise bad_request('\'response_format\' supports only {"type": "text"}', "response_format")
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (as strings; integers too) to a bias in [-100, 100]."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return ()
+    if not isinstance(lb, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    out: list[tuple[int, float]] = []
+    for key, bias in lb.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None or token > MAX_TOKEN_ID:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if not _is_number(bias) or abs(bias) > 100:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}", "logit_bias")
+        out.append((token, float(bias)))
+    if len({t for t, _ in out}) != len(out):
+        raise bad_request("'logit_bias' names a token twice", "logit_bias")
+    return tuple(sorted(out))
 
 
 def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> SamplingFields:
@@ -195,6 +220,12 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         stream=stream,
         include_usage=include_usage,
         use_prefix_cache=_bool(body, "prefix_cache", True),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        logit_bias=_logit_bias(body),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_tokens=_int(body, "min_tokens", 0, lo=0),
     )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from engine.codec import WireError, to_wire
 from engine.config import ForwardConfig
+from engine.errors import InvalidRequestError
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from pd.config import ServerConfig
 from pd.errors import ApiError
@@ -114,6 +115,36 @@ def test_chat_defaults_and_fields():
     )
 
 
+
+def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
+    for parse, body in (
+        (parse_chat_request, {"messages": USER}),
+        (parse_completion_request, {"prompt": "hi"}),
+    ):
+        r = parse(
+            {
+                **body,
+                "presence_penalty": -0.5,
+                "frequency_penalty": 1.5,
+                "repetition_penalty": 1.1,
+                "logit_bias": {"42": -100, "7": 2.5},
+                "min_p": 0.05,
+                "min_tokens": 3,
+            }
+        )
+        p = r.sampling.params(8, None, 0)
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == (
+            -0.5,
+            1.5,
+            1.1,
+            0.05,
+            3,
+        )
+        assert p.logit_bias == ((7, 2.5), (42, -100.0)) and p.has_penalties
+        with pytest.raises(InvalidRequestError, match="min_tokens"):  # more than max_tokens: a 400
+            r.sampling.params(2, None, 0)
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
@@ -165,8 +196,16 @@ def test_chat_defaults_and_fields():
             "tool_choice",
         ),
         ({"messages": USER, "prefix_cache": "no"}, "prefix_cache"),
-        ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
-        ({"messages": USER, "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
+        ({"messages": USER, "frequency_penalty": "1"}, "frequency_penalty"),
+        ({"messages": USER, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": USER, "min_p": 1.5}, "min_p"),
+        ({"messages": USER, "min_tokens": -1}, "min_tokens"),
+        ({"messages": USER, "logit_bias": [1, 5]}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"a": 5}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"1": 101}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"1": 1, "01": 2}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
