@@ -383,6 +383,23 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
+def parse_object(body: Any) -> dict[str, Any]:
+    """A request body that must be a JSON object (nesting checked)."""
+    return _object(body)
+
+
+def parse_model(body: dict[str, Any]) -> str | None:
+    return _model(body)
+
+
+def parse_token_ids(body: dict[str, Any], key: str, vocab_size: int) -> list[int]:
+    """body[key]: a list of token ids in [0, vocab_size)."""
+    ids = body.get(key)
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise bad_request(f"'{key}' must be an array of token ids in [0, {vocab_size})", key)
+    return ids
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     body = _object(body)
     model = _model(body)

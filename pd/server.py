@@ -37,10 +37,12 @@ from pd.prefill_auth import Verifier
 from pd.prefill_server import VERIFIER, prefill
 from pd.request_log import ACCESS_LOG_FORMAT, HEADER, REQUEST_ID, request_id_of
 from pd.request_log import install as install_logging
+from pd.tokenize_api import detokenize, tokenize, version
 
 log = logging.getLogger("pd.server")
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 REQUEST_ID_KEY = "request_id"
+KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: --api-key applies to them too
 LINGER_S = 1.0  # after an early answer (408, 413), the rest of a body is read and dropped this long
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -49,7 +51,8 @@ def _api_error_of(e: web.HTTPException) -> ApiError:
     if e.status == 404:
         return ApiError(
             404,
-            "not found: see /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics",
+            "not found: see /v1/models, /v1/chat/completions, /v1/completions, /tokenize, /detokenize, "
+            "/version, /health, /metrics",
             code="not_found",
         )
     if e.status == 405:
@@ -86,7 +89,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         request[REQUEST_ID_KEY] = request_id = request_id_of(request.headers.get(HEADER))
         REQUEST_ID.set(request_id)
-        if co.cfg.api_key is not None and request.path.startswith("/v1/"):
+        if co.cfg.api_key is not None and (request.path.startswith("/v1/") or request.path in KEYED_PATHS):
             _check_api_key(request, co.cfg.api_key)
         if _is_api(request.path) and request.method == "POST":
             co.admission.admit()
@@ -183,6 +186,9 @@ def make_app(co: Coordinator) -> web.Application:
     app.router.add_post("/v1/chat/completions", _handler(chat_completions))
     app.router.add_post("/v1/completions", _handler(completions))
     app.router.add_get("/v1/models/{model}", models)
+    app.router.add_post("/tokenize", _handler(tokenize))
+    app.router.add_post("/detokenize", _handler(detokenize))
+    app.router.add_get("/version", version)
     return app
 
 

@@ -289,3 +289,38 @@ def test_metrics_cover_the_requests(server):
     ):
         assert m[name] > 0, name
     assert m["pdserve_rank_up"] == 1.0
+
+
+def post_json(server, path: str, body: object) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_tokenize_detokenize_and_version(server, client, tokenizer):
+    text = "Paris is the capital of France."
+    status, t = post_json(server, "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert status == 200 and t["tokens"] == tokenizer(text)["input_ids"] and t["count"] == len(t["tokens"])
+    assert t["max_model_len"] == 2048 and len(t["token_strs"]) == t["count"]
+    status, d = post_json(server, "/detokenize", {"tokens": t["tokens"]})
+    assert status == 200 and d == {"prompt": text}
+    # a chat prompt counts what a chat request's usage says
+    messages = [{"role": "user", "content": "Hi there"}]
+    status, t = post_json(server, "/tokenize", {"messages": messages})
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert status == 200 and r.usage is not None and t["count"] == r.usage.prompt_tokens
+    for path, body, param in (
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ):
+        status, e = post_json(server, path, body)
+        assert status in (400, 404) and e["error"]["param"] == param, (path, body, e)
+    status, v = get_json(server.url + "/version")
+    assert status == 200 and v["version"]
