@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +37,16 @@ from transfer.errors import MESSAGE_CHARS, printable
 log = logging.getLogger("pd.prefill_client")
 HEALTH_EVERY_S = 2.0
 MAX_BACKOFF_S = 10.0
+KEEPALIVE_S = 2.0  # an idle pooled connection is closed here before the PE's --timeout-keep-alive (5 s)
+
+
+def _is_reset(e: BaseException) -> bool:
+    """A connection that broke under a request (not a refused one): the PE closed it, or died."""
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(e, (aiohttp.ClientOSError, ConnectionError)) and not isinstance(
+        e, aiohttp.ClientConnectorError
+    ) and getattr(e, "errno", None) in (errno.ECONNRESET, errno.EPIPE)
 
 
 class PrefillFailed(Exception):
@@ -79,7 +90,10 @@ class PrefillClient:
         return self.state == "up"
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(json_serialize=lambda o: orjson.dumps(o).decode())
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
+            json_serialize=lambda o: orjson.dumps(o).decode(),
+        )
         self._watch_task = asyncio.create_task(self._watch())
 
     async def stop(self) -> None:
@@ -104,29 +118,37 @@ class PrefillClient:
         """Raises PrefillFailed for anything but a completed handoff (or a request the PE finished)."""
         assert self._session is not None
         data = orjson.dumps(to_wire(body))
-        headers = {
-            "Authorization": sign(self._token, "POST", "/prefill", data),
-            "Content-Type": "application/json",
-            HEADER: REQUEST_ID.get(),
-        }
-        try:
-            async with self._session.post(
-                self.url + "/prefill", data=data, headers=headers, timeout=self.timeout, ssl=self._ssl
-            ) as r:
-                raw = await r.read()
-                status = r.status
-        except asyncio.TimeoutError:
-            self.last_error = "prefill_timeout"
-            raise PrefillFailed(
-                "prefill_timeout",
-                f"the prefill engine at {self.url} did not answer within {self.timeout.total} s",
-            ) from None
-        except (aiohttp.ClientError, OSError) as e:
-            self.last_error = f"{type(e).__name__}: {e}"
-            self._set("down", self.last_error)
-            raise PrefillFailed(
-                "pe_unreachable", f"the prefill engine at {self.url} is unreachable: {e}"
-            ) from None
+        for attempt in range(2):
+            headers = {  # signed anew each attempt: a signature's nonce is good once
+                "Authorization": sign(self._token, "POST", "/prefill", data),
+                "Content-Type": "application/json",
+                HEADER: REQUEST_ID.get(),
+            }
+            try:
+                async with self._session.post(
+                    self.url + "/prefill", data=data, headers=headers, timeout=self.timeout, ssl=self._ssl
+                ) as r:
+                    raw = await r.read()
+                    status = r.status
+                break
+            except asyncio.TimeoutError:
+                self.last_error = "prefill_timeout"
+                raise PrefillFailed(
+                    "prefill_timeout",
+                    f"the prefill engine at {self.url} did not answer within {self.timeout.total} s",
+                ) from None
+            except (aiohttp.ClientError, OSError) as e:
+                if attempt == 0 and _is_reset(e):
+                    # A pooled connection the PE closed (idle) just as it was reused: once more, anew.
+                    # A PE that did read the request dropped it with the connection (its handler is
+                    # cancelled), and a dead PE refuses the new connection.
+                    log.info("connection to %s was reset (%s); sending again", self.url, type(e).__name__)
+                    continue
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._set("down", self.last_error)
+                raise PrefillFailed(
+                    "pe_unreachable", f"the prefill engine at {self.url} is unreachable: {e}"
+                ) from None
         if status < 500:
             self._set("up", None)
         try:

@@ -216,3 +216,49 @@ async def test_a_draining_pe_is_left_out_at_once():
         await pool.stop()
         await runner.cleanup()
         await co.stop()
+
+
+async def test_a_reset_connection_is_sent_again_signed_anew():
+    """The PE closing a pooled connection as the CE reuses it shows as a reset: the client sends once
+    more on a new connection with a fresh signature (a nonce is good once). Here a loopback server
+    resets the first connection after reading the request and answers the second with a 400."""
+    import asyncio
+    import socket
+    import struct
+
+    from engine.request import SamplingParams
+    from pd.messages import PrefillBody
+    from pd.prefill_client import PrefillClient, PrefillFailed
+
+    auths: list[str] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        auths.append(next(v for k, _, v in (h.partition(": ") for h in lines) if k.lower() == "authorization"))
+        length = int(next(v for k, _, v in (h.partition(": ") for h in lines) if k.lower() == "content-length"))
+        await reader.readexactly(length)
+        if len(auths) == 1:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: RST
+            writer.transport.abort()
+            return
+        body = b'{"error": {"message": "bad", "type": "invalid_request_error", "code": "x"}}'
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n")
+        writer.write(f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = PrefillClient(f"http://127.0.0.1:{port}", TOKEN, 10.0)
+    await client.start()
+    client._watch_task.cancel()  # type: ignore[union-attr]
+    try:
+        with pytest.raises(PrefillFailed) as e:
+            await client.prefill(PrefillBody("r", (1, 2), SamplingParams(max_tokens=2), "127.0.0.1:1"))
+        assert e.value.status == 400 and len(auths) == 2 and auths[0] != auths[1]
+    finally:
+        await client.stop()
+        server.close()
+        await server.wait_closed()
