@@ -84,6 +84,7 @@ class PrefillPool:
         self._ssl_ca_certs = ssl_ca_certs
         self.clients: dict[str, PrefillClient] = {}  # by URL, in the order first seen
         self._retired: list[PrefillClient] = []  # gone from DNS, closed once nothing is in flight
+        self._closing: set[asyncio.Task[None]] = set()
         self._dns_task: asyncio.Task[None] | None = None
         self._turn = itertools.count()
         self.dns_error: str | None = None
@@ -164,7 +165,9 @@ class PrefillPool:
     def _close_retired(self) -> None:
         for c in [c for c in self._retired if c.num_inflight == 0]:
             self._retired.remove(c)
-            asyncio.get_running_loop().create_task(c.stop())
+            task = asyncio.get_running_loop().create_task(c.stop())
+            self._closing.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(self._closing.discard)
 
     async def _watch_dns(self) -> None:
         while True:
