@@ -61,6 +61,13 @@ class CaseResult:
         return not self.diffs and self.error is None
 
 
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "country": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["name", "country", "population"],
+}
+
+
 def _tokens(logprobs: Any) -> tuple[bytes, ...] | None:
     if logprobs is None:
         return None
@@ -74,7 +81,7 @@ def _tokens(logprobs: Any) -> tuple[bytes, ...] | None:
 def _extra(kw: dict[str, Any]) -> dict[str, Any]:
     """Parameters the openai client does not know travel in extra_body."""
     kw = dict(kw)
-    for k in ("top_k", "ignore_eos", "prefix_cache", "repetition_penalty", "min_p", "min_tokens"):
+    for k in ("top_k", "ignore_eos", "prefix_cache", "repetition_penalty", "min_p", "min_tokens", "structured_outputs"):
         if k in kw:
             kw.setdefault("extra_body", {})[k] = kw.pop(k)
     return kw
@@ -295,6 +302,34 @@ def chat_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]]:
             min_p=0.05,
             min_tokens=max(1, m - 2),
             logprobs=True,
+        ),
+        single(
+            "chat json_schema",
+            "chat",
+            messages=user("Describe a city as JSON: its name, country and population."),
+            max_tokens=m,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}},
+            logprobs=True,
+        ),
+        single(
+            "chat json_object seeded stream",
+            "chat",
+            True,
+            messages=user("Give a JSON object describing a cat."),
+            max_tokens=m,
+            temperature=0.9,
+            seed=5,
+            response_format={"type": "json_object"},
+            logprobs=True,
+        ),
+        single(
+            "chat regex",
+            "chat",
+            messages=user("What is a phone number?"),
+            max_tokens=m,
+            temperature=0,
+            structured_outputs={"regex": "[0-9]{3}-[0-9]{4}"},
         ),
         single(
             "chat seeded sampling",

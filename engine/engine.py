@@ -17,6 +17,7 @@ from engine.config import EngineConfig, EngineStats, MemoryPlan
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
 from engine.handoff_ledger import HandoffLedger
 from engine.kv_cache import KVCache, layout_of
@@ -53,6 +54,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype(self.device)
         self.tokenizer = _load_tokenizer(folder)
         self.eos_token_ids: set[int] = generation_eos_ids(folder, hf)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.max_model_len = config.max_model_len or min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.model = build_model(
             self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy", config.seed
@@ -215,6 +217,8 @@ class LLMEngine:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]!r}", "logit_bias")
+        if params.structured is not None:
+            self.grammars.check(params.structured)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -251,6 +255,8 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, time.monotonic())
         seq.use_prefix_cache = use_prefix_cache
         seq.is_prefill_only = prefill_only
+        if params.structured is not None:
+            seq.matcher = self.grammars.matcher(params.structured, [])
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(seq)
 
@@ -294,8 +300,8 @@ class LLMEngine:
         if not seqs:
             return outputs
         for seq in seqs:
-            if seq.num_computed == 0 and not seq.output_token_ids:
-                self.num_prompt_tokens_total += seq.num_prompt_tokens
+            if seq.num_computed == seq.num_cached_prompt and not seq.output_token_ids:  # its first chunk
+                self.num_prompt_tokens_total += seq.num_prompt_tokens  # cache hits included, as in vLLM
         try:
             sampled, logits = self.runner.run(seqs, num_new)
         except Exception as e:
@@ -356,13 +362,14 @@ class LLMEngine:
         return out
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        return process_logits(
+        processed = process_logits(
             logits,
             [s.params for s in seqs],
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             self.eos_token_ids,
         )
+        return mask_logits(processed, [s.matcher for s in seqs])
 
     def _admit(self, seq: Sequence) -> None:
         """The scheduler's on_admit: a failed prefix restore is remembered and fails seq in step()."""
@@ -398,6 +405,8 @@ class LLMEngine:
         if lp is not None:
             seq.output_logprobs.append(lp)
         self.num_generation_tokens_total += 1
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
         detok = self._detok[seq.request_id]
         detok.add(token)
         reason = self._finish_reason(seq, token, detok)
@@ -412,6 +421,8 @@ class LLMEngine:
             return "stop"
         if detok.stopped_by is not None:
             return "stop"
+        if seq.matcher is not None and seq.matcher.is_finished:
+            return "stop"  # the grammar is complete and nothing may follow
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -499,6 +510,8 @@ class LLMEngine:
         seq.output_logprobs = list(exp.output_logprobs)
         seq.num_computed = exp.num_computed
         seq.num_cached_prompt = exp.num_cached_tokens
+        if exp.params.structured is not None:  # the grammar's state: the handed-over tokens, replayed
+            seq.matcher = self.grammars.matcher(exp.params.structured, list(exp.output_token_ids))
         self.handoffs.import_(seq)
         try:
             if n_pages:

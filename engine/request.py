@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.errors import InvalidRequestError
 
@@ -26,6 +27,30 @@ def check_seed(seed: object, param: str = "seed") -> None:
     """A sampling seed: None (drawn by the engine) or an integer in [0, MAX_SEED]."""
     if seed is not None and not (_is_int(seed) and 0 <= seed <= MAX_SEED):  # type: ignore[operator]
         raise InvalidRequestError(f"{param} must be an integer in [0, {MAX_SEED}], got {seed!r}", param)
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_SPEC_CHARS = 1 << 20
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output (engine/grammar.py compiles it): `spec` is the JSON schema's text
+    (json_schema), "" (json_object: any JSON object), a regular expression (regex), a JSON array of the
+    allowed strings (choice), or a Lark or GBNF grammar (grammar). It travels with the request's
+    parameters, so a CE rebuilds the matcher from it and the tokens it was handed."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise InvalidRequestError(f"a structured output spec is a string of at most {MAX_STRUCTURED_SPEC_CHARS} characters")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(f"a {self.kind} structured output needs a non-empty spec")
 
 
 @dataclass(frozen=True)
@@ -55,6 +80,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
     min_p: float = 0.0  # [0, 1]: tokens less likely than min_p times the likeliest are dropped (sampling)
     min_tokens: int = 0  # EOS and stop_token_ids are barred until the output has this many tokens
+    structured: StructuredOutput | None = None  # the output follows this grammar (a token mask per step)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -101,6 +127,8 @@ class SamplingParams:
                 )
         if len({t for t, _ in lb}) != len(lb):
             raise InvalidRequestError("logit_bias names a token twice", "logit_bias")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError("structured must be a StructuredOutput", "response_format")
 
     @property
     def is_greedy(self) -> bool:

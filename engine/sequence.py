@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.grammar import Matcher
 
 
 class SeqStatus(enum.Enum):
@@ -34,6 +38,7 @@ class Sequence:
     use_prefix_cache: bool = True
     is_prefill_only: bool = False  # PE side of P/D: park after the first token instead of decoding
     cache_store_upto: int = 0  # prefill pauses at this page boundary so the cache can store it; 0: none
+    matcher: Matcher | None = None  # structured output: the grammar's state after the output so far
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output (without building the whole list every step)."""

@@ -14,6 +14,7 @@ from pd.http_io import json_response, usage
 from pd.prompt_renderer import RenderedPrompt
 from pd.protocol import ChatRequest, parse_chat_request
 from pd.rank_client import RankClient
+from pd.reasoning import ReasoningSplitter, Start, reasoning_parser, split_reasoning
 from pd.request_log import REQUEST_ID
 from pd.sse import stream_choices
 from pd.toolcalls import ParsedOutput, ToolStreamFilter, parse_forced_arguments
@@ -55,11 +56,21 @@ def parse_tool_output(co: Coordinator, req: ChatRequest, prefix: str, text: str)
     return co.renderer.tool_parser.parse(prefix + text)
 
 
+def reasoning_start(co: Coordinator, req: ChatRequest, rendered: RenderedPrompt) -> Start | None:
+    """How the answer starts for --reasoning-parser; None: no reasoning split off."""
+    parser = reasoning_parser(co.cfg.reasoning_parser)
+    if parser is None or rendered.assistant_prefix:  # a forced tool call: the answer is the call
+        return None
+    return parser.start(rendered.text, req.chat_template_kwargs)
+
+
 async def chat_completions(co: Coordinator, request: web.Request) -> web.StreamResponse:
     arrival_s = time.monotonic()
     req = parse_chat_request(await co.read_json(request))
     co.check_model(req.model)
-    rendered = await co.offload(co.renderer.render_chat, req.messages, req.tools, req.tool_choice)
+    rendered = await co.offload(
+        co.renderer.render_chat, req.messages, req.tools, req.tool_choice, req.chat_template_kwargs
+    )
     prompt = list(rendered.token_ids)
     max_tokens = co.max_tokens_for(len(prompt), req.sampling.max_tokens, "messages")
     rank = co.pick_rank(affinity_key(req))
@@ -90,15 +101,22 @@ async def _generate(
         for i in range(req.sampling.n)
     ]
     head = {"id": rid, "created": int(time.time()), "model": co.model_name}
+    start = reasoning_start(co, req, rendered)
     async with Generation(rank, co.metrics, arrival_s, co.pd, affinity_key(req)) as gen:
         await gen.submit(subs)
         if req.sampling.stream:
-            return await _stream(co, request, req, gen, head, len(prompt), rendered.assistant_prefix)
-        return await _whole(co, req, gen, head, len(prompt), rendered.assistant_prefix)
+            return await _stream(co, request, req, gen, head, len(prompt), rendered.assistant_prefix, start)
+        return await _whole(co, req, gen, head, len(prompt), rendered.assistant_prefix, start)
 
 
 async def _whole(
-    co: Coordinator, req: ChatRequest, gen: Generation, head: dict[str, Any], num_prompt: int, prefix: str
+    co: Coordinator,
+    req: ChatRequest,
+    gen: Generation,
+    head: dict[str, Any],
+    num_prompt: int,
+    prefix: str,
+    start: Start | None,
 ) -> web.Response:
     n = req.sampling.n
     texts = [""] * n
@@ -114,13 +132,20 @@ async def _whole(
             num_cached = max(num_cached, u.num_cached_tokens)
     choices = []
     for i in range(n):
-        message: dict[str, Any] = {"role": "assistant", "content": prefix + texts[i]}
+        reasoning, answer = split_reasoning(start, texts[i]) if start is not None else (None, texts[i])
+        content = prefix + answer
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content if reasoning is None else content or None,  # vLLM's: null after reasoning
+        }
+        if co.cfg.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning if req.include_reasoning else None
         reason = finish[i]
-        if req.uses_tools:
-            parsed = parse_tool_output(co, req, prefix, texts[i])
+        if req.uses_tools:  # tool calls are in the answer, never in the reasoning
+            parsed = parse_tool_output(co, req, prefix, answer)
             if parsed.tool_calls:
                 message = {
-                    "role": "assistant",
+                    **message,
                     "content": parsed.content,
                     "tool_calls": [c.to_openai() for c in parsed.tool_calls],
                 }
@@ -151,6 +176,7 @@ async def _stream(
     head: dict[str, Any],
     num_prompt: int,
     prefix: str,
+    start: Start | None,
 ) -> web.StreamResponse:
     n = req.sampling.n
     head = {**head, "object": "chat.completion.chunk"}
@@ -161,6 +187,7 @@ async def _stream(
     if filters:
         for f in filters:
             f.feed(prefix)
+    splitters = [ReasoningSplitter(start) for _ in range(n)] if start is not None else None
     is_started = [False] * n
     num_out = [0] * n
     num_cached = 0
@@ -172,8 +199,14 @@ async def _stream(
         if not is_started[i]:
             delta["role"] = "assistant"
             is_started[i] = True
-        text = filters[i].feed(u.text) if filters else u.text
         reason = u.finish_reason
+        reasoning, answer = splitters[i].feed(u.text) if splitters else ("", u.text)
+        if reason is not None and splitters:
+            more_reasoning, more_answer = splitters[i].finish()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        text = filters[i].feed(answer) if filters else answer
+        if reasoning and req.include_reasoning:
+            delta["reasoning_content"] = reasoning
         if reason is not None:
             num_out[i] = u.num_output_tokens
             num_cached = max(num_cached, u.num_cached_tokens)

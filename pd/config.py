@@ -10,6 +10,7 @@ codec (engine/codec.py), which refuses an unknown key.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import socket
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from pd.pe_targets import PE_ROUTING, parse_prefill_urls
+from pd.reasoning import REASONING_PARSERS
 from pd.restart_policy import RestartPolicy
-from pd.settings import from_flags, parser_for
+from pd.settings import add_config_flag, from_flags, parse_args, parser_for
 from transfer.config import TransferConfig
 
 DEFAULT_PORT = 8888
@@ -75,6 +77,15 @@ class ServerConfig:
     )
     chat_template: str | None = field(
         default=None, metadata={"help": "a Jinja file that replaces the checkpoint's chat template"}
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": "split the model's <think>...</think> from its chat answers into reasoning_content: "
+            "deepseek_r1 (the answer starts in thinking) | qwen3 (thinking when the answer starts with "
+            "<think>); default: no split",
+            "choices": REASONING_PARSERS,
+        },
     )
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "larger request bodies get 413"})
     rank_start_timeout_s: float = field(
@@ -220,6 +231,10 @@ class ServerConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
+            )
         if self.rank_restart_max < 0 or self.rank_restart_window_s <= 0:
             raise ValueError("--rank-restart-max must be >= 0 and --rank-restart-window-s > 0")
         if not 0 <= self.rank_restart_backoff_s <= self.rank_restart_max_backoff_s:
@@ -278,11 +293,32 @@ class ServerConfig:
         )
 
     @classmethod
-    def from_argv(cls, argv: list[str] | None = None) -> ServerConfig:
-        """The config the command line gives (argparse exits on an unknown or misspelled flag; a bad
-        value raises ValueError)."""
-        parser = parser_for(cls, "python -m pd.server", "pdserve OpenAI-compatible server")
-        cfg = from_flags(cls, parser.parse_args(argv))
+    def parser(
+        cls, prog: str = "python -m pd.server", is_model_positional: bool = False
+    ) -> argparse.ArgumentParser:
+        """The server's flags and --config; is_model_positional: `MODEL` may stand for --model MODEL
+        (`pdserve serve MODEL`)."""
+        parser = parser_for(cls, prog, "pdserve OpenAI-compatible server")
+        add_config_flag(parser)
+        if is_model_positional:
+            parser.add_argument(
+                "model_tag", nargs="?", metavar="MODEL", help="the model, as --model (wins over it)"
+            )
+        return parser
+
+    @classmethod
+    def from_argv(
+        cls,
+        argv: list[str] | None = None,
+        prog: str = "python -m pd.server",
+        is_model_positional: bool = False,
+    ) -> ServerConfig:
+        """The config the command line (and its --config file) gives (argparse exits on an unknown or
+        misspelled flag or config key; a bad value raises ValueError)."""
+        ns = parse_args(cls.parser(prog, is_model_positional), cls, argv)
+        if getattr(ns, "model_tag", None) is not None:
+            setattr(ns, "engine.model", ns.model_tag)
+        cfg = from_flags(cls, ns)
         if cfg.api_key is None and os.environ.get(API_KEY_ENV):
             cfg = dataclasses.replace(cfg, api_key=os.environ[API_KEY_ENV])
         return cfg

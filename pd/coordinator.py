@@ -50,7 +50,7 @@ class Coordinator:
         self.cfg = cfg
         self._renderer = None if tokenizer is None else self._make_renderer(tokenizer)
         self.router = make_router(cfg.routing)
-        self.metrics = ServerMetrics(self.snapshot)
+        self.metrics = ServerMetrics(self.snapshot, cfg.model_name)
         self.cluster_metrics = ClusterMetrics(self.metrics.registry) if cfg.is_pd else None
         self.pd: DisaggregatedPath | None = None  # the CE's P/D generation path (set by start)
         self.ranks: list[RankClient] = []

@@ -130,26 +130,27 @@ class Generation:
             )
 
     def _observe(self, rid: str, o: RequestOutput) -> None:
-        m, label, t = self.metrics, str(self.rank.index), self._timing[rid]
+        m, t = self.metrics, self._timing[rid]
+        labels = (m.model_name, str(self.rank.index))
         now = time.monotonic()
         n = len(o.new_token_ids)
         if n:
             if t.first_token_s is None:
                 t.first_token_s = now
-                m.ttft_s.labels(label).observe(now - self.arrival_s)
+                m.ttft_s.labels(*labels).observe(now - self.arrival_s)
                 queue_s = getattr(o, "queue_time_s", None)
                 if queue_s is not None:
-                    m.queue_s.labels(label).observe(queue_s)
+                    m.queue_s.labels(*labels).observe(queue_s)
                 if n > 1:
-                    m.itl_s.labels(label).observe(0.0)
+                    m.itl_s.labels(*labels).observe(0.0)
             else:
                 for _ in range(n):
-                    m.itl_s.labels(label).observe((now - t.last_s) / n)
+                    m.itl_s.labels(*labels).observe((now - t.last_s) / n)
             t.last_s = now
             t.num_tokens += n
         if o.is_finished:
-            m.e2e_s.labels(label).observe(now - self.arrival_s)
-            m.prompt_tokens.labels(label).inc(o.num_prompt_tokens)
-            m.cached_tokens.labels(label).inc(o.num_cached_tokens)
-            m.generation_tokens.labels(label).inc(o.num_output_tokens)
-            m.requests.labels(label, o.finish_reason or "unknown").inc()
+            m.e2e_s.labels(*labels).observe(now - self.arrival_s)
+            m.prompt_tokens.labels(*labels).inc(o.num_prompt_tokens)
+            m.cached_tokens.labels(*labels).inc(o.num_cached_tokens)
+            m.generation_tokens.labels(*labels).inc(o.num_output_tokens)
+            m.requests.labels(*labels, o.finish_reason or "unknown").inc()

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_REQUEST_LABELS = ["model_name", "rank"]  # model_name: the served name, as /v1/models lists it
 
 # engine stats with a name of their own; every other numeric field is exported as pdserve_engine_<field>
 _NAMED_STATS = {
@@ -69,48 +70,55 @@ class _RankCollector:
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], list[RankSnapshot]]) -> None:
+    """Request metrics are labelled with the served model's name, as vLLM's are, so one dashboard tells
+    deployments of different models apart."""
+
+    def __init__(self, snapshot: Callable[[], list[RankSnapshot]], model_name: str) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft_s = Histogram(
             "pdserve_time_to_first_token_seconds",
             "Arrival to first token",
-            ["rank"],
+            _REQUEST_LABELS,
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
         self.itl_s = Histogram(
             "pdserve_inter_token_latency_seconds",
             "Time between output tokens",
-            ["rank"],
+            _REQUEST_LABELS,
             buckets=_ITL_BUCKETS_S,
             registry=r,
         )
         self.e2e_s = Histogram(
             "pdserve_e2e_request_latency_seconds",
             "Arrival to last token",
-            ["rank"],
+            _REQUEST_LABELS,
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
         self.queue_s = Histogram(
             "pdserve_request_queue_time_seconds",
             "Arrival to the engine's first scheduling of the request",
-            ["rank"],
+            _REQUEST_LABELS,
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "pdserve_prompt_tokens", "Prompt tokens of finished requests", ["rank"], registry=r
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", _REQUEST_LABELS, registry=r
         )
         self.cached_tokens = Counter(
-            "pdserve_cached_prompt_tokens", "Prompt tokens served from the prefix cache", ["rank"], registry=r
+            "pdserve_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache",
+            _REQUEST_LABELS,
+            registry=r,
         )
         self.generation_tokens = Counter(
-            "pdserve_generation_tokens", "Generated tokens", ["rank"], registry=r
+            "pdserve_generation_tokens", "Generated tokens", _REQUEST_LABELS, registry=r
         )
         self.requests = Counter(
-            "pdserve_requests", "Finished engine requests", ["rank", "finish_reason"], registry=r
+            "pdserve_requests", "Finished engine requests", [*_REQUEST_LABELS, "finish_reason"], registry=r
         )
         self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
         r.register(_RankCollector(snapshot))  # type: ignore[arg-type]

@@ -178,7 +178,9 @@ class PrefillClient:
             ) from None
 
     def _set(self, state: str, error: str | None) -> None:
-        if state != self.state:
+        changed = state != self.state
+        self.state, self.error = state, error  # NOTE: before on_state, which reads the pool's states
+        if changed:
             (log.info if state == "up" else log.warning)(
                 "prefill engine %s is %s%s",
                 self.url,
@@ -190,7 +192,6 @@ class PrefillClient:
                 self.on_state(state == "up")
             if state != "up":
                 self._poke.set()  # probe again soon (with backoff) rather than at the next period
-        self.state, self.error = state, error
 
     async def _probe(self) -> tuple[str, str | None]:
         """(up | down | draining, why not up) from the PE's /health."""

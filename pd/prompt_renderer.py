@@ -76,7 +76,10 @@ class PromptRenderer:
         messages: tuple[dict[str, Any], ...],
         tools: tuple[dict[str, Any], ...] = (),
         tool_choice: Any = "auto",
+        template_kwargs: dict[str, Any] | None = None,
     ) -> RenderedPrompt:
+        """template_kwargs: more variables for the template (chat_template_kwargs; the caller keeps them
+        off the renderer's own arguments)."""
         if self.template is None:
             raise bad_request(
                 "this model has no chat template: use /v1/completions, or start the server with --chat-template FILE",
@@ -112,6 +115,7 @@ class PromptRenderer:
                 chat_template=self.template,
                 add_generation_prompt=True,
                 tokenize=False,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # jinja raises TemplateError (and the template's own raise_exception)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from e

@@ -1,19 +1,31 @@
 """OpenAI request bodies, checked and turned into typed requests. Every refusal is a 400 naming the field.
 
 Unknown fields are ignored (clients send many); known fields with a bad type or value are refused, and so
-are features the engine does not have (penalties, logit_bias, JSON mode) when asked for with a
-non-default value, rather than silently ignored.
+are features the engine does not have when asked for with a non-default value, rather than silently
+ignored.
+
+Structured outputs come as OpenAI's `response_format` (json_object, json_schema) or vLLM's
+`structured_outputs` extension ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}; its
+older spelling `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` too); one of them per
+request. The engine compiles the constraint: one it cannot compile is a 400 from there.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from engine.request import MAX_LOGIT_BIAS, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
+from engine.request import (
+    MAX_LOGIT_BIAS,
+    MAX_SEED,
+    MAX_STRUCTURED_SPEC_CHARS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    StructuredOutput,
+)
 from pd.errors import bad_request
 
 MAX_N = 16
@@ -23,6 +35,17 @@ MAX_SUBREQUESTS = 256  # prompts x n in one request
 MAX_TOKEN_ID = 2**31 - 1  # token ids are 32-bit (the handoff packs them as int32)
 MAX_DEPTH = 32  # JSON nesting in a body, tool schemas and tool-call arguments included
 ROLES = ("system", "developer", "user", "assistant", "tool")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the openai client's
+# The chat template renderer's own arguments (transformers' apply_chat_template and the variables it
+# sets): chat_template_kwargs may not name them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages", "conversation", "conversations", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+        "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+        "tokenizer_kwargs", "self",
+    }
+)  # fmt: skip
 _UNSET = object()
 
 
@@ -48,6 +71,7 @@ class SamplingFields:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def params(
         self, max_tokens: int, logprobs: int | None, choice: int, extra_stop: tuple[str, ...] = ()
@@ -70,6 +94,7 @@ class SamplingFields:
             logit_bias=self.logit_bias,
             min_p=self.min_p,
             min_tokens=self.min_tokens,
+            structured=self.structured,
         )
 
 
@@ -85,6 +110,9 @@ class ChatRequest:
     )  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     logprobs: int | None  # None: off; N: chosen token plus top N
     sampling: SamplingFields
+    # extra variables of the chat template: chat_template_kwargs, and reasoning_effort when given
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content (--reasoning-parser)
 
     @property
     def uses_tools(self) -> bool:
@@ -142,10 +170,90 @@ def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _spec(kind: str, value: Any, param: str) -> StructuredOutput:
+    """One structured_outputs entry (vLLM's names: json, regex, choice, grammar, json_object)."""
+    if kind == "json":
+        if isinstance(value, str):  # vLLM takes the schema as an object or as its JSON text
+            try:
+                value = orjson.loads(value)
+            except orjson.JSONDecodeError as e:
+                raise bad_request(f"'{param}' must be a JSON schema: {e}", param) from None
+        if not isinstance(value, dict):
+            raise bad_request(f"'{param}' must be a JSON schema (an object)", param)
+        check_depth(value, param)
+        return _structured("json_schema", orjson.dumps(value).decode(), param)
+    if kind == "json_object":
+        if value is not True:
+            raise bad_request(f"'{param}' must be true", param)
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise bad_request(f"'{param}' must be a non-empty array of non-empty strings", param)
+        return _structured("choice", orjson.dumps(value).decode(), param)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"'{param}' must be a non-empty string", param)
+    return _structured(kind, value, param)
+
+
+def _structured(kind: Any, spec: str, param: str) -> StructuredOutput:
+    if len(spec) > MAX_STRUCTURED_SPEC_CHARS:
+        raise bad_request(f"'{param}' is longer than {MAX_STRUCTURED_SPEC_CHARS} characters", param)
+    return StructuredOutput(kind, spec)
+
+
+def _response_format(body: dict[str, Any]) -> StructuredOutput | None:
     rf = body.get("response_format")
-    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
-        raise bad_request('\'response_format\' supports only {"type": "text"}', "response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise bad_request("'response_format' must be an object with a 'type'", "response_format")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise bad_request(
+                "'response_format.json_schema' must be an object with a 'schema' object", "response_format.json_schema"
+            )
+        if not isinstance(js.get("name", ""), str):
+            raise bad_request("'response_format.json_schema.name' must be a string", "response_format.json_schema.name")
+        return _spec("json", js["schema"], "response_format.json_schema.schema")
+    raise bad_request(
+        f"'response_format' type {kind!r} is not supported (text, json_object, json_schema)", "response_format.type"
+    )
+
+
+def _structured_output(body: dict[str, Any]) -> StructuredOutput | None:
+    """The request's one constraint, from response_format or structured_outputs (or guided_*)."""
+    found: list[tuple[str, StructuredOutput]] = []
+    rf = _response_format(body)
+    if rf is not None:
+        found.append(("response_format", rf))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("'structured_outputs' must be an object", "structured_outputs")
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise bad_request(
+                f"'structured_outputs' does not take {unknown} (json, regex, choice, grammar, json_object)",
+                "structured_outputs",
+            )
+        for k, v in so.items():
+            if v is not None and v is not False:
+                found.append((f"structured_outputs.{k}", _spec(k, v, f"structured_outputs.{k}")))
+    for key, kind in _GUIDED.items():
+        if body.get(key) is not None:
+            found.append((key, _spec(kind, body[key], key)))
+    if len(found) > 1:
+        raise bad_request(f"give one structured output, not {[k for k, _ in found]}", found[1][0])
+    return found[0][1] if found else None
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -171,7 +279,6 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
 
 
 def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> SamplingFields:
-    _refuse_unsupported(body)
     max_tokens = None
     for key in max_tokens_keys:  # later keys win: max_completion_tokens over the deprecated max_tokens
         max_tokens = _int(body, key, max_tokens, lo=1)
@@ -226,6 +333,7 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         logit_bias=_logit_bias(body),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         min_tokens=_int(body, "min_tokens", 0, lo=0),
+        structured=_structured_output(body),
     )
 
 
@@ -246,11 +354,15 @@ def _content(v: Any, param: str, nullable: bool) -> str | None:
     if isinstance(v, list):
         texts = []
         for j, part in enumerate(v):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise bad_request(
+                    f"'{param}[{j}]' is a {kind!r} part: this server serves text-only models, and takes "
+                    'text parts ({"type": "text", "text": ...}) only',
+                    param,
+                    code="unsupported_content",
+                )
+            if not isinstance(part, dict) or kind != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(
                     f'\'{param}[{j}]\' must be a text part {{"type": "text", "text": ...}}', param
                 )
@@ -400,6 +512,43 @@ def parse_token_ids(body: dict[str, Any], key: str, vocab_size: int) -> list[int
     return ids
 
 
+def _refuse_media(body: dict[str, Any]) -> None:
+    """Audio output and modalities other than text: this server serves text-only models."""
+    if body.get("audio") is not None:
+        raise bad_request("'audio' output is not supported: this server serves text-only models", "audio")
+    modalities = body.get("modalities")
+    if modalities is None:
+        return
+    if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+        raise bad_request("'modalities' must be an array of strings", "modalities")
+    other = [m for m in modalities if m != "text"]
+    if other:
+        raise bad_request(f"'modalities' supports only \"text\", got {other}", "modalities")
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs (vLLM's), checked, with reasoning_effort (OpenAI's) added when given."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        kw = {}
+    if not isinstance(kw, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    clash = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kw))
+    if clash:
+        raise bad_request(
+            f"'chat_template_kwargs' may not set {clash}: the server sets them itself", "chat_template_kwargs"
+        )
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(
+                f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                "reasoning_effort",
+            )
+        kw = {**kw, "reasoning_effort": effort}
+    return dict(kw)
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     body = _object(body)
     model = _model(body)
@@ -410,7 +559,17 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if top is not None and not want_logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     tools, tool_choice = _tools(body)
-    return ChatRequest(model, messages, tools, tool_choice, (top or 0) if want_logprobs else None, sampling)
+    _refuse_media(body)
+    return ChatRequest(
+        model,
+        messages,
+        tools,
+        tool_choice,
+        (top or 0) if want_logprobs else None,
+        sampling,
+        _template_kwargs(body),
+        _bool(body, "include_reasoning", True),
+    )
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

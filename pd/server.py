@@ -185,7 +185,7 @@ def make_app(co: Coordinator) -> web.Application:
     app = _base_app(co)
     app.router.add_post("/v1/chat/completions", _handler(chat_completions))
     app.router.add_post("/v1/completions", _handler(completions))
-    app.router.add_get("/v1/models/{model}", models)
+    app.router.add_get("/v1/models/{model:.+}", models)  # served names may have a slash (org/name)
     app.router.add_post("/tokenize", _handler(tokenize))
     app.router.add_post("/detokenize", _handler(detokenize))
     app.router.add_get("/version", version)
@@ -287,9 +287,12 @@ async def _drain(co: Coordinator, timeout_s: float, stop: asyncio.Event) -> None
         log.warning("stopping with %d request(s) still in flight", co.admission.num_inflight)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None, prog: str = "python -m pd.server", is_model_positional: bool = False
+) -> int:
+    """Serves until stopped; the exit status. `pdserve serve MODEL` is this with is_model_positional."""
     try:
-        cfg = ServerConfig.from_argv(argv)
+        cfg = ServerConfig.from_argv(argv, prog, is_model_positional)
     except ValueError as e:
         print(f"pd.server: {e}", file=sys.stderr)
         return 2

@@ -14,16 +14,25 @@ Metadata keys:
 
 Types: bool (--x / --no-x), int, float, str, X | None (None only as the default), tuple[X, ...]
 (comma-separated on the command line).
+
+`--config FILE.yaml` (add_config_flag, parse_args): a YAML map of flag names to values, as vLLM's:
+`max-model-len: 2048` or `max_model_len: 2048` (a leading `--` allowed), `deterministic: true` for
+--deterministic, `accept-transports: [tcp, ipc]` for a tuple. The file's values become the parser's
+defaults, so flags on the command line win. A key that names no flag is an error.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar, Union
+
+import yaml
 
 T = TypeVar("T")
 SCALARS = (bool, int, float, str)
@@ -158,3 +167,83 @@ def parser_for(cls: type, prog: str, description: str) -> argparse.ArgumentParse
     )
     add_flags(p, cls)
     return p
+
+
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    """Adds --config FILE.yaml; parse_args reads it."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=None,
+        help="a YAML map of flag names to values (max-model-len: 2048); flags on the command line win",
+    )
+
+
+def parse_args(parser: argparse.ArgumentParser, cls: type, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parser.parse_args(argv) with the values of its --config file (add_config_flag) as the defaults of
+    cls's flags; a bad file exits as a bad flag does (parser.error)."""
+    ns = parser.parse_args(argv)
+    if ns.config is not None:
+        try:
+            parser.set_defaults(**config_defaults(cls, Path(ns.config)))
+        except (OSError, yaml.YAMLError, ValueError) as e:
+            parser.error(f"--config {ns.config}: {e}")
+        ns = parser.parse_args(argv)  # NOTE: again, so the command line's values replace the file's
+    return ns
+
+
+def config_defaults(cls: type, path: Path) -> dict[str, Any]:
+    """The settings a YAML config file gives, by dest ("engine.max_model_len"); a ValueError names a key
+    that is no flag of cls, one given twice, or a value of the wrong type."""
+    doc = yaml.safe_load(path.read_text())
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ValueError("expected a map of flag names to values")
+    by_name = {name[2:]: f for f in flags(cls) for name in f.names}
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = str(key).removeprefix("--").replace("_", "-")
+        f = by_name.get(name)
+        if f is None:
+            near = difflib.get_close_matches(name, by_name, n=1)
+            raise ValueError(f"unknown key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        if f.dest in out:
+            raise ValueError(f"{key!r} sets {f.names[0]} a second time")
+        out[f.dest] = _config_value(f, key, value)
+    return out
+
+
+def _config_value(f: Flag, key: Any, value: Any) -> Any:
+    """value (as YAML parsed it) as the flag's type, its choices checked."""
+    if value is None:
+        if f.default is None:
+            return None
+        raise ValueError(f"{key!r}: {f.names[0]} takes no null")
+    try:
+        if f.is_tuple:
+            items = value if isinstance(value, list) else str(value).split(",")
+            return _items(f.kind, f.choices)(",".join(str(_scalar(f.kind, v)) for v in items))
+        out = _scalar(f.kind, value)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+        raise ValueError(f"{key!r}: {e}") from None
+    if f.choices is not None and out not in f.choices:
+        raise ValueError(f"{key!r}: {out!r} not among {list(f.choices)}")
+    return out
+
+
+def _scalar(kind: type, value: Any) -> Any:
+    """value as kind: YAML's bool for a bool only; a number for a number (from its text too) or a str."""
+    if kind is bool or isinstance(value, bool):
+        if kind is bool and isinstance(value, bool):
+            return value
+        raise TypeError(f"expected {kind.__name__}, got {value!r}")
+    if isinstance(value, str) and kind is not str:
+        return kind(value.strip())
+    if kind is str and isinstance(value, (str, int, float)):
+        return str(value)
+    if kind is float and isinstance(value, (int, float)):
+        return float(value)
+    if kind is int and isinstance(value, int):
+        return value
+    raise TypeError(f"expected {kind.__name__}, got {value!r}")

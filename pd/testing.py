@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -51,8 +52,11 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         port: int | None = None,
         ssl_ca: str | None = None,
+        command: Sequence[str] = (sys.executable, "-m", "pd.server"),
     ) -> None:
-        """ssl_ca: the server serves https (its --ssl-certfile is in args), verified with this CA file."""
+        """ssl_ca: the server serves https (its --ssl-certfile is in args), verified with this CA file;
+        command: what runs, before --port and args (`pdserve serve MODEL`)."""
+        self.command = list(command)
         self.port = port or free_port()
         self.args = ["--port", str(self.port), *args]
         self.ssl_context = ssl.create_default_context(cafile=ssl_ca) if ssl_ca else None
@@ -81,7 +85,7 @@ class ServerProcess:
         """Starts the process without waiting (start several, then wait_ready each: they load at once)."""
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pd.server", *self.args],
+            [*self.command, *self.args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

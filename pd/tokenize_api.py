@@ -1,7 +1,8 @@
 """vLLM's /tokenize and /detokenize, and /version (single-engine server and CE).
 
     POST /tokenize   {"prompt": str, "add_special_tokens": bool (true)}
-                     or {"messages": [...], "tools"?, "tool_choice"?} (rendered as chat requests are)
+                     or {"messages": [...], "tools"?, "tool_choice"?, "chat_template_kwargs"?,
+                         "reasoning_effort"?} (rendered as chat requests are)
                      -> {"count", "max_model_len", "tokens": [int], "token_strs": [str] | null}
                         (token_strs with "return_token_strs": true)
     POST /detokenize {"tokens": [int]} -> {"prompt": str}
@@ -43,9 +44,11 @@ async def tokenize(co: Coordinator, request: web.Request) -> web.Response:
     co.check_model(parse_model(body))
     with_strs = _flag(body, "return_token_strs", False)
     if "messages" in body:
-        chat = {k: body[k] for k in ("messages", "tools", "tool_choice") if k in body}
-        req = parse_chat_request(chat)
-        rendered = await co.offload(co.renderer.render_chat, req.messages, req.tools, req.tool_choice)
+        keys = ("messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort")
+        req = parse_chat_request({k: body[k] for k in keys if k in body})
+        rendered = await co.offload(
+            co.renderer.render_chat, req.messages, req.tools, req.tool_choice, req.chat_template_kwargs
+        )
         ids = list(rendered.token_ids)
     elif "prompt" in body:
         prompt = body["prompt"]

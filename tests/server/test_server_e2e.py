@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 
 import pytest
 
@@ -324,3 +325,105 @@ def test_tokenize_detokenize_and_version(server, client, tokenizer):
         assert status in (400, 404) and e["error"]["param"] == param, (path, body, e)
     status, v = get_json(server.url + "/version")
     assert status == 200 and v["version"]
+
+
+# ---- structured outputs and logit processors, through the openai client ----------------------------
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+ANN = [{"role": "user", "content": "Tell me about a person named Ann who is 31, as JSON."}]
+
+
+def test_json_schema_parses_into_a_pydantic_model(client):
+    from pydantic import BaseModel, ConfigDict
+
+    class Person(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str
+        age: int
+
+    r = client.chat.completions.parse(model=MODEL, messages=ANN, max_tokens=40, temperature=0, response_format=Person)
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and r.choices[0].finish_reason == "stop", r
+    # streamed: the same text (deterministic server), and it validates as well
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    text, finish = stream_text(client, messages=ANN, max_tokens=40, temperature=0, response_format=fmt)
+    assert finish == "stop" and Person.model_validate_json(text) == person
+
+
+def test_json_object_regex_choice_and_grammar(client):
+    def ask(content: str, max_tokens: int, **kw) -> tuple[str, str]:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0, **kw
+        )
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    text, finish = ask('Reply with this JSON: {"ok": true}', 16, response_format={"type": "json_object"})
+    assert finish == "stop" and isinstance(json.loads(text), dict), text
+    text, finish = ask("Give a phone number.", 12, extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert finish == "stop" and re.fullmatch("[0-9]{3}-[0-9]{4}", text), text
+    text, _ = ask("Is the sky blue?", 4, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert text in ("yes", "no")
+    grammar = 'root ::= answer "." \nanswer ::= "red" | "green" | "blue"'
+    text, finish = ask("Name a color.", 6, extra_body={"structured_outputs": {"grammar": grammar}})
+    assert text in ("red.", "green.", "blue.") and finish == "stop", text
+    # completions take the same constraint
+    r = client.completions.create(
+        model=MODEL, prompt="The answer is", max_tokens=6, temperature=0,
+        extra_body={"structured_outputs": {"regex": " (yes|no)"}},
+    )
+    assert r.choices[0].text in (" yes", " no")
+
+
+def test_structured_output_errors_are_400s(client):
+    import openai
+
+    bad = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}},
+         "response_format"),
+        ({"extra_body": {"structured_outputs": {"regex": "a(b"}}}, "structured_outputs"),
+        ({"extra_body": {"structured_outputs": {"grammar": "start: nothing_here"}}}, "structured_outputs"),
+        ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs.choice"),
+        ({"extra_body": {"structured_outputs": {"jsonn": {}}}}, "structured_outputs"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
+         "structured_outputs.regex"),
+    ]
+    for kw, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=4, **kw)
+        assert e.value.status_code == 400 and e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_logit_processors_change_greedy_output_as_vllms_do(client, tokenizer):
+    def ask(messages, max_tokens: int, **extra) -> tuple[list[int], str]:
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, logprobs=True, **extra
+        )
+        c = r.choices[0]
+        return [t.token for t in c.logprobs.content], c.finish_reason
+
+    # logit_bias +100 on one token: greedy picks it every step; -100 on the first greedy token: never again
+    plain, _ = ask(CAPITAL, 6)
+    forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    ids, _ = ask(CAPITAL, 5, logit_bias={str(forced): 100})
+    assert ids == [tokenizer.decode([forced])] * 5
+    first = tokenizer.encode(plain[0], add_special_tokens=False)
+    assert len(first) == 1 and tokenizer.decode(first) == plain[0]
+    ids, _ = ask(CAPITAL, 6, logit_bias={str(first[0]): -100})
+    assert plain[0] not in ids
+    # min_tokens: EOS is barred until then (a one-word answer runs on)
+    short = [{"role": "user", "content": "Answer with one word: yes or no. Is fire hot?"}]
+    ids, finish = ask(short, 40)
+    assert finish == "stop" and len(ids) < 12
+    longer, _ = ask(short, 40, extra_body={"min_tokens": 16})
+    assert len(longer) >= 16 and longer[: len(ids) - 1] == ids[:-1]  # the same until the barred EOS
+    # frequency_penalty: a repetitive answer repeats less
+    echo = [{"role": "user", "content": "Write the word 'hello' ten times."}]
+    rep, _ = ask(echo, 30)
+    pen, _ = ask(echo, 30, frequency_penalty=2.0)
+    most = lambda xs: max(xs.count(t) for t in set(xs))  # noqa: E731
+    assert most(pen) < most(rep), ("".join(rep), "".join(pen))

@@ -206,7 +206,11 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ({"messages": USER, "logit_bias": {"1": 101}}, "logit_bias"),
         ({"messages": USER, "logit_bias": {"1": 1, "01": 2}}, "logit_bias"),
         ({"messages": USER, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"messages": USER, "response_format": {"type": "grammar"}}, "response_format.type"),
+        ({"messages": USER, "structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+        ({"messages": USER, "structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
+        ({"messages": USER, "guided_json": "{not json"}, "guided_json"),
     ],
 )
 def test_chat_bad_input(body, param):
@@ -374,9 +378,9 @@ def test_metrics_render_per_rank():
         ),
         RankSnapshot(1, False, 0, {}, num_restarts=2),
     ]
-    m = ServerMetrics(lambda: snap)
-    m.ttft_s.labels("0").observe(0.1)
-    m.prompt_tokens.labels("0").inc(5)
+    m = ServerMetrics(lambda: snap, "served-name")
+    m.ttft_s.labels("served-name", "0").observe(0.1)
+    m.prompt_tokens.labels("served-name", "0").inc(5)
     text = m.render().decode()
     for line in (
         'pdserve_rank_up{rank="0"} 1.0',
@@ -386,8 +390,8 @@ def test_metrics_render_per_rank():
         'pdserve_kv_cache_usage_ratio{rank="0"} 0.25',
         'pdserve_num_requests_running{rank="0"} 1.0',
         'pdserve_engine_x_new{rank="0"} 7.0',
-        'pdserve_prompt_tokens_total{rank="0"} 5.0',
-        'pdserve_time_to_first_token_seconds_count{rank="0"} 1.0',
+        'pdserve_prompt_tokens_total{model_name="served-name",rank="0"} 5.0',
+        'pdserve_time_to_first_token_seconds_count{model_name="served-name",rank="0"} 1.0',
     ):
         assert line in text, line
 

@@ -1,0 +1,162 @@
+"""Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, Lark or GBNF
+grammar) as a token mask per step, through llguidance.
+
+Why llguidance rather than xgrammar (bench/bench_grammar.py measures both, bench/RESULTS.md has the
+figures): its wheel is 3 MB with no dependencies, where xgrammar's Linux wheel pulls torch's CUDA
+build and triton into a CPU install; and it computes a step's mask on the fly from the parser state
+(no per-grammar token-table precompilation), so a new schema costs no compile time before its first
+token.
+
+One matcher per sequence, advanced by every token the sequence emits. Its state is a function of the
+output tokens alone, so a CE rebuilds it by replaying the tokens a handoff carries, and a preempted
+sequence (which keeps its output) keeps its matcher.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.request import StructuredOutput
+
+_NUM_CHECKED = 256  # specs remembered as valid (a schema sent with every request compiles once)
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def _strict_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` wherever an object lists its properties and says
+    nothing of others: OpenAI's strict mode (and xgrammar's default in vLLM and SGLang)."""
+    if isinstance(schema, dict):
+        out = {k: _strict_objects(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict_objects(v) for v in schema]
+    return schema
+
+
+def grammar_text(so: StructuredOutput) -> str:
+    """llguidance's grammar for a constraint; InvalidRequestError for a spec that is not one."""
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    param = "response_format" if so.kind in ("json_schema", "json_object") else "structured_outputs"
+    try:
+        if so.kind == "json_object":
+            return str(llguidance.grammar_from("json_schema", json.dumps({"type": "object"})))
+        if so.kind == "json_schema":
+            schema = json.loads(so.spec)
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("a JSON schema must be an object", param)
+            return str(llguidance.grammar_from("json_schema", json.dumps(_strict_objects(copy.deepcopy(schema)))))
+        if so.kind == "regex":
+            return str(llguidance.grammar_from("regex", so.spec))
+        if so.kind == "choice":
+            choices = json.loads(so.spec)
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+                raise InvalidRequestError("'choice' must be a non-empty array of non-empty strings", param)
+            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+            return str(llguidance.grammar_from("lark", lark))
+        return str(llguidance.grammar_from("lark", any_to_lark(so.spec)))
+    except InvalidRequestError:
+        raise
+    except Exception as e:  # json, llguidance's and the GBNF converter's own errors
+        raise InvalidRequestError(f"the {so.kind} cannot be compiled: {e}", param) from e
+
+
+class GrammarCompiler:
+    """One engine's grammar side: the tokenizer as llguidance sees it (built on first use, ~0.3 s),
+    spec checks, and matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int] | frozenset[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer: Any = None
+        self._checked: OrderedDict[StructuredOutput, str] = OrderedDict()
+
+    def _lltokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            if self._hf_tokenizer is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer, and this model has none")
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
+            )
+        return self._tokenizer
+
+    def check(self, so: StructuredOutput) -> str:
+        """The compiled grammar's text; InvalidRequestError (a 400) when it cannot be compiled."""
+        hit = self._checked.get(so)
+        if hit is not None:
+            self._checked.move_to_end(so)
+            return hit
+        import llguidance
+
+        text = grammar_text(so)
+        error = llguidance.LLMatcher.validate_grammar(text, self._lltokenizer())
+        if error:
+            param = "response_format" if so.kind in ("json_schema", "json_object") else "structured_outputs"
+            raise InvalidRequestError(f"the {so.kind} cannot be compiled: {error.strip()}", param)
+        self._checked[so] = text
+        if len(self._checked) > _NUM_CHECKED:
+            self._checked.popitem(last=False)
+        return text
+
+    def matcher(self, so: StructuredOutput, replay: list[int]) -> Matcher:
+        """A matcher for so, advanced past the tokens in replay (a handoff's or a restart's output)."""
+        import llguidance
+
+        m = Matcher(llguidance.LLMatcher(self._lltokenizer(), self.check(so)))
+        for t in replay:
+            m.accept(t)
+        return m
+
+
+class Matcher:
+    """One sequence's grammar state."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def accept(self, token: int) -> None:
+        if not self._m.consume_token(token):
+            raise RuntimeError(f"token {token} breaks the output's grammar: {self._m.get_error()}")
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing more can follow (the grammar is complete and admits no extension)."""
+        return bool(self._m.is_stopped())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._m, bitmask, row)
+        if self._m.is_error():
+            raise RuntimeError(f"the output's grammar failed: {self._m.get_error()}")
+
+
+def mask_logits(logits: torch.Tensor, matchers: list[Matcher | None]) -> torch.Tensor:
+    """logits with every token its row's grammar does not allow at -inf (rows without one unchanged).
+    One bitmask for the batch, filled on the host, applied in one masked_fill on the logits' device."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+    for r, i in enumerate(rows):
+        m = matchers[i]
+        assert m is not None
+        m.fill(bitmask, r)
+    bits = bitmask.to(logits.device, non_blocking=True)
+    allowed = ((bits.unsqueeze(-1) >> _BIT.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return out

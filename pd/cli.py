@@ -1,0 +1,86 @@
+"""`pdserve`: one command for the server, the P/D cluster, the models and the benchmarks.
+
+    pdserve serve MODEL [server flags] [--config FILE.yaml]   python -m pd.server --model MODEL ...
+    pdserve pd start|stop|status ...                         deploy/pd_run.sh start|stop|status ...
+    pdserve models fetch|list|path ...                       python -m engine.models ...
+    pdserve bench load|compare ...                           bench/load.py, bench/compare.py
+
+Everything after the subcommand goes to the tool it names, unchanged; its exit status is pdserve's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+COMMANDS = {
+    "serve": "the OpenAI-compatible server (python -m pd.server; `pdserve serve --help`: its flags)",
+    "pd": "a P/D cluster across hosts: start|stop|status (deploy/pd_run.sh)",
+    "models": "the model catalogue: fetch|list|path (python -m engine.models)",
+    "bench": "benchmarks against running endpoints: load|compare (bench/load.py, bench/compare.py)",
+}
+BENCHES = ("load", "compare")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """For --help and usage errors only: a subcommand parses its own arguments."""
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in COMMANDS.items():
+        commands.add_parser(name, help=text)
+    return parser
+
+
+def pd_run_script() -> Path:
+    """deploy/pd_run.sh of the checkout the pd package is installed from (pip install -e)."""
+    return Path(__file__).resolve().parents[1] / "deploy" / "pd_run.sh"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one subcommand; its exit status (`pdserve serve` and `pdserve pd` do not return)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in COMMANDS:
+        _parser().parse_args(args)  # help (exit 0) or a usage error (exit 2)
+        return 2
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        from pd import server
+        from pd.lifecycle import exit_now
+
+        # as `python -m pd.server`: no interpreter teardown once the ranks are stopped
+        exit_now(server.main(rest, prog="pdserve serve", is_model_positional=True))
+    if command == "pd":
+        script = pd_run_script()
+        if not script.is_file():
+            print(
+                f"pdserve pd: no {script}: it needs the repository's checkout (pip install -e)",
+                file=sys.stderr,
+            )
+            return 2
+        os.execv(script, [str(script), *rest])
+    if command == "models":
+        from engine.models.__main__ import main as models_main
+
+        return models_main(rest)
+    if not rest or rest[0] not in BENCHES:
+        is_help = rest[:1] in (["-h"], ["--help"])
+        print(
+            f"usage: pdserve bench {{{','.join(BENCHES)}}} [flags] (--help after one: its flags)",
+            file=sys.stdout if is_help else sys.stderr,
+        )
+        return 0 if is_help else 2
+    # NOTE: imported by name: bench sits above pd in the layers (tests/test_layers.py), and only this
+    # entry point reaches up to it
+    bench = importlib.import_module(f"bench.{rest[0]}")
+    sys.argv[0] = f"pdserve bench {rest[0]}"  # the prog its argparse usage shows
+    return int(bench.main(rest[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
