@@ -3,6 +3,10 @@
 Text is released only when it is final: a token that ends inside a multi-byte character waits for
 the next, and while stop strings are set the last (longest stop - 1) characters are held back,
 since they could still begin a stop string.
+
+A fast tokenizer decodes through the `tokenizers` library's own DecodeStream: 1.3-2.1 us a token with
+this class's bookkeeping, against 6.0-6.8 us for re-decoding a window of ids per token
+(bench/bench_detok.py, 4,096 tokens, the same text); other tokenizers through the window.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded text so far
         self.emitted = 0  # characters of text already released
         self.stopped_by: str | None = None
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: Any = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -30,11 +40,16 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         if self.tokenizer is None:
             return
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token_id)  # None until a character is whole
+            if piece:
+                self.text += piece
+        else:
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.text += full[len(prefix) :]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.stop:
             start = max(0, self.emitted - self.hold)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
