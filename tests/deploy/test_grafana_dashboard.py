@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
-
-from tests.server_fixtures import SMALL_DETERMINISTIC, module_ref_and_pair, openai_client
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve.json"
 MODEL = "smollm2-135m-instruct"
@@ -175,30 +171,5 @@ def test_check_fails_on_a_misspelled_metric():
     )
 
 
-# ---- against real servers -----------------------------------------------------------------------------
-
-servers = module_ref_and_pair("--model", MODEL, *SMALL_DETERMINISTIC)
-
-
-@pytest.mark.slow
-def test_every_metric_is_exported(servers):
-    ref, pair = servers
-    for url in (ref.url, pair.url):
-        # two tokens at least: an inter-token latency, and on the pair a handoff (not a PE-only answer)
-        openai_client(url).chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Hi"}],
-            max_tokens=3,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        with pytest.raises(openai.NotFoundError):  # an error response, counted by status
-            openai_client(url).chat.completions.create(
-                model="no-such-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
-            )
-    exported: dict[str, set[str]] = {}
-    for server in (ref, pair.ce, pair.pe):
-        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-            for name, labels in exposition_labels(r.read().decode()).items():
-                exported.setdefault(name, set()).update(labels)
-    assert missing_metrics(load_dashboard(), exported) == []
+# The check against real servers (a single engine, a PE and a CE) is in tests/pd/test_pd_e2e.py
+# (test_every_dashboard_metric_is_exported), which has those servers running already.

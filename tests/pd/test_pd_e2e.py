@@ -9,10 +9,12 @@ import time
 import urllib.error
 import urllib.request
 
+import openai
 import orjson
 import pytest
 
 from pd.testing import PDPair, get_json, rank_metrics, signed_headers
+from tests.deploy.test_grafana_dashboard import exposition_labels, load_dashboard, missing_metrics
 from tests.server_fixtures import (
     SMALL_DETERMINISTIC,
     module_ref_and_pair,
@@ -164,3 +166,27 @@ async def test_cluster_token_required(servers):
     )
     assert r.choices[0].message.content
     wait_pair_idle(pair)
+
+
+def test_every_dashboard_metric_is_exported(servers):
+    """Every series deploy/grafana/pdserve.json queries is exported by these servers."""
+    ref, pair = servers
+    for url in (ref.url, pair.url):
+        # two tokens at least: an inter-token latency, and on the pair a handoff (not a PE-only answer)
+        openai_client(url).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        with pytest.raises(openai.NotFoundError):  # an error response, counted by status
+            openai_client(url).chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+            )
+    exported: dict[str, set[str]] = {}
+    for server in (ref, pair.ce, pair.pe):
+        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+            for name, labels in exposition_labels(r.read().decode()).items():
+                exported.setdefault(name, set()).update(labels)
+    assert missing_metrics(load_dashboard(), exported) == []
