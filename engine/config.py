@@ -103,6 +103,13 @@ class EngineConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "CUDA: no decode graphs (every step launched kernel by kernel)"}
     )
+    decode_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "CE: keep a finished request's KV pages as evictable cache so the next turn's handoff "
+            "sends only the pages this rank lacks"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of dummy weights and of unseeded sampling"})
     forward: ForwardConfig = field(default_factory=ForwardConfig, metadata={"help": "model forward (CUDA)"})
 
@@ -163,3 +170,7 @@ class EngineStats:
     cache_total_pages: int = 0
     cache_used_states: int = 0
     cache_total_states: int = 0
+    decode_cache_lookups_total: int = 0
+    decode_cache_hit_tokens_total: int = 0
+    decode_cache_retained_pages: int = 0  # evictable or pinned again; they count as free in num_free_blocks
+    decode_cache_evictions_total: int = 0

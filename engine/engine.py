@@ -15,11 +15,12 @@ import torch
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, EngineStats, MemoryPlan
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
+from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
-from engine.handoff_ledger import HandoffLedger
+from engine.handoff_ledger import HandoffLedger, Phase
 from engine.kv_cache import KVCache, layout_of
 from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
@@ -65,6 +66,10 @@ class LLMEngine:
         self.kv = KVCache(self.layout, self.memory.num_blocks, self.memory.num_swa_slots, self.device)
         self.blocks = BlockPool(self.memory.num_blocks)
         self.slots = BlockPool(self.memory.num_swa_slots)
+        # CE: finished P/D sequences' pages stay in self.blocks as evictable cache (only pages: the SWA
+        # state always travels, so a model without full-attention layers retains nothing)
+        keeps_pages = config.decode_cache and self.arch.has_full
+        self.decode_cache = DecodeCache(self.blocks, config.block_size) if keeps_pages else None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -92,7 +97,8 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
         self._admit_errors: dict[str, Exception] = {}  # request id -> its failed prefix restore (step() ends it)
-        self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs)  # every P/D state of a sequence
+        # every P/D state of a sequence
+        self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -255,6 +261,8 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, seed, time.monotonic())
         seq.use_prefix_cache = use_prefix_cache
         seq.is_prefill_only = prefill_only
+        # a CE's local prefill (take_over) is P/D traffic too: its next turn may be handed over here
+        seq.is_retained_at_end = self.decode_cache is not None and self.handoffs.phase(request_id) is Phase.LOCAL
         if params.structured is not None:
             seq.matcher = self.grammars.matcher(params.structured, [])
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -411,9 +419,16 @@ class LLMEngine:
         detok.add(token)
         reason = self._finish_reason(seq, token, detok)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
         elif seq.is_prefill_only:
             self.handoffs.park(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """A sequence ends normally (stop, length): a CE's keeps its full computed pages as cache. An
+        abort or a failure retains nothing (its KV may be incomplete)."""
+        if seq.is_retained_at_end and self.decode_cache is not None:
+            self.decode_cache.retain(seq.token_ids(0, seq.num_computed), seq.block_ids)
+        self.scheduler.finish(seq, reason)
 
     def _finish_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> str | None:
         p = seq.params
@@ -456,21 +471,26 @@ class LLMEngine:
         request_id: str,
         device: str | torch.device | None = "cpu",
         alloc: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None = None,
+        skip_pages: int = 0,
     ) -> SequenceExport:
         """A prefilled sequence's state (every token but the last is in the cache). device=None
         keeps the gathered pages on the engine's device (NCCL/IPC transports send from there).
         alloc(shape, dtype, device): where the gathered tensors go (e.g. a slice of the ipc
-        transport's exported arena), or None for new memory; used only with device=None."""
+        transport's exported arena), or None for new memory; used only with device=None.
+        skip_pages: pages the receiver holds already (its reservation's held tokens / block_size):
+        only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page)."""
         seq = self.handoffs.parked(request_id) or self.scheduler.find(request_id)
         if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.PARKED) or seq.num_uncomputed != 1:
             raise InvalidRequestError(f"request {request_id!r} is not a prefilled sequence between steps")
         n_pages = self.layout.num_pages(seq.num_computed)
+        if not 0 <= skip_pages * self.layout.block_size <= seq.num_computed:
+            raise InvalidRequestError(f"cannot skip {skip_pages} pages of {seq.num_computed} computed tokens")
         kv = self.kv
         out = None
-        if alloc is not None and device is None and n_pages:
-            out = alloc((n_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
+        if alloc is not None and device is None and n_pages > skip_pages:
+            out = alloc((n_pages - skip_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
         # on CUDA the gather also hashes the pages (the handoff's checksum, at no extra pass)
-        pages, pages_sum = kv.read_pages(seq.block_ids[:n_pages], out=out, with_checksum=True)
+        pages, pages_sum = kv.read_pages(seq.block_ids[skip_pages:n_pages], out=out, with_checksum=True)
         state = kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
         if state is not None and alloc is not None and device is None:
             st = alloc(tuple(state.shape), state.dtype, state.device)
@@ -482,6 +502,7 @@ class LLMEngine:
         return SequenceExport(
             request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
             seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt, pages_sum,
+            first_page=skip_pages,
         )
 
     def finish_handoff(self, request_id: str) -> None:
@@ -491,14 +512,21 @@ class LLMEngine:
 
     def import_sequence(self, exp: SequenceExport) -> None:
         """Admits an exported sequence straight into decode, into the memory of its reservation
-        (self.handoffs) if it has one. Raises if it does not match this engine or does not fit."""
+        (self.handoffs) if it has one. Raises if it does not match this engine or does not fit.
+
+        exp.first_page > 0: pages [0, first_page) are not in exp; the reservation must hold them (its
+        decode cache hit, tokens verified) and exp.pages are written after them. A full handoff
+        (first_page 0) into a reservation that held pages releases those (they stay cached) and
+        writes every page into fresh ones: an indexed page is never overwritten."""
         self.validate(exp.request_id, exp.prompt_token_ids, exp.params)
         num_tokens = len(exp.prompt_token_ids) + len(exp.output_token_ids)
         if exp.num_computed != num_tokens - 1:
             raise InvalidRequestError("an imported sequence must have every token but the last computed")
         lo = self.layout
         n_pages = lo.num_pages(exp.num_computed)
-        want_pages = lo.page_shape(n_pages)
+        if not 0 <= exp.first_page <= n_pages:
+            raise InvalidRequestError(f"first page {exp.first_page} out of [0, {n_pages}]")
+        want_pages = lo.page_shape(n_pages - exp.first_page)
         if tuple(exp.pages.shape) != want_pages:
             raise InvalidRequestError(f"page tensor shape {tuple(exp.pages.shape)} != expected {want_pages}")
         if lo.has_state:
@@ -510,12 +538,13 @@ class LLMEngine:
         seq.output_logprobs = list(exp.output_logprobs)
         seq.num_computed = exp.num_computed
         seq.num_cached_prompt = exp.num_cached_tokens
+        seq.is_retained_at_end = self.decode_cache is not None
         if exp.params.structured is not None:  # the grammar's state: the handed-over tokens, replayed
             seq.matcher = self.grammars.matcher(exp.params.structured, list(exp.output_token_ids))
-        self.handoffs.import_(seq)
+        self.handoffs.import_(seq, exp.first_page)
         try:
-            if n_pages:
-                self.kv.write_pages(seq.block_ids[:n_pages], exp.pages)
+            if n_pages > exp.first_page:
+                self.kv.write_pages(seq.block_ids[exp.first_page : n_pages], exp.pages)
             if exp.state is not None:
                 self.kv.write_state(seq.state_slot, exp.state.to(self.device, self.dtype))
         except BaseException:
@@ -528,7 +557,7 @@ class LLMEngine:
             detok.add(t)
         reason = self._finish_reason(seq, exp.output_token_ids[-1], detok) if exp.output_token_ids else None
         if reason is not None:  # e.g. the first token was EOS: report it and end here
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
             self._pending.append(self._output(seq, is_final=True))
 
     # ---- introspection ------------------------------------------------------------------------
@@ -547,6 +576,7 @@ class LLMEngine:
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
             **self._cache_stats(),
+            **self._decode_cache_stats(),
         )
 
     def _cache_stats(self) -> dict[str, int]:
@@ -567,8 +597,20 @@ class LLMEngine:
             cache_total_states=index.num_states,
         )
 
+    def _decode_cache_stats(self) -> dict[str, int]:
+        cache = self.decode_cache
+        if cache is None:
+            return {}
+        c = cache.counters
+        return dict(
+            decode_cache_lookups_total=c.lookups,
+            decode_cache_hit_tokens_total=c.hit_tokens,
+            decode_cache_retained_pages=cache.num_retained_pages,
+            decode_cache_evictions_total=c.evictions,
+        )
+
     def check_idle(self) -> None:
-        """With no request in flight, every page and slot is free; raises on a leak."""
+        """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""
         if self.scheduler.has_unfinished():
             raise AssertionError("requests still in flight (running or waiting)")
         self.handoffs.check_idle()
@@ -576,6 +618,8 @@ class LLMEngine:
         self.slots.check_idle()
         if self.prefix_index is not None:
             self.prefix_index.check_idle()
+        if self.decode_cache is not None:
+            self.decode_cache.check_idle()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Runs prompts to completion (tests, benchmarks); returns the finished sequences in order."""

@@ -127,7 +127,8 @@ class KVLayout:
 class SequenceExport:
     """A sequence's tokens, sampling state and KV, enough to continue decoding elsewhere.
 
-    pages: layout.page_shape(layout.num_pages(num_computed)); state: layout.state_shape() or None
+    pages: layout.page_shape(layout.num_pages(num_computed) - first_page), the sequence's pages from
+    first_page on (the receiver holds pages [0, first_page) already); state: layout.state_shape() or None
     """
 
     request_id: str
@@ -144,3 +145,4 @@ class SequenceExport:
     # gather computed it on the way (CUDA): a 0-dim int64 device tensor, read by the sender. NOTE:
     # whoever changes pages after the export must set it to None.
     pages_sum: torch.Tensor | None = None
+    first_page: int = 0  # pages [0, first_page) are not carried: the receiver's decode cache holds them

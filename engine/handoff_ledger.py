@@ -8,8 +8,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine.decode_cache import DecodeCache
 from engine.errors import InvalidRequestError
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
@@ -40,14 +41,19 @@ class _Entry:
     commit_blocks: int = 0  # CE: pages the whole decode may take (counted from RESERVED on)
     ttl_s: float = 0.0
     deadline_s: float = 0.0
+    token_ids: list[int] | None = None  # WAITING: the prompt, matched against the decode cache at grant
+    held_token_ids: list[int] = field(default_factory=list)  # RESERVED/RECEIVING: tokens of the held pages
 
 
 @dataclass(frozen=True)
 class Grant:
-    """grant()'s answer to one waiting reservation: granted (error None) or refused."""
+    """grant()'s answer to one waiting reservation: granted (error None) or refused. num_held_tokens:
+    the leading tokens whose pages this engine holds already (whole pages; 0 without a decode cache
+    hit): the handoff may start at page num_held_tokens // block_size."""
 
     request_id: str
     error: InvalidRequestError | None = None
+    num_held_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,15 +86,32 @@ class HandoffLedger:
     - Only RESERVED expires; RECEIVING waits for the receiver's outcome (import_ or receive_failed).
     - Empty when the engine is idle (check_idle).
 
+    A reservation's memory, with a decode cache (engine/decode_cache.py) and the prompt's token ids:
+
+        placeholder.block_ids  [ held 0 .. h-1 | fresh h .. blocks_for(num_tokens + 1) - 1 ]
+                                 pinned at grant: the longest run of cached pages matching the prompt,
+                                 at most the pages fully inside tokens [0, num_tokens - 1) (an import
+                                 has every token but the last computed); h = num_held_tokens / bs
+        import_(seq, first_page)   0: the whole placeholder is released (held pages back to evictable,
+                                      still cached) and seq gets fresh pages: a full handoff
+                                   1..h: seq keeps held[:first_page] (their tokens verified against
+                                      seq's), the rest is released and allocated anew for seq
+        abort, expire, refuse_import, take_over: the placeholder is released, held pages included.
+
     NOTE: the receiver's thread calls begin_receive and receive_failed; every method holds self._lock,
     so those two are safe from any thread. Everything else is called on the engine thread only (it
     changes the scheduler, through the scheduler's own methods).
     """
 
     def __init__(
-        self, scheduler: Scheduler, max_num_seqs: int, clock: Callable[[], float] = time.monotonic
+        self,
+        scheduler: Scheduler,
+        max_num_seqs: int,
+        clock: Callable[[], float] = time.monotonic,
+        decode_cache: DecodeCache | None = None,
     ) -> None:
         self._scheduler = scheduler
+        self._decode_cache = decode_cache
         self._max_num_seqs = max_num_seqs
         self._clock = clock
         self._lock = threading.Lock()
@@ -137,6 +160,13 @@ class HandoffLedger:
             entry = self._entries.get(request_id)
             return entry.seq if entry is not None and entry.phase in (Phase.PARKED, Phase.EXPORTED) else None
 
+    def held_tokens(self, request_id: str) -> int:
+        """RESERVED/RECEIVING: the leading tokens whose pages the reservation holds already (whole
+        pages); 0 otherwise."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            return len(entry.held_token_ids) if entry is not None and entry.phase in HOLDS_MEMORY else 0
+
     def blocks_for_decode(self, num_tokens: int) -> int:
         """Pages a sequence of num_tokens needs, its next token included (a commit's unit)."""
         return self._scheduler.blocks_for(num_tokens + 1)
@@ -146,10 +176,10 @@ class HandoffLedger:
         with self._lock:
             return self._can_import(num_tokens)
 
-    def _can_import(self, num_tokens: int) -> bool:
+    def _can_import(self, num_tokens: int, num_held_blocks: int = 0) -> bool:
         num_holding = sum(1 for e in self._entries.values() if e.phase in HOLDS_MEMORY)
         busy = len(self._scheduler.running) + num_holding
-        return self._scheduler.can_admit(num_tokens) and busy < self._max_num_seqs
+        return self._scheduler.can_admit(num_tokens, num_held_blocks) and busy < self._max_num_seqs
 
     # ---- PE side (engine thread) --------------------------------------------------------------
 
@@ -181,9 +211,17 @@ class HandoffLedger:
 
     # ---- CE side ------------------------------------------------------------------------------
 
-    def enqueue(self, request_id: str, num_tokens: int, num_commit_tokens: int, ttl_s: float) -> None:
+    def enqueue(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_commit_tokens: int,
+        ttl_s: float,
+        token_ids: list[int] | None = None,
+    ) -> None:
         """-> WAITING: memory for num_tokens, to be held ttl_s once granted, and num_commit_tokens
-        (prompt + max_tokens) committed. Raises InvalidRequestError if it can never be granted."""
+        (prompt + max_tokens) committed. token_ids (the prompt): the grant holds the pages of its
+        longest prefix the decode cache has. Raises InvalidRequestError if it can never be granted."""
         need = self.blocks_for_decode(num_commit_tokens)
         if need > self.num_total_blocks:
             raise InvalidRequestError(
@@ -195,7 +233,11 @@ class HandoffLedger:
             if request_id in self._entries:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
             self._entries[request_id] = _Entry(
-                Phase.WAITING, num_tokens=num_tokens, commit_blocks=need, ttl_s=ttl_s
+                Phase.WAITING,
+                num_tokens=num_tokens,
+                commit_blocks=need,
+                ttl_s=ttl_s,
+                token_ids=list(token_ids) if token_ids and self._decode_cache is not None else None,
             )
             self._queue.append(request_id)
 
@@ -223,12 +265,27 @@ class HandoffLedger:
                 self._queue.popleft()
                 placeholder = Sequence(rid, [0] * (entry.num_tokens - 1), SamplingParams(), 0, self._clock())
                 placeholder.output_token_ids = [0]
-                self._scheduler.allocate(placeholder)
+                held = self._hold_cached(entry)  # NOTE: pinned before the allocation, which may evict
+                self._scheduler.allocate(placeholder, held)
                 entry.phase, entry.seq = Phase.RESERVED, placeholder
                 entry.deadline_s = self._clock() + entry.ttl_s
                 committed += entry.commit_blocks
-                out.append(Grant(rid))
+                out.append(Grant(rid, num_held_tokens=len(entry.held_token_ids)))
         return out
+
+    def _hold_cached(self, entry: _Entry) -> list[int]:
+        """Pins the decode cache's pages of entry's prompt (at most those fully inside the computed
+        tokens [0, num_tokens - 1)); returns them. can_admit(num_tokens) passed, so the rest still fits:
+        pinning h pages takes at most h from num_free and the placeholder then allocates h fewer."""
+        token_ids, entry.token_ids = entry.token_ids, None
+        if token_ids is None or self._decode_cache is None:
+            return []
+        bs = self._decode_cache.block_size
+        limit = max(0, min(len(token_ids), entry.num_tokens - 1)) // bs * bs
+        num_held, block_ids = self._decode_cache.match(token_ids[:limit])
+        self._scheduler.blocks.share(block_ids)
+        entry.held_token_ids = token_ids[:num_held]
+        return block_ids
 
     def begin_receive(self, request_id: str, num_tokens: int) -> bool:
         """RESERVED -> RECEIVING: the receiver takes an offer of num_tokens (any thread). False:
@@ -252,23 +309,40 @@ class HandoffLedger:
             if entry is not None and entry.phase is Phase.RECEIVING:
                 entry.phase = Phase.RESERVED
 
-    def import_(self, seq: Sequence) -> None:
+    def import_(self, seq: Sequence, first_page: int = 0) -> None:
         """(RESERVED | RECEIVING | none) -> IMPORTED: seq, every token but the last computed, gets the
         reservation's memory (or free memory) and goes straight into the running batch, keeping the
-        reservation's commit. Raises MemoryError if it does not fit (the reservation is gone then)."""
+        reservation's commit. first_page > 0: seq's pages [0, first_page) are the reservation's held
+        pages, which must hold exactly seq's tokens there (else InvalidRequestError, nothing changed);
+        seq.block_ids[first_page:] are for the received pages. Raises MemoryError if it does not fit
+        (the reservation is gone then)."""
         rid = seq.request_id
         with self._lock:
             entry = self._entries.get(rid)
             commit = 0
+            kept: list[int] = []
+            if entry is not None and entry.phase not in HOLDS_MEMORY:
+                raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
+            if first_page:
+                bs = self._scheduler.config.block_size
+                num_held = len(entry.held_token_ids) if entry is not None else 0
+                if first_page < 0 or first_page * bs > min(num_held, seq.num_computed):
+                    raise InvalidRequestError(  # NOTE: a held page is never written: all of it computed
+                        f"handoff of {rid!r} starts at page {first_page}; this engine holds {num_held // bs} "
+                        f"pages of it, {seq.num_computed} tokens computed"
+                    )
+                assert entry is not None and entry.seq is not None
+                if seq.token_ids(0, first_page * bs) != entry.held_token_ids[: first_page * bs]:
+                    raise InvalidRequestError(f"handoff of {rid!r}: the held pages hold other tokens")
+                kept, entry.seq.block_ids = entry.seq.block_ids[:first_page], entry.seq.block_ids[first_page:]
             if entry is not None:
-                if entry.phase not in HOLDS_MEMORY:
-                    raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
                 del self._entries[rid]
-                self._release(entry)  # its memory goes to seq just below
+                self._release(entry)  # its memory (but the kept pages) goes to seq just below
                 commit = entry.commit_blocks
-            if not self._can_import(seq.num_tokens):
+            if not self._can_import(seq.num_tokens, len(kept)):
+                self._scheduler.blocks.free(kept)
                 raise MemoryError("no free KV memory for the imported sequence")
-            self._scheduler.allocate(seq)
+            self._scheduler.allocate(seq, kept)
             self._scheduler.admit_prefilled(seq)
             self._entries[rid] = _Entry(Phase.IMPORTED, commit_blocks=commit)
             self.num_imported_total += 1

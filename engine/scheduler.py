@@ -72,14 +72,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Whether memory for a sequence of num_tokens (and its next token) is free now."""
+    def can_admit(self, num_tokens: int, num_held_blocks: int = 0) -> bool:
+        """Whether memory for a sequence of num_tokens (and its next token) is free now, its first
+        num_held_blocks pages being held already (pinned from the decode cache)."""
         slots_ok = not self.config.needs_state_slot or self.slots.can_allocate(1)
-        return slots_ok and self.blocks.can_allocate(self.blocks_for(num_tokens + 1))
+        return slots_ok and self.blocks.can_allocate(self.blocks_for(num_tokens + 1) - num_held_blocks)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Memory for all of seq's tokens plus one; the caller checked can_admit."""
-        seq.block_ids = self.blocks.allocate(self.blocks_for(seq.num_tokens + 1))
+    def allocate(self, seq: Sequence, held_block_ids: list[int] | None = None) -> None:
+        """Memory for all of seq's tokens plus one; the caller checked can_admit. held_block_ids:
+        seq's first pages, already referenced for it (their reference passes to seq)."""
+        held = list(held_block_ids or [])
+        seq.block_ids = held + self.blocks.allocate(self.blocks_for(seq.num_tokens + 1) - len(held))
         if self.config.needs_state_slot:
             seq.state_slot = self.slots.allocate(1)[0]
 

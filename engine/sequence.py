@@ -37,6 +37,7 @@ class Sequence:
     num_emitted_tokens: int = 0  # output tokens already reported to the caller
     use_prefix_cache: bool = True
     is_prefill_only: bool = False  # PE side of P/D: park after the first token instead of decoding
+    is_retained_at_end: bool = False  # CE of P/D: at its end its full computed pages go to the decode cache
     cache_store_upto: int = 0  # prefill pauses at this page boundary so the cache can store it; 0: none
     matcher: Matcher | None = None  # structured output: the grammar's state after the output so far
 

@@ -81,7 +81,9 @@ class DecodeRole:
     def handle(self, msg: Message) -> bool:
         if isinstance(msg, Reserve):
             try:
-                self.handoffs.enqueue(msg.request_id, msg.num_tokens, msg.num_commit_tokens, msg.ttl_s)
+                self.handoffs.enqueue(
+                    msg.request_id, msg.num_tokens, msg.num_commit_tokens, msg.ttl_s, list(msg.token_ids) or None
+                )
             except InvalidRequestError as e:
                 self.send(RequestRejected(msg.request_id, str(e), e.param))
                 return True
@@ -105,7 +107,7 @@ class DecodeRole:
     def _grant(self) -> None:
         for g in self.handoffs.grant():
             if g.error is None:
-                self.send(Reserved(g.request_id))
+                self.send(Reserved(g.request_id, g.num_held_tokens))
             else:
                 self.send(RequestRejected(g.request_id, str(g.error), g.error.param))
 

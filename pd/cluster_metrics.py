@@ -26,6 +26,12 @@ class ClusterMetrics:
         self.handoff_bytes = Counter(
             "pdserve_handoff_bytes", "KV payload bytes handed off", ["transport"], registry=r
         )
+        self.handoff_skipped_tokens = Counter(
+            "pdserve_handoff_skipped_tokens",
+            "Leading prompt tokens whose KV pages were not handed off: the CE's decode cache held them",
+            ["transport"],
+            registry=r,
+        )
         self.handoff_s = Histogram(
             "pdserve_handoff_duration_seconds",
             "One handoff: export checksum, transfer, verification and import, until the ack",

@@ -115,13 +115,13 @@ class DisaggregatedPath:
         rid = req.request_id
         events: asyncio.Queue[tuple[str, RankEvent]] = asyncio.Queue()
         try:
-            await self._reserve(rank, req, events)
+            held_tokens = await self._reserve(rank, req, events)
             self.metrics.ttft_phase_s.labels("queue").observe(time.monotonic() - arrival_s)
             self.num_held += 1
             self._gauge()
             failure: PrefillFailed | None = None
             progress = _Progress()
-            prefill = asyncio.create_task(self._prefill(rank, req, key, progress))
+            prefill = asyncio.create_task(self._prefill(rank, req, key, progress, held_tokens))
             try:
                 await self._while_prefilling(prefill, events, out, progress)
                 res = prefill.result()
@@ -168,6 +168,7 @@ class DisaggregatedPath:
             m.ttft_phase_s.labels("transfer").observe(res.transfer_s)
             m.handoffs.labels(t).inc()
             m.handoff_bytes.labels(t).inc(res.payload_bytes)
+            m.handoff_skipped_tokens.labels(t).inc(res.skipped_tokens)
             m.handoff_s.labels(t).observe(res.transfer_s)
             await self._forward(events, out, res.num_cached_tokens, None if is_decoding else acked_s, held)
         except ApiError as e:
@@ -176,7 +177,9 @@ class DisaggregatedPath:
 
     async def _reserve(
         self, rank: RankClient, req: PDRequest, events: asyncio.Queue[tuple[str, RankEvent]]
-    ) -> None:
+    ) -> int:
+        """Holds CE memory for the request; returns how many leading prompt tokens the rank's decode
+        cache holds already (the PE sends the pages from there on)."""
         if self.num_waiting >= self.cfg.max_queued_requests:
             raise ApiError(
                 429,
@@ -192,7 +195,8 @@ class DisaggregatedPath:
         self.num_waiting += 1
         self._gauge()
         try:
-            await rank.reserve(req.request_id, num_prompt + 1, num_prompt + max_tokens, ttl_s, events)
+            ids = tuple(req.prompt_token_ids) if self.cfg.engine.decode_cache else ()
+            await rank.reserve(req.request_id, num_prompt + 1, num_prompt + max_tokens, ttl_s, events, ids)
             try:
                 _, ev = await asyncio.wait_for(events.get(), self.cfg.queue_timeout_s)
             except asyncio.TimeoutError:
@@ -206,7 +210,7 @@ class DisaggregatedPath:
             self.num_waiting -= 1
             self._gauge()
         if isinstance(ev, Reserved):
-            return
+            return ev.num_held_tokens
         if isinstance(ev, RankDown):
             raise ApiError(503, ev.message, type="server_error", code="engine_down")
         if isinstance(ev, RequestRejected):
@@ -215,7 +219,7 @@ class DisaggregatedPath:
         raise internal(error or f"unexpected event while reserving: {type(ev).__name__}")
 
     async def _prefill(
-        self, rank: RankClient, req: PDRequest, key: str | None, progress: _Progress
+        self, rank: RankClient, req: PDRequest, key: str | None, progress: _Progress, held_tokens: int = 0
     ) -> PrefillReply:
         """The PE's answer: from the conversation's PE, or once from the next in its order when the
         first failed before the handoff could have reached the CE (see _may_fail_over)."""
@@ -227,6 +231,7 @@ class DisaggregatedPath:
             use_prefix_cache=req.use_prefix_cache,
             seed=None,  # the PE uses the request's seed, or draws one that travels with the KV
             lease_s=self.cfg.handoff_lease_s,
+            receiver_held_tokens=held_tokens,
         )
         choice = self.pool.choose(key)
         if choice is None:

@@ -46,6 +46,13 @@ class MessageError(ValueError):
         self.field = field
 
 
+def _held(num_held_tokens: int, num_prompt_tokens: int) -> None:
+    if not 0 <= num_held_tokens <= num_prompt_tokens:
+        raise InvalidRequestError(
+            f"receiver_held_tokens must be in [0, {num_prompt_tokens}], got {num_held_tokens}", "receiver_held_tokens"
+        )
+
+
 def _positive(name: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise InvalidRequestError(f"{name} must be a positive number, got {value!r}", name)
@@ -72,6 +79,7 @@ class Reserve:
     num_tokens: int
     num_commit_tokens: int
     ttl_s: float
+    token_ids: tuple[int, ...] = ()  # the prompt: what the rank's decode cache may hold pages of already
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -89,6 +97,7 @@ class Reserved:
 
     TYPE: ClassVar[str] = "reserved"
     request_id: str
+    num_held_tokens: int = 0  # leading tokens whose pages the rank holds (decode cache): not to be sent
 
 
 @dataclass(frozen=True)
@@ -104,12 +113,14 @@ class Prefill:
     lease_s: float
     use_prefix_cache: bool = True
     seed: int | None = None
+    receiver_held_tokens: int = 0  # the receiver holds these leading tokens' pages: send from there on
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise InvalidRequestError("prompt_token_ids must not be empty", "prompt_token_ids")
         _positive("lease_s", self.lease_s)
         check_seed(self.seed)
+        _held(self.receiver_held_tokens, len(self.prompt_token_ids))
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,7 @@ class PrefillResult:
     transfer_s: float = 0.0  # export + send until the CE's ack
     payload_bytes: int = 0
     transport: str = ""
+    skipped_tokens: int = 0  # leading tokens not sent: the receiver held their pages
     code: str | None = None
     message: str = ""
     output: RequestOutput | None = None
@@ -264,6 +276,7 @@ class PrefillBody:
     use_prefix_cache: bool = True
     seed: int | None = None  # None: the PE uses params.seed, or draws one that travels with the KV
     lease_s: float | None = None
+    receiver_held_tokens: int = 0  # the CE's reservation holds these leading tokens' pages
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -271,6 +284,7 @@ class PrefillBody:
         if self.lease_s is not None:
             _positive("lease_s", self.lease_s)
         check_seed(self.seed)
+        _held(self.receiver_held_tokens, len(self.prompt_token_ids))
 
     def prefill(self, default_lease_s: float) -> Prefill:
         """The PE rank's message for this body."""
@@ -283,6 +297,7 @@ class PrefillBody:
             lease_s,
             self.use_prefix_cache,
             self.seed,
+            self.receiver_held_tokens,
         )
 
 
@@ -299,3 +314,4 @@ class PrefillReply:
     payload_bytes: int
     transport: str
     output: RequestOutput | None = None
+    skipped_tokens: int = 0  # leading tokens whose pages were not sent (the CE held them)

@@ -50,6 +50,7 @@ class _Job:
     ready_s: float = 0.0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    skipped_tokens: int = 0
     sending: concurrent.futures.Future[None] | None = None
 
 
@@ -108,7 +109,13 @@ class PrefillRole:
                     # GPU, tcp then stages it through pinned buffers in the sender's thread and the
                     # checksum runs on the device, instead of a whole-sequence copy to pageable host
                     # memory on the engine thread (which stalls decode).
-                    export = self.engine.export_sequence(o.request_id, device=None, alloc=self.export_alloc)
+                    # the page of the last prompt token always travels (never an empty page segment)
+                    bs = self.engine.layout.block_size
+                    skip = min(job.msg.receiver_held_tokens // bs, (len(job.msg.prompt_token_ids) - 1) // bs)
+                    export = self.engine.export_sequence(
+                        o.request_id, device=None, alloc=self.export_alloc, skip_pages=skip
+                    )
+                    job.skipped_tokens = skip * self.engine.layout.block_size
                 except Exception as e:
                     log.exception("export of %r failed", o.request_id)
                     self._fail(job, HandoffError(TRANSPORT, f"export failed: {e!r}"))
@@ -152,6 +159,7 @@ class PrefillRole:
                         transfer_s=sent.ack.elapsed_s,
                         payload_bytes=sent.ack.payload_bytes,
                         transport=sent.ack.transport,
+                        skipped_tokens=job.skipped_tokens,
                     )
                 )
             else:

@@ -88,6 +88,7 @@ async def _prefill(co: Coordinator, msg: Prefill) -> web.Response:
     if ev.is_handed_off:
         metrics.handoffs.labels(transport).inc()
         metrics.handoff_bytes.labels(transport).inc(ev.payload_bytes)
+        metrics.handoff_skipped_tokens.labels(transport).inc(ev.skipped_tokens)
         metrics.handoff_s.labels(transport).observe(ev.transfer_s)
         metrics.ttft_phase_s.labels("prefill").observe(ev.prefill_s)
         metrics.ttft_phase_s.labels("transfer").observe(ev.transfer_s)
@@ -107,5 +108,6 @@ async def _prefill(co: Coordinator, msg: Prefill) -> web.Response:
         ev.payload_bytes,
         transport,
         ev.output,
+        ev.skipped_tokens,
     )
     return json_response(to_wire(reply))

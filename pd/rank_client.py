@@ -219,9 +219,12 @@ class RankClient:
         num_commit_tokens: int,
         ttl_s: float,
         queue: asyncio.Queue[tuple[str, RankEvent]],
+        token_ids: tuple[int, ...] = (),
     ) -> None:
-        """CE: asks for memory for a handed-off sequence; Reserved (or a rejection) arrives on queue."""
-        await self._request(request_id, Reserve(request_id, num_tokens, num_commit_tokens, ttl_s), queue)
+        """CE: asks for memory for a handed-off sequence of these prompt tokens; Reserved (with the
+        tokens its decode cache holds) or a rejection arrives on queue."""
+        msg = Reserve(request_id, num_tokens, num_commit_tokens, ttl_s, token_ids)
+        await self._request(request_id, msg, queue)
 
     async def prefill(self, msg: Prefill, queue: asyncio.Queue[tuple[str, RankEvent]]) -> None:
         """PE: prefill and hand off; one PrefillResult (or RankDown) arrives on queue."""

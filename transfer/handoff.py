@@ -3,13 +3,15 @@
 Payload layout (payload_bytes = num_pages * page_bytes + state_bytes; two segments, checksummed as
 such, see checksum.py):
 
-    | page 0 | page 1 | ... | page num_pages-1 | SWA state (only if num_swa_layers > 0) |
+    | page f | page f+1 | ... | page f+num_pages-1 | SWA state (only if num_swa_layers > 0) |
+      f = first_page: the receiver's decode cache holds the sequence's pages [0, f) already (its
+          reservation said so), so they are not sent; 0 for a full handoff
       page i: tokens [i*block_size, (i+1)*block_size) of every full-attention layer,
               [num_full_layers, 2 (k, v), block_size, kv_heads, head_dim], C order, `dtype`
       state:  [num_swa_layers, 2, window, kv_heads, head_dim] ring: position p at row p % window;
               rows of positions [num_computed - swa_fill, num_computed) are live
 
-num_pages = ceil(num_computed / block_size) (0 for a model without full-attention layers); the last
+num_pages = ceil(num_computed / block_size) - first_page (0 for a model without full-attention layers); the last
 page's rows past num_computed are whatever the sender had there. The first sampled token(s) and their
 logprobs travel in the header: they are small, typed, and needed before the payload is.
 
@@ -19,7 +21,7 @@ IDS_INLINE_MAX tokens is not in the header's bytes: the header says how many ids
 (num_prompt_tokens) and the sender sends them in an `ids` message right after the offer (wire.py),
 so packing them, carrying them and reading them overlap the payload instead of delaying its start.
 A decoded header keeps the prompt's ids packed (PackedIds: checked when they arrive, unpacked on
-first use). Header version 3.
+first use). Header version 4 (3 had no first_page).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from pdkernels.checksum import MASK64, as_words, fold
 from transfer.checksum import segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
-HEADER_VERSION = 3
+HEADER_VERSION = 4
 IDS_INLINE_MAX = 1024  # prompts longer than this send their token ids after the offer
 
 
@@ -73,6 +75,7 @@ class HandoffHeader:
     state_bytes: int  # the whole SWA ring
     payload_bytes: int
     checksum: int  # transfer.checksum.payload_checksum of [pages, state]
+    first_page: int = 0  # the payload's pages start at this page of the sequence (see the module's doc)
     output_logprobs: tuple[TokenLogprob, ...] = ()
     version: int = HEADER_VERSION
 
@@ -104,12 +107,14 @@ class HandoffHeader:
             self.head_dim, DTYPES[self.dtype],
         )  # fmt: skip
         object.__setattr__(self, "_layout", lo)  # derived once: the shapes below come from it
+        if not 0 <= self.first_page <= lo.num_pages(self.num_computed):
+            raise bad(f"first_page {self.first_page} is not a page of {self.num_computed} tokens")
         want = {
             "swa_fill": min(self.num_computed, self.window),
-            "num_pages": lo.num_pages(self.num_computed),
+            "num_pages": lo.num_pages(self.num_computed) - self.first_page,
             "page_bytes": lo.page_bytes,
             "state_bytes": lo.state_bytes,
-            "payload_bytes": lo.payload_bytes(self.num_computed),
+            "payload_bytes": lo.payload_bytes(self.num_computed) - self.first_page * lo.page_bytes,
         }
         wrong = [f"{k} {getattr(self, k)} != {v}" for k, v in want.items() if getattr(self, k) != v]
         if wrong:
@@ -374,7 +379,8 @@ def make_header(
     given. Raises HandoffError(LAYOUT) if the tensors do not have this layout's shapes."""
     lo = layout.fields()
     num_computed = export.num_computed
-    num_pages = layout.num_pages(num_computed)
+    first_page = export.first_page
+    num_pages = layout.num_pages(num_computed) - first_page
     page_shape = layout.page_shape(num_pages)
     if tuple(export.pages.shape) != page_shape or export.pages.dtype != layout.dtype:
         raise HandoffError(
@@ -400,8 +406,9 @@ def make_header(
         num_pages=num_pages,
         page_bytes=layout.page_bytes,
         state_bytes=layout.state_bytes,
-        payload_bytes=layout.payload_bytes(num_computed),
+        payload_bytes=layout.payload_bytes(num_computed) - first_page * layout.page_bytes,
         checksum=checksum,
+        first_page=first_page,
         output_logprobs=tuple(output_logprobs),
         **lo,
     )
@@ -439,6 +446,7 @@ def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceEx
         pages=segments[0],
         state=segments[1] if header.has_state else None,
         output_logprobs=list(header.output_logprobs),
+        first_page=header.first_page,
     )
 
 

@@ -190,3 +190,54 @@ def test_every_dashboard_metric_is_exported(servers):
             for name, labels in exposition_labels(r.read().decode()).items():
                 exported.setdefault(name, set()).update(labels)
     assert missing_metrics(load_dashboard(), exported) == []
+
+
+def _cluster_counters(url: str) -> dict[str, float]:
+    """The CE coordinator's handoff counters (summed over transports)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {"bytes": 0.0, "skipped": 0.0, "handoffs": 0.0}
+    for line in text.splitlines():
+        for key, name in (
+            ("bytes", "pdserve_handoff_bytes_total{"),
+            ("skipped", "pdserve_handoff_skipped_tokens_total{"),
+            ("handoffs", "pdserve_handoffs_total{"),
+        ):
+            if line.startswith(name):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_multi_turn_hands_off_only_what_the_ce_lacks(servers):
+    """The CE keeps each finished turn's pages (--decode-cache, on by default): from turn 2 on the PE
+    sends the new tokens' pages (plus the page they start in) only, and the output stays identical."""
+    ref, pair = servers
+    block = 128  # EngineConfig's default block_size, which these servers run with
+    notes = "Notes for the retention test. " + " ".join(f"Entry {i} reads {i * 11 % 17}." for i in range(70))
+    messages = [{"role": "user", "content": notes + "\n\nWhat does entry 3 read?"}]
+    page_bytes, previous = 0.0, 0
+    for turn in range(6):
+        before = _cluster_counters(pair.url)
+        kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        got = openai_client(pair.url).chat.completions.create(**kw)
+        want = openai_client(ref.url).chat.completions.create(**kw)
+        assert got.choices[0].message.content == want.choices[0].message.content, turn
+        after = _cluster_counters(pair.url)
+        assert after["handoffs"] == before["handoffs"] + 1
+        sent, skipped = after["bytes"] - before["bytes"], after["skipped"] - before["skipped"]
+        prompt = got.usage.prompt_tokens
+        if turn == 0:
+            assert skipped == 0
+            page_bytes = sent / -(-prompt // block)  # a llama model: pages only, no SWA state
+        else:
+            assert skipped > 0 and skipped % block == 0 and skipped >= previous // block * block - block
+            new_pages = -(-(prompt - previous) // block)
+            assert sent <= (new_pages + 1) * page_bytes, (turn, sent, new_pages, page_bytes)
+        previous = prompt
+        messages += [
+            {"role": "assistant", "content": got.choices[0].message.content},
+            {"role": "user", "content": f"And entry {turn + 10}?"},
+        ]
+    m = rank_metrics(pair.ce.port)
+    assert m["pdserve_engine_decode_cache_hit_tokens_total"] > 0
+    wait_pair_idle(pair)

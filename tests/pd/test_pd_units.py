@@ -387,7 +387,9 @@ class _Rank:
         self.events: Any = None
         self.aborted: list[str] = []
 
-    async def reserve(self, rid: str, num_prompt: int, num_total: int, ttl_s: float, events: Any) -> None:
+    async def reserve(
+        self, rid: str, num_prompt: int, num_total: int, ttl_s: float, events: Any, token_ids: Any = ()
+    ) -> None:
         self.events = events
         events.put_nowait((rid, Reserved(rid)))
 

@@ -138,6 +138,31 @@ def test_header_round_trip() -> None:
     assert torch.equal(out.pages, exp.pages) and out.state is not None and torch.equal(out.state, exp.state)
 
 
+def test_header_of_a_partial_handoff_carries_pages_from_first_page_on() -> None:
+    """The CE's decode cache holds the first pages: the payload starts at first_page."""
+    full = make_export()  # 37 prompt tokens: 3 pages of 16
+    exp = dataclasses.replace(full, pages=full.pages[2:].clone(), first_page=2, pages_sum=None)
+    h = make_header(exp, LAYOUT_SWA)
+    assert h.first_page == 2 and h.num_pages == 1
+    assert h.payload_bytes == LAYOUT_SWA.page_bytes + LAYOUT_SWA.state_bytes
+    back = HandoffHeader.decode(h.encode())
+    assert back == h
+    segs = allocate_payload(back)
+    for src, dst in zip(payload_segments(exp, LAYOUT_SWA), segs):
+        dst.copy_(src)
+    out = to_export(back, segs)
+    assert out.first_page == 2 and torch.equal(out.pages, full.pages[2:])
+    # no page at all (every computed token's page held) is a header too; past the last page is not
+    none = dataclasses.replace(full, pages=full.pages[3:].clone(), first_page=3, pages_sum=None)
+    assert make_header(none, LAYOUT_SWA).payload_bytes == LAYOUT_SWA.state_bytes
+    for first_page in (4, -1):
+        with pytest.raises(HandoffError) as e:
+            HandoffHeader.decode(_tamper(h, first_page=first_page))
+        assert e.value.code == BAD_HEADER
+    with pytest.raises(HandoffError):  # the sizes must follow first_page
+        HandoffHeader.decode(_tamper(h, first_page=1))
+
+
 def test_header_without_swa_or_without_full_layers() -> None:
     full_only = dataclasses.replace(LAYOUT_SWA, num_swa_layers=0, window=0)
     h = make_header(make_export(full_only, num_prompt=16), full_only)
