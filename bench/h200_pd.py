@@ -279,14 +279,15 @@ def pd_pair(args: tuple[str, ...], logs: Path, transport: str) -> PDPair:
     return PDPair(*args, log_dir=logs, pe_args=("--transport", transport))
 
 
-def load_pair(run: Run, model: dict[str, Any], opts: argparse.Namespace) -> PDPair:
+def load_pair(run: Run, model: dict[str, Any], opts: argparse.Namespace, decode_cache: bool = True) -> PDPair:
     folder = make_8b_folder(run.work / "llama8b-dummy", Path(model["folder"]), opts.tiny)
     args = (
         "--model", str(folder), "--load-format", "dummy", "--kv-cache-gb", str(opts.load_kv_gb),
         "--hicache-gb", str(opts.load_hicache_gb), "--max-model-len", str(opts.load_max_model_len),
-        "--max-num-seqs", "32",
+        "--max-num-seqs", "32", "--decode-cache" if decode_cache else "--no-decode-cache",
     )  # fmt: skip
-    return pd_pair(args, run.logs / "load_pair", opts.load_transport)
+    logs = run.logs / ("load_pair" if decode_cache else "load_pair_no_decode_cache")
+    return pd_pair(args, logs, opts.load_transport)
 
 
 def wait_all(servers: dict[str, Any], timeout_s: float) -> dict[str, str]:
@@ -410,6 +411,7 @@ def handoff_metrics(pair: PDPair) -> dict[str, Any]:
         for key in (
             "pdserve_handoffs_total", "pdserve_handoff_bytes_total", "pdserve_handoff_duration_seconds_sum",
             "pdserve_handoff_duration_seconds_count", "pdserve_ttft_phase_seconds_sum", "pdserve_ttft_phase_seconds_count",
+            "pdserve_handoff_skipped_tokens_total",
         ):  # fmt: skip
             if name.startswith(key + "{") or name == key:
                 label = name[len(key) :]
@@ -418,7 +420,9 @@ def handoff_metrics(pair: PDPair) -> dict[str, Any]:
     n = sum(v for k, v in sums.items() if k.startswith("pdserve_handoffs_total"))
     b = sum(v for k, v in sums.items() if k.startswith("pdserve_handoff_bytes_total"))
     ds = sum(v for k, v in sums.items() if k.startswith("pdserve_handoff_duration_seconds_sum"))
+    sk = sum(v for k, v in sums.items() if k.startswith("pdserve_handoff_skipped_tokens_total"))
     out.update(num_handoffs=n, mean_bytes=b / n if n else None, mean_handoff_ms=1e3 * ds / n if n else None)
+    out.update(mean_skipped_tokens=sk / n if n else None)
     phases = {}
     for k, v in sums.items():
         if k.startswith("pdserve_ttft_phase_seconds_sum"):
@@ -432,17 +436,40 @@ def handoff_metrics(pair: PDPair) -> dict[str, Any]:
 def step_load(
     run: Run, model: dict[str, Any], opts: argparse.Namespace, pending: dict[str, Any]
 ) -> dict[str, Any]:
+    """The trace against the 8B pair, once per --load-decode-cache value (on, off: the CE keeps each
+    turn's pages or not), each with a pair of its own; the first value's result is the step's."""
+    variants = [v.strip() for v in opts.load_decode_cache.split(",") if v.strip()]
+    results: dict[str, Any] = {}
+    for i, variant in enumerate(variants):
+        share = 1.0 / (len(variants) - i)  # the time left, split evenly over the runs left
+        results[variant] = _load_run(run, model, opts, pending if i == 0 else {}, variant == "on", share)
+    first = dict(results[variants[0]])
+    if len(variants) > 1:
+        first["variants"] = results
+        if any(r.get("status") == "failed" for r in results.values()):
+            first["status"] = "failed"
+    return first
+
+
+def _load_run(
+    run: Run, model: dict[str, Any], opts: argparse.Namespace, pending: dict[str, Any], decode_cache: bool,
+    share: float,
+) -> dict[str, Any]:
     if "load_pair_error" in pending:
         raise RuntimeError(pending["load_pair_error"])
-    pair = pending.get("load_pair") or load_pair(run, model, opts).start()
+    pre = pending.get("load_pair") if decode_cache else None  # the pair started early has the cache on
+    if pending.get("load_pair") is not None and pre is None:
+        pending["load_pair"].stop()
+    pair = pre or load_pair(run, model, opts, decode_cache).start()
     try:
         state = wait_all({"load_pair": pair}, run.left_s() - 20)
         if state["load_pair"] != "ready":
             raise RuntimeError(state["load_pair"])
-        out_dir = run.logs / "load"
+        out_dir = run.logs / ("load" if decode_cache else "load_no_decode_cache")
         after = opts.handoff_reserve_s if opts.handoff_last and "handoff" in opts.steps else 0.0
-        budget = max(30.0, run.left_s() - 15 - after)  # load.py's own start, warm-up and plots: ~10 s
+        budget = max(30.0, (run.left_s() - 15 - after) * share)  # load.py's start, warm-up, plots: ~10 s
         grace_s = 15.0
+        label = f"pd-{opts.load_transport}-1gpu" + ("" if decode_cache else "-no-decode-cache")
         cmd = [
             sys.executable, "bench/load.py", "--url", pair.url, "--trace", "synthetic",
             "--conversations", str(opts.load_conversations), "--turns", str(opts.load_turns),
@@ -450,18 +477,19 @@ def step_load(
             "--output-sigma", "0", "--think-s", "0.5", "--tool-latency-s", "0.2", "--ignore-eos",
             "--max-context-tokens", str(opts.load_max_model_len - 256),
             "--duration-s", str(round(min(opts.load_duration_s, budget - grace_s - 10))), "--grace-s", str(grace_s),
-            "--slo-ttft-ms", "2000", "--slo-itl-ms", "200", "--label", f"pd-{opts.load_transport}-1gpu",
+            "--slo-ttft-ms", "2000", "--slo-itl-ms", "200", "--label", label,
             "--out", str(out_dir),
         ]  # fmt: skip
-        rc = sh(cmd, run.logs / "load.log", budget)
-        res: dict[str, Any] = {"rc": rc, "handoffs": handoff_metrics(pair)}
+        log_name = "load.log" if decode_cache else "load_no_decode_cache.log"
+        rc = sh(cmd, run.logs / log_name, budget)
+        res: dict[str, Any] = {"rc": rc, "decode_cache": decode_cache, "handoffs": handoff_metrics(pair)}
         results = out_dir / "results.json"
         if results.exists():
             doc = json.loads(results.read_text())
             res["summary"] = doc["runs"][0]["summary"]
             res["trace"] = doc.get("trace")
         if rc:
-            res.update(status="failed", error=tail(run.logs / "load.log", 5))
+            res.update(status="failed", error=tail(run.logs / log_name, 5))
         return res
     finally:
         pair.stop()
@@ -508,20 +536,26 @@ def summary_table(doc: dict[str, Any]) -> str:
                     f"({tr.get('seconds', '-')} s) |"
                 )
         elif name == "load":
-            s = r.get("summary")
-            if s:
+            for tag, v in (r.get("variants") or {"": r}).items():
+                what = f"load (decode cache {tag})" if tag else "load"
+                s = v.get("summary")
+                if not s:
+                    lines.append(f"| {what} | {v.get('status', status)} | {v.get('error', '')} |")
+                    continue
                 lines.append(
-                    f"| load | {status} | {s['num_ok']}/{s['num_planned']} ok, {s['num_errors']} errors; TTFT p50/p90 "
-                    f"{_f(s['ttft_ms']['p50'], '.0f')}/{_f(s['ttft_ms']['p90'], '.0f')} ms; ITL p50/p90 "
+                    f"| {what} | {v.get('status', status)} | {s['num_ok']}/{s['num_planned']} ok, {s['num_errors']} errors; "
+                    f"TTFT p50/p90 {_f(s['ttft_ms']['p50'], '.0f')}/{_f(s['ttft_ms']['p90'], '.0f')} ms; ITL p50/p90 "
                     f"{_f(s['itl_ms']['p50'], '.1f')}/{_f(s['itl_ms']['p90'], '.1f')} ms; "
                     f"{_f(s['output_tokens_per_s'], '.1f')} output tok/s; cache hit {_f(s['prefix_cache_hit_rate'], '.2f')} |"
                 )
-                phases = r.get("handoffs", {}).get("ttft_phase_mean_ms", {})
+                h = v.get("handoffs", {})
+                phases = h.get("ttft_phase_mean_ms", {})
+                mean_mb = h.get("mean_bytes") / 1e6 if h.get("mean_bytes") else None
                 lines.append(
-                    f"| load TTFT phases (mean ms) | | {', '.join(f'{k} {v}' for k, v in phases.items())} |"
+                    f"| {what}: handoffs | | {_f(h.get('num_handoffs'), '.0f')} handoffs, "
+                    f"{_f(mean_mb, '.1f')} MB and {_f(h.get('mean_skipped_tokens'), '.0f')} skipped tokens each; "
+                    f"TTFT phases (mean ms) {', '.join(f'{k} {x}' for k, x in phases.items())} |"
                 )
-            else:
-                lines.append(f"| load | {status} | {r.get('error', '')} |")
         else:
             lines.append(f"| {name} | {status} | {r.get('error', '')} |")
     head = ", ".join(f"{k} {v}" for k, v in env.items())
@@ -571,6 +605,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-transport", default="ipc")
     p.add_argument("--load-kv-gb", type=float, default=24.0, help="KV pool of each 8B process")
     p.add_argument("--load-hicache-gb", type=float, default=2.0)
+    p.add_argument(
+        "--load-decode-cache", default="on",
+        help="on, off or on,off: the CE keeps each turn's KV pages (--decode-cache) or not; one run each",
+    )  # fmt: skip
     p.add_argument("--load-max-model-len", type=int, default=8192)
     p.add_argument("--load-conversations", type=int, default=6)
     p.add_argument("--load-turns", type=int, default=3)
