@@ -66,6 +66,19 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def _walk(name: str, ids: list[int], step: Callable[[int], bool], compile_s: float) -> dict[str, float]:
+    """Times step(token) (fill the next mask, then advance by token) along a valid output: the first
+    step counts with the compile (a library may compile lazily), the rest are the per-step cost."""
+    times = []
+    for i, t in enumerate(ids):
+        t0 = time.perf_counter()
+        ok = step(t)
+        times.append(time.perf_counter() - t0)
+        if not ok:
+            raise RuntimeError(f"token {i} of {name} was refused")
+    return _summary(compile_s + times[0], times[1:])
+
+
 def run_llguidance(tok: Any, vocab: int, eos: list[int], ids_of: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     import llguidance
     import llguidance.hf
@@ -81,21 +94,13 @@ def run_llguidance(tok: Any, vocab: int, eos: list[int], ids_of: dict[str, list[
         so = StructuredOutput(kind, text_spec)  # type: ignore[arg-type]
         compile_s, m = _timed(lambda so=so: llguidance.LLMatcher(lltok, grammar_text(so)))
         bitmask = allocate_token_bitmask(1, vocab)
-        steps = []
-        first_mask_s = 0.0
-        for i, t in enumerate(ids_of[name]):
-            t0 = time.perf_counter()
+
+        def step(t: int, m: Any = m, bitmask: Any = bitmask) -> bool:
             fill_next_token_bitmask(m, bitmask, 0)
-            ok = m.consume_token(t)
-            dt = time.perf_counter() - t0
-            if i == 0:
-                first_mask_s = dt
-            else:
-                steps.append(dt)
-            if not ok:
-                raise RuntimeError(f"llguidance refused token {i} of {name}: {m.get_error()}")
-        out[name] = _summary(compile_s + first_mask_s, steps)
-    # the engine's whole per-step path (engine/grammar.py mask_logits: fill, unpack, masked_fill) on a
+            return bool(m.consume_token(t))
+
+        out[name] = _walk(name, ids_of[name], step, compile_s)
+    # the engine's whole per-step path (engine/grammar.py mask_logits: the fill, the byte-table add) on a
     # batch of rows, each in the middle of the person schema
     from engine.grammar import GrammarCompiler, mask_logits
 
@@ -133,20 +138,12 @@ def run_xgrammar(tok: Any, vocab: int, eos: list[int], ids_of: dict[str, list[in
         compile_s, compiled = _timed(make)
         m = xgr.GrammarMatcher(compiled)
         bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
-        steps = []
-        first_mask_s = 0.0
-        for i, t in enumerate(ids_of[name]):
-            t0 = time.perf_counter()
+
+        def step(t: int, m: Any = m, bitmask: Any = bitmask) -> bool:
             m.fill_next_token_bitmask(bitmask, 0)
-            ok = m.accept_token(t)
-            dt = time.perf_counter() - t0
-            if i == 0:
-                first_mask_s = dt
-            else:
-                steps.append(dt)
-            if not ok:
-                raise RuntimeError(f"xgrammar refused token {i} of {name}")
-        out[name] = _summary(compile_s + first_mask_s, steps)
+            return bool(m.accept_token(t))
+
+        out[name] = _walk(name, ids_of[name], step, compile_s)
     return out
 
 

@@ -15,6 +15,7 @@ sequence (which keeps its output) keeps its matcher.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections import OrderedDict
 from typing import Any
@@ -135,18 +136,20 @@ class Matcher:
         return bool(self._m.is_stopped())
 
 
-_EXECUTOR: list[Any] = []  # llguidance's thread pool, made on first use
+@functools.cache
+def _executor() -> Any:
+    """llguidance's thread pool, made on first use."""
+    import llguidance
+
+    return llguidance.LLExecutor()
 
 
 def fill_masks(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
     """Row r of bitmask (int32 [R, ceil(V / 32)] on the host): the tokens matchers[r] allows next,
     computed for all rows at once on llguidance's own threads."""
-    import llguidance
     from llguidance.torch import fill_next_token_bitmask_par
 
-    if not _EXECUTOR:
-        _EXECUTOR.append(llguidance.LLExecutor())
-    fill_next_token_bitmask_par(_EXECUTOR[0], [(m._m, r) for r, m in enumerate(matchers)], bitmask)
+    fill_next_token_bitmask_par(_executor(), [(m._m, r) for r, m in enumerate(matchers)], bitmask)
     for m in matchers:
         if m._m.is_error():
             raise RuntimeError(f"the output's grammar failed: {m._m.get_error()}")
