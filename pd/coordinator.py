@@ -8,8 +8,10 @@ import contextlib
 import contextvars
 import functools
 import logging
+import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,10 +35,24 @@ from pd.router import make_router
 log = logging.getLogger("pd.coordinator")
 T = TypeVar("T")
 RENDER_THREADS = 2  # chat rendering and tokenization run here, off the event loop
+# The render threads run at this nice value (Linux sets it per thread): a maximal prompt's tokenization
+# then takes only the CPU the engine ranks leave. At the same priority, on a host with as many cores as
+# a CPU rank's threads, it stalled every decode step of the ranks' other streams for the whole render
+# (the rank's OpenMP threads wait at each barrier for the one that lost its core).
+RENDER_NICE = 10
+
+
+def _lower_priority() -> None:
+    """The render thread's initializer: below the ranks (where the OS allows it; else unchanged)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), RENDER_NICE)
 
 
 def load_tokenizer(model: str) -> Any:
     """The checkpoint's tokenizer (the HTTP process renders and counts tokens; the ranks only see ids)."""
+    # tokenizers' own thread pool would run a long prompt on threads of normal priority: the render
+    # threads (below) tokenize it themselves instead, still without holding the GIL.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
     from engine.models import resolve_model
@@ -57,7 +73,9 @@ class Coordinator:
         self.created = int(time.time())
         self.admission = Admission()
         self.inflight_ids: set[str] = set()  # the HTTP requests' ids in flight (a duplicate gets 409)
-        self._pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="render")
+        self._pool = ThreadPoolExecutor(
+            RENDER_THREADS, thread_name_prefix="render", initializer=_lower_priority
+        )
         self._ctx: zmq.asyncio.Context | None = None
         self._socket_dir: str | None = None
 
