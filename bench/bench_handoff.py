@@ -11,6 +11,10 @@ receiver verify, ack: `handoff`), the receiver's payload phase with and without 
 (`payload+verify`, `payload`: for ipc, opening the handles and the copy), the sender's checksum
 pass, and the ratio to the ceiling. Bars (issue 6): the whole tcp handoff at least 70% of the raw
 socket, the whole ipc handoff at least 50% of the device copy (`--json` writes rows and bars).
+With the receiver on a second GPU (the default where there are two), nccl is measured too, and the
+ceiling of ipc and nccl is a peer copy of the same bytes from the sender's GPU to the receiver's
+(`peer copy`); --p2p-gbps names NCCL's own point-to-point rate on that link (bench/nccl_xtray_test.py
+--local), which the nccl handoff is then held to (bar: 80%).
 Both processes reuse their buffers across repeats (first-touch page faults are not the transport's
 cost). Each transport's sender keeps its authenticated connection, as a PE does: the first send opens
 it (shown as `new connection` where it happened), the best and the median of the --repeats sends after
@@ -198,22 +202,36 @@ def raw_send(port: int, host: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def d2d_copy_s(segments: list[torch.Tensor], device: torch.device, repeats: int = 5) -> float:
-    """The best of `repeats` device-to-device copies of the payload's bytes (one buffer), by events."""
+def d2d_copy_s(
+    segments: list[torch.Tensor], device: torch.device, repeats: int = 5, dst: torch.device | None = None
+) -> float:
+    """The best of `repeats` device-to-device copies of the payload's bytes (one buffer), by events;
+    to another GPU where dst names one (a peer copy, cudaMemcpyPeerAsync once peer access is on)."""
     src = torch.cat([byte_view(t) for t in segments])
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    out = torch.empty_like(src, device=dst or device)
+    out.copy_(src)
+    torch.cuda.synchronize(out.device)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src)
+        out.copy_(src)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
+    del src, out
     torch.cuda.empty_cache()
     return min(times)
+
+
+def nccl_version() -> str | None:
+    """NCCL's version through cupy, or None where there is none."""
+    try:
+        from transfer.nccl import CupyNccl
+
+        return CupyNccl().version()
+    except Exception:
+        return None
 
 
 def best(fn: Any, repeats: int) -> Any:
@@ -233,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the receiver's device (default: cuda:1 if present, else the same)",
     )
     ap.add_argument("--json", default=None, help="also write the rows and bars here")
+    ap.add_argument(
+        "--p2p-gbps",
+        type=float,
+        default=None,
+        help="NCCL's point-to-point GB/s between the two GPUs (nccl_xtray_test.py): the nccl handoff's ceiling",
+    )
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     device = torch.device(
@@ -267,10 +291,14 @@ def main(argv: list[str] | None = None) -> int:
             senders["ipc"] = KVSender(
                 TOKEN, layout, config=TransferConfig(transport="ipc", send_timeout_s=600.0)
             )
-        for tokens in [int(t) for t in args.tokens.split(",")]:
-            rows += measure(
-                SyntheticPool(layout, tokens, device), layout, senders, addr, raw_port, args.repeats, loop
+        peer = torch.device(recv_device) if torch.device(recv_device) != device else None
+        if peer is not None and nccl_version() is not None:
+            senders["nccl"] = KVSender(
+                TOKEN, layout, config=TransferConfig(transport="nccl", send_timeout_s=600.0)
             )
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            pool = SyntheticPool(layout, tokens, device)
+            rows += measure(pool, layout, senders, addr, raw_port, args.repeats, loop, peer, args.p2p_gbps)
     finally:
         with contextlib.suppress(OSError):  # a receiver that died has closed its end
             parent.send("stop")
@@ -292,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "device": str(device),
             "receiver": recv_device,
+            "nccl": nccl_version(),
+            "p2p_gbps": args.p2p_gbps,
             "layout": args.layout,
             "rows": rows,
             "bars": checked,
@@ -308,8 +338,10 @@ def measure(
     raw_port: int,
     repeats: int,
     loop: asyncio.AbstractEventLoop,
+    peer: torch.device | None = None,
+    p2p_gbps: float | None = None,
 ) -> list[dict[str, Any]]:
-    """The rows of one sequence length."""
+    """The rows of one sequence length. peer: the receiver's GPU where it is another one."""
     exp = pool.export()
     tokens, nbytes = (
         exp.num_computed,
@@ -330,6 +362,11 @@ def measure(
     rows = [row("raw tcp socket", raw_s)]
     if copy_s is not None:
         rows.append(row("d2d copy", copy_s))
+    # the receiver on another GPU: the link is the device transports' ceiling
+    peer_s = d2d_copy_s(payload_segments(pool.export(), layout), device, dst=peer) if peer else None
+    if peer_s is not None:
+        rows.append(row(f"peer copy {device}->{peer}", peer_s))
+    p2p_s = nbytes / (p2p_gbps * GB) if p2p_gbps else None
     rows.append(row(f"checksum ({device.type})", ck_s))
     if device.type == "cuda":  # the torch path, which the one-pass kernel replaces where it matches
         ck_torch_s = best(
@@ -343,7 +380,14 @@ def measure(
         # the first send opens (and authenticates) the sender's connection, which later sends reuse
         acks = [_ack(loop, sender, addr, pool)[1] for _ in range(repeats + 1)]
         first, ack = acks[0], min(acks[1:], key=lambda a: a.elapsed_s)
-        ceiling, ceiling_s = ("raw tcp socket", raw_s) if name == "tcp" else ("d2d copy", copy_s)
+        if name == "tcp":
+            ceiling, ceiling_s = "raw tcp socket", raw_s
+        elif name == "nccl" and p2p_s is not None:
+            ceiling, ceiling_s = "nccl p2p", p2p_s
+        elif peer_s is not None:
+            ceiling, ceiling_s = "peer copy", peer_s
+        else:
+            ceiling, ceiling_s = "d2d copy", copy_s
         rows.append(row(f"handoff {name}", ack.elapsed_s, ceiling, ceiling_s))
         median = statistics.median(a.elapsed_s for a in acks[1:])
         rows.append(row(f"  handoff {name} (median)", median, ceiling, ceiling_s))
@@ -420,11 +464,15 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 
 def bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's bars, per sequence length: the whole tcp handoff at least 70% of the raw socket,
-    the whole ipc handoff at least 50% of the device copy (its payload phase shown beside it)."""
+    """The issues' bars, per sequence length: the whole tcp handoff at least 70% of the raw socket,
+    the whole ipc handoff at least 50% of the device copy (its payload phase shown beside it), and
+    on two GPUs the nccl handoff at least 80% of NCCL's point-to-point rate (--p2p-gbps)."""
     out = []
     for r in rows:
-        for what, need in (("handoff tcp", 0.7), ("handoff ipc", 0.5), ("  payload+verify ipc", 0.5)):
+        checks = (("handoff tcp", 0.7), ("handoff ipc", 0.5), ("  payload+verify ipc", 0.5), ("handoff nccl", 0.8))
+        for what, need in checks:
+            if what == "handoff nccl" and r["ceiling"] != "nccl p2p":
+                continue  # held to NCCL's own point-to-point rate only (--p2p-gbps)
             if r["what"] == what and r["of_ceiling"] is not None:
                 out.append(
                     dict(

@@ -10,12 +10,20 @@ ends with one summary table, whatever failed on the way:
   tests    tests/transfer/test_transfer_gpu.py: the checksum, TCP and CUDA IPC paths on the GPU (in the
            background from the start, collected before the handoff step, or after the check step
            with --handoff-last, which runs the handoff step at the end, alone)
+  xtray    bench/nccl_xtray_test.py --local (two GPUs): NCCL's transport and point-to-point rate
+           between GPU 0 and GPU 1, torch.distributed's all-reduce bus bandwidth and a peer copy
   handoff  bench/bench_handoff.py: a --handoff-tokens sequence of the llama8b layout over tcp and ipc,
-           against the raw socket and the device-copy ceilings measured in the same run
+           against the raw socket and the device-copy ceilings measured in the same run; with the
+           receiver on a second GPU also nccl, against the xtray step's NCCL rate
   check    a single-engine server and one P/D pair per --transports, all --deterministic and all on
            this GPU (PE and CE as two processes), then bench/check_pd.py against each pair at once
   load     an 8B-shaped dummy model (bench/configs/llama8b.json, SmolLM2's tokenizer and vocabulary)
-           as a PE and a CE sharing the GPU, and bench/load.py's synthetic trace against the CE
+           as a PE and a CE sharing the GPU, and bench/load.py's synthetic trace against the CE;
+           with --load-colocated FLAGS also a single-engine server of that model (e.g. '--dp 2': one
+           rank per GPU), and bench/compare.py --interleave runs the same trace against both
+
+On two GPUs, --pe-device cuda:0 --ce-device cuda:1 gives each pair's PE and CE a GPU of its own (the
+reference servers stay on --ref-device), and --transports may include nccl.
 
 The 8B pair is started with the check step's servers (loading overlaps the checks) and runs its
 trace once they are gone. Memory: two 8B processes on one GPU get explicit pools (--load-kv-gb
@@ -35,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -52,7 +61,7 @@ if str(REPO) not in sys.path:
 
 from pd.testing import PDPair, ServerProcess  # noqa: E402
 
-STEPS = ("model", "tests", "handoff", "check", "load")
+STEPS = ("model", "tests", "xtray", "handoff", "check", "load")
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_8B = dict(  # --tiny: the llama8b family at toy size, for a CPU rehearsal of the load step
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -130,6 +139,7 @@ def environment() -> dict[str, Any]:
     env: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__}
     probes: dict[str, Callable[[], Any]] = {
         "gpu": lambda: torch.cuda.get_device_name(0),
+        "gpu_count": lambda: torch.cuda.device_count(),
         "gpu_memory_mib": lambda: torch.cuda.get_device_properties(0).total_memory >> 20,
         "cuda": lambda: torch.version.cuda,
         "driver": lambda: subprocess.run(
@@ -147,7 +157,7 @@ def environment() -> dict[str, Any]:
         "alloc_conf": lambda: os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
     for name, probe in probes.items():
-        if name in ("gpu", "gpu_memory_mib", "nccl_torch", "driver") and not torch.cuda.is_available():
+        if name in ("gpu", "gpu_count", "gpu_memory_mib", "nccl_torch", "driver") and not torch.cuda.is_available():
             continue
         try:
             env[name] = probe()
@@ -250,8 +260,28 @@ class Tests:
         return {"rc": rc, "result": tail(self.path, 1), **({"status": "failed"} if rc else {})}
 
 
+def step_xtray(run: Run, sizes: str) -> dict[str, Any]:
+    """bench/nccl_xtray_test.py --local: GPU 0 and GPU 1 as two processes."""
+    path, js = run.logs / "xtray.log", run.logs / "xtray.json"
+    cmd = [sys.executable, "bench/nccl_xtray_test.py", "--local", "--peer", "127.0.0.1:0", "--sizes", sizes]
+    rc = sh(cmd + ["--json", str(js)], path, min(180.0, run.left_s()))
+    res: dict[str, Any] = {"rc": rc}
+    if js.exists():
+        res.update(json.loads(js.read_text()))
+    if rc or not res.get("nccl_p2p_gbps"):
+        res.update(status="failed", error=tail(path, 5))
+    return res
+
+
+def p2p_gbps(run: Run) -> float | None:
+    """NCCL's point-to-point rate at the xtray step's largest size, if it ran."""
+    rates = run.results.get("xtray", {}).get("nccl_p2p_gbps")
+    return rates[-1] if rates else None
+
+
 def step_handoff(run: Run, tokens: str, repeats: int) -> dict[str, Any]:
     path, js = run.logs / "handoff.log", run.logs / "handoff.json"
+    p2p = p2p_gbps(run)
     rc = sh(
         [
             sys.executable,
@@ -262,6 +292,7 @@ def step_handoff(run: Run, tokens: str, repeats: int) -> dict[str, Any]:
             str(repeats),
             "--json",
             str(js),
+            *(["--p2p-gbps", f"{p2p:.3f}"] if p2p else []),
         ],
         path,
         min(240.0, run.left_s()),
@@ -274,20 +305,36 @@ def step_handoff(run: Run, tokens: str, repeats: int) -> dict[str, Any]:
     return res
 
 
-def pd_pair(args: tuple[str, ...], logs: Path, transport: str) -> PDPair:
+def device_flag(device: str) -> tuple[str, ...]:
+    return () if device == "auto" else ("--device", device)
+
+
+def pd_pair(args: tuple[str, ...], logs: Path, transport: str, opts: argparse.Namespace) -> PDPair:
     logs.mkdir(parents=True, exist_ok=True)
-    return PDPair(*args, log_dir=logs, pe_args=("--transport", transport))
+    pe_args = ("--transport", transport, *device_flag(opts.pe_device))
+    return PDPair(*args, log_dir=logs, pe_args=pe_args, ce_args=device_flag(opts.ce_device))
+
+
+def model_8b_args(run: Run, model: dict[str, Any], opts: argparse.Namespace) -> tuple[str, ...]:
+    """The load step's 8B-shaped model and pools, common to its pair and its colocated server."""
+    folder = make_8b_folder(run.work / "llama8b-dummy", Path(model["folder"]), opts.tiny)
+    return (
+        "--model", str(folder), "--load-format", "dummy", "--kv-cache-gb", str(opts.load_kv_gb),
+        "--hicache-gb", str(opts.load_hicache_gb), "--max-model-len", str(opts.load_max_model_len),
+        "--max-num-seqs", "32",
+    )  # fmt: skip
+
+
+def colocated_server(run: Run, model: dict[str, Any], opts: argparse.Namespace) -> ServerProcess:
+    """The load step's single-engine server (--load-colocated's flags, e.g. '--dp 2')."""
+    args = (*model_8b_args(run, model, opts), *shlex.split(opts.load_colocated))
+    return ServerProcess(*args, log_path=run.logs / "load_colocated.log")
 
 
 def load_pair(run: Run, model: dict[str, Any], opts: argparse.Namespace, decode_cache: bool = True) -> PDPair:
-    folder = make_8b_folder(run.work / "llama8b-dummy", Path(model["folder"]), opts.tiny)
-    args = (
-        "--model", str(folder), "--load-format", "dummy", "--kv-cache-gb", str(opts.load_kv_gb),
-        "--hicache-gb", str(opts.load_hicache_gb), "--max-model-len", str(opts.load_max_model_len),
-        "--max-num-seqs", "32", "--decode-cache" if decode_cache else "--no-decode-cache",
-    )  # fmt: skip
+    args = (*model_8b_args(run, model, opts), "--decode-cache" if decode_cache else "--no-decode-cache")
     logs = run.logs / ("load_pair" if decode_cache else "load_pair_no_decode_cache")
-    return pd_pair(args, logs, opts.load_transport)
+    return pd_pair(args, logs, opts.load_transport, opts)
 
 
 def wait_all(servers: dict[str, Any], timeout_s: float) -> dict[str, str]:
@@ -319,14 +366,17 @@ def step_check(
     )  # fmt: skip
     servers: dict[str, Any] = {}
     for t in opts.transports:
-        servers[f"ref_{t}"] = ServerProcess(*args, log_path=run.logs / f"check_ref_{t}.log")
-        servers[f"pd_{t}"] = pd_pair(args, run.logs / f"check_pd_{t}", t)
+        ref_args = (*args, *device_flag(opts.ref_device))
+        servers[f"ref_{t}"] = ServerProcess(*ref_args, log_path=run.logs / f"check_ref_{t}.log")
+        servers[f"pd_{t}"] = pd_pair(args, run.logs / f"check_pd_{t}", t, opts)
     t0 = time.monotonic()
     for s in servers.values():
         s.start()
     if "load" in opts.steps:
         try:
             pending["load_pair"] = load_pair(run, model, opts).start()
+            if opts.load_colocated:
+                pending["colocated"] = colocated_server(run, model, opts).start()
         except Exception as e:
             pending["load_pair_error"] = f"{type(e).__name__}: {e}"
     res: dict[str, Any] = {"model": model["weights"], "transports": {}}
@@ -438,6 +488,8 @@ def step_load(
 ) -> dict[str, Any]:
     """The trace against the 8B pair, once per --load-decode-cache value (on, off: the CE keeps each
     turn's pages or not), each with a pair of its own; the first value's result is the step's."""
+    if opts.load_colocated:
+        return _compare_run(run, model, opts, pending)
     variants = [v.strip() for v in opts.load_decode_cache.split(",") if v.strip()]
     results: dict[str, Any] = {}
     for i, variant in enumerate(variants):
@@ -469,16 +521,11 @@ def _load_run(
         after = opts.handoff_reserve_s if opts.handoff_last and "handoff" in opts.steps else 0.0
         budget = max(30.0, (run.left_s() - 15 - after) * share)  # load.py's start, warm-up, plots: ~10 s
         grace_s = 15.0
-        label = f"pd-{opts.load_transport}-1gpu" + ("" if decode_cache else "-no-decode-cache")
+        label = f"pd-{opts.load_transport}-{gpus(opts)}" + ("" if decode_cache else "-no-decode-cache")
+        duration_s = min(opts.load_duration_s, budget - grace_s - 10)
         cmd = [
-            sys.executable, "bench/load.py", "--url", pair.url, "--trace", "synthetic",
-            "--conversations", str(opts.load_conversations), "--turns", str(opts.load_turns),
-            "--concurrency", str(opts.load_concurrency), "--output-tokens", str(opts.load_output_tokens),
-            "--output-sigma", "0", "--think-s", "0.5", "--tool-latency-s", "0.2", "--ignore-eos",
-            "--max-context-tokens", str(opts.load_max_model_len - 256),
-            "--duration-s", str(round(min(opts.load_duration_s, budget - grace_s - 10))), "--grace-s", str(grace_s),
-            "--slo-ttft-ms", "2000", "--slo-itl-ms", "200", "--label", label,
-            "--out", str(out_dir),
+            sys.executable, "bench/load.py", "--url", pair.url, "--concurrency", str(opts.load_concurrency),
+            *trace_flags(opts, duration_s, grace_s), "--label", label, "--out", str(out_dir),
         ]  # fmt: skip
         log_name = "load.log" if decode_cache else "load_no_decode_cache.log"
         rc = sh(cmd, run.logs / log_name, budget)
@@ -493,6 +540,64 @@ def _load_run(
         return res
     finally:
         pair.stop()
+
+
+def gpus(opts: argparse.Namespace) -> str:
+    return "2gpu" if opts.pe_device != opts.ce_device and "auto" not in (opts.pe_device, opts.ce_device) else "1gpu"
+
+
+def trace_flags(opts: argparse.Namespace, duration_s: float, grace_s: float) -> list[str]:
+    """bench/load.py's synthetic trace (compare.py takes the same flags)."""
+    return [
+        "--trace", "synthetic", "--conversations", str(opts.load_conversations), "--turns", str(opts.load_turns),
+        "--output-tokens", str(opts.load_output_tokens), "--output-sigma", "0", "--think-s", "0.5",
+        "--tool-latency-s", "0.2", "--ignore-eos", "--max-context-tokens", str(opts.load_max_model_len - 256),
+        "--duration-s", str(round(duration_s)), "--grace-s", str(grace_s),
+        "--slo-ttft-ms", "2000", "--slo-itl-ms", "200",
+    ]  # fmt: skip
+
+
+def _compare_run(
+    run: Run, model: dict[str, Any], opts: argparse.Namespace, pending: dict[str, Any]
+) -> dict[str, Any]:
+    """The trace against the pair and the colocated server, interleaved (bench/compare.py: every target
+    at one concurrency before the next), both up for the whole run."""
+    if "load_pair_error" in pending:
+        raise RuntimeError(pending["load_pair_error"])
+    pair = pending.get("load_pair") or load_pair(run, model, opts).start()
+    colo = pending.get("colocated") or colocated_server(run, model, opts).start()
+    try:
+        state = wait_all({"load_pair": pair, "colocated": colo}, run.left_s() - 20)
+        if any(v != "ready" for v in state.values()):
+            raise RuntimeError(str(state))
+        out_dir = run.logs / "compare"
+        points = [c for c in str(opts.load_concurrency).split(",") if c]
+        after = opts.handoff_reserve_s if opts.handoff_last and "handoff" in opts.steps else 0.0
+        budget = max(60.0, run.left_s() - 20 - after)
+        grace_s = 15.0
+        per_run = min(opts.load_duration_s, budget / (2 * len(points)) - grace_s - 8)
+        names = (
+            f"pd-{opts.load_transport}-{gpus(opts)}",
+            "-".join(["colocated", *(a.lstrip("-") for a in shlex.split(opts.load_colocated))]),
+        )
+        cmd = [
+            sys.executable, "bench/compare.py", "--target", f"{names[0]}={pair.url}",
+            "--target", f"{names[1]}={colo.url}", "--interleave", "--concurrency", ",".join(points),
+            *trace_flags(opts, max(10.0, per_run), grace_s), "--out", str(out_dir),
+        ]  # fmt: skip
+        rc = sh(cmd, run.logs / "compare.log", budget)
+        res: dict[str, Any] = {"rc": rc, "handoffs": handoff_metrics(pair), "compare": []}
+        results = out_dir / "results.json"
+        if results.exists():
+            doc = json.loads(results.read_text())
+            res["compare"] = [{"label": r["label"], "summary": r["summary"]} for r in doc["runs"]]
+            res["trace"] = doc.get("trace")
+        if rc:
+            res.update(status="failed", error=tail(run.logs / "compare.log", 5))
+        return res
+    finally:
+        pair.stop()
+        colo.stop()
 
 
 # ---- summary -------------------------------------------------------------------------------------
@@ -535,6 +640,35 @@ def summary_table(doc: dict[str, Any]) -> str:
                     f"{_f(h.get('num_handoffs'), '.0f')} handoffs, mean {_f(h.get('mean_handoff_ms'), '.2f')} ms "
                     f"({tr.get('seconds', '-')} s) |"
                 )
+        elif name == "xtray":
+            if not r.get("sizes"):
+                lines.append(f"| xtray | {status} | {r.get('error', '')} |")
+                continue
+            lines.append(
+                f"| xtray | {status} | NCCL {r.get('nccl_version')}, transport {', '.join(r.get('transport') or []) or '-'} |"
+            )
+            for i, size in enumerate(r["sizes"]):
+                cols = {
+                    k: (r.get(f"{k}_gbps") or [None] * len(r["sizes"]))[i]
+                    for k in ("nccl_p2p", "allreduce_busbw", "peer_copy", "tcp")
+                }
+                lines.append(
+                    f"| xtray {size >> 20} MiB | GB/s | NCCL p2p {_f(cols['nccl_p2p'], '.1f')}, all-reduce busbw "
+                    f"{_f(cols['allreduce_busbw'], '.1f')}, peer copy {_f(cols['peer_copy'], '.1f')}, tcp {_f(cols['tcp'], '.2f')} |"
+                )
+        elif name == "load" and "compare" in r:
+            for c in r["compare"]:
+                s = c["summary"]
+                lines.append(
+                    f"| load {c['label']} | {status} | {s['num_ok']}/{s['num_planned']} ok, {s['num_errors']} errors; "
+                    f"TTFT p50/p90/p99 {_f(s['ttft_ms']['p50'], '.0f')}/{_f(s['ttft_ms']['p90'], '.0f')}/"
+                    f"{_f(s['ttft_ms'].get('p99'), '.0f')} ms; ITL p50/p99 {_f(s['itl_ms']['p50'], '.1f')}/"
+                    f"{_f(s['itl_ms'].get('p99'), '.1f')} ms; ITL p99 in long prefills "
+                    f"{_f(s['itl_in_long_prefill_ms'].get('p99'), '.1f')} ms; {_f(s['output_tokens_per_s'], '.1f')} "
+                    f"output tok/s; goodput {_f(s.get('goodput_requests_per_s'), '.2f')} req/s ({_f(s.get('goodput_fraction'), '.2f')} of ok) |"
+                )
+            if not r["compare"]:
+                lines.append(f"| load | {status} | {r.get('error', '')} |")
         elif name == "load":
             for tag, v in (r.get("variants") or {"": r}).items():
                 what = f"load (decode cache {tag})" if tag else "load"
@@ -559,7 +693,7 @@ def summary_table(doc: dict[str, Any]) -> str:
         else:
             lines.append(f"| {name} | {status} | {r.get('error', '')} |")
     head = ", ".join(f"{k} {v}" for k, v in env.items())
-    return f"# P/D on one GPU\n\n{head}\n\n" + "\n".join(lines) + "\n"
+    return f"# P/D on {env.get('gpu_count', 1)} GPU(s)\n\n{head}\n\n" + "\n".join(lines) + "\n"
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -592,7 +726,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=40.0,
         help="with --handoff-last: time the load step leaves it",
     )
-    p.add_argument("--transports", default="tcp,ipc", help="one P/D pair each in the check step")
+    p.add_argument("--transports", default="tcp,ipc", help="one P/D pair each in the check step (tcp, ipc, nccl)")
+    p.add_argument("--pe-device", default="auto", help="every pair's PE (auto: the GPU its rank picks)")
+    p.add_argument("--ce-device", default="auto", help="every pair's CE (cuda:1: a GPU of its own)")
+    p.add_argument("--ref-device", default="auto", help="the check step's single-engine servers")
+    p.add_argument("--xtray-sizes", default="1M,16M,256M,1G", help="the xtray step's message sizes")
     p.add_argument("--check-max-tokens", type=int, default=12)
     p.add_argument("--check-concurrency", type=int, default=8)
     p.add_argument("--check-kv-gb", type=float, default=2.0)
@@ -612,7 +750,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-max-model-len", type=int, default=8192)
     p.add_argument("--load-conversations", type=int, default=6)
     p.add_argument("--load-turns", type=int, default=3)
-    p.add_argument("--load-concurrency", type=int, default=4)
+    p.add_argument(
+        "--load-concurrency", default="4", help="conversations at once (with --load-colocated: a list)"
+    )
+    p.add_argument(
+        "--load-colocated", default="",
+        help="flags of a single-engine server of the 8B model to compare with, interleaved ('--dp 2')",
+    )  # fmt: skip
     p.add_argument("--load-output-tokens", type=int, default=32)
     p.add_argument("--load-duration-s", type=float, default=90.0)
     args = p.parse_args(argv)
@@ -641,6 +785,8 @@ def main(argv: list[str] | None = None) -> int:
     handoff = lambda: step_handoff(run, opts.handoff_tokens, opts.handoff_repeats)  # noqa: E731
     if tests is not None and "handoff" in opts.steps and not opts.handoff_last:
         run.step("tests", lambda: tests.result(min(180.0, run.left_s())))
+    if "xtray" in opts.steps:
+        run.step("xtray", lambda: step_xtray(run, opts.xtray_sizes))
     if "handoff" in opts.steps and not opts.handoff_last:
         run.step("handoff", handoff)
     if model and "check" in opts.steps:

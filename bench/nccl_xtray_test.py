@@ -17,12 +17,21 @@ from its own log (NCCL_DEBUG=INFO, written to a temporary file): the "via ..." l
 connection it set up (P2P/CUMEM, SHM, NET/IB/.../GDRDMA, NET/Socket, ...) and the network plugin.
 Without CUDA (or cupy) on either rank it says so and measures TCP only. The control port binds to
 the address in --peer (use the cluster-facing address, not 0.0.0.0, on a shared network).
+
+Two ceilings are measured in the same run, next to the point-to-point figures:
+  - torch.distributed's own NCCL all-reduce between the two ranks (gloo without CUDA), as bus
+    bandwidth (nccl-tests' busbw: size/time x 2(n-1)/n, which for two ranks is size/time): what NCCL
+    reaches on the link with its collective algorithms;
+  - with --local and both GPUs visible to rank 0, a device-to-device copy from rank 1's GPU to rank
+    0's through PyTorch (cudaMemcpyPeerAsync once peer access is on): the link's raw copy rate.
+--json writes everything (versions, NCCL's transport, and each column per size).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import socket
@@ -203,6 +212,87 @@ def nccl_bandwidth(
     return list(recv_msg(sock))
 
 
+def allreduce_busbw(
+    sock: socket.socket, rank: int, host: str, device: str | None, sizes: list[int], iters: int | None
+) -> list[float]:
+    """torch.distributed's all-reduce (float32 sums) between the two ranks, NCCL on device (gloo on
+    the CPU when device is None): bus bandwidth in GB/s per size (for two ranks, size / time), timed on
+    rank 0 from a barrier to the last all-reduce's end."""
+    import torch
+    import torch.distributed as dist
+
+    dev = torch.device(device) if device else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, 2, is_master=True, timeout=_timedelta(120), wait_for_workers=False)
+        send_msg(sock, store.port)
+    else:
+        store = dist.TCPStore(host, int(recv_msg(sock)), 2, is_master=False, timeout=_timedelta(120))
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=2, device_id=dev if dev.type == "cuda" else None
+    )
+    try:
+        buf = torch.ones(max(sizes) // 4, dtype=torch.float32, device=dev)
+        out = []
+        for size in sizes:
+            n = iters_for(size, iters)
+            t = buf[: size // 4]
+            dist.all_reduce(t)  # warm-up (and the communicator's lazy setup)
+            _settle(dev)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(t)
+            _settle(dev)
+            out.append(size * n / (time.perf_counter() - t0) / 1e9)  # x 2(n-1)/n = 1 for two ranks
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        send_msg(sock, out)
+        return out
+    return list(recv_msg(sock))
+
+
+def _settle(dev: Any) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timedelta(seconds: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def peer_copy_bandwidth(src: str, dst: str, sizes: list[int], iters: int | None) -> list[float] | None:
+    """GB/s (bytes moved one way) of a device-to-device copy from src to dst through PyTorch, which
+    uses cudaMemcpyPeerAsync once peer access is on; None unless both devices are visible here."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return None
+    a, b = torch.device(src), torch.device(dst)
+    x = torch.empty(max(sizes), dtype=torch.uint8, device=a)
+    y = torch.empty(max(sizes), dtype=torch.uint8, device=b)
+    out = []
+    for size in sizes:
+        n = iters_for(size, iters)
+        y[:size].copy_(x[:size])  # warm-up (peer access is enabled on the first copy)
+        torch.cuda.synchronize(a)
+        torch.cuda.synchronize(b)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            y[:size].copy_(x[:size], non_blocking=True)
+        torch.cuda.synchronize(a)
+        torch.cuda.synchronize(b)
+        out.append(size * n / (time.perf_counter() - t0) / 1e9)
+    return out
+
+
 def _sync(sock: socket.socket, rank: int) -> None:
     if rank == 0:
         sock.sendall(b"s")
@@ -238,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "--iters", type=int, default=None, help="messages per size (default: ~512 MiB, at least 3)"
     )
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the other rank")
+    ap.add_argument("--json", type=Path, default=None, help="rank 0: also write every figure here")
     ap.add_argument(
         "--quiet", action="store_true", help=argparse.SUPPRESS
     )  # rank 1 of --local: rank 0 prints
@@ -263,8 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         child = subprocess.Popen(cmd + (["--iters", str(args.iters)] if args.iters else []) + ["--quiet"])
         try:
             return run(
-                0, host, port, args.device or "cuda:0", sizes, args.iters, args.timeout, False, listener
-            )
+                0, host, port, args.device or "cuda:0", sizes, args.iters, args.timeout, False, listener,
+                json_path=args.json, peer_from="cuda:1",
+            )  # fmt: skip
         finally:
             child.wait(timeout=60)
     if args.rank is None:
@@ -278,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         args.iters,
         args.timeout,
         quiet=args.quiet,
+        json_path=args.json,
     )
 
 
@@ -291,7 +384,10 @@ def run(
     timeout_s: float,
     quiet: bool,
     listener: socket.socket | None = None,
+    json_path: Path | None = None,
+    peer_from: str | None = None,
 ) -> int:
+    """peer_from: also time copies from that device to this rank's (both ranks on this host)."""
     log_dir = tempfile.mkdtemp(prefix="nccl-xtray-")
     os.environ.setdefault("NCCL_DEBUG", "INFO")
     os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,P2P,NET")
@@ -308,8 +404,11 @@ def run(
         use_nccl = all(i["cuda"] and i["nccl"] for i in infos.values()) and not same_gpu
         tcp = tcp_bandwidth(sock, rank, sizes, iters)
         nccl = nccl_bandwidth(sock, rank, device, sizes, iters) if use_nccl else None
+        allreduce = allreduce_busbw(sock, rank, host, device if use_nccl else None, sizes, iters)
+    peer = peer_copy_bandwidth(peer_from, device, sizes, iters) if use_nccl and peer_from else None
     if quiet:
         return 0
+    via, nets = nccl_choice(log_dir) if nccl is not None else ([], [])
     print(f"rank 0: {_describe(infos[0])}")
     print(f"rank 1: {_describe(infos[1])}")
     if nccl is None:
@@ -318,14 +417,24 @@ def run(
         )
         print(f"NCCL not measured ({why}): TCP only")
     else:
-        via, nets = nccl_choice(log_dir)
         print(
             f"NCCL {infos[rank]['nccl']}: transport {', '.join(via) or '(not logged)'}; network {', '.join(nets) or '-'}"
         )
-    print(f"\n{'size':>8} {'iters':>6} {'tcp GB/s':>9} {'nccl GB/s':>10}")
+    print(
+        f"\n{'size':>8} {'iters':>6} {'tcp GB/s':>9} {'nccl p2p GB/s':>14} {'all-reduce busbw':>17} "
+        f"{'peer copy GB/s':>15}"
+    )
     for i, size in enumerate(sizes):
-        n = f"{nccl[i]:>10.2f}" if nccl else f"{'-':>10}"
-        print(f"{_fmt(size):>8} {iters_for(size, iters):>6} {tcp[i]:>9.2f} {n}")
+        cols = [f"{c[i]:.2f}" if c else "-" for c in (nccl, allreduce, peer)]
+        print(f"{_fmt(size):>8} {iters_for(size, iters):>6} {tcp[i]:>9.2f} {cols[0]:>14} {cols[1]:>17} {cols[2]:>15}")
+    if json_path is not None:
+        doc = {
+            "ranks": infos, "nccl_version": infos[rank]["nccl"], "transport": via, "network": nets,
+            "sizes": sizes, "iters": [iters_for(n, iters) for n in sizes], "tcp_gbps": tcp,
+            "nccl_p2p_gbps": nccl, "allreduce_backend": "nccl" if use_nccl else "gloo",
+            "allreduce_busbw_gbps": allreduce, "peer_copy_gbps": peer,
+        }  # fmt: skip
+        json_path.write_text(json.dumps(doc, indent=2, default=str))
     return 0
 
 

@@ -69,3 +69,23 @@ def test_bench_handoff_fails_fast_when_its_receiver_dies() -> None:
     with pytest.raises(RuntimeError, match="exited"):
         bench.first_answer(parent, proc, 30.0)
     proc.join()
+
+
+def test_xtray_local_run_writes_its_figures(tmp_path: Path) -> None:
+    """Both ranks as two processes on this host: TCP, and the all-reduce ceiling through
+    torch.distributed (gloo without CUDA; NCCL and the peer copy need two GPUs, and say so)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "xtray.json"
+    script = Path(__file__).resolve().parents[2] / "bench" / "nccl_xtray_test.py"
+    cmd = [sys.executable, str(script), "--local", "--peer", "127.0.0.1:0", "--sizes", "64K,1M"]
+    done = subprocess.run(cmd + ["--iters", "3", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["sizes"] == [64 << 10, 1 << 20]
+    assert len(doc["tcp_gbps"]) == 2 and all(x > 0 for x in doc["tcp_gbps"])
+    assert len(doc["allreduce_busbw_gbps"]) == 2 and all(x > 0 for x in doc["allreduce_busbw_gbps"])
+    if doc["nccl_p2p_gbps"] is None:  # no two GPUs here
+        assert doc["allreduce_backend"] == "gloo" and "NCCL not measured" in done.stdout
+    assert "all-reduce busbw" in done.stdout

@@ -54,11 +54,15 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 class CudaSink(Sink):
-    """Receives into GPU memory (the CE rank does)."""
+    """Receives into GPU memory (the CE rank does), on `device`."""
+
+    def __init__(self, *expected: str, device: str = "cuda") -> None:
+        super().__init__(*expected)
+        self.device = device
 
     def on_handoff(self, header: HandoffHeader) -> list[torch.Tensor] | None:
         self.offered.append(header.request_id)
-        return allocate_payload(header, "cuda") if header.request_id in self.expected else None
+        return allocate_payload(header, self.device) if header.request_id in self.expected else None
 
 
 @pytest.mark.parametrize("nbytes", [8, 4096 + 8, 3 * CHUNK_BYTES + 40, (GPU_GROUP_CHUNKS + 3) * CHUNK_BYTES])
@@ -238,3 +242,47 @@ async def ipc_arena_from_a_child_process() -> None:
     assert not sink.errors
     assert same(host_payload(sink.delivered["a1"]), want)
     assert same(host_payload(sink.delivered["a2"]), [-t for t in want])
+
+
+# ---- two GPUs: the PE's GPU 0 to the CE's GPU 1 ----------------------------------------------------
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+def _has_nccl() -> bool:
+    try:
+        from transfer.nccl import CupyNccl
+
+        CupyNccl().version()
+        return True
+    except Exception:
+        return False
+
+
+@two_gpus
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_gpu0_to_gpu1_between_two_processes(transport: str) -> None:
+    """The sender (a child process, GPU 0) hands two sequences to a receiver on GPU 1, the second from
+    the same memory overwritten: NCCL's point-to-point (its communicator made on the first handoff and
+    reused), or CUDA IPC through peer access."""
+    if transport == "nccl" and not _has_nccl():
+        pytest.skip("no NCCL through cupy here")
+    asyncio.run(cross_gpu_from_a_child_process(transport))
+
+
+async def cross_gpu_from_a_child_process(transport: str) -> None:
+    want = host_payload(cuda_export(seed=2, request_id="i1"))
+    sink = CudaSink("i1", "i2", device="cuda:1")
+    async with receiver(sink, layout=LAYOUT, config=CONFIG) as r:
+        script = _SENDER.format(addr=r.address).replace('transport="ipc"', f"transport={transport!r}")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 180)
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    assert f"acks {transport} {transport}".encode() in out, out.decode(errors="replace")[-3000:]
+    assert not sink.errors, sink.errors
+    assert sink.delivered["i1"].pages.device == torch.device("cuda:1")
+    assert same(host_payload(sink.delivered["i1"]), want)
+    assert same(host_payload(sink.delivered["i2"]), [-t for t in want])
