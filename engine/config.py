@@ -110,6 +110,14 @@ class EngineConfig:
             "sends only the pages this rank lacks"
         },
     )
+    eplb_interval: int = field(
+        default=0,
+        metadata={
+            "help": "MoE with --ep: every N engine steps the ranks rebalance their experts by the tokens "
+            "each got (EPLB; every rank waits for the move); 0: never (the default: rebalancing after "
+            "every prefill stalled all ranks for ~0.3 s under multi-turn traffic in the reference system)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of dummy weights and of unseeded sampling"})
     forward: ForwardConfig = field(default_factory=ForwardConfig, metadata={"help": "model forward (CUDA)"})
 
@@ -122,6 +130,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.eplb_interval < 0:
+            raise ValueError(f"eplb_interval must be >= 0, got {self.eplb_interval}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -174,3 +184,11 @@ class EngineStats:
     decode_cache_hit_tokens_total: int = 0
     decode_cache_retained_pages: int = 0  # evictable or pinned again; they count as free in num_free_blocks
     decode_cache_evictions_total: int = 0
+    # MoE (engine/moe.py): per sparse layer (moe_layers), this rank's routed assignments per logical
+    # expert and the rows its experts computed (under --ep, for every rank's tokens), since the start
+    moe_layers: tuple[int, ...] = ()
+    moe_tokens_per_expert: tuple[tuple[int, ...], ...] = ()
+    moe_rows_computed: tuple[int, ...] = ()
+    eplb_rebalances_total: int = 0
+    eplb_experts_moved_total: int = 0
+    eplb_seconds_total: float = 0.0

@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 
+from engine import expert_parallel
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, EngineStats, MemoryPlan
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
+from engine.eplb import RebalanceStats
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
@@ -91,8 +93,14 @@ class LLMEngine:
             max_decode_rows=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
+        # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges)
+        self.ep = expert_parallel.current()
+        if self.ep is not None and not self.arch.sparse_layers:
+            raise InvalidRequestError(f"--ep {self.ep.size} needs a mixture-of-experts model; {config.model} is dense")
+        self.num_ep_steps = 0
+        self.eplb = RebalanceStats()
         self.graph_stats: GraphCaptureStats | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.ep is None:  # no collectives in graphs
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
@@ -289,7 +297,35 @@ class LLMEngine:
         request(s) it came from with finish_reason "error" (memory freed) and the engine serves the
         others: one sequence when it can be told apart (its prefix restore or store, its sampling,
         its detokenizing), the whole batch when not (the batched model run), every queued request
-        when the scheduler itself fails. Fatal errors (is_fatal: out of device memory, CUDA) propagate."""
+        when the scheduler itself fails. Fatal errors (is_fatal: out of device memory, CUDA) propagate.
+
+        In an expert-parallel group every call runs exactly one forward, an empty one when nothing was
+        scheduled (the peers' MoE layers wait for this rank's rows), and a failed forward is fatal
+        (its peers are left mid-exchange: the group restarts). Every eplb_interval calls, the group
+        rebalances its experts (engine/eplb.py)."""
+        if self.ep is None:
+            return self._step()
+        num_forwards = self.runner.num_forwards
+        outputs = self._step()
+        if self.runner.num_forwards == num_forwards:
+            self.model.idle_exchange(self.numerics)
+        self.num_ep_steps += 1
+        if self.config.eplb_interval and self.num_ep_steps % self.config.eplb_interval == 0:
+            self._rebalance_experts()
+        return outputs
+
+    @torch.inference_mode()  # the counters and weights it updates are inference tensors
+    def _rebalance_experts(self) -> None:
+        from engine.eplb import rebalance_layer
+
+        assert self.ep is not None
+        t0 = time.monotonic()
+        moved = sum(rebalance_layer(moe, self.ep) for moe in self.model.sparse_layers())
+        self.eplb.num_rebalances += 1
+        self.eplb.num_experts_moved += moved
+        self.eplb.seconds += time.monotonic() - t0
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         try:
             batch = self.scheduler.schedule()
@@ -314,6 +350,8 @@ class LLMEngine:
             sampled, logits = self.runner.run(seqs, num_new)
         except Exception as e:
             _raise_if_fatal(e)  # NOTE: the culprit is unknown in a batched forward: the batch fails
+            if self.ep is not None:
+                raise
             return outputs + [self._fail(seq, e, "running the model") for seq in seqs]
         for seq, n in zip(seqs, num_new):
             seq.num_computed += n
@@ -577,9 +615,24 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions,
             **self._cache_stats(),
             **self._decode_cache_stats(),
+            **self._moe_stats(),
         )
 
-    def _cache_stats(self) -> dict[str, int]:
+    def _moe_stats(self) -> dict[str, Any]:
+        mlps = self.model.sparse_layers()
+        if not mlps:
+            return {}
+        counts = [m.tokens_per_expert.tolist() if m.tokens_per_expert is not None else [0] * m.num_experts for m in mlps]
+        return dict(
+            moe_layers=self.arch.sparse_layers,
+            moe_tokens_per_expert=tuple(tuple(c) for c in counts),
+            moe_rows_computed=tuple(m.rows_computed for m in mlps),
+            eplb_rebalances_total=self.eplb.num_rebalances,
+            eplb_experts_moved_total=self.eplb.num_experts_moved,
+            eplb_seconds_total=self.eplb.seconds,
+        )
+
+    def _cache_stats(self) -> dict[str, Any]:
         index = self.prefix_index
         if index is None:
             return {}
@@ -597,7 +650,7 @@ class LLMEngine:
             cache_total_states=index.num_states,
         )
 
-    def _decode_cache_stats(self) -> dict[str, int]:
+    def _decode_cache_stats(self) -> dict[str, Any]:
         cache = self.decode_cache
         if cache is None:
             return {}

@@ -1,10 +1,17 @@
 """Builds the model on the meta device, then materializes it straight from safetensors (or with
-random weights for `--load-format dummy`, how benchmarks get real-sized models without a download)."""
+random weights for `--load-format dummy`, how benchmarks get real-sized models without a download).
+
+Tensors load by name. The one renaming: MoE experts, which the model stacks (engine/moe.py) while
+Hugging Face checkpoints (and transformers 5's save_pretrained) store one tensor per expert and
+projection, `mlp.experts.{e}.{gate,up,down}_proj.weight`; each lands in its slice of the stack. A
+checkpoint with the stacked `mlp.experts.gate_up_proj` / `down_proj` loads as is."""
 
 from __future__ import annotations
 
 import json
+import re
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +19,46 @@ import torch
 
 from engine.model import CausalLM
 from engine.model_config import ModelArch, rope_inv_freq
+from engine.moe import SparseMoE
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+PER_EXPERT_KEY = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def expert_slice(
+    params: Mapping[str, torch.Tensor], name: str, experts: Mapping[str, tuple[int, int]]
+) -> tuple[str, tuple[int, str], torch.Tensor | None] | None:
+    """For a per-expert checkpoint name: (stacked parameter name, (expert, projection), the slice of the
+    stacked parameter it fills, or None for an expert another expert-parallel rank holds); None for
+    any other name. gate_up_proj holds gate rows, then up rows. experts: stacked parameter -> (first
+    expert held, total experts of the layer)."""
+    match = PER_EXPERT_KEY.fullmatch(name)
+    if match is None:
+        return None
+    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    target = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
+    if target not in params:
+        raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+    p = params[target].data
+    first, total = experts.get(target, (0, p.shape[0]))
+    if expert >= total:
+        raise KeyError(f"checkpoint tensor {name!r}: the model has {total} experts")
+    local = expert - first
+    if not 0 <= local < p.shape[0]:
+        return target, (expert, proj), None
+    rows = p.shape[1] // 2
+    view = {"down_proj": p[local], "gate_proj": p[local, :rows], "up_proj": p[local, rows:]}[proj]
+    return target, (expert, proj), view
+
+
+def held_experts(model: CausalLM) -> dict[str, tuple[int, int]]:
+    """Each stacked expert parameter's name -> (first expert this rank holds, the layer's experts)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoE):
+            for proj in ("gate_up_proj", "down_proj"):
+                out[f"{name}.experts.{proj}"] = (module.first_local, module.num_experts)
+    return out
 
 
 def build_model(
@@ -45,18 +90,33 @@ def build_model(
 
 def _init_random(model: CausalLM, arch: ModelArch, seed: int) -> None:
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    experts = held_experts(model)
     for name, p in model.named_parameters():
+        if name in experts and p.shape[0] != experts[name][1]:
+            # an expert-parallel rank's experts: drawn as the whole layer's, then sliced, so every
+            # --ep gives the same weights
+            first, total = experts[name]
+            whole = _random_like((total, *p.shape[1:]), p, name, gen, seed)
+            p.data.copy_(whole[first : first + p.shape[0]])
+            continue
         if name.endswith("norm.weight"):
             p.data.fill_(0.0 if arch.gemma_norm else 1.0)
         elif name.endswith("bias"):
             p.data.zero_()
         else:
-            # Generated on the device in slices when possible: an 8B model's weights on the host are slow.
-            if p.device.type == "cuda":
-                torch.manual_seed(seed + zlib.crc32(name.encode()))
-                p.data.normal_(0.0, 0.02)
-            else:
-                p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            p.data.copy_(_random_like(tuple(p.shape), p, name, gen, seed))
+
+
+def _random_like(
+    shape: tuple[int, ...], p: torch.Tensor, name: str, gen: torch.Generator, seed: int
+) -> torch.Tensor:
+    """N(0, 0.02) weights of p's dtype and device: on CUDA from a seed of the parameter's name (an 8B
+    model's weights drawn on the host are slow), on the CPU from the model's one generator, in
+    parameter order."""
+    if p.device.type == "cuda":
+        torch.manual_seed(seed + zlib.crc32(name.encode()))
+        return torch.empty(shape, dtype=p.dtype, device=p.device).normal_(0.0, 0.02)
+    return torch.randn(shape, generator=gen) * 0.02
 
 
 def _load_safetensors(model: CausalLM, folder: Path) -> None:
@@ -71,6 +131,8 @@ def _load_safetensors(model: CausalLM, folder: Path) -> None:
         names = set(json.loads(index.read_text())["weight_map"].values())
         files = [folder / n for n in sorted(names)]
     loaded: set[str] = set()
+    expert_parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> (expert, projection) loaded
+    experts = held_experts(model)
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for key in st.keys():
@@ -79,14 +141,30 @@ def _load_safetensors(model: CausalLM, folder: Path) -> None:
                     continue
                 if name == "lm_head.weight" and "lm_head.weight" not in params:
                     continue  # tied embeddings saved twice
-                if name not in params:
+                part = expert_slice(params, name, experts)
+                if part is not None:
+                    target, piece, view = part
+                    if view is None:
+                        continue  # another expert-parallel rank's expert
+                    dest = view
+                    expert_parts.setdefault(target, set()).add(piece)
+                elif name in params:
+                    dest = params[name].data
+                    loaded.add(name)
+                else:
                     raise KeyError(f"checkpoint tensor {key!r} has no place in the model")
-                t = st.get_tensor(key)
-                p = params[name]
-                if t.shape != p.shape:
-                    raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} != model {tuple(p.shape)}")
-                p.data.copy_(t.to(p.dtype))
-                loaded.add(name)
+                if name in experts and dest.shape[0] != experts[name][1]:  # stacked experts: this rank's
+                    first = experts[name][0]
+                    t = st.get_slice(key)[first : first + dest.shape[0]]
+                else:
+                    t = st.get_tensor(key)
+                if t.shape != dest.shape:
+                    raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} != model {tuple(dest.shape)}")
+                dest.copy_(t.to(dest.dtype))
+    for target, pieces in expert_parts.items():
+        per_expert = 1 if target.endswith(".down_proj") else 2  # gate_up_proj: gate and up
+        if len(pieces) == params[target].shape[0] * per_expert:
+            loaded.add(target)
     missing = set(params) - loaded
     if missing:
         raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")

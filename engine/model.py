@@ -1,4 +1,4 @@
-"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3 and Gemma 3 text checkpoints.
+"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 text checkpoints.
 
 Parameter names follow Hugging Face's, so loading is a direct mapping. forward(input_ids, positions)
 reads the step's sequence layout from the forward context (engine/context.py).
@@ -11,6 +11,10 @@ On CUDA, after loading, `fuse_projections()` stacks q/k/v into one `qkv_proj` an
 `gate_up_proj` (one matrix-vector product each instead of three and two in a decode step), and the
 norms, rotary and SiLU-and-mul run as one Triton kernel each (pdkernels/fused_ops.py). Loading, the KV
 layout and everything outside the model are unchanged.
+
+A sparse layer's MLP (engine/moe.py) groups tokens by expert, so it is not row-local: it runs outside
+`rowwise`, after the row-local attention output and norm, and applies the step's numerics to its own
+matmuls.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import expert_parallel
 from engine.attention import AttnSpec, paged_attention
 from engine.context import get_context
 from engine.model_config import SLIDING, ModelArch
-from engine.numerics import run_rows
+from engine.moe import SparseMoE
+from engine.numerics import Numerics, run_rows
 
 PROBE_VOCAB_ROWS = 8192
 
@@ -79,6 +85,16 @@ class RMSNorm(nn.Module):
         if self.is_gemma:  # (x * (1 + w)) in float32, then cast, as Gemma 3 does
             return (xf * (1.0 + self.weight.float())).type_as(x)
         return self.weight * xf.to(x.dtype)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    if name == "silu":
+        return F.silu
+    raise ValueError(f"unsupported activation {name!r}")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -142,14 +158,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         act = arch.hidden_act
-        if act in ("gelu_pytorch_tanh", "gelu_tanh"):
-            self.act: Callable[[torch.Tensor], torch.Tensor] = lambda x: F.gelu(x, approximate="tanh")
-        elif act == "gelu":
-            self.act = F.gelu
-        elif act == "silu":
-            self.act = F.silu
-        else:
-            raise ValueError(f"unsupported activation {act!r}")
+        self.act = activation(act)
         self.is_silu = act == "silu"
         self.fused_act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
         self.gate_up_proj: nn.Linear | None = None
@@ -170,11 +179,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, spec: AttnSpec) -> None:
+    def __init__(self, arch: ModelArch, spec: AttnSpec, is_sparse: bool = False) -> None:
         super().__init__()
         self.spec = spec
         self.self_attn = Attention(arch)
-        self.mlp = MLP(arch)
+        self.is_sparse = is_sparse
+        self.mlp: MLP | SparseMoE
+        if is_sparse:
+            self.mlp = SparseMoE(
+                arch.hidden_size,
+                arch.moe_intermediate_size,
+                arch.num_experts,
+                arch.num_experts_per_tok,
+                arch.norm_topk_prob,
+                activation(arch.hidden_act),
+                expert_parallel.current(),
+            )
+        else:
+            self.mlp = MLP(arch)
         eps, g = arch.rms_norm_eps, arch.gemma_norm
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, g)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, g)
@@ -186,25 +208,39 @@ class DecoderLayer(nn.Module):
     def _pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
+    def _add_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, post_attention_layernorm(x + h))."""
+        norm = self.post_attention_layernorm
+        ops = fused_ops_for(x)
+        if ops is not None:
+            return ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
+        x = x + h
+        return x, norm(x)
+
     def _post(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         h = self.self_attn.o_proj(attn)
         if self.is_sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        ops = fused_ops_for(x)
-        if ops is not None:
-            norm = self.post_attention_layernorm
-            x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
-            return x + self.mlp(normed)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, normed = self._add_norm(x, h)
+        return x + self.mlp(normed)
+
+    def _post_sparse(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """A sparse layer's row-local part after attention: [x + o_proj(attn) | its norm] side by side."""
+        return torch.cat(self._add_norm(x, self.self_attn.o_proj(attn)), dim=1)
+
+    def _sparse_mlp(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.mlp(normed, get_context().numerics)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         a = self.self_attn
         qkv = rowwise(self._pre, x, cos, sin)
         q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
         attn = paged_attention(q, k, v, self.spec)
-        return rowwise(self._post, x, attn.flatten(1))
+        if not self.is_sparse:
+            return rowwise(self._post, x, attn.flatten(1))
+        x, normed = rowwise(self._post_sparse, x, attn.flatten(1)).chunk(2, dim=1)
+        return x + self._sparse_mlp(normed)
 
     def forward_chained(
         self, ops: ModuleType, x: torch.Tensor, pending: Pending | None, cos: torch.Tensor, sin: torch.Tensor
@@ -229,7 +265,8 @@ class DecoderLayer(nn.Module):
             return x, Pending(rowwise(self.mlp, normed), self.post_feedforward_layernorm)
         norm = self.post_attention_layernorm
         x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
-        return x, Pending(rowwise(self.mlp, normed), None)
+        out = self._sparse_mlp(normed) if self.is_sparse else rowwise(self.mlp, normed)
+        return x, Pending(out, None)
 
 
 class Pending:
@@ -275,11 +312,11 @@ class DecoderStack(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         full_i = sliding_i = 0
         layers = []
-        for t in arch.layer_types:
+        for i, t in enumerate(arch.layer_types):
             is_sliding = t == SLIDING
             idx = sliding_i if is_sliding else full_i
             spec = AttnSpec(is_sliding, idx, arch.sliding_window if is_sliding else None, arch.attn_scale)
-            layers.append(DecoderLayer(arch, spec))
+            layers.append(DecoderLayer(arch, spec, arch.is_sparse(i)))
             sliding_i += is_sliding
             full_i += not is_sliding
         self.layers = nn.ModuleList(layers)
@@ -330,14 +367,41 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin)
         return rowwise(self.model.norm, x)
 
+    def sparse_layers(self) -> list[SparseMoE]:
+        return [
+            m
+            for m in (cast(DecoderLayer, layer).mlp for layer in self.model.layers)
+            if isinstance(m, SparseMoE)
+        ]
+
+    @torch.inference_mode()
+    def idle_exchange(self, numerics: Numerics) -> None:
+        """An expert-parallel rank with nothing scheduled: its part, with no rows, in every MoE layer's
+        exchange of this step (in layer order, as a forward would)."""
+        w = self.model.embed_tokens.weight
+        for moe in self.sparse_layers():
+            moe.idle_exchange(self.arch.hidden_size, w.dtype, w.device, numerics)
+
     def row_functions(self) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
         """Every kind of row-local function this model runs, with its input widths (for the probe)."""
         a = self.arch
         fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = []
-        for t in sorted(set(a.layer_types)):
-            layer = cast(DecoderLayer, self.model.layers[a.layer_types.index(t)])
-            fns.append((lambda x, c, s, lyr=layer: lyr._pre(x, c, s).flatten(1), [a.hidden_size, a.head_dim, a.head_dim]))
-            fns.append((layer._post, [a.hidden_size, a.num_heads * a.head_dim]))
+        kinds = {
+            (t, a.is_sparse(i)): i for i, t in reversed(list(enumerate(a.layer_types)))
+        }  # first layer of each
+        for i in sorted(kinds.values()):
+            layer = cast(DecoderLayer, self.model.layers[i])
+            fns.append(
+                (
+                    lambda x, c, s, lyr=layer: lyr._pre(x, c, s).flatten(1),
+                    [a.hidden_size, a.head_dim, a.head_dim],
+                )
+            )
+            if isinstance(layer.mlp, SparseMoE):
+                fns.append((layer._post_sparse, [a.hidden_size, a.num_heads * a.head_dim]))
+                fns += layer.mlp.row_functions()
+            else:
+                fns.append((layer._post, [a.hidden_size, a.num_heads * a.head_dim]))
         head = self.lm_head_weight[:PROBE_VOCAB_ROWS]  # a slice keeps the probe cheap for 262k vocabularies
         fns.append((self.model.norm, [a.hidden_size]))
         fns.append((lambda h: F.linear(h, head).float(), [a.hidden_size]))

@@ -20,6 +20,7 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": {},
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},
+    "qwen3_moe": {"qk_norm": True},
     "gemma3_text": {"qk_norm": True, "gemma_norm": True, "sandwich_norm": True, "embed_scale": True},
 }
 
@@ -48,14 +49,30 @@ class ModelArch:
     gemma_norm: bool = False  # RMSNorm scales by (1 + w), computed in float32
     sandwich_norm: bool = False  # extra norms after attention and around the MLP (Gemma 3)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    # Sparse MoE (engine/moe.py): the layers whose MLP is routed experts; the others keep the dense MLP
+    sparse_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
             raise ValueError("layer_types must name every layer")
+        if self.sparse_layers:
+            if not all(0 <= i < self.num_layers for i in self.sparse_layers):
+                raise ValueError(f"sparse_layers {self.sparse_layers} outside the {self.num_layers} layers")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ValueError("sparse layers need 1 <= num_experts_per_tok <= num_experts and a moe_intermediate_size")
+            if self.sandwich_norm:
+                raise ValueError("sparse layers with sandwich norms are not supported")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a sliding_window")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 
     @property
     def full_layers(self) -> list[int]:
@@ -85,6 +102,13 @@ def arch_from_hf(hf: Any) -> ModelArch:
     model_type = hf.model_type
     if model_type not in _FAMILIES:
         raise InvalidRequestError(f"unsupported model_type {model_type!r}; supported: {sorted(_FAMILIES)}")
+    quantization = getattr(hf, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
+        raise InvalidRequestError(
+            f"quantized checkpoints ({method}) are not supported: the engine loads float weights only, "
+            "dense and expert alike (no fp8/int4 expert formats)"
+        )
     traits = dict(_FAMILIES[model_type])
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -120,6 +144,23 @@ def arch_from_hf(hf: Any) -> ModelArch:
         max_position_embeddings=int(getattr(hf, "max_position_embeddings", 4096)),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         **traits,
+        **_moe_fields(hf),
+    )
+
+
+def _moe_fields(hf: Any) -> dict[str, Any]:
+    """ModelArch's MoE fields, as transformers' Qwen3-MoE picks its sparse layers; {} for dense models."""
+    num_experts = int(getattr(hf, "num_experts", None) or 0)
+    if hf.model_type != "qwen3_moe" or num_experts == 0:
+        return {}
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = int(getattr(hf, "decoder_sparse_step", 1))
+    return dict(
+        sparse_layers=tuple(i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0),
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf.num_experts_per_tok),
+        moe_intermediate_size=int(hf.moe_intermediate_size),
+        norm_topk_prob=bool(hf.norm_topk_prob),
     )
 
 

@@ -42,6 +42,7 @@ class ModelRunner:
         self.device = kv.device
         self.decode_inputs: DecodeInputs | None = None
         self.graphs: DecodeGraphs | None = None
+        self.num_forwards = 0  # forwards begun (an expert-parallel step checks that it ran one)
         if self.device.type == "cuda" and max_decode_rows > 0:
             max_blocks = math.ceil((max_model_len + 1) / kv.block_size) if kv.num_full_layers else 1
             self.decode_inputs = DecodeInputs(max_decode_rows, max_blocks, kv.block_size, self.device)
@@ -56,6 +57,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Returns (indices into seqs that get a sampled token, their logits [k, vocab])."""
+        self.num_forwards += 1
         decode: list[int] = []
         if self.decode_inputs is not None and len(seqs) <= self.decode_inputs.max_rows:
             decode = [i for i, (s, n) in enumerate(zip(seqs, num_new_tokens)) if is_decode_row(s, n)]

@@ -68,6 +68,13 @@ class ServerConfig:
         metadata={"help": f"HTTP port; default {DEFAULT_PORT} ({DEFAULT_PE_PORT} for --role pe)"},
     )
     dp: int = field(default=1, metadata={"help": "engine ranks (one process each; one GPU each on CUDA)"})
+    ep: int = field(
+        default=1,
+        metadata={
+            "help": "expert parallelism for MoE models: --ep N with --dp N splits every MoE layer's experts "
+            "over the N ranks (attention stays data-parallel); the ranks step together and restart together"
+        },
+    )
     routing: str = field(
         default="affinity",
         metadata={
@@ -227,6 +234,8 @@ class ServerConfig:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.dp < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp}")
+        if self.ep not in (1, self.dp):
+            raise ValueError(f"--ep must be 1 or equal to --dp (one expert-parallel group of every rank), got {self.ep}")
         if self.port is not None and not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.routing not in ROUTING_POLICIES:

@@ -29,7 +29,7 @@ from pd.http_io import read_json
 from pd.lifecycle import Admission
 from pd.metrics import RankSnapshot, ServerMetrics
 from pd.prompt_renderer import PromptRenderer
-from pd.rank_client import RankClient, RankState
+from pd.rank_client import RankClient, RankGroup, RankState
 from pd.router import make_router
 
 log = logging.getLogger("pd.coordinator")
@@ -126,6 +126,7 @@ class Coordinator:
             )
             self.pd = DisaggregatedPath(self.cfg, pool, cm)
             await pool.start()
+        group = RankGroup("127.0.0.1", self.cfg.restart_policy()) if self.cfg.ep > 1 else None
         self.ranks = [
             RankClient(
                 i,
@@ -136,6 +137,7 @@ class Coordinator:
                 self.cfg.role,
                 self.cfg.role_config(i) if self.cfg.is_pd else None,
                 self.cfg.restart_policy(),
+                group,
             )
             for i in range(self.cfg.dp)
         ]

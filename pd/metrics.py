@@ -67,6 +67,45 @@ class _RankCollector:
         yield inflight
         yield restarts
         yield from families.values()
+        yield from _moe_families(ranks)
+
+
+def _moe_families(ranks: list[RankSnapshot]) -> Iterator[Metric]:
+    """MoE models: the experts' load per layer, from every rank's counts (engine/moe.py)."""
+    tokens: dict[tuple[int, int], float] = {}  # (layer, expert) -> assignments, all ranks
+    rows: dict[tuple[int, int], float] = {}  # (layer, rank) -> rows its experts computed
+    for r in ranks:
+        layers = r.stats.get("moe_layers") or ()
+        for i, layer in enumerate(layers):
+            for e, n in enumerate(r.stats["moe_tokens_per_expert"][i]):
+                tokens[layer, e] = tokens.get((layer, e), 0.0) + n
+            rows[layer, r.index] = float(r.stats["moe_rows_computed"][i])
+    if not tokens:
+        return
+    expert_tokens = CounterMetricFamily(
+        "pdserve_moe_expert_tokens", "Tokens routed to each expert (one per top-k slot), all ranks",
+        labels=["layer", "expert"],
+    )  # fmt: skip
+    for (layer, e), n in sorted(tokens.items()):
+        expert_tokens.add_metric([str(layer), str(e)], n)
+    rank_rows = CounterMetricFamily(
+        "pdserve_moe_rank_rows", "Rows each rank's experts computed (--ep: for every rank's tokens)",
+        labels=["layer", "rank"],
+    )  # fmt: skip
+    for (layer, rank), n in sorted(rows.items()):
+        rank_rows.add_metric([str(layer), str(rank)], n)
+    yield expert_tokens
+    yield rank_rows
+    for name, doc, per_layer in (
+        ("pdserve_moe_expert_imbalance", "Max over mean of the experts' tokens, per layer (1: even)", tokens),
+        ("pdserve_moe_rank_imbalance", "Max over mean of the ranks' expert rows, per layer (--ep; 1: even)", rows),
+    ):
+        gauge = GaugeMetricFamily(name, doc, labels=["layer"])
+        for layer in sorted({key[0] for key in per_layer}):
+            values = [n for key, n in per_layer.items() if key[0] == layer]
+            mean = sum(values) / len(values)
+            gauge.add_metric([str(layer)], max(values) / mean if mean else 1.0)
+        yield gauge
 
 
 class ServerMetrics:

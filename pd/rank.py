@@ -10,6 +10,12 @@ that step's outputs (tokens stream back as they are sampled). When idle it block
 sends its stats once a second as a heartbeat. It dies with its parent (PR_SET_PDEATHSIG), so no rank
 outlives the server holding memory.
 
+`--ep N` (with `--dp N` and `--ep-address HOST:PORT`, which the server gives every rank of the group):
+the ranks split every MoE layer's experts (engine/expert_parallel.py) and step in lockstep: each loop
+they agree whether any of them has work, and if so all run one engine step (a rank with nothing to do
+runs an empty forward, so every rank enters the same MoE exchanges). Idle, they poll every
+EP_IDLE_POLL_S instead of blocking, so a new request waits at most that long for its group.
+
 `--role pe|ce` adds a RankRole (pd/pe_rank.py, pd/ce_rank.py): the P/D messages it takes, the threads
 it runs (KV sender or receiver) and what it does with the engine's outputs. A role's threads never touch
 the engine: they queue their news and ring `role.wake`; the role applies it on this thread in tick().
@@ -52,9 +58,11 @@ from pd.rank_role import RankRole, add_request
 
 if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed import is a RankFatal
     from engine.engine import LLMEngine
+    from engine.expert_parallel import ExpertGroup
 
 HEARTBEAT_S = 1.0
 BUSY_STATS_EVERY_S = 0.1
+EP_IDLE_POLL_S = 0.002  # an idle rank of an expert-parallel group: one `any` collective this often
 log = logging.getLogger("pd.rank")
 
 
@@ -93,8 +101,11 @@ class RankWorker:
         inbox: zmq.Socket,
         outbox: zmq.Socket,
         role: RankRole | None = None,
+        ep: ExpertGroup | None = None,
     ) -> None:
+        """ep: the rank's expert-parallel group (the loop then steps in lockstep with its peers)."""
         self.rank = rank
+        self.ep = ep
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -142,7 +153,9 @@ class RankWorker:
         while True:
             busy = self.engine.has_unfinished()
             idle_s = HEARTBEAT_S if role is None else min(HEARTBEAT_S, role.poll_timeout_s())
-            ready = poller.poll(0 if busy else int(idle_s * 1000))
+            if self.ep is not None:
+                idle_s = min(idle_s, EP_IDLE_POLL_S)
+            ready = poller.poll(0 if busy else max(1, int(idle_s * 1000)))
             if role is not None:
                 while True:
                     try:
@@ -158,7 +171,10 @@ class RankWorker:
                         break
                     if not self.handle(decode(data)):
                         return
-            if self.engine.has_unfinished():
+            has_work = self.engine.has_unfinished()
+            if self.ep is not None:
+                has_work = self.ep.any(has_work)  # NOTE: every rank of the group, every loop
+            if has_work:
                 step_start_s = time.monotonic()
                 outputs = self.engine.step()
                 # NOTE: approximate: a prompt prefilled in several chunks counts its earlier chunks as queueing.
@@ -208,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inbox", required=True, help="ZeroMQ address the server pushes requests to")
     p.add_argument("--outbox", required=True, help="ZeroMQ address the rank pushes outputs to")
     p.add_argument("--engine-config", required=True, help="the EngineConfig as JSON (engine/codec.py)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (the group is ranks 0..N-1)")
+    p.add_argument("--ep-address", default=None, help="--ep N: the group's rendezvous (rank 0 hosts it)")
     p.add_argument("--role", choices=("single", "pe", "ce"), default="single")
     p.add_argument("--role-config", default=None, help="pe|ce: the RoleConfig as JSON (engine/codec.py)")
     args = p.parse_args(argv)
@@ -228,11 +246,21 @@ def main(argv: list[str] | None = None) -> int:
 
         requested, role_config = read_configs(args.engine_config, args.role_config)
         cfg = engine_config(requested, args.rank, args.dp)
+        ep = None
+        if args.ep > 1:
+            from engine.expert_parallel import init_group
+
+            if args.ep != args.dp or not args.ep_address:
+                raise ValueError("--ep N needs --dp N and --ep-address")
+            ep = init_group(args.rank, args.ep, args.ep_address, cfg.torch_device())
         t0 = time.monotonic()
         engine = LLMEngine(cfg)
-        log.info("engine %s on %s ready in %.1f s", engine.model_name, cfg.device, time.monotonic() - t0)
+        log.info(
+            "engine %s on %s ready in %.1f s (numerics %s)",
+            engine.model_name, cfg.device, time.monotonic() - t0, engine.numerics.value,
+        )  # fmt: skip
         role = make_role(args.role, role_config, engine, ctx, outbox)
-        worker = RankWorker(args.rank, engine, inbox, outbox, role)
+        worker = RankWorker(args.rank, engine, inbox, outbox, role, ep)
         eos = tuple(sorted(engine.eos_token_ids))
         worker.send(
             RankReady(

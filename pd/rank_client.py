@@ -3,6 +3,11 @@ notices its death at once (it awaits the process's exit), failing that rank's in
 starts it again as its RestartPolicy allows (backoff, a limit per window; never while stopping): the new
 process re-registers with RankReady on the same sockets and the rank is up again.
 
+The ranks of an expert-parallel group (`--ep N`) live and die together (RankGroup): they meet in
+collectives every step, so when one dies the others are killed at once (no rank is left waiting in a
+collective), every in-flight request of the group fails (503), and the group is started again as one,
+with a fresh rendezvous address, under one RestartPolicy.
+
 Outputs are delivered per request to the asyncio.Queue given at submit, as (request_id, event) pairs,
 where event is a RequestOutput, a RequestRejected, or a RankDown; P/D ranks add Reserved (CE, then
 outputs as for submit) and PrefillResult (PE, the last event of a prefill).
@@ -16,6 +21,7 @@ import enum
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -69,6 +75,62 @@ class RankDown:
 RankEvent = RequestOutput | RequestRejected | RankDown | Reserved | PrefillResult
 
 
+class RankGroup:
+    """The ranks of one expert-parallel group. Each member's watch calls member_down when its process
+    dies (the others are killed), then restart_delay once it has reaped its own process: the members
+    wait for one another, and the last to arrive decides for all (the policy's backoff, or None: the
+    group stays down), so they are started again together."""
+
+    def __init__(self, host: str, restart_policy: RestartPolicy | None) -> None:
+        self.host = host
+        self.members: list[RankClient] = []
+        self.restart_policy = restart_policy
+        self.address = self._new_address()
+        self._decision: asyncio.Future[float | None] | None = None
+        self._arrived: set[int] = set()
+        self._was_ready = False
+        self._waiting = 0
+
+    def _new_address(self) -> str:
+        """A port the OS just had free (rank 0's store binds it): a fresh one for each start, so a
+        restart never meets the old group's connections."""
+        with socket.socket() as s:
+            s.bind((self.host, 0))
+            return f"{self.host}:{s.getsockname()[1]}"
+
+    def member_down(self, member: RankClient) -> None:
+        """member's process died: kill its peers (they would wait for it in a collective)."""
+        for m in self.members:
+            if m is not member and m.proc is not None and m.proc.returncode is None:
+                log.error("engine rank %d: killed with rank %d, its expert-parallel peer", m.index, member.index)
+                m.proc.kill()
+
+    async def restart_delay(self, member: RankClient, was_ready: bool) -> float | None:
+        """Waits until every member's process is gone; the seconds to wait before starting them again,
+        the same for all, or None (not restarted: the group never came up, or the policy's limit)."""
+        if self._decision is None or (self._decision.done() and not self._waiting):
+            self._decision = asyncio.get_running_loop().create_future()
+            self._arrived, self._was_ready = set(), False
+        decision = self._decision
+        self._arrived.add(member.index)
+        self._was_ready |= was_ready
+        if len(self._arrived) == len(self.members) and not decision.done():
+            delay = None
+            if self._was_ready and self.restart_policy is not None:
+                delay = self.restart_policy.next_delay_s(time.monotonic())
+                if delay is None:
+                    log.error("expert-parallel group stays down: %s", self.restart_policy.describe_limit())
+                else:
+                    self.address = self._new_address()
+                    log.warning("restarting the expert-parallel group (%d ranks) in %.1f s", len(self.members), delay)
+            decision.set_result(delay)
+        self._waiting += 1
+        try:
+            return await decision
+        finally:
+            self._waiting -= 1
+
+
 class RankClient:
     def __init__(
         self,
@@ -80,9 +142,11 @@ class RankClient:
         role: str = "single",
         role_config: RoleConfig | None = None,
         restart_policy: RestartPolicy | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         """engine: what the rank builds its engine from (its device is resolved in the rank);
-        role_config: pe|ce ranks' RoleConfig; restart_policy: None never restarts a dead process."""
+        role_config: pe|ce ranks' RoleConfig; restart_policy: None never restarts a dead process;
+        group: the rank's expert-parallel group (its policy then decides restarts)."""
         self.index = index
         self.dp = dp
         self.engine = engine
@@ -97,6 +161,9 @@ class RankClient:
         self.down_reason: str | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.restart_policy = restart_policy
+        self.group = group
+        if group is not None:
+            group.members.append(self)
         self.num_restarts = 0
         self._stopping = False
         self._streams: dict[str, asyncio.Queue[tuple[str, RankEvent]]] = {}
@@ -151,6 +218,8 @@ class RankClient:
         role_args = (
             [] if self.role_config is None else ["--role-config", json.dumps(to_wire(self.role_config))]
         )
+        if self.group is not None:
+            role_args += ["--ep", str(len(self.group.members)), "--ep-address", self.group.address]
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -308,19 +377,29 @@ class RankClient:
                 self.state = RankState.DOWN
                 self.down_reason = reason
                 log.error("%s (pid %d): %s", reason, self.proc.pid, self._fatal or "killed or crashed")
+                if self.group is not None:
+                    self.group.member_down(self)
             was_ready = self._ready.done() and self._ready.exception() is None
             if not self._ready.done():
                 self._ready.set_exception(RuntimeError(reason))
             streams, self._streams = self._streams, {}
             for rid, q in streams.items():
                 q.put_nowait((rid, RankDown(reason)))
-            if stopping or not was_ready or self.restart_policy is None:
-                return
-            delay_s = self.restart_policy.next_delay_s(time.monotonic())
-            if delay_s is None:
-                self.down_reason = f"{reason}; not restarted: {self.restart_policy.describe_limit()}"
-                log.error("engine rank %d stays down: %s", self.index, self.restart_policy.describe_limit())
-                return
+            if self.group is not None and not stopping:
+                policy = self.group.restart_policy
+                delay_s = await self.group.restart_delay(self, was_ready)
+                if delay_s is None:
+                    if was_ready and policy is not None:
+                        self.down_reason = f"{reason}; not restarted: {policy.describe_limit()}"
+                    return
+            else:
+                if stopping or not was_ready or self.restart_policy is None:
+                    return
+                delay_s = self.restart_policy.next_delay_s(time.monotonic())
+                if delay_s is None:
+                    self.down_reason = f"{reason}; not restarted: {self.restart_policy.describe_limit()}"
+                    log.error("engine rank %d stays down: %s", self.index, self.restart_policy.describe_limit())
+                    return
             log.warning("restarting engine rank %d in %.1f s", self.index, delay_s)
             self.state = RankState.RESTARTING
             self.down_reason = f"{reason}; restarting in {delay_s:g} s"

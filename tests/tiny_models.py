@@ -69,3 +69,41 @@ def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.25 if p.dim() > 1 else 0.1)
     model.save_pretrained(str(folder))
     return folder
+
+
+# Qwen3-30B-A3B's routing at toy size: renormalized top-2 of 8 experts, layer 1 dense
+MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, rope_theta=10000.0,
+    ),
+}  # fmt: skip
+
+
+def make_servable(family: str, folder: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """A tiny random model of `family` (FAMILIES or MOE_FAMILIES) that a server can load: the vocabulary,
+    special ids and tokenizer files (chat template included) of the checkpoint at tokenizer_from."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = json.loads((tokenizer_from / "config.json").read_text())
+    spec = {**COMMON, **(FAMILIES.get(family) or MOE_FAMILIES[family])}
+    for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if small.get(key) is not None:
+            spec[key] = small[key]
+    model_type = spec.pop("model_type")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **spec), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if model_type == "gemma3_text" else 1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.25 if p.dim() > 1 else 0.1)
+    model.save_pretrained(str(folder))
+    for f in tokenizer_from.iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            shutil.copy(f, folder / f.name)
+    return folder

@@ -1,0 +1,280 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE): a router picks top-k SwiGLU experts per token.
+
+    route     router logits = gate(x) in the model dtype; softmax over the experts in float32; top-k;
+              renormalized to sum to 1 when norm_topk_prob; weights cast back to the model dtype
+    dispatch  the T*k (token, slot) assignments, flattened slot-major per token, sorted (stably) by
+              expert id, so each expert's rows are one contiguous slice of the gathered tokens
+    experts   one grouped matmul per projection over those slices (gate and up fused)
+    combine   each weighted row goes back to its (token, slot) place; a token's k slots are added in
+              slot order, in float32, then cast: deterministic on every device (an index_add_ on CUDA
+              adds in atomic order) and, for k = 2, the bits of transformers' sum over slots
+
+  sorted assignments   | e0 e0 e0 | e2 | e5 e5 |        (expert 1, 3, 4, ... got no token: empty slice)
+  group_ends            3    3    4   4   4   6  6  6  (cumulative, one per local expert)
+
+Expert weights are stacked 3-D tensors, [num_experts, 2 * intermediate, hidden] (gate rows first, then up:
+transformers' fused layout) and [num_experts, hidden, intermediate], so a grouped GEMM kernel or an
+expert-parallel rank (experts [first_expert, first_expert + num_local_experts)) takes a slice of them.
+forward() with a local range returns only those experts' share of the output; assignments to other
+experts sort after the local ones (a sentinel id) and are left out. Summing the shares of a partition
+of the experts gives the full output (up to float rounding); the communication is not done here.
+
+Numerics: the router linear and every expert matmul go through engine/numerics.py's run_rows under
+the step's numerics, so in deterministic mode a token's result does not depend on its batch (an
+expert's rows are tiled or padded like any row-local matmul, and on CUDA go through the
+batch-invariant matmul). The default mode uses torch's grouped matmul where it runs (no host sync:
+CUDA graphs can capture it), else a loop over the non-empty experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache, partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.numerics import Numerics, run_rows
+
+if TYPE_CHECKING:
+    from engine.expert_parallel import ExpertGroup
+
+GroupedMM = Callable[..., torch.Tensor]
+
+
+@cache
+def _grouped_mm_fn() -> GroupedMM | None:
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@cache
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped matmul runs here: no CPU kernel before torch 2.9; on CUDA only bf16 (SM80+)
+    has a kernel (other dtypes take a fallback that copies the offsets to the host: no CUDA graphs)."""
+    fn = _grouped_mm_fn()
+    if fn is None or (device.type == "cuda" and dtype != torch.bfloat16):
+        return False
+    try:
+        a = torch.ones(4, 16, device=device, dtype=dtype)
+        b = torch.ones(2, 16, 16, device=device, dtype=dtype)
+        out = fn(a, b, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool((out == 16).all())
+
+
+def can_use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch's grouped matmul for x [rows, K] by weight [groups, N, K]: it needs 16-byte aligned rows."""
+    size = x.element_size()
+    is_aligned = (weight.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
+    return is_aligned and x.dtype == weight.dtype and _grouped_mm_runs(x.device, x.dtype)
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, group_ends: torch.Tensor, numerics: Numerics
+) -> torch.Tensor:
+    """x [rows, K] sorted by group, weight [groups, N, K], group_ends [groups] (cumulative row counts)
+    -> [rows, N]: row r of group g is x[r] @ weight[g].T. Rows past group_ends[-1] are left unspecified."""
+    if numerics is Numerics.DEFAULT and can_use_grouped_mm(x, weight):
+        fn = _grouped_mm_fn()
+        assert fn is not None
+        return fn(x, weight.transpose(1, 2), offs=group_ends.to(torch.int32))
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the MoE's per-expert loop (deterministic mode, or no torch grouped matmul for this dtype) reads "
+            "the group sizes on the host, which a CUDA graph cannot capture: run with enforce_eager"
+        )
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    start = 0
+    for g, end in enumerate(group_ends.tolist()):  # NOTE: a host sync, once per projection
+        if end > start:
+            out[start:end] = run_rows(partial(F.linear, weight=weight[g]), (x[start:end],), numerics)
+        start = end
+    return out
+
+
+class ExpertWeights(nn.Module):
+    """Every expert's SwiGLU weights, stacked: Hugging Face's `mlp.experts.gate_up_proj` / `down_proj`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed SwiGLU experts, no shared expert (Qwen3-MoE's sparse block; see the module docstring).
+
+    In an expert-parallel group (engine/expert_parallel.py) the module holds only its rank's slots,
+    `experts` [num_local, ...], and forward() exchanges rows with the other ranks; `placement` maps
+    each logical expert to its physical slot (slot s lives on rank s // num_local), the identity until
+    expert rebalancing (engine/eplb.py) moves experts. `tokens_per_expert` counts this rank's
+    assignments per logical expert (the /metrics expert load; rebalancing reads and resets its
+    `window` twin)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        ep: ExpertGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.act = act
+        self.ep = ep
+        self.first_local, self.num_local = (
+            ep.local_experts(num_experts) if ep is not None else (0, num_experts)
+        )
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = ExpertWeights(self.num_local, hidden_size, intermediate_size)
+        # made on first use, on the activations' device (meta-device construction leaves buffers empty)
+        self.placement: torch.Tensor | None = None  # [num_experts] logical expert -> physical slot
+        self.tokens_per_expert: torch.Tensor | None = None  # [num_experts] int64, since the start
+        self.window: torch.Tensor | None = None  # [num_experts] int64, since the last rebalancing
+        self.rows_computed = 0  # (token, slot) rows this module's experts computed, since the start
+
+    def fuse_projections(self) -> None:
+        """Nothing to do: gate and up are stored fused already (CausalLM.fuse_projections calls every MLP)."""
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-local: [tokens, hidden] -> [tokens, num_experts], in the model dtype."""
+        return F.linear(x, self.gate.weight)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits -> (weights [tokens, k] in the logits' dtype, expert ids [tokens, k])."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+    def _counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.placement is None or self.placement.device != device:
+            self.placement = torch.arange(self.num_experts, device=device)
+            self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+            self.window = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        assert self.tokens_per_expert is not None and self.window is not None
+        return self.placement, self.tokens_per_expert, self.window
+
+    def _count(self, experts: torch.Tensor) -> None:
+        """Adds the assignments to the load counters (int adds: exact in any order; graph-safe)."""
+        _, total, window = self._counters(experts.device)
+        ones = torch.ones(experts.numel(), dtype=torch.int64, device=experts.device)
+        total.index_add_(0, experts.flatten(), ones)
+        window.index_add_(0, experts.flatten(), ones)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        numerics: Numerics = Numerics.DEFAULT,
+        first_expert: int = 0,
+        num_local_experts: int | None = None,
+    ) -> torch.Tensor:
+        """[tokens, hidden] -> [tokens, hidden]. Without a group: the share of experts [first_expert,
+        first_expert + num_local_experts) (default: all of them) in each token's MLP output. In a
+        group: the whole output (every rank must call it, in the same layer order)."""
+        if self.ep is not None:
+            return self._forward_ep(x, numerics)
+        num_local = self.num_experts - first_expert if num_local_experts is None else num_local_experts
+        if first_expert < 0 or num_local < 1 or first_expert + num_local > self.num_experts:
+            raise ValueError(f"experts [{first_expert}, +{num_local}) are not within {self.num_experts}")
+        num_tokens, k = x.shape[0], self.top_k
+        weights, experts = self.route(run_rows(self.router_logits, (x,), numerics))
+        self._count(experts)
+        self.rows_computed += num_tokens * k
+        # dispatch: local ids, others to a sentinel that sorts after them
+        ids = experts.flatten() - first_expert
+        ids = torch.where((ids >= 0) & (ids < num_local), ids, num_local)
+        sorted_ids, order = torch.sort(ids, stable=True)
+        out = self._experts_sorted(x[order // k], sorted_ids, first_expert, num_local, numerics)
+        out = out * weights.flatten()[order, None]
+        if num_local < self.num_experts:  # the sentinel rows were not computed
+            out = torch.where((sorted_ids < num_local)[:, None], out, 0.0)
+        return self._combine(torch.empty_like(out).index_copy_(0, order, out), num_tokens, x.dtype)
+
+    def _experts_sorted(
+        self, rows: torch.Tensor, sorted_ids: torch.Tensor, first: int, num: int, numerics: Numerics
+    ) -> torch.Tensor:
+        """Unweighted SwiGLU outputs of rows sorted by expert id (ids relative to `first` of the held
+        experts; rows with ids >= num are left unspecified)."""
+        bounds = torch.arange(1, num + 1, device=rows.device, dtype=sorted_ids.dtype)
+        group_ends = torch.searchsorted(sorted_ids, bounds)  # rows of experts < e + 1
+        w = self.experts
+        gate_up = grouped_linear(rows, w.gate_up_proj[first : first + num], group_ends, numerics)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return grouped_linear(self.act(gate) * up, w.down_proj[first : first + num], group_ends, numerics)
+
+    def _combine(self, per_assignment: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens * k, hidden] weighted rows in (token, slot) order -> [tokens, hidden]: a token's k
+        slots added in slot order, in float32."""
+        per_slot = per_assignment.view(num_tokens, self.top_k, -1)
+        total = per_slot[:, 0].float()
+        for slot in range(1, self.top_k):
+            total = total + per_slot[:, slot]
+        return total.to(dtype)
+
+    # ---- expert parallelism ----------------------------------------------------------------------
+
+    def _forward_ep(self, x: torch.Tensor, numerics: Numerics) -> torch.Tensor:
+        """Route here, compute each assignment on the rank holding its expert, combine here."""
+        ep = self.ep
+        assert ep is not None
+        num_tokens, k = x.shape[0], self.top_k
+        weights, experts = self.route(run_rows(self.router_logits, (x,), numerics))
+        self._count(experts)
+        placement, _, _ = self._counters(x.device)
+        slot = placement[experts.flatten()]
+        dest = torch.div(slot, self.num_local, rounding_mode="floor")
+        dest_sorted, order = torch.sort(dest, stable=True)
+        send_counts = torch.zeros(ep.size, dtype=torch.int64, device=x.device)
+        send_counts.index_add_(0, dest_sorted, torch.ones_like(dest_sorted))
+        back = self._exchange(x[order // k], (slot[order] % self.num_local), send_counts, numerics)
+        out = back * weights.flatten()[order, None]
+        return self._combine(torch.empty_like(out).index_copy_(0, order, out), num_tokens, x.dtype)
+
+    def _exchange(
+        self, rows: torch.Tensor, local_ids: torch.Tensor, send_counts: torch.Tensor, numerics: Numerics
+    ) -> torch.Tensor:
+        """Sends rows (sorted by destination rank, send_counts per rank) with their experts' local
+        slots, computes what this rank receives, returns the results in the rows' order."""
+        ep = self.ep
+        assert ep is not None
+        sends = [int(n) for n in send_counts.tolist()]
+        recvs = ep.exchange_counts(send_counts)
+        got_rows = ep.all_to_all(rows, sends, recvs)
+        self.rows_computed += got_rows.shape[0]
+        got_ids = ep.all_to_all(local_ids, sends, recvs)
+        sorted_ids, order = torch.sort(got_ids, stable=True)
+        out = self._experts_sorted(got_rows[order], sorted_ids, 0, self.num_local, numerics)
+        results = torch.empty_like(out).index_copy_(0, order, out)
+        return ep.all_to_all(results, recvs, sends)
+
+    def idle_exchange(
+        self, hidden_size: int, dtype: torch.dtype, device: torch.device, numerics: Numerics
+    ) -> None:
+        """This rank's part in an exchange when it has no tokens: its peers wait for it, and it computes
+        their rows for its experts (under the engine's numerics, as in a forward)."""
+        rows = torch.empty(0, hidden_size, dtype=dtype, device=device)
+        ids = torch.empty(0, dtype=torch.int64, device=device)
+        assert self.ep is not None
+        self._exchange(rows, ids, torch.zeros(self.ep.size, dtype=torch.int64, device=device), numerics)
+
+    def row_functions(self) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
+        """The row-local matmuls forward() runs under the step's numerics, with their input widths (for
+        the deterministic-mode probe); every expert has the shapes of expert 0."""
+        gate_up, down = self.experts.gate_up_proj[0], self.experts.down_proj[0]
+        return [
+            (self.router_logits, [self.gate.in_features]),
+            (partial(F.linear, weight=gate_up), [gate_up.shape[1]]),
+            (partial(F.linear, weight=down), [down.shape[1]]),
+        ]

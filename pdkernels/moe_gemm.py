@@ -1,0 +1,404 @@
+"""Grouped GEMM for mixture-of-experts layers (Triton): every expert's rows in one launch, with the
+SwiGLU of the gate/up projection computed in the epilogue, and a deterministic combine.
+
+    moe_align       the T*k (token, slot) assignments sorted (stably) by local expert, and each
+                    expert's row range in that order
+    grouped_matmul  rows expert_offsets[e]:expert_offsets[e+1] of x times w[e].T (+ bias[e]), one
+                    launch over all experts; "swiglu"/"swiglu_oai" fuse the activation
+    fused_moe       align; gate/up, the token gather fused into its loads; down, each row stored at
+                    its assignment's (token, slot) place; the weighted sum over a token's slots
+
+Row tiles never straddle two experts: expert e owns ceil(rows_e / BLOCK_M) consecutive row tiles,
+starting at its first row, so a row's place in its tile is its rank among the expert's rows.
+
+  sorted rows    | e0 e0 e0 e0 e0 | e2 | e5 e5 |        (BLOCK_M = 4; experts 1, 3, 4 got no row)
+  row tiles      [ t0    ][t1     ][t2 ][t3    ][t4 ... (t4 onwards: past the last tile, exit)
+
+The grid is a host-side upper bound on that tile count, M // BLOCK_M + min(E, M), times the column
+tiles; each program finds its expert from the offsets on the device (a cumulative sum over the E
+tile counts), so no step of grouped_matmul or fused_moe waits on the host and both can be captured
+in a CUDA graph. fused_moe sizes its buffers for all T*k assignments for the same reason: with a
+local expert subset (expert parallelism) the rows of other ranks' experts are allocated, not computed.
+
+Batch invariance (batch_invariant=True): the tile shape, K step, loop order and launch configuration
+are a function of (N, K) alone (`bi_config`), the K loop runs in one program in ascending order with
+one float32 accumulator per output (no split-K), and the only argument that varies with M (the tile
+bound) is never specialized on. The combine adds a token's k slots in slot order in float32. So a
+token's output is bit-identical whatever else is in the batch, as bi_matmul.py argues for one matrix.
+The default path picks its tiles from the average rows per expert (small BLOCK_M in decode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int  # output columns per program (for a GLU: gate and up tiles of this width each)
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8  # row tiles swept per column band (L2 reuse; the order changes no result)
+
+
+def _fit(block: int, size: int) -> int:
+    """A tile edge no wider than the dimension needs, 16 at least (tl.dot's minimum)."""
+    return max(16, min(block, triton.next_power_of_2(max(size, 1))))
+
+
+@cache
+def bi_config(n: int, k: int, is_glu: bool) -> GemmConfig:
+    """The batch-invariant configuration for output width n and reduction depth k: never a function of M."""
+    block_n = 64 if is_glu else 128  # a GLU program holds two accumulators
+    return GemmConfig(64, _fit(block_n, n), _fit(64, k), num_warps=4, num_stages=4)
+
+
+def gemm_config(m: int, num_experts: int, n: int, k: int, is_glu: bool, batch_invariant: bool) -> GemmConfig:
+    """The launch configuration for m rows over num_experts experts; by shape unless batch_invariant."""
+    if batch_invariant:
+        return bi_config(n, k, is_glu)
+    rows_per_expert = m / max(1, min(num_experts, m))
+    if rows_per_expert <= 16:  # decode: bound by reading the weights, so many narrow programs, long K steps
+        cfg = GemmConfig(16, 32 if is_glu else 64, 128, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 48:
+        cfg = GemmConfig(32, 64, 64, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 160:
+        cfg = GemmConfig(64, 64 if is_glu else 128, 64, num_warps=4, num_stages=4)
+    else:  # prefill: bound by arithmetic
+        cfg = GemmConfig(128, 64 if is_glu else 128, 64, num_warps=8, num_stages=3)
+    return GemmConfig(cfg.block_m, _fit(cfg.block_n, n), _fit(cfg.block_k, k), cfg.num_warps, cfg.num_stages)
+
+
+@triton.jit(do_not_specialize=["num_row_tiles"])
+def _grouped_gemm_kernel(
+    X, ROWS, W, BIAS, OUT, OFFS, num_row_tiles, num_experts, N, alpha, limit,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
+    K: tl.constexpr, ACT: tl.constexpr, HAS_ROWS: tl.constexpr, GATHER_DIV: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * num_n
+    first_m = (pid // band) * GROUP_M
+    rows_in_band = tl.minimum(num_row_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % band) % rows_in_band
+    pid_n = (pid % band) // rows_in_band
+
+    # this row tile's expert: experts own consecutive tiles, ceil(rows / BLOCK_M) each
+    e_ids = tl.arange(0, E_POW2)
+    e_ok = e_ids < num_experts
+    starts = tl.load(OFFS + e_ids, mask=e_ok, other=0)
+    ends = tl.load(OFFS + e_ids + 1, mask=e_ok, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, 0)
+    if pid_m >= tl.sum(tiles, 0):
+        return
+    is_mine = e_ids == tl.sum((tile_ends <= pid_m).to(tl.int32), 0)
+    expert = tl.sum(tl.where(is_mine, e_ids, 0), 0)
+    row_lo = tl.sum(tl.where(is_mine, starts + (pid_m - tile_ends + tiles) * BLOCK_M, 0), 0)
+    row_hi = tl.sum(tl.where(is_mine, ends, 0), 0)
+
+    offs_m = row_lo + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_hi  # rows of the next expert are neither read nor stored
+    if HAS_ROWS:
+        row_ids = tl.load(ROWS + offs_m, mask=mask_m, other=0).to(tl.int64)
+    if GATHER_DIV > 0:  # a gather fused into the loads: row r reads x[ROWS[r] // GATHER_DIV]
+        src = row_ids // GATHER_DIV
+    else:
+        src = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N  # columns past N read valid columns again (wrapped) and are never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    w_expert = W + expert.to(tl.int64) * stride_we
+    a_ptrs = X + src[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    b_ptrs = w_expert + offs_k[:, None] * stride_wk + cols[None, :].to(tl.int64) * stride_wn
+    up_ptrs = b_ptrs + N * stride_wn  # a GLU's up rows follow its N gate rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = k0 + offs_k < K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if ACT != 0:
+            if EVEN_K:
+                b_up = tl.load(up_ptrs)
+            else:
+                b_up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+            if IEEE:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+        a_ptrs += BLOCK_K * stride_xk
+        b_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:  # added in float32, before the activation
+        b_expert = BIAS + expert.to(tl.int64) * stride_be
+        acc += tl.load(b_expert + cols * stride_bn).to(tl.float32)[None, :]
+        if ACT != 0:
+            acc_up += tl.load(b_expert + (cols + N) * stride_bn).to(tl.float32)[None, :]
+    if ACT == 1:  # silu(gate) * up
+        acc = acc * tl.sigmoid(acc) * acc_up
+    elif ACT == 2:  # gpt-oss: clamped gate and up, (up + 1) * gate * sigmoid(alpha * gate)
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        acc = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    dst = offs_m.to(tl.int64)
+    if HAS_ROWS:
+        if GATHER_DIV == 0:  # a scatter: row r is stored at row ROWS[r]
+            dst = row_ids
+    out_ptrs = OUT + dst[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _combine_kernel(Y, IDS, WTS, OUT, num_tokens, first_expert, num_experts, H, stride_y, stride_o,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    # NOTE: slots add in slot order, always: a token's sum never depends on the batch
+    for slot in tl.static_range(TOP_K):
+        row = token * TOP_K + slot
+        expert = tl.load(IDS + row) - first_expert
+        is_local = (expert >= 0) & (expert < num_experts)  # other rows were not computed
+        weight = tl.load(WTS + row).to(tl.float32)
+        y = tl.load(Y + row * stride_y + offs, mask=mask & is_local, other=0.0).to(tl.float32)
+        acc += (y * weight).to(OUT.dtype.element_ty).to(tl.float32)  # the product rounds as torch's does
+    tl.store(OUT + token * stride_o + offs, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _sort_assignments(
+    topk_ids: torch.Tensor, first_expert: int, num_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All T*k assignments sorted by local expert, other experts' after them (token order kept):
+    (order [T*k] int64, expert_offsets [num_local + 1] int32). No host sync."""
+    ids = topk_ids.reshape(-1)
+    if first_expert:
+        ids = ids - first_expert
+    # others to num_local, a sentinel that sorts after the local ids: -1 and num_local, mod num_local + 1
+    ids = torch.remainder(ids.clamp(-1, num_local), num_local + 1)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    bounds = torch.arange(num_local + 1, device=ids.device, dtype=ids.dtype)
+    return order, torch.searchsorted(sorted_ids, bounds, out_int32=True)  # rows of experts < e
+
+
+def _local_range(num_experts: int, first_expert: int, num_local: int | None) -> int:
+    num_local = num_experts - first_expert if num_local is None else num_local
+    if first_expert < 0 or num_local < 1 or first_expert + num_local > num_experts:
+        raise ValueError(f"experts [{first_expert}, +{num_local}) are not within {num_experts}")
+    return num_local
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, first_expert: int = 0, num_local: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (order [M] int64, expert_offsets [num_local + 1] int32): the flattened
+    (token * k + slot) indices of the assignments to experts [first_expert, first_expert + num_local),
+    sorted by expert and, within an expert, in token order; local expert e's are
+    order[expert_offsets[e]:expert_offsets[e + 1]].
+    NOTE: with a local subset, M is known only on the device: one host sync (fused_moe does not call
+    this). With every expert local there is none, and M = T * k: an id outside [0, num_experts) (a
+    padding slot's -1) then sorts after expert_offsets[-1] instead of being dropped."""
+    num_local = _local_range(num_experts, first_expert, num_local)
+    order, offsets = _sort_assignments(topk_ids, first_expert, num_local)
+    if first_expert == 0 and num_local == num_experts:
+        return order, offsets
+    return order[: int(offsets[-1])], offsets
+
+
+def _launch_grouped(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    num_rows: int,
+    rows: torch.Tensor | None,
+    gather_div: int,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    alpha: float,
+    limit: float,
+    batch_invariant: bool,
+) -> torch.Tensor:
+    """grouped_matmul over num_rows rows. With rows: row r reads x[rows[r] // gather_div] if gather_div,
+    else x[r] and its result is stored at row rows[r] (rows: a permutation of range(num_rows))."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}: one of {sorted(map(str, ACTIVATIONS))}")
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"cannot multiply rows of {tuple(x.shape)} by experts {tuple(w.shape)}")
+    num_experts, n, k = w.shape
+    if expert_offsets.shape != (num_experts + 1,) or expert_offsets.dtype != torch.int32:
+        raise ValueError(f"expert_offsets must be int32 [{num_experts + 1}], got {expert_offsets.dtype} "
+                         f"{tuple(expert_offsets.shape)}")
+    is_glu = activation is not None
+    if is_glu and n % 2:
+        raise ValueError(f"a GLU needs gate and up rows: an even N, got {n}")
+    n_out = n // 2 if is_glu else n
+    if bias is not None and bias.shape != (num_experts, n):
+        raise ValueError(f"bias must be [{num_experts}, {n}], got {tuple(bias.shape)}")
+    out = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or n_out == 0:
+        return out
+    cfg = gemm_config(num_rows, num_experts, n_out, k, is_glu, batch_invariant)
+    # each expert's tiles start at its first row: at most one partial tile per expert with rows
+    num_row_tiles = num_rows // cfg.block_m + min(num_experts, num_rows)
+    grid = (num_row_tiles * triton.cdiv(n_out, cfg.block_n),)
+    _grouped_gemm_kernel[grid](
+        x, rows if rows is not None else expert_offsets, w, bias if bias is not None else w, out,
+        expert_offsets, num_row_tiles, num_experts, n_out, float(alpha), float(limit),
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        out.stride(0), out.stride(1), K=k,
+        ACT=ACTIVATIONS[activation], HAS_ROWS=rows is not None, GATHER_DIV=gather_div,
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
+        E_POW2=max(2, triton.next_power_of_2(num_experts)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def grouped_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """x [M, K] (rows sorted by expert), w [E, N, K], expert_offsets [E + 1] int32 (non-decreasing, on
+    x's device, expert_offsets[E] <= M), bias [E, N]. Rows expert_offsets[e]:expert_offsets[e + 1] of
+    the result are x's rows times w[e].T (+ bias[e]); rows past expert_offsets[E] are left unspecified.
+    activation None: [M, N]. "swiglu" / "swiglu_oai": w[e] holds gate rows [0, N/2) then up rows
+    [N/2, N); the result is [M, N/2], the activation of (gate, up) taken from float32 accumulators
+    after the bias. One launch, no host sync."""
+    return _launch_grouped(x, w, expert_offsets, x.shape[0], None, 0, bias, activation, alpha, limit,
+                           batch_invariant)
+
+
+def _check_moe_shapes(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+    w_down: torch.Tensor, activation: str,
+) -> None:
+    if activation not in ("swiglu", "swiglu_oai"):
+        raise ValueError(f"an MoE layer's activation is 'swiglu' or 'swiglu_oai', got {activation!r}")
+    t, h = x.shape
+    e, two_i, h_gu = w_gate_up.shape
+    if h_gu != h or w_down.shape != (e, h, two_i // 2) or two_i % 2:
+        raise ValueError(f"expert weights {tuple(w_gate_up.shape)} and {tuple(w_down.shape)} do not fit "
+                         f"hidden size {h}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"routing {tuple(topk_ids.shape)} / {tuple(topk_weights.shape)} for {t} tokens")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    first_expert: int = 0,
+    batch_invariant: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """x [T, H], topk_ids / topk_weights [T, k] (global expert ids), w_gate_up [E_local, 2I, H] (gate
+    rows, then up rows), w_down [E_local, H, I], biases [E_local, 2I] / [E_local, H] -> [T, H]: each
+    token's sum over its slots of weight * expert(x), for the slots whose expert is in [first_expert,
+    first_expert + E_local); other slots (and ids < 0: padding) add nothing, and a token with none gets
+    zeros. No host sync: a CUDA graph can capture it."""
+    _check_moe_shapes(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+    num_tokens, hidden = x.shape
+    top_k, num_local = topk_ids.shape[1], w_gate_up.shape[0]
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    order, offsets = _sort_assignments(topk_ids, first_expert, num_local)
+    num_rows = order.shape[0]
+    # gate/up reads token order[r] // k; down stores row r at order[r], the (token, slot) it belongs to
+    h = _launch_grouped(x, w_gate_up, offsets, num_rows, order, top_k, b_gate_up, activation, alpha, limit,
+                        batch_invariant)
+    y = _launch_grouped(h, w_down, offsets, num_rows, order, 0, b_down, None, alpha, limit, batch_invariant)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, topk_ids.contiguous(), topk_weights.contiguous(), out, num_tokens, first_expert, num_local, hidden,
+        y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    if activation == "swiglu":
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    first_expert: int = 0,
+    batch_invariant: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """fused_moe in plain torch, a loop over the experts that have tokens (one host sync), with the
+    kernels' roundings: float32 products and biases, the activation rounded to x's dtype, the down
+    projection rounded, times the weight rounded, slots added in slot order in float32.
+    batch_invariant is accepted for the signature's sake: torch's own matmul picks its kernel by shape."""
+    _check_moe_shapes(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+    num_tokens, hidden = x.shape
+    top_k, num_local = topk_ids.shape[1], w_gate_up.shape[0]
+    ids = topk_ids.reshape(-1).to(torch.int64) - first_expert
+    weights = topk_weights.reshape(-1)
+    per_slot = torch.zeros(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    is_local = (ids >= 0) & (ids < num_local)
+    for e in torch.unique(ids[is_local]).tolist():  # NOTE: a host sync
+        idx = torch.nonzero(ids == e).squeeze(1)
+        gate_up = x[idx // top_k].float() @ w_gate_up[e].float().t()
+        if b_gate_up is not None:
+            gate_up = gate_up + b_gate_up[e].float()
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = _glu(gate, up, activation, alpha, limit).to(x.dtype)
+        y = h.float() @ w_down[e].float().t()
+        if b_down is not None:
+            y = y + b_down[e].float()
+        y = y.to(x.dtype).float() * weights[idx, None].float()
+        per_slot[idx] = y.to(x.dtype).float()
+    slots = per_slot.view(num_tokens, top_k, hidden)
+    total = slots[:, 0]
+    for slot in range(1, top_k):
+        total = total + slots[:, slot]
+    return total.to(x.dtype)
