@@ -70,6 +70,10 @@ warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renam
 GiB = 2**30
 
 # --tiny: the same families at toy sizes, so the whole script runs on 2 CPU cores.
+TINY_MOE: dict[str, Any] = dict(
+    num_experts=8, num_local_experts=8, num_experts_per_tok=2, experts_per_token=2, moe_intermediate_size=32,
+    intermediate_size=32,
+)
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=512, max_position_embeddings=2048,
@@ -102,10 +106,41 @@ class ModelFacts:
     elem_bytes: int
 
     @property
-    def linear_params(self) -> int:
+    def attn_params(self) -> int:
         a = self.arch
-        attn = a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
-        return a.num_layers * (attn + 3 * a.hidden_size * a.intermediate_size)
+        return a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's SwiGLU weights (0 for a dense model)."""
+        return 3 * self.arch.hidden_size * self.arch.moe_intermediate_size if self.arch.sparse_layers else 0
+
+    @property
+    def dense_params(self) -> int:
+        """Every layer's weights a decode step reads whatever it routes: attention, dense MLPs, routers."""
+        a = self.arch
+        num_sparse = len(a.sparse_layers)
+        mlps = (a.num_layers - num_sparse) * 3 * a.hidden_size * a.intermediate_size
+        return a.num_layers * self.attn_params + mlps + num_sparse * a.hidden_size * a.num_experts
+
+    @property
+    def linear_params(self) -> int:
+        """All linear weights (a MoE's every expert included)."""
+        return self.dense_params + len(self.arch.sparse_layers) * self.arch.num_experts * self.expert_params
+
+    @property
+    def active_linear_params(self) -> int:
+        """The linear weights one token goes through (a MoE's top-k experts per sparse layer)."""
+        a = self.arch
+        return self.dense_params + len(a.sparse_layers) * a.num_experts_per_tok * self.expert_params
+
+    def expected_experts_read(self, batch: int) -> float:
+        """Distinct experts a batch of `batch` tokens selects, all sparse layers, if routing were uniform."""
+        a = self.arch
+        if not a.sparse_layers:
+            return 0.0
+        miss = (1 - a.num_experts_per_tok / a.num_experts) ** batch
+        return len(a.sparse_layers) * a.num_experts * (1 - miss)
 
     @property
     def lm_head_params(self) -> int:
@@ -114,6 +149,15 @@ class ModelFacts:
     @property
     def weight_bytes(self) -> int:
         return (self.linear_params + self.lm_head_params) * self.elem_bytes
+
+    def step_weight_bytes(self, experts_read: float | None = None, batch: int = 1) -> float:
+        """The weights one decode step reads: all of a dense model's; a MoE's dense part and lm_head and
+        the experts its tokens selected (experts_read over all sparse layers: measured, else the
+        uniform-routing expectation)."""
+        if not self.arch.sparse_layers:
+            return float(self.weight_bytes)
+        read = self.expected_experts_read(batch) if experts_read is None else experts_read
+        return (self.dense_params + self.lm_head_params + read * self.expert_params) * self.elem_bytes
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
@@ -126,8 +170,8 @@ class ModelFacts:
         per_layer = [context if t == "full_attention" else min(context, window) for t in a.layer_types]
         return sum(per_layer) * self.kv_bytes_per_token_layer
 
-    def decode_bytes(self, batch: int, context: int) -> int:
-        return self.weight_bytes + batch * self.kv_read_bytes(context)
+    def decode_bytes(self, batch: int, context: int, experts_read: float | None = None) -> float:
+        return self.step_weight_bytes(experts_read, batch) + batch * self.kv_read_bytes(context)
 
     def prefill_flops(self, n: int) -> float:
         a = self.arch
@@ -138,7 +182,7 @@ class ModelFacts:
         else:
             win_pairs = window * (window + 1) / 2 + (n - window) * window
         pairs = sum(full_pairs if t == "full_attention" else win_pairs for t in a.layer_types)
-        return 2.0 * self.linear_params * n + 2.0 * self.lm_head_params + 4.0 * a.num_heads * a.head_dim * pairs
+        return 2.0 * self.active_linear_params * n + 2.0 * self.lm_head_params + 4.0 * a.num_heads * a.head_dim * pairs
 
 
 # ---- timing helpers ------------------------------------------------------------------------------
@@ -258,8 +302,10 @@ def engine_decode(eng: LLMEngine, batch: int, context: int, args: argparse.Names
         else:
             while any(s.num_uncomputed > 1 for s in eng.scheduler.running + list(eng.scheduler.waiting)):
                 eng.step()
-        times = []
+        times, experts_read = [], []
+        moes = eng.model.sparse_layers()
         for i in range(warmup + steps):
+            before = [m.tokens_per_expert.clone() for m in moes if m.tokens_per_expert is not None]
             sync(eng.device)
             t0 = time.perf_counter()
             outs = eng.step()
@@ -269,11 +315,16 @@ def engine_decode(eng: LLMEngine, batch: int, context: int, args: argparse.Names
                 raise RuntimeError(f"a decode step returned {len(outs)} tokens for {batch} sequences")
             if i >= warmup:
                 times.append(dt)
+                if len(before) == len(moes) and moes:  # experts whose count moved: the ones this step read
+                    experts_read.append(sum(int((m.tokens_per_expert != b).sum()) for m, b in zip(moes, before)))
                 if sum(times) > args.row_cap_s and len(times) >= 2:
                     break
     finally:
         release_all(eng, ids)
-    return {"status": "ok", "step_s": statistics.median(times), "num_steps": len(times)}
+    out = {"status": "ok", "step_s": statistics.median(times), "num_steps": len(times)}
+    if experts_read:
+        out["experts_read_per_step"] = statistics.mean(experts_read)
+    return out
 
 
 def engine_prefill(eng: LLMEngine, n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -387,7 +438,7 @@ def engine_rows(folder: Path, facts: ModelFacts, mode: str, is_det: bool, forwar
 def finish_decode_row(row: dict[str, Any], facts: ModelFacts, args: argparse.Namespace) -> None:
     """Throughput and the fraction of the copy ceiling, at the mean context of the timed steps."""
     mean_context = row["context"] + 2 + args.steps / 2
-    row["bytes_per_step"] = facts.decode_bytes(row["batch"], int(mean_context))
+    row["bytes_per_step"] = facts.decode_bytes(row["batch"], int(mean_context), row.get("experts_read_per_step"))
     if row.get("status") == "ok":
         row["ms_per_step"] = row["step_s"] * 1e3
         row["tokens_per_s"] = row["batch"] / row["step_s"]
@@ -727,6 +778,8 @@ def model_folder(name: str, args: argparse.Namespace, scratch: Path) -> Path:
     config = json.loads(((path / "config.json") if path.is_dir() else CONFIGS / f"{name}.json").read_text())
     if args.tiny:
         config.update(TINY_DIMS)
+        if "num_experts" in config or "num_local_experts" in config:  # MoE: 8 small experts, top 2
+            config.update({k: v for k, v in TINY_MOE.items() if k in config})
         n = config["num_hidden_layers"]
         if "layer_types" in config:
             config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
@@ -818,8 +871,10 @@ def main(argv: list[str] | None = None) -> int:
             args.model_name = Path(name).name
             arch = arch_from_hf(load_hf_config(folder))
             facts = ModelFacts(arch, elem_bytes)
-            print(f"\n== {args.model_name}: {facts.linear_params / 1e6:,.1f} M linear params, "
-                  f"{facts.weight_bytes / 2**20:,.1f} MiB read per decode step before KV, "
+            moe = (f", MoE: {arch.num_experts} experts, top {arch.num_experts_per_tok}, {len(arch.sparse_layers)} sparse layers, "
+                   f"{facts.active_linear_params / 1e6:,.1f} M active" if arch.sparse_layers else "")
+            print(f"\n== {args.model_name}: {facts.linear_params / 1e6:,.1f} M linear params{moe}, "
+                  f"{facts.step_weight_bytes() / 2**20:,.1f} MiB read per batch-1 decode step before KV, "
                   f"{len(arch.full_layers)} full + {len(arch.sliding_layers)} sliding layers", flush=True)
             model_rows: list[dict[str, Any]] = []
             for mode in modes:

@@ -22,14 +22,17 @@ of the experts gives the full output (up to float rounding); the communication i
 Numerics: the router linear and every expert matmul go through engine/numerics.py's run_rows under
 the step's numerics, so in deterministic mode a token's result does not depend on its batch (an
 expert's rows are tiled or padded like any row-local matmul, and on CUDA go through the
-batch-invariant matmul). The default mode uses torch's grouped matmul where it runs (no host sync:
-CUDA graphs can capture it), else a loop over the non-empty experts.
+batch-invariant matmul). On CUDA (SwiGLU experts, all of them held) the whole block after routing is
+pdkernels/moe_gemm.py's Triton path (grouped GEMMs with the activation fused, combine in slot order;
+its batch-invariant variant in deterministic mode). Elsewhere the default mode uses torch's grouped
+matmul where it runs (no host sync: CUDA graphs can capture it), else a loop over the non-empty experts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache, partial
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +45,16 @@ if TYPE_CHECKING:
     from engine.expert_parallel import ExpertGroup
 
 GroupedMM = Callable[..., torch.Tensor]
+
+
+@cache
+def _kernels() -> ModuleType | None:
+    """pdkernels.moe_gemm where triton is installed (CUDA paths), else None."""
+    try:
+        from pdkernels import moe_gemm
+    except ImportError:
+        return None
+    return moe_gemm
 
 
 @cache
@@ -131,6 +144,7 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.act = act
+        self.is_silu = act is F.silu  # the Triton path's activation
         self.ep = ep
         self.first_local, self.num_local = (
             ep.local_experts(num_experts) if ep is not None else (0, num_experts)
@@ -192,6 +206,12 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(run_rows(self.router_logits, (x,), numerics))
         self._count(experts)
         self.rows_computed += num_tokens * k
+        kernels = _kernels() if x.is_cuda and self.is_silu and num_local == self.num_experts else None
+        if kernels is not None and numerics in (Numerics.DEFAULT, Numerics.BATCH_INVARIANT):
+            # Triton: sort, gate/up + SwiGLU, down, combine in slot order; no host sync (graphs capture it)
+            w = self.experts
+            is_invariant = numerics is Numerics.BATCH_INVARIANT
+            return kernels.fused_moe(x, experts, weights, w.gate_up_proj, w.down_proj, batch_invariant=is_invariant)
         # dispatch: local ids, others to a sentinel that sorts after them
         ids = experts.flatten() - first_expert
         ids = torch.where((ids >= 0) & (ids < num_local), ids, num_local)
