@@ -19,6 +19,13 @@ Elsewhere each sequence's visible keys are gathered in position order and handed
   matmul has one fixed shape, and a key tile that a row cannot see is an exact no-op for that row
   (its probabilities are 0 and its running max unchanged), so a row's result does not depend on its
   neighbours, its batch, or how its prompt was chunked.
+
+Attention sinks (gpt-oss): `sinks` [heads], one learned logit per query head that joins every row's
+softmax denominator and has no value: out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)), s_j the
+scaled scores. Every path takes them: the Triton kernels and tiled_attend start the online softmax
+from the sink (running max = sink, denominator = 1), sdpa_attend appends a zero key and value whose
+mask entry is the sink. torch's flash/cuDNN SDPA (`_sdpa_chunk`) cannot, so a layer with sinks never
+sends a chunk there: all its chunks run in the Triton launch. None: no sink, nothing changes.
 """
 
 from __future__ import annotations
@@ -67,28 +74,33 @@ class AttnSpec:
     scale: float
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
-    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] for the new tokens. Returns [tokens, heads, dim].
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] for the new tokens; sinks: [heads] attention
+    sink logits or None (see the module docstring). Returns [tokens, heads, dim].
 
     The chunks' tokens come first; a CUDA step's decode rows (ctx.decode), if any, are the last rows."""
     dec = get_context().decode
     if dec is None:
-        return chunked_attention(q, k, v, spec)
+        return chunked_attention(q, k, v, spec, sinks)
     n = q.shape[0] - dec.num_rows
     ctx = get_context()
     out = decode_attention(q[n:], k[n:], v[n:], spec.is_sliding, spec.cache_index, spec.window, spec.scale,
-                           ctx.kv, dec, batch_invariant=ctx.numerics.is_deterministic)
-    return out if n == 0 else torch.cat([chunked_attention(q[:n], k[:n], v[:n], spec), out])
+                           ctx.kv, dec, batch_invariant=ctx.numerics.is_deterministic, sinks=sinks)
+    return out if n == 0 else torch.cat([chunked_attention(q[:n], k[:n], v[:n], spec, sinks), out])
 
 
-def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
+def chunked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention of the context's chunks (prefill, and decode on the CPU): same arguments as paged_attention."""
     ctx = get_context()
     if not spec.is_sliding:
         _store_pages(ctx, spec.cache_index, k, v)
     kern = _prefill_kernel() if q.is_cuda else None
     if kern is not None:
-        out = _flash_chunks(kern, ctx, spec, q, k, v)
+        out = _flash_chunks(kern, ctx, spec, q, k, v, sinks)
     else:
         out = torch.empty_like(q)
         for c in ctx.chunks:
@@ -98,7 +110,8 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: A
             else:
                 keys, values, k_pos0 = _paged_keys(ctx, spec, c)
             attend = tiled_attend if ctx.numerics.is_deterministic else sdpa_attend
-            out[rows] = attend(q[rows], keys, values, c.start_pos, k_pos0, spec.window, spec.scale, ctx.kv.block_size)
+            out[rows] = attend(q[rows], keys, values, c.start_pos, k_pos0, spec.window, spec.scale, ctx.kv.block_size,
+                               sinks)
     if spec.is_sliding:
         # NOTE: after the attention: the SDPA path reads the ring's [0, start) before the chunk lands in it.
         for c in ctx.chunks:
@@ -138,14 +151,15 @@ def _step_cache(ctx: ForwardContext) -> _StepCache:
 
 
 def _flash_chunks(
-    kern: ModuleType, ctx: ForwardContext, spec: AttnSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    kern: ModuleType, ctx: ForwardContext, spec: AttnSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """The chunks that pay for it through torch's SDPA (`_sdpa_chunk`), the rest in one launch of
     pdkernels/prefill_attention.py with keys read in place. Returns [tokens, heads, dim]."""
     chunks = ctx.chunks
     if not chunks:
         return torch.empty_like(q)
-    usable = _sdpa_usable(ctx, q, k)
+    usable = sinks is None and _sdpa_usable(ctx, q, k)  # torch's SDPA has no sinks: the kernel takes them
     fast = [i for i, c in enumerate(chunks) if _takes_sdpa(ctx.config, spec, c)] if usable else []
     if fast == [0] and len(chunks) == 1 and chunks[0].token_start == 0 and chunks[0].num_tokens == q.shape[0]:
         return _sdpa_chunk(ctx, spec, chunks[0], 0, q, k, v)  # the whole step: no copy into `out`
@@ -167,7 +181,7 @@ def _flash_chunks(
         )
         step.metas[(tile_tokens, rest)] = meta
     cache = ctx.kv.swa if spec.is_sliding else ctx.kv.pages
-    kern.prefill_attention(q, k, v, cache, spec.cache_index, meta, spec.scale, spec.window or 0, out=out)
+    kern.prefill_attention(q, k, v, cache, spec.cache_index, meta, spec.scale, spec.window or 0, out=out, sinks=sinks)
     return out
 
 
@@ -310,17 +324,28 @@ def sdpa_attend(
     window: int | None,
     scale: float,
     key_tile: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain masked attention. q: [n, heads, dim]; keys/values: [L, kv_heads, dim] at positions k_pos0.."""
+    """Plain masked attention. q: [n, heads, dim]; keys/values: [L, kv_heads, dim] at positions k_pos0..;
+    sinks: [heads] or None."""
     n, L = q.shape[0], keys.shape[0]
     q_pos = torch.arange(q_pos0, q_pos0 + n, device=q.device)
     k_pos = torch.arange(k_pos0, k_pos0 + L, device=q.device)
     mask = _visible(q_pos, k_pos, window)
+    attn_mask: torch.Tensor | None = None if bool(mask.all()) else mask
+    if sinks is not None:
+        # the sink as one more key: zero key and value, its score (0) plus its mask entry is the sink logit
+        zero = keys.new_zeros(1, *keys.shape[1:])
+        keys, values = torch.cat([keys, zero]), torch.cat([values, zero])
+        attn_mask = torch.zeros(q.shape[1], n, L + 1, dtype=q.dtype, device=q.device)
+        attn_mask[:, :, :L].masked_fill_(~mask, float("-inf"))
+        attn_mask[:, :, L] = sinks.to(q.dtype)[:, None]
+        attn_mask = attn_mask[None]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys.transpose(0, 1)[None],
         values.transpose(0, 1)[None],
-        attn_mask=None if bool(mask.all()) else mask,
+        attn_mask=attn_mask,
         scale=scale,
         enable_gqa=q.shape[1] != keys.shape[1],
     )
@@ -336,6 +361,7 @@ def tiled_attend(
     window: int | None,
     scale: float,
     key_tile: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batch-invariant attention (see the module docstring). Same arguments as sdpa_attend."""
     n, num_heads, dim = q.shape
@@ -361,12 +387,17 @@ def tiled_attend(
     qt = qt.reshape(num_qt, num_kv, group * tq, dim)
     out = torch.empty((num_qt, num_kv, group * tq, dim), dtype=q.dtype, device=dev)
     neg_inf = torch.tensor(float("-inf"), device=dev)
+    # the online softmax starts empty, or from the sink: running max = sink, denominator exp(0) = 1
+    m0 = torch.full((num_kv, group * tq), float("-inf"), device=dev)
+    denom0 = torch.zeros((num_kv, group * tq), device=dev)
+    if sinks is not None:  # row g * tq + t of kv head j is query head j * group + g
+        m0 = sinks.float().view(num_kv, group).repeat_interleave(tq, dim=1)
+        denom0 = torch.ones_like(denom0)
     for qi in range(num_qt):
         q_pos = (q_pos0 + qi * tq + torch.arange(tq, device=dev)).repeat(group)
         lo = q_pos0 + qi * tq - (window or 10**18)
         hi = q_pos0 + qi * tq + tq - 1
-        m = torch.full((num_kv, group * tq), float("-inf"), device=dev)
-        denom = torch.zeros((num_kv, group * tq), device=dev)
+        m, denom = m0, denom0
         acc = torch.zeros((num_kv, group * tq, dim), device=dev)
         for ki in range(num_kt):
             first, last = a0 + ki * tk, a0 + ki * tk + tk - 1

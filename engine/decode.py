@@ -109,8 +109,9 @@ WIDE_SPLIT_ROWS = 32
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_sliding: bool, cache_index: int,
                      window: int | None, scale: float, kv: KVCache, meta: DecodeMeta,
-                     batch_invariant: bool = True) -> torch.Tensor:
-    """Stores the rows' new K/V and attends over each row's cached keys, in one kernel pass. q: [rows, heads, dim]."""
+                     batch_invariant: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Stores the rows' new K/V and attends over each row's cached keys, in one kernel pass. q: [rows, heads, dim];
+    sinks: [heads] attention sink logits, or None."""
     from pdkernels.decode_attention import WIDE_SPLIT_TOKENS, paged_decode_attention
 
     if is_sliding:
@@ -120,4 +121,4 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_slidi
         cache, table, ring = kv.pages, meta.block_table, 0
     wide = not batch_invariant and meta.num_rows >= WIDE_SPLIT_ROWS
     return paged_decode_attention(q, cache, cache_index, table, meta.context_lens, scale, window=ring, k_new=k, v_new=v,
-                                  min_split=WIDE_SPLIT_TOKENS if wide else None)
+                                  min_split=WIDE_SPLIT_TOKENS if wide else None, sinks=sinks)

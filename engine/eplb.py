@@ -7,8 +7,8 @@ lockstep, so they count alike) every rank of the group, for every MoE layer:
     1. sums the group's per-expert token counts since the last rebalancing (all_reduce of `window`);
     2. computes the same new placement as every other rank (balanced_placement: the heaviest expert
        first, each to the least-loaded rank with a free slot; a rank's slots in expert order);
-    3. sends the weights of its experts that change rank to their new rank and takes the ones it
-       gets (one all_to_all per layer), then installs them with the new placement.
+    3. sends the weights (and biases) of its experts that change rank to their new rank and takes the
+       ones it gets (one all_to_all per layer), then installs them with the new placement.
 
 Routing never changes (it picks logical experts), only where an expert is computed; with the
 batch-invariant expert matmuls of deterministic mode the outputs stay bit-identical. Every rank waits
@@ -66,8 +66,9 @@ def rebalance_layer(moe: SparseMoE, ep: ExpertGroup) -> int:
         return 0
     at_new = {slot: e for e, slot in enumerate(new)}  # physical slot -> logical expert
     mine = range(ep.rank * per, (ep.rank + 1) * per)
-    gate_up, down = moe.experts.gate_up_proj.data, moe.experts.down_proj.data
-    flat = torch.cat([gate_up.flatten(1), down.flatten(1)], dim=1)  # [per, expert's weights]
+    # every stacked expert tensor (weights, and gpt-oss's biases), side by side: [per, expert's values]
+    parts = [p.data for p in moe.experts.parameters()]
+    flat = torch.cat([t.flatten(1) for t in parts], dim=1)
     # what this rank sends: its experts, by destination rank then destination slot
     sends, send_rows = [0] * ep.size, []
     for slot in range(ep.size * per):
@@ -83,8 +84,7 @@ def rebalance_layer(moe: SparseMoE, ep: ExpertGroup) -> int:
     got = ep.all_to_all(flat[send_rows], sends, recvs)
     moved = torch.empty_like(flat)
     moved[torch.tensor([s - ep.rank * per for s in incoming], device=device)] = got
-    split = gate_up[0].numel()
-    gate_up.copy_(moved[:, :split].view_as(gate_up))
-    down.copy_(moved[:, split:].view_as(down))
+    for t, cols in zip(parts, moved.split([t[0].numel() for t in parts], dim=1)):
+        t.copy_(cols.view_as(t))
     placement.copy_(torch.tensor(new, device=placement.device))
     return sum(old[e] // per != new[e] // per for e in range(len(old)))

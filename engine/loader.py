@@ -4,7 +4,15 @@ random weights for `--load-format dummy`, how benchmarks get real-sized models w
 Tensors load by name. The one renaming: MoE experts, which the model stacks (engine/moe.py) while
 Hugging Face checkpoints (and transformers 5's save_pretrained) store one tensor per expert and
 projection, `mlp.experts.{e}.{gate,up,down}_proj.weight`; each lands in its slice of the stack. A
-checkpoint with the stacked `mlp.experts.gate_up_proj` / `down_proj` loads as is."""
+checkpoint with the stacked `mlp.experts.gate_up_proj` / `down_proj` loads as is, except in gpt-oss's
+layout (ModelArch.expert_layout "interleaved"), which `to_model_layout` converts:
+
+    checkpoint  gate_up_proj [E, H, 2I], column 2i gate i, 2i + 1 up i; its bias [E, 2I] alike;
+                down_proj [E, I, H]
+    model       gate_up_proj [E, 2I, H], rows [0, I) gate, [I, 2I) up; its bias [E, 2I] alike;
+                down_proj [E, H, I]
+
+An expert-parallel rank reads only its experts' rows of every stacked tensor (biases included)."""
 
 from __future__ import annotations
 
@@ -23,6 +31,25 @@ from engine.moe import SparseMoE
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 PER_EXPERT_KEY = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with gate/up alternating along dim 1 -> all gates, then all ups."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
+def to_model_layout(layout: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    """A stacked expert tensor (an expert-parallel rank's rows of it) as the model stores it (see the
+    module docstring); unchanged for the "stacked" layout and for any other name."""
+    if layout != "interleaved":
+        return t
+    if name.endswith(".experts.gate_up_proj"):
+        return _deinterleave(t.transpose(1, 2))
+    if name.endswith(".experts.gate_up_proj_bias"):
+        return _deinterleave(t)
+    if name.endswith(".experts.down_proj"):
+        return t.transpose(1, 2)
+    return t
 
 
 def expert_slice(
@@ -52,11 +79,12 @@ def expert_slice(
 
 
 def held_experts(model: CausalLM) -> dict[str, tuple[int, int]]:
-    """Each stacked expert parameter's name -> (first expert this rank holds, the layer's experts)."""
+    """Each stacked expert parameter's name (biases included) -> (first expert this rank holds, the
+    layer's experts)."""
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, SparseMoE):
-            for proj in ("gate_up_proj", "down_proj"):
+            for proj, _ in module.experts.named_parameters():
                 out[f"{name}.experts.{proj}"] = (module.first_local, module.num_experts)
     return out
 
@@ -92,17 +120,16 @@ def _init_random(model: CausalLM, arch: ModelArch, seed: int) -> None:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     experts = held_experts(model)
     for name, p in model.named_parameters():
-        if name in experts and p.shape[0] != experts[name][1]:
+        if name.endswith("bias"):  # expert biases too, on every rank
+            p.data.zero_()
+        elif name in experts and p.shape[0] != experts[name][1]:
             # an expert-parallel rank's experts: drawn as the whole layer's, then sliced, so every
             # --ep gives the same weights
             first, total = experts[name]
             whole = _random_like((total, *p.shape[1:]), p, name, gen, seed)
             p.data.copy_(whole[first : first + p.shape[0]])
-            continue
-        if name.endswith("norm.weight"):
+        elif name.endswith("norm.weight"):
             p.data.fill_(0.0 if arch.gemma_norm else 1.0)
-        elif name.endswith("bias"):
-            p.data.zero_()
         else:
             p.data.copy_(_random_like(tuple(p.shape), p, name, gen, seed))
 
@@ -133,6 +160,7 @@ def _load_safetensors(model: CausalLM, folder: Path) -> None:
     loaded: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> (expert, projection) loaded
     experts = held_experts(model)
+    layout = model.arch.expert_layout
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for key in st.keys():
@@ -158,6 +186,8 @@ def _load_safetensors(model: CausalLM, folder: Path) -> None:
                     t = st.get_slice(key)[first : first + dest.shape[0]]
                 else:
                     t = st.get_tensor(key)
+                if name in experts:
+                    t = to_model_layout(layout, name, t)
                 if t.shape != dest.shape:
                     raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} != model {tuple(dest.shape)}")
                 dest.copy_(t.to(dest.dtype))

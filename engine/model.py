@@ -1,4 +1,5 @@
-"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and Gemma 3 text checkpoints.
+"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss and Gemma 3 text
+checkpoints.
 
 Parameter names follow Hugging Face's, so loading is a direct mapping. forward(input_ids, positions)
 reads the step's sequence layout from the forward context (engine/context.py).
@@ -15,6 +16,9 @@ layout and everything outside the model are unchanged.
 A sparse layer's MLP (engine/moe.py) groups tokens by expert, so it is not row-local: it runs outside
 `rowwise`, after the row-local attention output and norm, and applies the step's numerics to its own
 matmuls.
+
+gpt-oss's attention sinks (`self_attn.sinks`, one logit per query head) travel to every attention path
+with the layer's q, k, v (engine/attention.py); None for the other families.
 """
 
 from __future__ import annotations
@@ -110,7 +114,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(arch.hidden_size, h * d, bias=arch.attention_bias)
         self.k_proj = nn.Linear(arch.hidden_size, kvh * d, bias=arch.attention_bias)
         self.v_proj = nn.Linear(arch.hidden_size, kvh * d, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=arch.o_proj_bias)
+        self.sinks: nn.Parameter | None = nn.Parameter(torch.empty(h)) if arch.attn_sinks else None
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps, arch.gemma_norm)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps, arch.gemma_norm)
@@ -194,6 +199,11 @@ class DecoderLayer(nn.Module):
                 arch.norm_topk_prob,
                 activation(arch.hidden_act),
                 expert_parallel.current(),
+                routing=arch.routing,
+                activation=arch.expert_activation,
+                has_bias=arch.has_expert_bias,
+                alpha=arch.swiglu_alpha,
+                limit=arch.swiglu_limit,
             )
         else:
             self.mlp = MLP(arch)
@@ -236,7 +246,7 @@ class DecoderLayer(nn.Module):
         a = self.self_attn
         qkv = rowwise(self._pre, x, cos, sin)
         q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
-        attn = paged_attention(q, k, v, self.spec)
+        attn = paged_attention(q, k, v, self.spec, a.sinks)
         if not self.is_sparse:
             return rowwise(self._post, x, attn.flatten(1))
         x, normed = rowwise(self._post_sparse, x, attn.flatten(1)).chunk(2, dim=1)
@@ -258,7 +268,7 @@ class DecoderLayer(nn.Module):
             x, normed = pending.add_norm(ops, x, norm)
         qkv = rowwise(a.qkv, normed, cos, sin)
         q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
-        h = rowwise(a.o_proj, paged_attention(q, k, v, self.spec).flatten(1))
+        h = rowwise(a.o_proj, paged_attention(q, k, v, self.spec, a.sinks).flatten(1))
         if self.is_sandwich:
             x, normed = ops.add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, norm.eps, norm.is_gemma,
                                          h_weight=self.post_attention_layernorm.weight)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.moe import EXPERT_ACTIVATIONS, ROUTERS
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -22,7 +23,13 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": True},
     "qwen3_moe": {"qk_norm": True},
     "gemma3_text": {"qk_norm": True, "gemma_norm": True, "sandwich_norm": True, "embed_scale": True},
+    "gpt_oss": {"o_proj_bias": True, "attn_sinks": True},
 }
+
+# ModelArch.expert_layout, how a checkpoint stores stacked experts (engine/loader.py converts):
+# "stacked": ours, gate_up_proj [E, 2I, H] gate rows then up rows, down_proj [E, H, I] (or per expert);
+# "interleaved": gpt-oss, gate_up_proj [E, H, 2I] with gate/up alternating columns, down_proj [E, I, H]
+EXPERT_LAYOUTS = ("stacked", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -49,12 +56,20 @@ class ModelArch:
     gemma_norm: bool = False  # RMSNorm scales by (1 + w), computed in float32
     sandwich_norm: bool = False  # extra norms after attention and around the MLP (Gemma 3)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    o_proj_bias: bool = False  # the output projection has a bias too (with attention_bias; gpt-oss)
+    attn_sinks: bool = False  # a learned logit per head in every softmax's denominator, no value (gpt-oss)
     # Sparse MoE (engine/moe.py): the layers whose MLP is routed experts; the others keep the dense MLP
     sparse_layers: tuple[int, ...] = ()
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
+    routing: str = "softmax_topk"  # engine/moe.py ROUTERS: "softmax_topk" (Qwen3-MoE), "topk_softmax" (gpt-oss)
+    expert_activation: str = "swiglu"  # engine/moe.py EXPERT_ACTIVATIONS
+    has_expert_bias: bool = False  # router and expert projections with biases (gpt-oss)
+    swiglu_alpha: float = 1.702  # "swiglu_oai" only
+    swiglu_limit: float = 7.0  # "swiglu_oai" only
+    expert_layout: str = "stacked"  # EXPERT_LAYOUTS
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -66,6 +81,13 @@ class ModelArch:
                 raise ValueError("sparse layers need 1 <= num_experts_per_tok <= num_experts and a moe_intermediate_size")
             if self.sandwich_norm:
                 raise ValueError("sparse layers with sandwich norms are not supported")
+        for name, value, allowed in (
+            ("routing", self.routing, tuple(ROUTERS)),
+            ("expert_activation", self.expert_activation, EXPERT_ACTIVATIONS),
+            ("expert_layout", self.expert_layout, EXPERT_LAYOUTS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: one of {allowed}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a sliding_window")
         if self.num_heads % self.num_kv_heads:
@@ -126,6 +148,7 @@ def arch_from_hf(hf: Any) -> ModelArch:
         traits["attention_bias"] = True
     else:
         traits["attention_bias"] = bool(getattr(hf, "attention_bias", False)) or traits.get("attention_bias", False)
+    traits["o_proj_bias"] = traits.get("o_proj_bias", False) and traits["attention_bias"]
     act = str(getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"))
     return ModelArch(
         model_type=model_type,
@@ -149,7 +172,23 @@ def arch_from_hf(hf: Any) -> ModelArch:
 
 
 def _moe_fields(hf: Any) -> dict[str, Any]:
-    """ModelArch's MoE fields, as transformers' Qwen3-MoE picks its sparse layers; {} for dense models."""
+    """ModelArch's MoE fields, as transformers' Qwen3-MoE picks its sparse layers (gpt-oss: every layer);
+    {} for dense models."""
+    if hf.model_type == "gpt_oss":
+        # gpt-oss: top-k of the router logits, softmax over those k; clamped SwiGLU experts with biases
+        top_k = getattr(hf, "num_experts_per_tok", None) or hf.experts_per_token  # the name varies by version
+        return dict(
+            sparse_layers=tuple(range(hf.num_hidden_layers)),
+            num_experts=int(hf.num_local_experts),
+            num_experts_per_tok=int(top_k),
+            moe_intermediate_size=int(hf.intermediate_size),
+            routing="topk_softmax",
+            expert_activation="swiglu_oai",
+            has_expert_bias=True,
+            swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)),
+            swiglu_limit=float(hf.swiglu_limit),
+            expert_layout="interleaved",
+        )
     num_experts = int(getattr(hf, "num_experts", None) or 0)
     if hf.model_type != "qwen3_moe" or num_experts == 0:
         return {}

@@ -1,7 +1,10 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE): a router picks top-k SwiGLU experts per token.
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, gpt-oss): a router picks top-k SwiGLU experts per token.
 
-    route     router logits = gate(x) in the model dtype; softmax over the experts in float32; top-k;
-              renormalized to sum to 1 when norm_topk_prob; weights cast back to the model dtype
+    route     router logits = gate(x) (+ bias) in the model dtype, then a family's ROUTERS entry:
+              "softmax_topk" (Qwen3-MoE): softmax over the experts in float32; top-k; renormalized to
+              sum to 1 when norm_topk_prob; weights cast back to the model dtype.
+              "topk_softmax" (gpt-oss): top-k of the logits; softmax over those k in the logits' dtype
+              (as transformers does; torch's softmax accumulates a bf16 input in float32 anyway)
     dispatch  the T*k (token, slot) assignments, flattened slot-major per token, sorted (stably) by
               expert id, so each expert's rows are one contiguous slice of the gathered tokens
     experts   one grouped matmul per projection over those slices (gate and up fused)
@@ -15,6 +18,9 @@
 Expert weights are stacked 3-D tensors, [num_experts, 2 * intermediate, hidden] (gate rows first, then up:
 transformers' fused layout) and [num_experts, hidden, intermediate], so a grouped GEMM kernel or an
 expert-parallel rank (experts [first_expert, first_expert + num_local_experts)) takes a slice of them.
+gpt-oss's experts have biases, [num_experts, 2 * intermediate] (the same gate-then-up order) and
+[num_experts, hidden], added after each grouped matmul (gathered per sorted row by its expert), and the
+clamped SwiGLU "swiglu_oai": (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
 forward() with a local range returns only those experts' share of the output; assignments to other
 experts sort after the local ones (a sentinel id) and are left out. Summing the shares of a partition
 of the experts gives the full output (up to float rounding); the communication is not done here.
@@ -22,10 +28,11 @@ of the experts gives the full output (up to float rounding); the communication i
 Numerics: the router linear and every expert matmul go through engine/numerics.py's run_rows under
 the step's numerics, so in deterministic mode a token's result does not depend on its batch (an
 expert's rows are tiled or padded like any row-local matmul, and on CUDA go through the
-batch-invariant matmul). On CUDA (SwiGLU experts, all of them held) the whole block after routing is
-pdkernels/moe_gemm.py's Triton path (grouped GEMMs with the activation fused, combine in slot order;
-its batch-invariant variant in deterministic mode). Elsewhere the default mode uses torch's grouped
-matmul where it runs (no host sync: CUDA graphs can capture it), else a loop over the non-empty experts.
+batch-invariant matmul). On CUDA (SiLU or gpt-oss SwiGLU experts, all of them held) the whole block
+after routing is pdkernels/moe_gemm.py's Triton path (grouped GEMMs with the biases and the activation
+fused, combine in slot order; its batch-invariant variant in deterministic mode). Elsewhere the default
+mode uses torch's grouped matmul where it runs (no host sync: CUDA graphs can capture it), else a loop
+over the non-empty experts.
 """
 
 from __future__ import annotations
@@ -45,6 +52,36 @@ if TYPE_CHECKING:
     from engine.expert_parallel import ExpertGroup
 
 GroupedMM = Callable[..., torch.Tensor]
+Router = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+def route_softmax_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE: softmax over every expert in float32, top-k, optionally renormalized; cast back."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss: top-k of the raw logits, softmax over those k (they sum to 1: norm_topk_prob is moot)."""
+    values, experts = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1, dtype=values.dtype), experts
+
+
+# ModelArch.routing -> (router logits [tokens, experts], k, norm_topk_prob) -> (weights, expert ids) [tokens, k]
+ROUTERS: dict[str, Router] = {"softmax_topk": route_softmax_topk, "topk_softmax": route_topk_softmax}
+# ModelArch.expert_activation, pdkernels/moe_gemm.py's names: "swiglu" is act(gate) * up (act: the
+# config's hidden_act; the Triton path fuses SiLU only), "swiglu_oai" gpt-oss's clamped one (swiglu_oai)
+EXPERT_ACTIVATIONS = ("swiglu", "swiglu_oai")
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU, in transformers' order of operations (so float32 rounds alike)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 @cache
@@ -109,16 +146,25 @@ def grouped_linear(
 
 
 class ExpertWeights(nn.Module):
-    """Every expert's SwiGLU weights, stacked: Hugging Face's `mlp.experts.gate_up_proj` / `down_proj`."""
+    """Every expert's SwiGLU weights, stacked: Hugging Face's `mlp.experts.gate_up_proj` / `down_proj`, and
+    with has_bias gpt-oss's `gate_up_proj_bias` / `down_proj_bias` (None without)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, has_bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if has_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
 
 class SparseMoE(nn.Module):
-    """Top-k routed SwiGLU experts, no shared expert (Qwen3-MoE's sparse block; see the module docstring).
+    """Top-k routed SwiGLU experts, no shared expert (Qwen3-MoE's and gpt-oss's sparse blocks; see the
+    module docstring). routing: a ROUTERS name; activation: "swiglu" (act(gate) * up) or "swiglu_oai"
+    (alpha, limit); has_bias: the router and the experts have biases, and the router is Hugging Face's
+    `mlp.router` (gpt-oss) instead of `mlp.gate`.
 
     In an expert-parallel group (engine/expert_parallel.py) the module holds only its rank's slots,
     `experts` [num_local, ...], and forward() exchanges rows with the other ranks; `placement` maps
@@ -136,21 +182,36 @@ class SparseMoE(nn.Module):
         norm_topk_prob: bool,
         act: Callable[[torch.Tensor], torch.Tensor],
         ep: ExpertGroup | None = None,
+        *,
+        routing: str = "softmax_topk",
+        activation: str = "swiglu",
+        has_bias: bool = False,
+        alpha: float = 1.702,
+        limit: float = 7.0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        if routing not in ROUTERS or activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"routing {routing!r}, activation {activation!r}: one of {sorted(ROUTERS)}, "
+                             f"{EXPERT_ACTIVATIONS}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.router_fn = ROUTERS[routing]
         self.act = act
-        self.is_silu = act is F.silu  # the Triton path's activation
+        self.activation = activation
+        self.alpha, self.limit = alpha, limit
+        # the Triton path fuses SiLU-SwiGLU and gpt-oss's (pdkernels/moe_gemm.py ACTIVATIONS)
+        self.can_fuse = activation == "swiglu_oai" or act is F.silu
         self.ep = ep
         self.first_local, self.num_local = (
             ep.local_experts(num_experts) if ep is not None else (0, num_experts)
         )
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = ExpertWeights(self.num_local, hidden_size, intermediate_size)
+        # Hugging Face's name: Qwen3-MoE's `mlp.gate`, gpt-oss's `mlp.router` (with a bias)
+        self.router_name = "router" if has_bias else "gate"
+        self.add_module(self.router_name, nn.Linear(hidden_size, num_experts, bias=has_bias))
+        self.experts = ExpertWeights(self.num_local, hidden_size, intermediate_size, has_bias)
         # made on first use, on the activations' device (meta-device construction leaves buffers empty)
         self.placement: torch.Tensor | None = None  # [num_experts] logical expert -> physical slot
         self.tokens_per_expert: torch.Tensor | None = None  # [num_experts] int64, since the start
@@ -160,17 +221,21 @@ class SparseMoE(nn.Module):
     def fuse_projections(self) -> None:
         """Nothing to do: gate and up are stored fused already (CausalLM.fuse_projections calls every MLP)."""
 
+    @property
+    def router_linear(self) -> nn.Linear:
+        """The router's linear, under its Hugging Face name (`gate` or `router`)."""
+        linear = getattr(self, self.router_name)
+        assert isinstance(linear, nn.Linear)
+        return linear
+
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Row-local: [tokens, hidden] -> [tokens, num_experts], in the model dtype."""
-        return F.linear(x, self.gate.weight)
+        linear = self.router_linear
+        return F.linear(x, linear.weight, linear.bias)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits -> (weights [tokens, k] in the logits' dtype, expert ids [tokens, k])."""
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), experts
+        return self.router_fn(logits, self.top_k, self.norm_topk_prob)
 
     def _counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.placement is None or self.placement.device != device:
@@ -206,12 +271,9 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(run_rows(self.router_logits, (x,), numerics))
         self._count(experts)
         self.rows_computed += num_tokens * k
-        kernels = _kernels() if x.is_cuda and self.is_silu and num_local == self.num_experts else None
+        kernels = _kernels() if x.is_cuda and self.can_fuse and num_local == self.num_experts else None
         if kernels is not None and numerics in (Numerics.DEFAULT, Numerics.BATCH_INVARIANT):
-            # Triton: sort, gate/up + SwiGLU, down, combine in slot order; no host sync (graphs capture it)
-            w = self.experts
-            is_invariant = numerics is Numerics.BATCH_INVARIANT
-            return kernels.fused_moe(x, experts, weights, w.gate_up_proj, w.down_proj, batch_invariant=is_invariant)
+            return self.fused_experts(kernels, x, experts, weights, numerics is Numerics.BATCH_INVARIANT)
         # dispatch: local ids, others to a sentinel that sorts after them
         ids = experts.flatten() - first_expert
         ids = torch.where((ids >= 0) & (ids < num_local), ids, num_local)
@@ -222,6 +284,19 @@ class SparseMoE(nn.Module):
             out = torch.where((sorted_ids < num_local)[:, None], out, 0.0)
         return self._combine(torch.empty_like(out).index_copy_(0, order, out), num_tokens, x.dtype)
 
+    def fused_experts(
+        self, kernels: ModuleType, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+        batch_invariant: bool,
+    ) -> torch.Tensor:
+        """The block after routing through pdkernels/moe_gemm.py (`kernels`): sort, gate/up (+ bias) and the
+        activation, down (+ bias), combine in slot order; no host sync (graphs capture it). Every expert
+        must be held."""
+        w = self.experts
+        return kernels.fused_moe(
+            x, experts, weights, w.gate_up_proj, w.down_proj, w.gate_up_proj_bias, w.down_proj_bias,
+            activation=self.activation, batch_invariant=batch_invariant, alpha=self.alpha, limit=self.limit,
+        )  # fmt: skip
+
     def _experts_sorted(
         self, rows: torch.Tensor, sorted_ids: torch.Tensor, first: int, num: int, numerics: Numerics
     ) -> torch.Tensor:
@@ -230,9 +305,20 @@ class SparseMoE(nn.Module):
         bounds = torch.arange(1, num + 1, device=rows.device, dtype=sorted_ids.dtype)
         group_ends = torch.searchsorted(sorted_ids, bounds)  # rows of experts < e + 1
         w = self.experts
+        # each row's expert among the held ones, for the bias gather (a sentinel row takes the last one's)
+        held = (first + sorted_ids.clamp(max=num - 1)) if w.gate_up_proj_bias is not None else None
         gate_up = grouped_linear(rows, w.gate_up_proj[first : first + num], group_ends, numerics)
+        if w.gate_up_proj_bias is not None:
+            gate_up = gate_up + w.gate_up_proj_bias[held]
         gate, up = gate_up.chunk(2, dim=-1)
-        return grouped_linear(self.act(gate) * up, w.down_proj[first : first + num], group_ends, numerics)
+        if self.activation == "swiglu_oai":
+            h = swiglu_oai(gate, up, self.alpha, self.limit)
+        else:
+            h = self.act(gate) * up
+        out = grouped_linear(h, w.down_proj[first : first + num], group_ends, numerics)
+        if w.down_proj_bias is not None:
+            out = out + w.down_proj_bias[held]
+        return out
 
     def _combine(self, per_assignment: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
         """[tokens * k, hidden] weighted rows in (token, slot) order -> [tokens, hidden]: a token's k
@@ -294,7 +380,7 @@ class SparseMoE(nn.Module):
         the deterministic-mode probe); every expert has the shapes of expert 0."""
         gate_up, down = self.experts.gate_up_proj[0], self.experts.down_proj[0]
         return [
-            (self.router_logits, [self.gate.in_features]),
+            (self.router_logits, [self.router_linear.in_features]),
             (partial(F.linear, weight=gate_up), [gate_up.shape[1]]),
             (partial(F.linear, weight=down), [down.shape[1]]),
         ]

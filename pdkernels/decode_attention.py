@@ -19,6 +19,10 @@ so a row's output is bit-identical whether it runs alone or in any batch; determ
 same kernels. A row with context length 0 (a padded row of a CUDA graph) reads and stores nothing
 and gets zeros.
 
+Attention sinks (gpt-oss; `sinks` [heads], one logit per query head, in the units of the scaled
+scores) join the denominator once: the reduce kernel folds the splits starting from the sink (running
+max sink, denominator 1, accumulator 0); the split kernels do not see them. A padded row still gets zeros.
+
 The new token's K/V (position context_len - 1) go into the cache in the same launch: the one program
 whose split holds that key stores them and uses them in place of the cache's stale entry, and no other
 program reads that key, so nothing races (`store_decode_kv` does the same store as a kernel of its own).
@@ -150,11 +154,11 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    ACC, ML, CTX, OUT,
+    ACC, ML, CTX, OUT, SINKS,
     stride_ob, stride_oh,
     num_heads,
     WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -163,8 +167,12 @@ def _decode_reduce_kernel(
     n = _num_keys(CTX, b, WINDOW)
     num_splits, _, _ = _split_bounds(n, 0, MAX_SPLITS, MIN_SPLIT, BLOCK_N)
     part0 = (b.to(tl.int64) * num_heads + h) * MAX_SPLITS
-    m = tl.full([], float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros([], dtype=tl.float32)
+    if HAS_SINKS:  # the sink first: max sink, denominator exp(0) = 1, no value
+        m = tl.load(SINKS + h).to(tl.float32)
+        l_sum = tl.full([], 1.0, dtype=tl.float32)
+    else:
+        m = tl.full([], float("-inf"), dtype=tl.float32)
+        l_sum = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     # NOTE: splits fold in index order, always: the sum's order is a function of n alone.
     for s in range(0, num_splits):
@@ -179,7 +187,7 @@ def _decode_reduce_kernel(
             l_sum = l_sum * alpha + l_s * beta
             acc = acc * alpha + a_s * beta
             m = m_new
-    out = tl.where(l_sum > 0, acc / l_sum, 0.0)  # n == 0 (a padded row): zeros
+    out = tl.where(l_sum > 0, acc / l_sum, 0.0)  # n == 0 (a padded row): zeros (acc is 0 with a sink)
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=mask_d)
 
 
@@ -204,6 +212,7 @@ def paged_decode_attention(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     min_split: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, heads, head_dim], one token per sequence. k_new, v_new ([B, kv_heads, head_dim]): its
     K/V, stored into the cache by this call; without them they must be stored already (store_decode_kv).
@@ -212,6 +221,7 @@ def paged_decode_attention(
     context_lens: [B] int32, the new token's position + 1; 0 marks a padded row (output zeros).
     min_split: fewest keys per split (default MIN_SPLIT_TOKENS; a multiple of BLOCK_N). A row's output
     depends on it (the splits' float sums), so a batch-invariant caller keeps the default.
+    sinks: [heads] attention sink logits (scaled-score units), or None.
     Returns [B, heads, head_dim] in q's dtype."""
     kv = _check_cache(cache, layer)
     min_split = MIN_SPLIT_TOKENS if min_split is None else min_split
@@ -223,6 +233,8 @@ def paged_decode_attention(
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache's {num_kv_heads} kv heads x {kv.shape[4]}")
     if window and kv.shape[2] != window:
         raise ValueError(f"ring of {kv.shape[2]} tokens, window {window}")
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be [{num_heads}] contiguous, got {tuple(sinks.shape)}")
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     if out is None:
@@ -251,11 +263,11 @@ def paged_decode_attention(
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     _decode_reduce_kernel[(batch, num_heads)](
-        acc, ml, context_lens, out,
+        acc, ml, context_lens, out, sinks if sinks is not None else acc,
         out.stride(0), out.stride(1),
         num_heads,
         WINDOW=window, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=min_split,
+        BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=min_split, HAS_SINKS=sinks is not None,
         num_warps=1,
     )
     return out

@@ -28,6 +28,11 @@ its prompt was chunked:
 - the query tile decides only which key tiles are visited; the extra ones are no-ops for the rows that
   cannot see them.
 tests/kernels/test_kernels_prefill_gpu.py checks chunked against whole bit for bit.
+
+Attention sinks (gpt-oss; `sinks` [heads], one logit per query head, in the units of the scaled scores):
+a row's online softmax starts from its head's sink, running max sink * log2(e) and denominator 1, so
+the sink joins the denominator and adds nothing to the accumulator. The same start for every row and
+tile: invariance holds as above.
 """
 
 from __future__ import annotations
@@ -125,7 +130,7 @@ def chunk_meta(
 
 @triton.jit
 def _prefill_attn_kernel(
-    Q, K_NEW, V_NEW, OUT, KV,
+    Q, K_NEW, V_NEW, OUT, KV, SINKS,
     TILE_SEQ, TILE_T0, Q_START, Q_LEN, POS0, BT, SLOT,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_unit, stride_kv, stride_tok, stride_head,
@@ -134,6 +139,7 @@ def _prefill_attn_kernel(
     WINDOW: tl.constexpr, UNIT_TOKENS: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE_TOKENS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = TILE_TOKENS * GROUP_PAD
     tile = tl.program_id(0)
@@ -161,8 +167,12 @@ def _prefill_attn_kernel(
     lo = pos0 * 0
     if WINDOW > 0:
         lo = tl.maximum(lo, pos0 + tl.maximum(t0, 0) - WINDOW + 1)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # start from the head's sink (base-2 units, as the scores): max sink, denominator 1
+        m_i = tl.load(SINKS + head, mask=g < GROUP, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WINDOW > 0:
         slot = tl.load(SLOT + s).to(tl.int64)
@@ -226,12 +236,14 @@ def prefill_attention(
     window: int = 0,
     out: torch.Tensor | None = None,
     config: TileConfig | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim], the step's new keys (read only for a
     sliding layer: a full layer's are already in the pages). cache: the paged pool (window 0) or the SWA
     ring pool (window > 0), [units, layers, 2, unit_tokens, kv_heads, head_dim]. Returns [T, heads,
     head_dim] in q's dtype (`out` if given); rows that no chunk covers are left unwritten. `config`
-    overrides tile_config (benchmarks only: another configuration rounds differently)."""
+    overrides tile_config (benchmarks only: another configuration rounds differently). sinks: [heads]
+    attention sink logits (scaled-score units), or None."""
     if cache.dim() != 6:
         raise ValueError(f"cache must be [units, layers, 2, tokens, kv_heads, head_dim], got {tuple(cache.shape)}")
     kv = cache[:, layer]
@@ -243,6 +255,8 @@ def prefill_attention(
         raise ValueError("head_dim must be contiguous")
     if window and kv.shape[2] != window:
         raise ValueError(f"ring of {kv.shape[2]} tokens, window {window}")
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be [{num_heads}] contiguous, got {tuple(sinks.shape)}")
     cfg = config or tile_config(num_heads, num_kv_heads, head_dim)
     if meta.tile_tokens != cfg.tile_tokens:
         raise ValueError(f"meta built for {meta.tile_tokens}-token tiles, this layer needs {cfg.tile_tokens}")
@@ -251,7 +265,7 @@ def prefill_attention(
     if meta.num_tiles == 0:
         return out
     _prefill_attn_kernel[(meta.num_tiles, num_kv_heads)](
-        q, k, v, out, kv,
+        q, k, v, out, kv, sinks if sinks is not None else q,
         meta.tile_seq, meta.tile_t0, meta.q_start, meta.q_len, meta.pos0, meta.block_table, meta.state_slot,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
@@ -260,6 +274,7 @@ def prefill_attention(
         WINDOW=window, UNIT_TOKENS=kv.shape[2],
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, TILE_TOKENS=cfg.tile_tokens,
         HEAD_DIM=head_dim, BLOCK_D=cfg.head_dim_pad, BLOCK_N=cfg.block_n, IEEE=q.dtype == torch.float32,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

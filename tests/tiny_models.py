@@ -1,7 +1,8 @@
 """Tiny random-weight Hugging Face checkpoints of every supported family, written to a folder.
 
 Weights are drawn with a wide init (std 0.25) so greedy decoding has clear winners: near-uniform
-logits would make every step a tie and the golden comparison meaningless."""
+logits would make every step a tie and the golden comparison meaningless. Attention sinks (gpt-oss)
+get std 1, so that they weigh against the scores."""
 
 from __future__ import annotations
 
@@ -52,30 +53,47 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
-    """Writes config.json + model.safetensors of a random tiny model; returns the folder."""
+def _save_random(spec: dict[str, Any], folder: Path, seed: int) -> None:
+    """A random model of spec (model_type and config fields), saved by save_pretrained in float32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = {**COMMON, **FAMILIES[family]}
+    spec = dict(spec)
     model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(model_type, **spec)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **spec), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.0 if model_type == "gemma3_text" else 1.0, 0.1)
+            elif name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.25 if p.dim() > 1 else 0.1)
     model.save_pretrained(str(folder))
+
+
+def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
+    """Writes config.json + model.safetensors of a random tiny model (FAMILIES or MOE_FAMILIES); returns
+    the folder."""
+    _save_random({**COMMON, **(FAMILIES.get(family) or MOE_FAMILIES[family])}, folder, seed)
     return folder
 
 
-# Qwen3-30B-A3B's routing at toy size: renormalized top-2 of 8 experts, layer 1 dense
 MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    # Qwen3-30B-A3B's routing at toy size: renormalized top-2 of 8 experts, layer 1 dense
     "qwen3_moe": dict(
         model_type="qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1, rope_theta=10000.0,
+    ),
+    # gpt-oss at toy size: every layer top-2 of 8 biased experts (intermediate_size is an expert's width),
+    # sliding (window 8) and full layers alternating, attention sinks, biases on q/k/v/o; yarn rope with
+    # gpt-oss's factor, its original context cut to 32 so that factor * original = max_position_embeddings
+    "gpt_oss": dict(
+        model_type="gpt_oss", head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+        swiglu_limit=7.0, sliding_window=8, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=32),
     ),
 }  # fmt: skip
 
@@ -86,23 +104,12 @@ def make_servable(family: str, folder: Path, tokenizer_from: Path, seed: int = 0
     import json
     import shutil
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     small = json.loads((tokenizer_from / "config.json").read_text())
     spec = {**COMMON, **(FAMILIES.get(family) or MOE_FAMILIES[family])}
     for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
         if small.get(key) is not None:
             spec[key] = small[key]
-    model_type = spec.pop("model_type")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **spec), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0 if model_type == "gemma3_text" else 1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.25 if p.dim() > 1 else 0.1)
-    model.save_pretrained(str(folder))
+    _save_random(spec, folder, seed)
     for f in tokenizer_from.iterdir():
         if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
             shutil.copy(f, folder / f.name)

@@ -3,7 +3,7 @@
 Inputs are random, outputs poisoned (NaN) before each run, pages a sequence does not own and page
 slots past its context are NaN too (a read past the context would poison the result). Layouts: shuffled
 block tables, partial last pages, one-token contexts, contexts that use several splits, padded rows
-(context 0); rings not yet full, exactly full and wrapped; GQA ratios 1, 4 and 8.
+(context 0); rings not yet full, exactly full and wrapped; GQA ratios 1, 4 and 8; attention sinks.
 
 Also runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1, triton installed; float32, small
 shapes), which is how the kernels were debugged without a GPU; CI has no triton and skips it.
@@ -41,8 +41,9 @@ def _rand(gen: torch.Generator, *shape: int) -> torch.Tensor:
 
 
 def reference(q: torch.Tensor, cache: torch.Tensor, layer: int, table: torch.Tensor, ctx: torch.Tensor,
-              scale: float, window: int) -> torch.Tensor:
-    """Plain float64 attention of each row over its visible keys; zeros for context 0."""
+              scale: float, window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain float64 attention of each row over its visible keys (a sink: one more logit per head, no
+    value); zeros for context 0."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     unit_tokens = cache.shape[3]
     group = q.shape[1] // cache.shape[4]
@@ -58,7 +59,11 @@ def reference(q: torch.Tensor, cache: torch.Tensor, layer: int, table: torch.Ten
         k = kv[0].double().cpu().repeat_interleave(group, dim=1)  # [n, heads, dim]
         v = kv[1].double().cpu().repeat_interleave(group, dim=1)
         s = torch.einsum("hd,nhd->hn", q[b].double().cpu(), k) * scale
-        out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v)
+        if sinks is not None:
+            probs = torch.softmax(torch.cat([s, sinks.double().cpu()[:, None]], dim=1), -1)[:, :-1]
+        else:
+            probs = torch.softmax(s, -1)
+        out[b] = torch.einsum("hn,nhd->hd", probs, v)
     return out
 
 
@@ -223,3 +228,32 @@ def test_attention_stores_the_new_token(window: int, block_size: int) -> None:
     paged_decode_attention(q, cache, 1, table, ctx, 0.125, window=window, out=got, k_new=k_new, v_new=v_new)
     assert torch.equal(got, expect)
     assert torch.equal(cache.nan_to_num(7.0), stored.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("window", [0, 48])
+def test_sinks_match_reference(window: int) -> None:
+    """Attention sinks join each head's denominator once, however many splits the keys take (300 keys:
+    three); a padded row still comes out as zeros; a row alone equals its row in the batch."""
+    gen = _gen("sinks", window)
+    heads, kv_heads, dim, block_size = 8, 2, 64, 16
+    sinks = torch.tensor([-4.0, 0.0, 1.5, 3.0, 6.0, -1.0, 2.0, 0.5]).to(DEVICE, DTYPE)
+    ctx_lens = [1, 17, 300, 0, 2 * 48 + 5] if window else [1, 17, 300, 0, 129]
+    if window:
+        cache = _rand(gen, len(ctx_lens) + 1, 1, 2, window, kv_heads, dim)
+        table = torch.arange(1, len(ctx_lens) + 1, dtype=torch.int32, device=DEVICE).view(-1, 1)
+    else:
+        cache, table = _paged_setup(gen, ctx_lens, block_size, kv_heads, dim, num_layers=1)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    q = _rand(gen, len(ctx_lens), heads, dim)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, 0, table, ctx, 0.125, window=window, out=out, sinks=sinks)
+    ref = reference(q, cache, 0, table.cpu(), ctx.cpu(), 0.125, window, sinks)
+    assert not out.isnan().any()
+    assert torch.equal(out[3].cpu(), torch.zeros_like(out[3].cpu())), "a padded row must come out as zeros"
+    assert _rel_err(out, ref) < TOL, _rel_err(out, ref)
+    plain = paged_decode_attention(q, cache, 0, table, ctx, 0.125, window=window)
+    assert (out - plain).abs().max() > 0.05
+    alone = paged_decode_attention(q[2:3], cache, 0, table[2:3], ctx[2:3], 0.125, window=window, sinks=sinks)
+    assert torch.equal(alone[0], out[2])
+    with pytest.raises(ValueError, match="sinks"):
+        paged_decode_attention(q, cache, 0, table, ctx, 0.125, window=window, sinks=sinks[:4])

@@ -308,3 +308,34 @@ def test_cuda_graph_and_bandwidth_report() -> None:
         us = start.elapsed_time(end) / 20 * 1e3
         nbytes = ids.unique().numel() * 3 * hidden * inter * 2
         print(f"fused_moe T={num_tokens}: {us:.1f} us, {nbytes / us / 1e3:,.0f} GB/s of expert weights read")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_sparse_moe_fused_path_matches_its_torch_path(family: str, batch_invariant: bool) -> None:
+    """engine/moe.py's CUDA branch (SparseMoE.fused_experts: these kernels, with gpt-oss's biases in
+    the model's gate-then-up order and its clamped SwiGLU) against the module's torch path on the CPU
+    in float32, with the same routing."""
+    import copy
+
+    from engine.moe import SparseMoE
+    from pdkernels import moe_gemm
+
+    gen = torch.Generator().manual_seed(17)
+    hidden, inter, num_experts, top_k = LAYERS[0]
+    is_oss = family == "gpt_oss"
+    moe = SparseMoE(hidden, inter, num_experts, top_k, not is_oss, F.silu,
+                    routing="topk_softmax" if is_oss else "softmax_topk",
+                    activation="swiglu_oai" if is_oss else "swiglu", has_bias=is_oss)
+    with torch.no_grad():
+        for p in moe.parameters():  # wide enough that gpt-oss's clamps bite
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.4 if p.dim() == 3 else 1.0))
+    moe.requires_grad_(False)
+    x = torch.randn(33, hidden, generator=gen)
+    with torch.no_grad():
+        ref = moe(x)
+        weights, experts = moe.route(moe.router_logits(x))
+        on_device = copy.deepcopy(moe).to(DEVICE, DTYPE)
+        out = on_device.fused_experts(moe_gemm, x.to(DEVICE, DTYPE), experts.to(DEVICE), weights.to(DEVICE, DTYPE),
+                                      batch_invariant)
+    assert _rel_err(out.cpu(), ref) < TOL

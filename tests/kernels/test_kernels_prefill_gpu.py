@@ -1,5 +1,5 @@
 """Prefill attention kernel (pdkernels/prefill_attention.py) against a float64 torch reference, and its
-batch and chunk invariance, bit for bit. Skipped without CUDA (with TRITON_INTERPRET=1 and triton
+batch and chunk invariance, bit for bit, without and with attention sinks. Skipped without CUDA (with TRITON_INTERPRET=1 and triton
 installed it runs on the CPU in float32, slowly: a debugging aid, not part of the suite)."""
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ class Seq:
         self.v = torch.randn(pos0 + n, kv_heads, head_dim, generator=gen).to(DTYPE)
 
 
-def reference(q: torch.Tensor, s: Seq, window: int, scale: float) -> torch.Tensor:
-    """[n, heads, dim] in float64: row i at position pos0 + i sees keys (p - window, p]."""
+def reference(q: torch.Tensor, s: Seq, window: int, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, heads, dim] in float64: row i at position pos0 + i sees keys (p - window, p]; a sink joins
+    each head's softmax as one more logit without a value."""
     heads, kvh = q.shape[1], s.k.shape[1]
     k = s.k.double().repeat_interleave(heads // kvh, dim=1)
     v = s.v.double().repeat_interleave(heads // kvh, dim=1)
@@ -37,7 +38,11 @@ def reference(q: torch.Tensor, s: Seq, window: int, scale: float) -> torch.Tenso
         p = s.pos0 + i
         lo = max(0, p - window + 1) if window else 0
         att = torch.einsum("hd,khd->hk", q[i].double(), k[lo : p + 1]) * scale
-        out[i] = torch.einsum("hk,khd->hd", att.softmax(-1), v[lo : p + 1])
+        if sinks is not None:
+            probs = torch.cat([att, sinks.double()[:, None]], dim=1).softmax(-1)[:, :-1]
+        else:
+            probs = att.softmax(-1)
+        out[i] = torch.einsum("hk,khd->hd", probs, v[lo : p + 1])
     return out
 
 
@@ -69,7 +74,7 @@ def build_rings(seqs: list[Seq], window: int, num_layers: int, layer: int, gen: 
     return pool.to(DEVICE), slots
 
 
-def run_kernel(seqs, q, cache, layer, tables, slots, block_size, window, scale, heads):
+def run_kernel(seqs, q, cache, layer, tables, slots, block_size, window, scale, heads, sinks=None):
     kvh, dim = seqs[0].k.shape[1:]
     starts = [sum(s.n for s in seqs[:i]) for i in range(len(seqs))]
     k_new = torch.cat([s.k[s.pos0 :] for s in seqs]).to(DEVICE)
@@ -77,7 +82,8 @@ def run_kernel(seqs, q, cache, layer, tables, slots, block_size, window, scale, 
     cfg = tile_config(heads, kvh, dim)
     meta = chunk_meta(starts, [s.n for s in seqs], [s.pos0 for s in seqs], tables or [[]] * len(seqs),
                       slots or [0] * len(seqs), cfg.tile_tokens, block_size, DEVICE)
-    return prefill_attention(q.to(DEVICE), k_new, v_new, cache, layer, meta, scale, window)
+    sinks = sinks.to(DEVICE, DTYPE) if sinks is not None else None
+    return prefill_attention(q.to(DEVICE), k_new, v_new, cache, layer, meta, scale, window, sinks=sinks)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -143,7 +149,7 @@ def test_unwritten_rows_stay_poisoned() -> None:
     assert out[~written].isnan().all()
 
 
-def _invariance_case(window: int) -> None:
+def _invariance_case(window: int, sinks: torch.Tensor | None = None) -> None:
     """One sequence's rows, computed whole, in chunks, and in batches with other sequences."""
     gen = torch.Generator().manual_seed(11 + window)
     heads, kvh, dim, block_size, scale = 8, 2, 64, 16, 0.125
@@ -162,17 +168,17 @@ def _invariance_case(window: int) -> None:
                            else q_all[pos : pos + n] for s in batch])
             if window:
                 cache, slots = build_rings(batch, window, 1, 0, gen)
-                out = run_kernel(batch, q, cache, 0, None, slots, 1, window, scale, heads).cpu()
+                out = run_kernel(batch, q, cache, 0, None, slots, 1, window, scale, heads, sinks).cpu()
             else:
                 cache, tables = build_pages(batch, block_size, 1, 0, gen)
-                out = run_kernel(batch, q, cache, 0, tables, None, block_size, 0, scale, heads).cpu()
+                out = run_kernel(batch, q, cache, 0, tables, None, block_size, 0, scale, heads, sinks).cpu()
             start = 0 if first else sum(s.n for s in batch[:-1])
             rows.append(out[start : start + n])
             pos += n
         return torch.cat(rows)
 
     whole = run([total], [], True)
-    assert rel_err(whole, reference(q_all, target, window, scale)) < TOL
+    assert rel_err(whole, reference(q_all, target, window, scale, sinks)) < TOL
     for chunks, others, first in [
         ([37, 1, 100, 162], [], True),
         ([5, 290, 5], [(0, 70), (13, 1)], False),
@@ -189,3 +195,42 @@ def test_full_layer_chunk_and_batch_invariant() -> None:
 
 def test_sliding_layer_chunk_and_batch_invariant() -> None:
     _invariance_case(window=48)
+
+
+# gpt-oss-like sinks: from negligible to dominant next to scores of a few units
+SINKS = torch.tensor([-4.0, 0.0, 1.5, 3.0, 6.0, -1.0, 2.0, 0.5])
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", LAYOUTS[:2])
+@pytest.mark.parametrize("window", [0, 16])
+def test_sinks_match_reference(heads: int, kv_heads: int, dim: int, window: int) -> None:
+    """Attention sinks on full and sliding layers (fresh chunks, cached prefixes, wrapped rings, one
+    token); the sink changes the output (it is not ignored)."""
+    gen = torch.Generator().manual_seed(heads * 1000 + dim + window + 1)
+    layer, scale, block_size = 0, dim**-0.5, 16
+    sinks = SINKS[:heads]
+    shapes = [(0, 29), (5, 9), (3 * 16 + 7, 11), (100, 1), (20, 40)]
+    seqs = [Seq(gen, p0, n, kv_heads, dim) for p0, n in shapes]
+    if window:
+        cache, slots = build_rings(seqs, window, 1, layer, gen)
+        args: tuple = (None, slots, 1)
+    else:
+        cache, tables = build_pages(seqs, block_size, 1, layer, gen)
+        args = (tables, None, block_size)
+    q = torch.randn(sum(s.n for s in seqs), heads, dim, generator=gen).to(DTYPE)
+    out = run_kernel(seqs, q, cache, layer, *args, window, scale, heads, sinks).cpu()
+    plain = run_kernel(seqs, q, cache, layer, *args, window, scale, heads).cpu()
+    assert not out.isnan().any()
+    row = 0
+    for s in seqs:
+        ref = reference(q[row : row + s.n], s, window, scale, sinks)
+        assert rel_err(out[row : row + s.n], ref) < TOL, (s.pos0, s.n)
+        row += s.n
+    assert (out - plain).abs().max() > 0.05
+    with pytest.raises(ValueError, match="sinks"):
+        run_kernel(seqs, q, cache, layer, *args, window, scale, heads, sinks[:-1])
+
+
+@pytest.mark.parametrize("window", [0, 48])
+def test_sinks_chunk_and_batch_invariant(window: int) -> None:
+    _invariance_case(window, sinks=SINKS)

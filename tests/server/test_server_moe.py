@@ -2,8 +2,9 @@
 openai client: `--dp 2 --ep 2` (each rank holds half the experts, the ranks exchange tokens every MoE
 layer) gives the tokens and logprobs of a single `--ep 1` engine bit for bit in deterministic mode,
 with expert rebalancing moving experts every few steps; /metrics shows the experts' load; a P/D pair
-whose PE runs `--dp 2 --ep 2` passes bench/check_pd.py; killing one rank of the group fails the
-group's requests at once and the group comes back as one."""
+of a tiny gpt-oss (sliding-window layers with attention sinks: pages and SWA state travel) whose PE
+runs `--dp 2 --ep 2` passes bench/check_pd.py against a single engine; killing one rank of the group
+fails the group's requests at once and the group comes back as one."""
 
 from __future__ import annotations
 
@@ -38,8 +39,19 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(moe_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ...]]:
-    """A single engine, a --dp 2 --ep 2 server with rebalancing, and a P/D pair whose PE is --ep 2."""
+def gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.models import resolve_model
+
+    folder = tmp_path_factory.mktemp("tiny-gpt-oss")
+    return str(make_servable("gpt_oss", folder, resolve_model("smollm2-135m-instruct")))
+
+
+@pytest.fixture(scope="module")
+def servers(
+    moe_model: str, gpt_oss_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, ServerProcess, ServerProcess, PDPair]]:
+    """A single engine and a --dp 2 --ep 2 server with rebalancing (Qwen3-MoE); a single engine and a
+    P/D pair whose PE is --dp 2 --ep 2 (gpt-oss)."""
     logs = tmp_path_factory.mktemp("moe")
     args = ("--model", moe_model, *SMALL_DETERMINISTIC, "--hicache-gb", "0")
     ref = ServerProcess(*args, log_path=logs / "ref.log")
@@ -47,17 +59,20 @@ def servers(moe_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         *args, "--dp", "2", "--ep", "2", "--eplb-interval", str(EPLB_INTERVAL), "--rank-restart-backoff-s", "1",
         log_path=logs / "ep.log",
     )  # fmt: skip
-    pair = PDPair(*args, log_dir=logs, pe_args=("--dp", "2", "--ep", "2"))
+    oss = ("--model", gpt_oss_model, *SMALL_DETERMINISTIC, "--hicache-gb", "0")
+    oss_ref = ServerProcess(*oss, log_path=logs / "oss_ref.log")
+    pair = PDPair(*oss, log_dir=logs, pe_args=("--dp", "2", "--ep", "2"))
+    every = (ref, ep, oss_ref, pair)
     try:
-        for s in (ref, ep, pair):
+        for s in every:
             s.start()
-        for s in (ref, ep, pair):
+        for s in every:
             s.wait_ready()
-        yield ref, ep, pair
+        yield ref, ep, oss_ref, pair
     finally:
-        for s in (pair, ep, ref):
+        for s in every:
             s.terminate()
-        for s in (pair, ep, ref):
+        for s in every:
             s.stop()
 
 
@@ -87,7 +102,7 @@ def stat(url_port: int, name: str) -> float:
 
 
 def test_ep2_equals_ep1_bit_for_bit_with_rebalancing(servers, moe_model) -> None:
-    ref, ep, _ = servers
+    ref, ep, _, _ = servers
     want = completions(ref.url, moe_model, 1)
     assert len({text for text, _ in want}) > 1  # the prompts do not all give the same answer
     # one request at a time (a rank idles through its peer's steps) and ten at once (both ranks busy)
@@ -103,7 +118,7 @@ def test_ep2_equals_ep1_bit_for_bit_with_rebalancing(servers, moe_model) -> None
 
 
 def test_metrics_show_the_experts_load(servers) -> None:
-    ref, ep, _ = servers
+    _, ep, _, _ = servers
     text = metrics_text(ep.port)
     # layer 1 is dense: layers 0, 2, 3 have 8 experts each
     experts = [ln for ln in text.splitlines() if ln.startswith("pdserve_moe_expert_tokens_total{")]
@@ -116,8 +131,8 @@ def test_metrics_show_the_experts_load(servers) -> None:
     assert len(rank_rows) == 3 * 2  # both ranks computed rows in every sparse layer
 
 
-def test_pd_pair_with_an_ep2_pe_matches_single_engine(servers, capsys) -> None:
-    ref, _, pair = servers
+def test_gpt_oss_pd_pair_with_an_ep2_pe_matches_single_engine(servers, capsys) -> None:
+    _, _, ref, pair = servers
     assert run_check_pd(ref, pair, "--concurrency", "4") == 0
     out = capsys.readouterr().out
     assert "DIFF" not in out and "FAIL" not in out
@@ -135,7 +150,7 @@ def test_config_refuses_ep_that_is_not_dp() -> None:
 
 def test_killing_one_ep_rank_fails_the_groups_requests_and_restarts_it(servers, moe_model) -> None:
     """Runs last in the module: it kills a rank of the --ep 2 server."""
-    ref, ep, _ = servers
+    ref, ep, _, _ = servers
     client = openai_client(ep.url, timeout_s=60)
     streams: dict[str, object] = {}
 
