@@ -462,7 +462,10 @@ def build_hf(folder: Path, device: torch.device, dtype: torch.dtype) -> Any:
     config = AutoConfig.from_pretrained(str(folder))
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except ValueError:  # a family without SDPA in transformers (gpt-oss: its sinks): eager attention
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     return model.eval().requires_grad_(False)
 
 
