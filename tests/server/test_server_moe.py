@@ -165,8 +165,16 @@ def test_killing_one_ep_rank_fails_the_groups_requests_and_restarts_it(servers, 
         except openai.APIError as e:
             streams[name] = ("error", time.monotonic() - t0, str(e))
 
-    # two streams, one per rank (affinity routing spreads distinct prompts)
+    def whole(name: str, prompt: str) -> None:
+        try:
+            client.completions.create(model=moe_model, prompt=prompt, max_tokens=900, extra_body={"ignore_eos": True})
+            streams[name] = ("finished",)
+        except openai.APIStatusError as e:
+            streams[name] = ("error", e.status_code, str(e))
+
+    # streams and whole requests on both ranks (affinity routing spreads distinct prompts)
     threads = [threading.Thread(target=stream, args=(f"s{i}", p)) for i, p in enumerate(PROMPTS[:4])]
+    threads += [threading.Thread(target=whole, args=(f"w{i}", p)) for i, p in enumerate(PROMPTS[4:6])]
     for t in threads:
         t.start()
     time.sleep(1.0)
@@ -178,6 +186,7 @@ def test_killing_one_ep_rank_fails_the_groups_requests_and_restarts_it(servers, 
     assert all(not t.is_alive() for t in threads)
     # every stream of the group failed, within seconds (none was left waiting in a collective)
     assert all(v[0] == "error" for v in streams.values()), streams
+    assert [v[1] for k, v in sorted(streams.items()) if k.startswith("w")] == [503, 503], streams
     assert time.monotonic() - killed_at < 30
     status, health = get_json(ep.url + "/health")
     assert all(r["state"] != "up" or r["num_restarts"] >= 1 for r in health["ranks"]), health
