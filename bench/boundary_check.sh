@@ -7,23 +7,8 @@
 # minutes on an H200; each step has its own limit (TESTS_S, ENGINE_S, HANDOFF_S).
 #   bash bench/boundary_check.sh            (wheels in .whl/ are installed into /tmp/site first)
 set -u
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
 OUT=${OUT:-/tmp/boundary_check}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-else
-    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-fi
-SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
-say() { echo "$*" | tee -a "$SUMMARY"; }
-say "$(date -u '+%Y-%m-%d %H:%M UTC') $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
-say "$($PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 
 t0=$(date +%s)
 timeout "${TESTS_S:-260}" $PY -m pytest -q -p no:cacheprovider -m "not slow" \

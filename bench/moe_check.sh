@@ -9,23 +9,8 @@
 # its own limit (TESTS_S, ENGINE_S, LAYER_S).
 #   bash bench/moe_check.sh            (wheels in .whl/ are installed into /tmp/site first)
 set -u
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
 OUT=${OUT:-/tmp/moe_check}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-else
-    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-fi
-SUMMARY="$OUT/summary.txt"
-: > "$SUMMARY"
-say() { echo "$*" | tee -a "$SUMMARY"; }
-say "$(date -u '+%Y-%m-%d %H:%M UTC') $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
-say "$($PY -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)')"
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 
 t0=$(date +%s)
 TESTS=$(ls tests/kernels/test_kernels_moe_gpu.py tests/engine/test_moe.py tests/engine/test_gpt_oss.py \

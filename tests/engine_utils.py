@@ -72,3 +72,33 @@ def compare_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.Tenso
             return f"parted at step {i} on a near-tie (gap {gap:.2e})"
     assert len(ours) == len(ref)
     return ""
+
+
+def random_prompts(lengths: list[int], seed: int, vocab: int = 512) -> list[list[int]]:
+    """Token ids in [3, vocab) (clear of the tiny models' special ids), one prompt per length."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def decode_logits(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[torch.Tensor]]:
+    """Greedy generation of every prompt at once (request ids r0, r1, ...): each request's logits at
+    every sampled step, as float32 on the CPU. The engine ends idle."""
+    captured: dict[str, list[torch.Tensor]] = {}
+    run = eng.runner.run
+
+    def recording_run(seqs, num_new):  # type: ignore[no-untyped-def]
+        sampled, logits = run(seqs, num_new)
+        for j, i in enumerate(sampled):
+            captured.setdefault(seqs[i].request_id, []).append(logits[j].float().cpu().clone())
+        return sampled, logits
+
+    eng.runner.run = recording_run  # type: ignore[method-assign]
+    try:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        eng.runner.run = run  # type: ignore[method-assign]
+    eng.check_idle()
+    return captured

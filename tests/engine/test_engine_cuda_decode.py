@@ -8,42 +8,11 @@ import pytest
 import torch
 
 from engine.config import ForwardConfig
-from engine.request import SamplingParams
 from engine.runner import ModelRunner
-from tests.engine_utils import small_engine
+from tests.engine_utils import decode_logits, random_prompts, small_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 FAMILIES = ["llama", "qwen3_hybrid", "gemma3_hybrid"]
-
-
-def _record(eng) -> dict[str, list[torch.Tensor]]:
-    captured: dict[str, list[torch.Tensor]] = {}
-    run = eng.runner.run
-
-    def recording_run(seqs, num_new):
-        sampled, logits = run(seqs, num_new)
-        for j, i in enumerate(sampled):
-            captured.setdefault(seqs[i].request_id, []).append(logits[j].float().cpu().clone())
-        return sampled, logits
-
-    eng.runner.run = recording_run
-    return captured
-
-
-def _generate(eng, prompts: list[list[int]], max_tokens: int) -> dict[str, list[torch.Tensor]]:
-    captured = _record(eng)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    while eng.has_unfinished():
-        eng.step()
-    eng.check_idle()
-    return captured
-
-
-def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,7 +20,7 @@ def test_graph_and_eager_decode_match_chunked_path(tiny_model_dir, family: str) 
     """float32, so the three paths agree to float tolerance; prompts cross the 24-token window (rings
     wrap) and page boundaries (block 16); 40 new tokens; batch sizes 3 (padded to a bucket of 4)."""
     folder = tiny_model_dir(family)
-    prompts = _prompts([5, 30, 47], seed=1)
+    prompts = random_prompts([5, 30, 47], seed=1)
     kw = dict(device="cuda", dtype="float32", max_num_seqs=8, hicache_gb=0.1)
     graphs = small_engine(folder, **kw)
     assert graphs.graph_stats is not None and graphs.graph_stats.batch_sizes == (1, 2, 4, 8)
@@ -60,7 +29,7 @@ def test_graph_and_eager_decode_match_chunked_path(tiny_model_dir, family: str) 
     chunked = small_engine(folder, enforce_eager=True, **kw)
     # no decode rows: the CPU's path
     chunked.runner = ModelRunner(chunked.model, chunked.kv, chunked.numerics, chunked.runner.forward_config)
-    results = [_generate(e, prompts, 40) for e in (graphs, eager, chunked)]
+    results = [decode_logits(e, prompts, 40) for e in (graphs, eager, chunked)]
     for rid in results[2]:
         assert len(results[0][rid]) == len(results[2][rid]) == 40
         for a, b, c in zip(results[0][rid], results[1][rid], results[2][rid]):
@@ -74,10 +43,10 @@ def test_deterministic_decode_batch_invariant(tiny_model_dir, family: str) -> No
     (mixed steps run eagerly, pure decode steps replay graphs of other sizes): bit-identical."""
     eng = small_engine(tiny_model_dir(family), device="cuda", is_deterministic=True, max_num_batched_tokens=48,
                        hicache_gb=0.1)
-    target, *others = _prompts([61, 9, 100, 40], seed=5)
-    alone = _generate(eng, [target], 12)["r0"]
+    target, *others = random_prompts([61, 9, 100, 40], seed=5)
+    alone = decode_logits(eng, [target], 12)["r0"]
     eng.runner.run = type(eng.runner).run.__get__(eng.runner)  # drop the recorder
-    batched = _generate(eng, [*others[:2], target, others[2]], 12)["r2"]
+    batched = decode_logits(eng, [*others[:2], target, others[2]], 12)["r2"]
     assert len(alone) == len(batched) == 12
     for a, b in zip(alone, batched):
         assert torch.equal(a, b), (a - b).abs().max()
@@ -89,12 +58,12 @@ def test_chained_residual_norms_bit_identical(tiny_model_dir, dtype: str, family
     """The CUDA forward that does each residual add inside the next norm's kernel gives exactly the
     logits of the layer-by-layer forward (add, then norm): prefill and graph-replayed decode steps."""
     folder = tiny_model_dir(family)
-    prompts = _prompts([5, 30, 47], seed=3)
+    prompts = random_prompts([5, 30, 47], seed=3)
     logits = {}
     for chained in (True, False):
         eng = small_engine(folder, device="cuda", dtype=dtype, max_num_seqs=8, hicache_gb=0.1,
                            forward=ForwardConfig(chain_residuals=chained))
-        logits[chained] = _generate(eng, prompts, 12)
+        logits[chained] = decode_logits(eng, prompts, 12)
     assert logits[True].keys() == logits[False].keys()
     for rid, steps in logits[True].items():
         assert len(steps) == len(logits[False][rid]) == 12

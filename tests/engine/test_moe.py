@@ -18,7 +18,14 @@ from engine.model_config import arch_from_hf, load_hf_config
 from engine.moe import SparseMoE, can_use_grouped_mm, grouped_linear
 from engine.numerics import Numerics
 from engine.request import SamplingParams
-from tests.engine_utils import compare_greedy, hf_greedy, prompt_logits, small_engine
+from tests.engine_utils import (
+    compare_greedy,
+    decode_logits,
+    hf_greedy,
+    prompt_logits,
+    random_prompts,
+    small_engine,
+)
 from tests.tiny_models import COMMON
 
 NEW_TOKENS = 64
@@ -293,31 +300,6 @@ def _cuda_engine(folder: Path, **kw):
     return small_engine(folder, device="cuda", hicache_gb=0.1, max_num_seqs=8, **kw)
 
 
-def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
-
-
-def _decode_logits(eng, prompts: list[list[int]], max_tokens: int) -> dict[str, list[torch.Tensor]]:
-    captured: dict[str, list[torch.Tensor]] = {}
-    run = eng.runner.run
-
-    def recording_run(seqs, num_new):
-        sampled, logits = run(seqs, num_new)
-        for j, i in enumerate(sampled):
-            captured.setdefault(seqs[i].request_id, []).append(logits[j].float().cpu().clone())
-        return sampled, logits
-
-    eng.runner.run = recording_run
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    while eng.has_unfinished():
-        eng.step()
-    eng.runner.run = run
-    eng.check_idle()
-    return captured
-
-
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -331,7 +313,7 @@ def test_cuda_engine_matches_cpu(moe_dir, dtype: str, chained: bool) -> None:
 
     pytest.importorskip("triton")
     folder = moe_dir("qwen3_moe")
-    prompts = _prompts([5, 30, 47], seed=1)
+    prompts = random_prompts([5, 30, 47], seed=1)
     cpu = prompt_logits(small_engine(folder), prompts, chunks=[[5], [17, 13], [47]])
     forward = ForwardConfig(chain_residuals=chained)
     eager = _cuda_engine(folder, dtype=dtype, enforce_eager=True, forward=forward)
@@ -343,7 +325,7 @@ def test_cuda_engine_matches_cpu(moe_dir, dtype: str, chained: bool) -> None:
             assert (a.float().cpu() - b).abs().mean() < 0.1 * b.std()
     graphs = _cuda_engine(folder, dtype=dtype, forward=forward)  # the Triton path: no host sync
     assert graphs.graph_stats is not None
-    eager_steps, graph_steps = _decode_logits(eager, prompts, 16), _decode_logits(graphs, prompts, 16)
+    eager_steps, graph_steps = decode_logits(eager, prompts, 16), decode_logits(graphs, prompts, 16)
     for rid, steps in eager_steps.items():
         assert len(steps) == len(graph_steps[rid]) == 16
         for a, b in zip(steps, graph_steps[rid]):
@@ -363,12 +345,12 @@ def test_cuda_deterministic_is_batch_invariant(moe_dir) -> None:
     assert _cuda_engine(folder, is_deterministic=True).graph_stats is not None  # graphs capture it
     eng = _cuda_engine(folder, is_deterministic=True, enforce_eager=True, max_num_batched_tokens=48)
     assert eng.numerics is Numerics.BATCH_INVARIANT
-    target, *others = _prompts([61, 9, 100, 40], seed=5)
+    target, *others = random_prompts([61, 9, 100, 40], seed=5)
     (alone,) = prompt_logits(eng, [target])
     batched = prompt_logits(eng, [others[0], target, others[1]])[1]
     assert torch.equal(alone, batched), (alone - batched).abs().max()
-    alone_steps = _decode_logits(eng, [target], 8)["r0"]
-    batched_steps = _decode_logits(eng, [others[0], others[1], target, others[2]], 8)["r2"]
+    alone_steps = decode_logits(eng, [target], 8)["r0"]
+    batched_steps = decode_logits(eng, [others[0], others[1], target, others[2]], 8)["r2"]
     for a, b in zip(alone_steps, batched_steps):
         assert torch.equal(a, b), (a - b).abs().max()
 
