@@ -89,3 +89,22 @@ def test_xtray_local_run_writes_its_figures(tmp_path: Path) -> None:
     if doc["nccl_p2p_gbps"] is None:  # no two GPUs here
         assert doc["allreduce_backend"] == "gloo" and "NCCL not measured" in done.stdout
     assert "all-reduce busbw" in done.stdout
+
+
+def test_h200_pd_gives_each_pair_side_its_gpu(tmp_path: Path) -> None:
+    """The two-GPU run's placement: every pair's PE and CE get the devices named, the references theirs,
+    and the load step names its runs by GPU count; `auto` adds no flag (one GPU, as before)."""
+    h200_pd = load("h200_pd")
+    opts = h200_pd.parse_args(
+        ["--out", str(tmp_path), "--pe-device", "cuda:0", "--ce-device", "cuda:1", "--transports", "nccl,ipc",
+         "--load-colocated", "--dp 2", "--load-concurrency", "4,8"]
+    )  # fmt: skip
+    pair = h200_pd.pd_pair(("--model", "m"), tmp_path / "p", "nccl", opts)
+    pe, ce = pair.pe.args, pair.ce.args
+    assert pe[pe.index("--device") + 1] == "cuda:0" and pe[pe.index("--transport") + 1] == "nccl"
+    assert ce[ce.index("--device") + 1] == "cuda:1"
+    assert h200_pd.gpus(opts) == "2gpu" and opts.transports == ["nccl", "ipc"]
+    one = h200_pd.parse_args(["--out", str(tmp_path)])
+    single = h200_pd.pd_pair(("--model", "m"), tmp_path / "q", "ipc", one)
+    assert "--device" not in single.pe.args and "--device" not in single.ce.args
+    assert h200_pd.gpus(one) == "1gpu" and h200_pd.device_flag("auto") == ()
