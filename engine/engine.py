@@ -18,7 +18,7 @@ from engine.config import EngineConfig, EngineStats, MemoryPlan
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
-from engine.eplb import RebalanceStats
+from engine.eplb import RebalanceStats, rebalance_layer
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
@@ -316,8 +316,6 @@ class LLMEngine:
 
     @torch.inference_mode()  # the counters and weights it updates are inference tensors
     def _rebalance_experts(self) -> None:
-        from engine.eplb import rebalance_layer
-
         assert self.ep is not None
         t0 = time.monotonic()
         moved = sum(rebalance_layer(moe, self.ep) for moe in self.model.sparse_layers())

@@ -4,7 +4,7 @@ rank's experts see about the same number of tokens.
 Off by default (`--eplb-interval 0`). When on, every `eplb_interval` engine steps (the ranks step in
 lockstep, so they count alike) every rank of the group, for every MoE layer:
 
-    1. sums the group's per-expert token counts since the last rebalancing (all_reduce of `window`);
+    1. sums the group's per-expert token counts since the last rebalancing (all_reduce of each rank's SparseMoE.take_window);
     2. computes the same new placement as every other rank (balanced_placement: the heaviest expert
        first, each to the least-loaded rank with a free slot; a rank's slots in expert order);
     3. sends the weights (and biases) of its experts that change rank to their new rank and takes the
@@ -56,9 +56,8 @@ def rebalance_layer(moe: SparseMoE, ep: ExpertGroup) -> int:
     """One layer: the group's new placement from its loads since the last call, and the weights moved
     to match. Returns how many experts changed rank. Every rank of the group must call it."""
     device = moe.experts.gate_up_proj.device
-    placement, _, window = moe._counters(device)
-    load = ep.sum_(window.clone().to(ep._comm_device)).tolist()
-    window.zero_()
+    placement, _ = moe.counters(device)
+    load = ep.sum_(moe.take_window(device).to(ep.comm_device)).tolist()
     per = moe.num_local
     old = placement.tolist()
     new = balanced_placement(load, ep.size, per)

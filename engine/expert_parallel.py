@@ -58,7 +58,7 @@ class ExpertGroup:
         """Whether any rank's flag is set (a collective: every rank calls it)."""
         import torch.distributed as dist
 
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=self._comm_device)
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
@@ -73,7 +73,7 @@ class ExpertGroup:
         """Each rank's number of rows for each other rank -> the numbers this rank receives."""
         import torch.distributed as dist
 
-        send = send_counts.to(torch.int64).to(self._comm_device)
+        send = send_counts.to(torch.int64).to(self.comm_device)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         return [int(n) for n in recv.tolist()]
@@ -93,7 +93,7 @@ class ExpertGroup:
         return out
 
     @property
-    def _comm_device(self) -> torch.device:
+    def comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
 

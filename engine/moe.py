@@ -170,8 +170,8 @@ class SparseMoE(nn.Module):
     `experts` [num_local, ...], and forward() exchanges rows with the other ranks; `placement` maps
     each logical expert to its physical slot (slot s lives on rank s // num_local), the identity until
     expert rebalancing (engine/eplb.py) moves experts. `tokens_per_expert` counts this rank's
-    assignments per logical expert (the /metrics expert load; rebalancing reads and resets its
-    `window` twin)."""
+    assignments per logical expert (the /metrics expert load; rebalancing takes what it gained since
+    the last rebalancing, take_window)."""
 
     def __init__(
         self,
@@ -215,7 +215,7 @@ class SparseMoE(nn.Module):
         # made on first use, on the activations' device (meta-device construction leaves buffers empty)
         self.placement: torch.Tensor | None = None  # [num_experts] logical expert -> physical slot
         self.tokens_per_expert: torch.Tensor | None = None  # [num_experts] int64, since the start
-        self.window: torch.Tensor | None = None  # [num_experts] int64, since the last rebalancing
+        self._counted_at_rebalance: torch.Tensor | None = None  # tokens_per_expert then
         self.rows_computed = 0  # (token, slot) rows this module's experts computed, since the start
 
     def fuse_projections(self) -> None:
@@ -237,20 +237,27 @@ class SparseMoE(nn.Module):
         """Router logits -> (weights [tokens, k] in the logits' dtype, expert ids [tokens, k])."""
         return self.router_fn(logits, self.top_k, self.norm_topk_prob)
 
-    def _counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(placement, tokens_per_expert), made on device the first time."""
         if self.placement is None or self.placement.device != device:
             self.placement = torch.arange(self.num_experts, device=device)
             self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-            self.window = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-        assert self.tokens_per_expert is not None and self.window is not None
-        return self.placement, self.tokens_per_expert, self.window
+        assert self.tokens_per_expert is not None
+        return self.placement, self.tokens_per_expert
 
-    def _count(self, experts: torch.Tensor) -> None:
-        """Adds the assignments to the load counters (int adds: exact in any order; graph-safe)."""
-        _, total, window = self._counters(experts.device)
-        ones = torch.ones(experts.numel(), dtype=torch.int64, device=experts.device)
-        total.index_add_(0, experts.flatten(), ones)
-        window.index_add_(0, experts.flatten(), ones)
+    def take_window(self, device: torch.device) -> torch.Tensor:
+        """This rank's tokens per logical expert since the last call (rebalancing's load window)."""
+        _, total = self.counters(device)
+        since = total if self._counted_at_rebalance is None else total - self._counted_at_rebalance
+        self._counted_at_rebalance = total.clone()
+        return since.clone()
+
+    def _route(self, x: torch.Tensor, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routes x's tokens and counts their assignments (int adds: exact in any order; graph-safe)."""
+        weights, experts = self.route(run_rows(self.router_logits, (x,), numerics))
+        _, total = self.counters(x.device)
+        total.index_add_(0, experts.flatten(), torch.ones(experts.numel(), dtype=torch.int64, device=x.device))
+        return weights, experts
 
     def forward(
         self,
@@ -268,8 +275,7 @@ class SparseMoE(nn.Module):
         if first_expert < 0 or num_local < 1 or first_expert + num_local > self.num_experts:
             raise ValueError(f"experts [{first_expert}, +{num_local}) are not within {self.num_experts}")
         num_tokens, k = x.shape[0], self.top_k
-        weights, experts = self.route(run_rows(self.router_logits, (x,), numerics))
-        self._count(experts)
+        weights, experts = self._route(x, numerics)
         self.rows_computed += num_tokens * k
         kernels = _kernels() if x.is_cuda and self.can_fuse and num_local == self.num_experts else None
         if kernels is not None and numerics in (Numerics.DEFAULT, Numerics.BATCH_INVARIANT):
@@ -336,9 +342,8 @@ class SparseMoE(nn.Module):
         ep = self.ep
         assert ep is not None
         num_tokens, k = x.shape[0], self.top_k
-        weights, experts = self.route(run_rows(self.router_logits, (x,), numerics))
-        self._count(experts)
-        placement, _, _ = self._counters(x.device)
+        weights, experts = self._route(x, numerics)
+        placement, _ = self.counters(x.device)
         slot = placement[experts.flatten()]
         dest = torch.div(slot, self.num_local, rounding_mode="floor")
         dest_sorted, order = torch.sort(dest, stable=True)

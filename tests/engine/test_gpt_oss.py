@@ -257,7 +257,7 @@ class ThreadGroup:
 class _Rank:
     def __init__(self, group: ThreadGroup, rank: int) -> None:
         self.group, self.rank, self.size = group, rank, group.size
-        self.device = self._comm_device = torch.device("cpu")
+        self.device = self.comm_device = torch.device("cpu")
 
     def local_experts(self, num_experts: int) -> tuple[int, int]:
         per = num_experts // self.size
