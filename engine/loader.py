@@ -126,24 +126,22 @@ def _init_random(model: CausalLM, arch: ModelArch, seed: int) -> None:
             # an expert-parallel rank's experts: drawn as the whole layer's, then sliced, so every
             # --ep gives the same weights
             first, total = experts[name]
-            whole = _random_like((total, *p.shape[1:]), p, name, gen, seed)
+            whole = _random_(p.new_empty((total, *p.shape[1:])), name, gen, seed)
             p.data.copy_(whole[first : first + p.shape[0]])
         elif name.endswith("norm.weight"):
             p.data.fill_(0.0 if arch.gemma_norm else 1.0)
         else:
-            p.data.copy_(_random_like(tuple(p.shape), p, name, gen, seed))
+            _random_(p.data, name, gen, seed)
 
 
-def _random_like(
-    shape: tuple[int, ...], p: torch.Tensor, name: str, gen: torch.Generator, seed: int
-) -> torch.Tensor:
-    """N(0, 0.02) weights of p's dtype and device: on CUDA from a seed of the parameter's name (an 8B
+def _random_(t: torch.Tensor, name: str, gen: torch.Generator, seed: int) -> torch.Tensor:
+    """Fills t with N(0, 0.02) weights, in place: on CUDA from a seed of the parameter's name (an 8B
     model's weights drawn on the host are slow), on the CPU from the model's one generator, in
     parameter order."""
-    if p.device.type == "cuda":
+    if t.device.type == "cuda":
         torch.manual_seed(seed + zlib.crc32(name.encode()))
-        return torch.empty(shape, dtype=p.dtype, device=p.device).normal_(0.0, 0.02)
-    return torch.randn(shape, generator=gen) * 0.02
+        return t.normal_(0.0, 0.02)
+    return t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
 
 
 def _load_safetensors(model: CausalLM, folder: Path) -> None:
