@@ -5,7 +5,7 @@ I 2880, 32 experts, top-4, biases, clamped SwiGLU), for 1, 64 and 8192 tokens in
 
     bytes ceiling  the bytes a step must read or write (the weights and biases of the experts the
                    batch's tokens picked, the tokens in, the output out) / the device copy bandwidth
-                   (a 2 GiB eager device-to-device copy, bytes read + written / time)
+                   (bench_engine.py's ceilings: a 4 GiB eager device-to-device copy, bytes read + written / time)
     flops ceiling  2 * T * k * 3 * H * I / the rate of a bf16 8192^3 torch matmul
 
 Routing is uniform (k distinct experts per token from random logits, fixed seed). Each fused_moe time
@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.bench_engine import measure_ceilings  # noqa: E402
 from pdkernels.moe_gemm import fused_moe_reference  # noqa: E402
 
 LAYER_COPIES = 4
@@ -127,31 +128,6 @@ def eager_ms(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
-def copy_gbps() -> float:
-    """A 2 GiB device-to-device copy, timed eagerly: in a CUDA graph the copy becomes a memcpy node,
-    which ran at about 2.7 TB/s on an H200 against 4.2 TB/s for the eager copy."""
-    src = torch.empty(2**30, device="cuda", dtype=torch.bfloat16).normal_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * src.numel() * src.element_size() / (statistics.median(times) / 1e3) / 1e9
-
-
-def matmul_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-    ms = graph_ms(lambda: torch.mm(a, b, out=c), reps=10)
-    return 2 * 8192**3 / (ms / 1e3) / 1e12
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
@@ -222,7 +198,8 @@ def main() -> int:
     else:
         device, models = torch.device("cuda"), MODELS
         token_counts = [int(t) for t in args.tokens.split(",")]
-        gbps, tflops = copy_gbps(), matmul_tflops()
+        ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16, tiny=False)  # bench_engine's, eager
+        gbps, tflops = ceilings["copy_bytes_per_s"] / 1e9, ceilings["matmul_flops_per_s"] / 1e12
         print(f"copy ceiling {gbps:,.0f} GB/s (read + written), bf16 matmul {tflops:,.0f} TFLOP/s")
     rows = []
     for name, shape in models.items():

@@ -378,11 +378,7 @@ class CausalLM(nn.Module):
         return rowwise(self.model.norm, x)
 
     def sparse_layers(self) -> list[SparseMoE]:
-        return [
-            m
-            for m in (cast(DecoderLayer, layer).mlp for layer in self.model.layers)
-            if isinstance(m, SparseMoE)
-        ]
+        return [m for m in (cast(DecoderLayer, layer).mlp for layer in self.model.layers) if isinstance(m, SparseMoE)]
 
     @torch.inference_mode()
     def idle_exchange(self, numerics: Numerics) -> None:
@@ -396,17 +392,10 @@ class CausalLM(nn.Module):
         """Every kind of row-local function this model runs, with its input widths (for the probe)."""
         a = self.arch
         fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = []
-        kinds = {
-            (t, a.is_sparse(i)): i for i, t in reversed(list(enumerate(a.layer_types)))
-        }  # first layer of each
+        kinds = {(t, a.is_sparse(i)): i for i, t in reversed(list(enumerate(a.layer_types)))}  # first layer of each
         for i in sorted(kinds.values()):
             layer = cast(DecoderLayer, self.model.layers[i])
-            fns.append(
-                (
-                    lambda x, c, s, lyr=layer: lyr._pre(x, c, s).flatten(1),
-                    [a.hidden_size, a.head_dim, a.head_dim],
-                )
-            )
+            fns.append((lambda x, c, s, lyr=layer: lyr._pre(x, c, s).flatten(1), [a.hidden_size, a.head_dim, a.head_dim]))
             if isinstance(layer.mlp, SparseMoE):
                 fns.append((layer._post_sparse, [a.hidden_size, a.num_heads * a.head_dim]))
                 fns += layer.mlp.row_functions()
