@@ -60,6 +60,7 @@ from transfer.handoff import (  # noqa: E402
     allocate_payload,
     payload_segments,
 )
+from transfer.nccl import nccl_version  # noqa: E402
 from transfer.receiver import KVReceiver  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
 from transfer.tcp import byte_view  # noqa: E402
@@ -222,16 +223,6 @@ def d2d_copy_s(
     del src, out
     torch.cuda.empty_cache()
     return min(times)
-
-
-def nccl_version() -> str | None:
-    """NCCL's version through cupy, or None where there is none."""
-    try:
-        from transfer.nccl import CupyNccl
-
-        return CupyNccl().version()
-    except Exception:
-        return None
 
 
 def best(fn: Any, repeats: int) -> Any:

@@ -144,6 +144,14 @@ class CupyNccl:
         return t.is_cuda
 
 
+def nccl_version() -> str | None:
+    """NCCL's version through cupy, or None where cupy or NCCL is missing (what a run can use)."""
+    try:
+        return CupyNccl().version()
+    except Exception:  # HandoffError without cupy; cupy's own errors without NCCL
+        return None
+
+
 class NcclTransport(Transport):
     name = "nccl"
 

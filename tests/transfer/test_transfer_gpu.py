@@ -20,6 +20,7 @@ from tests.transfer.support import TOKEN, Sink, make_export, receiver
 from transfer.checksum import SegmentHasher, payload_checksum
 from transfer.config import TransferConfig
 from transfer.handoff import HandoffHeader, allocate_payload, payload_segments
+from transfer.nccl import nccl_version
 from transfer.sender import KVSender
 
 pytestmark = [
@@ -170,22 +171,25 @@ asyncio.run(main())
 
 
 def test_ipc_between_two_processes() -> None:
-    asyncio.run(ipc_from_a_child_process())
+    asyncio.run(from_a_child_process("ipc", "cuda:0"))
 
 
-async def ipc_from_a_child_process() -> None:
+async def from_a_child_process(transport: str, device: str) -> None:
+    """The child sends two exports (the second from the same memory, overwritten) from its GPU 0 over
+    `transport` to a receiver here that allocates on `device`."""
     want = host_payload(cuda_export(seed=2, request_id="i1"))
-    sink = CudaSink("i1", "i2")
+    sink = CudaSink("i1", "i2", device=device)
     async with receiver(sink, layout=LAYOUT, config=CONFIG) as r:
-        script = _SENDER.format(addr=r.address)
+        script = _SENDER.format(addr=r.address).replace('transport="ipc"', f"transport={transport!r}")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
         )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        out, _ = await asyncio.wait_for(proc.communicate(), 180)
     assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
-    assert b"acks ipc ipc" in out
-    assert not sink.errors
+    assert f"acks {transport} {transport}".encode() in out, out.decode(errors="replace")[-3000:]
+    assert not sink.errors, sink.errors
+    assert sink.delivered["i1"].pages.device == torch.device(device)
     assert same(host_payload(sink.delivered["i1"]), want)
     assert same(host_payload(sink.delivered["i2"]), [-t for t in want])
 
@@ -249,40 +253,12 @@ async def ipc_arena_from_a_child_process() -> None:
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
 
-def _has_nccl() -> bool:
-    try:
-        from transfer.nccl import CupyNccl
-
-        CupyNccl().version()
-        return True
-    except Exception:
-        return False
-
-
 @two_gpus
 @pytest.mark.parametrize("transport", ["nccl", "ipc"])
 def test_gpu0_to_gpu1_between_two_processes(transport: str) -> None:
     """The sender (a child process, GPU 0) hands two sequences to a receiver on GPU 1, the second from
     the same memory overwritten: NCCL's point-to-point (its communicator made on the first handoff and
     reused), or CUDA IPC through peer access."""
-    if transport == "nccl" and not _has_nccl():
+    if transport == "nccl" and nccl_version() is None:
         pytest.skip("no NCCL through cupy here")
-    asyncio.run(cross_gpu_from_a_child_process(transport))
-
-
-async def cross_gpu_from_a_child_process(transport: str) -> None:
-    want = host_payload(cuda_export(seed=2, request_id="i1"))
-    sink = CudaSink("i1", "i2", device="cuda:1")
-    async with receiver(sink, layout=LAYOUT, config=CONFIG) as r:
-        script = _SENDER.format(addr=r.address).replace('transport="ipc"', f"transport={transport!r}")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
-        )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), 180)
-    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
-    assert f"acks {transport} {transport}".encode() in out, out.decode(errors="replace")[-3000:]
-    assert not sink.errors, sink.errors
-    assert sink.delivered["i1"].pages.device == torch.device("cuda:1")
-    assert same(host_payload(sink.delivered["i1"]), want)
-    assert same(host_payload(sink.delivered["i2"]), [-t for t in want])
+    asyncio.run(from_a_child_process(transport, "cuda:1"))
