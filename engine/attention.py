@@ -75,19 +75,22 @@ class AttnSpec:
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, sinks: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, sinks: torch.Tensor | None = None,
+    rope: Any = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] for the new tokens; sinks: [heads] attention
     sink logits or None (see the module docstring). Returns [tokens, heads, dim].
 
-    The chunks' tokens come first; a CUDA step's decode rows (ctx.decode), if any, are the last rows."""
+    The chunks' tokens come first; a CUDA step's decode rows (ctx.decode), if any, are the last rows.
+    rope: the decode rows' q and k are still raw and the decode kernel norms and rotates them
+    (pdkernels/decode_attention.py Rope); None: they arrive rotated."""
     dec = get_context().decode
     if dec is None:
         return chunked_attention(q, k, v, spec, sinks)
     n = q.shape[0] - dec.num_rows
     ctx = get_context()
     out = decode_attention(q[n:], k[n:], v[n:], spec.is_sliding, spec.cache_index, spec.window, spec.scale,
-                           ctx.kv, dec, batch_invariant=ctx.numerics.is_deterministic, sinks=sinks)
+                           ctx.kv, dec, batch_invariant=ctx.numerics.is_deterministic, sinks=sinks, rope=rope)
     return out if n == 0 else torch.cat([chunked_attention(q[:n], k[:n], v[:n], spec, sinks), out])
 
 

@@ -45,6 +45,11 @@ class ForwardConfig:
     chain_residuals: bool = field(
         default=True, metadata={"help": "each residual add inside the next norm's kernel (same numbers)"}
     )
+    pdl: bool = field(
+        default=True,
+        metadata={"help": "Triton kernels start while the kernel before them ends (programmatic dependent launch, "
+                  "Hopper and later; same numbers): hides a launch and a tail per kernel"},
+    )
 
     def __post_init__(self) -> None:
         if self.prefill_sdpa not in PREFILL_SDPA_PATHS:

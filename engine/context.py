@@ -14,6 +14,7 @@ from engine.config import ForwardConfig
 from engine.decode import DecodeMeta
 from engine.kv_cache import KVCache
 from engine.numerics import Numerics
+from pdkernels import pdl
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ def forward_context(
         config=config,
     )
     try:
-        yield _CONTEXT
+        with pdl.scope(config.pdl and pdl.supported(device)):
+            yield _CONTEXT
     finally:
         _CONTEXT = None

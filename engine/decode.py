@@ -18,6 +18,7 @@ block table; sliding layers: the sequence's ring slot), storing the row's new K/
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,9 +110,11 @@ WIDE_SPLIT_ROWS = 32
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_sliding: bool, cache_index: int,
                      window: int | None, scale: float, kv: KVCache, meta: DecodeMeta,
-                     batch_invariant: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     batch_invariant: bool = True, sinks: torch.Tensor | None = None,
+                     rope: Any = None) -> torch.Tensor:
     """Stores the rows' new K/V and attends over each row's cached keys, in one kernel pass. q: [rows, heads, dim];
-    sinks: [heads] attention sink logits, or None."""
+    sinks: [heads] attention sink logits, or None; rope: q and k still raw, normed and rotated in the kernel
+    (pdkernels/decode_attention.py Rope), or None."""
     from pdkernels.decode_attention import WIDE_SPLIT_TOKENS, paged_decode_attention
 
     if is_sliding:
@@ -121,4 +124,4 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_slidi
         cache, table, ring = kv.pages, meta.block_table, 0
     wide = not batch_invariant and meta.num_rows >= WIDE_SPLIT_ROWS
     return paged_decode_attention(q, cache, cache_index, table, meta.context_lens, scale, window=ring, k_new=k, v_new=v,
-                                  min_split=WIDE_SPLIT_TOKENS if wide else None, sinks=sinks)
+                                  min_split=WIDE_SPLIT_TOKENS if wide else None, sinks=sinks, rope=rope)

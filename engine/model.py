@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import cache
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -140,19 +140,42 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         return torch.cat([q, k, v], dim=1)
 
+    def _decode_rows_raw(self, x: torch.Tensor) -> int:
+        """How many rows (the step's last) leave qkv() unnormed and unrotated, for the decode kernel to do
+        (CUDA with fused projections: every decode row; 0 elsewhere)."""
+        dec = get_context().decode
+        return dec.num_rows if dec is not None and self.qkv_proj is not None and fused_ops_for(x) is not None else 0
+
+    def decode_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        """The decode kernel's Rope (pdkernels/decode_attention.py) for the rows qkv() left raw, or None."""
+        rows = self._decode_rows_raw(x)
+        if not rows:
+            return None
+        from pdkernels.decode_attention import Rope
+
+        if not self.has_qk_norm:
+            return Rope(cos[-rows:], sin[-rows:])
+        qn, kn = self.q_norm, self.k_norm
+        return Rope(cos[-rows:], sin[-rows:], qn.weight, kn.weight, qn.eps, qn.is_gemma)
+
     def _fused_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         assert self.qkv_proj is not None
         h_q, h_k = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(h).view(-1, h_q + 2 * h_k, self.head_dim)
+        ops = fused_ops_for(h)
+        if ops is not None:  # one kernel: qk norms and rotary; the decode rows' in the attention kernel
+            n = qkv.shape[0] - self._decode_rows_raw(h)
+            if n and self.has_qk_norm:
+                qn, kn = self.q_norm, self.k_norm
+                ops.qk_rope_(qkv[:n, : h_q + h_k], h_q, cos[:n], sin[:n], qn.weight, kn.weight, qn.eps, qn.is_gemma)
+            elif n:
+                ops.qk_rope_(qkv[:n, : h_q + h_k], h_q, cos[:n], sin[:n])
+            return qkv
         if self.has_qk_norm:
             qkv[:, :h_q] = self.q_norm(qkv[:, :h_q])
             qkv[:, h_q : h_q + h_k] = self.k_norm(qkv[:, h_q : h_q + h_k])
         qk = qkv[:, : h_q + h_k]
-        ops = fused_ops_for(h)
-        if ops is not None:
-            ops.rotary_(qk, cos, sin)
-        else:
-            qk.copy_(qk * cos[:, None] + rotate_half(qk) * sin[:, None])
+        qk.copy_(qk * cos[:, None] + rotate_half(qk) * sin[:, None])
         return qkv
 
 
@@ -246,7 +269,7 @@ class DecoderLayer(nn.Module):
         a = self.self_attn
         qkv = rowwise(self._pre, x, cos, sin)
         q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
-        attn = paged_attention(q, k, v, self.spec, a.sinks)
+        attn = paged_attention(q, k, v, self.spec, a.sinks, a.decode_rope(x, cos, sin))
         if not self.is_sparse:
             return rowwise(self._post, x, attn.flatten(1))
         x, normed = rowwise(self._post_sparse, x, attn.flatten(1)).chunk(2, dim=1)
@@ -268,7 +291,7 @@ class DecoderLayer(nn.Module):
             x, normed = pending.add_norm(ops, x, norm)
         qkv = rowwise(a.qkv, normed, cos, sin)
         q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
-        h = rowwise(a.o_proj, paged_attention(q, k, v, self.spec, a.sinks).flatten(1))
+        h = rowwise(a.o_proj, paged_attention(q, k, v, self.spec, a.sinks, a.decode_rope(x, cos, sin)).flatten(1))
         if self.is_sandwich:
             x, normed = ops.add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, norm.eps, norm.is_gemma,
                                          h_weight=self.post_attention_layernorm.weight)

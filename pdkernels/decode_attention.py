@@ -30,9 +30,14 @@ program reads that key, so nothing races (`store_decode_kv` does the same store 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from pdkernels import pdl
+from pdkernels.fused_ops import pdl_start, rope_rows
 
 MAX_SPLITS = 16  # splits of one sequence's keys, at most
 MIN_SPLIT_TOKENS = 128  # a split gets at least this many keys (fewer splits for short contexts)
@@ -45,6 +50,19 @@ NUM_WARPS, NUM_STAGES = 4, 2  # the split kernel's launch (bench/bench_decode_at
 # A tile of keys inside one page (or ring) reads its page id once and addresses its rows from that one
 # base; off: the page id is looked up per key (any BLOCK_N). Used only where BLOCK_N divides the page.
 PAGE_TILES = True
+
+
+@dataclass(frozen=True)
+class Rope:
+    """What the split kernel applies to the rows' q and new k before attending (and storing k): the
+    per-head RMSNorm (q_weight / k_weight, None for none) and rotary with the rows' cos / sin ([B, dim])."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    is_gemma: bool = False
 
 
 @triton.jit
@@ -67,17 +85,20 @@ def _num_keys(CTX, b, WINDOW: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_NEW, V_NEW, KV, BT, CTX, ACC, ML,
+    Q, K_NEW, V_NEW, KV, BT, CTX, ACC, ML, COS, SIN, QW, KW,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_unit, stride_kv, stride_tok, stride_head,
-    stride_btb,
-    scale,
+    stride_btb, stride_c,
+    scale, eps,
     WINDOW: tl.constexpr,  # 0: full layer (paged); > 0: ring of this many tokens
     UNIT_TOKENS: tl.constexpr,  # tokens per page (block_size) or per ring (window)
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
     HAS_NEW: tl.constexpr, PAGE_TILE: tl.constexpr,  # BLOCK_N divides UNIT_TOKENS: a tile is in one unit
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr, IS_GEMMA: tl.constexpr,  # q and k_new arrive before rotary
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -89,8 +110,12 @@ def _decode_split_kernel(
         mask_h = offs_h < GROUP
         mask_d = offs_d < HEAD_DIM
         heads = kvh * GROUP + offs_h
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        if ROPE:  # every split of the row rotates its own copy of the query heads (a few hundred values)
+            q = rope_rows(q_ptrs, offs_d[None, :], mask_h[:, None] & mask_d[None, :], COS + b * stride_c,
+                          SIN + b * stride_c, QW, eps, HEAD_DIM, QK_NORM, IS_GEMMA, Q.dtype.element_ty)
+        else:
+            q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -99,14 +124,19 @@ def _decode_split_kernel(
         j_new = ctx - 1  # the new token's key index
         if WINDOW > 0:
             j_new = j_new % UNIT_TOKENS
-        if HAS_NEW:
-            k_new = tl.load(K_NEW + b * stride_kb + kvh * stride_kh + offs_d, mask=mask_d, other=0.0)
-            v_new = tl.load(V_NEW + b * stride_vb + kvh * stride_vh + offs_d, mask=mask_d, other=0.0)
+        if HAS_NEW:  # [1, BLOCK_D] each
+            k_ptrs = K_NEW + b * stride_kb + kvh * stride_kh + offs_d[None, :]
+            if ROPE:
+                k_new = rope_rows(k_ptrs, offs_d[None, :], mask_d[None, :], COS + b * stride_c, SIN + b * stride_c,
+                                  KW, eps, HEAD_DIM, QK_NORM, IS_GEMMA, K_NEW.dtype.element_ty)
+            else:
+                k_new = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+            v_new = tl.load(V_NEW + b * stride_vb + kvh * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
             if (start <= j_new) & (j_new < end):  # this program owns the new key: it stores it
                 unit_new = tl.load(row + j_new // UNIT_TOKENS)  # a ring's j_new < window: its slot
                 dst = KV + unit_new.to(tl.int64) * stride_unit + (j_new % UNIT_TOKENS) * stride_tok + kvh * stride_head
-                tl.store(dst + offs_d, k_new, mask=mask_d)
-                tl.store(dst + stride_kv + offs_d, v_new, mask=mask_d)
+                tl.store(dst + offs_d[None, :], k_new, mask=mask_d[None, :])
+                tl.store(dst + stride_kv + offs_d[None, :], v_new, mask=mask_d[None, :])
         for j0 in range(start, end, BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
@@ -126,7 +156,7 @@ def _decode_split_kernel(
                 kv_mask = mask_n[:, None] & mask_d[None, :]
                 k = tl.load(KV + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             if HAS_NEW:
-                k = tl.where((offs_n == j_new)[:, None], k_new[None, :], k)
+                k = tl.where((offs_n == j_new)[:, None], k_new, k)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -138,7 +168,7 @@ def _decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(tile + stride_kv + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             if HAS_NEW:
-                v = tl.where((offs_n == j_new)[:, None], v_new[None, :], v)
+                v = tl.where((offs_n == j_new)[:, None], v_new, v)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -159,7 +189,9 @@ def _decode_reduce_kernel(
     num_heads,
     WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -213,6 +245,7 @@ def paged_decode_attention(
     v_new: torch.Tensor | None = None,
     min_split: int | None = None,
     sinks: torch.Tensor | None = None,
+    rope: Rope | None = None,
 ) -> torch.Tensor:
     """q: [B, heads, head_dim], one token per sequence. k_new, v_new ([B, kv_heads, head_dim]): its
     K/V, stored into the cache by this call; without them they must be stored already (store_decode_kv).
@@ -222,6 +255,8 @@ def paged_decode_attention(
     min_split: fewest keys per split (default MIN_SPLIT_TOKENS; a multiple of BLOCK_N). A row's output
     depends on it (the splits' float sums), so a batch-invariant caller keeps the default.
     sinks: [heads] attention sink logits (scaled-score units), or None.
+    rope: q and k_new are the projection's raw heads; the kernel norms (qk-norm models) and rotates
+    them as fused_ops.qk_rope_ would, and stores the rotated k (one launch fewer per layer).
     Returns [B, heads, head_dim] in q's dtype."""
     kv = _check_cache(cache, layer)
     min_split = MIN_SPLIT_TOKENS if min_split is None else min_split
@@ -248,19 +283,28 @@ def paged_decode_attention(
             raise ValueError(f"k_new {tuple(k_new.shape)} does not fit q {tuple(q.shape)} and the cache")
     else:
         k_new = v_new = q  # unused
+    if rope is not None:
+        if not has_new:
+            raise ValueError("rope needs k_new: the kernel rotates the new key it stores")
+        if rope.cos.shape != (batch, head_dim) or rope.cos.stride() != rope.sin.stride() or rope.cos.stride(-1) != 1:
+            raise ValueError(f"rope's cos/sin must be [{batch}, {head_dim}] laid out alike")
+    has_norm = rope is not None and rope.q_weight is not None and rope.k_weight is not None
     acc = torch.empty((batch, num_heads, MAX_SPLITS, block_d), dtype=torch.float32, device=q.device)
     ml = torch.empty((batch, num_heads, MAX_SPLITS, 2), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, MAX_SPLITS)](
         q, k_new, v_new, kv, block_table, context_lens, acc, ml,
+        rope.cos if rope else q, rope.sin if rope else q,
+        rope.q_weight if has_norm else q, rope.k_weight if has_norm else q,  # type: ignore[union-attr]
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        block_table.stride(0),
-        scale,
+        block_table.stride(0), rope.cos.stride(0) if rope else 0,
+        scale, rope.eps if rope else 0.0,
         WINDOW=window, UNIT_TOKENS=kv.shape[2],
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=min_split, IEEE=q.dtype == torch.float32,
         HAS_NEW=has_new, PAGE_TILE=PAGE_TILES and kv.shape[2] % BLOCK_N == 0,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        ROPE=rope is not None, QK_NORM=has_norm, IS_GEMMA=rope is not None and rope.is_gemma,
+        PDL=pdl.active(), num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl.active(),
     )
     _decode_reduce_kernel[(batch, num_heads)](
         acc, ml, context_lens, out, sinks if sinks is not None else acc,
@@ -268,7 +312,7 @@ def paged_decode_attention(
         num_heads,
         WINDOW=window, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS, MIN_SPLIT=min_split, HAS_SINKS=sinks is not None,
-        num_warps=1,
+        PDL=pdl.active(), num_warps=1, launch_pdl=pdl.active(),
     )
     return out
 

@@ -17,6 +17,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from pdkernels import pdl
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A PDL-launched kernel's first step (pdkernels/pdl.py): wait for the kernels before it, then let
+    the next one launch. A no-op without PDL."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -32,7 +44,9 @@ def _normed(x, w, n_cols, eps, IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(X, H, SUM, W, W0, OUT, stride_x, stride_h, stride_s, stride_o, n_cols, eps,
-                     IS_GEMMA: tl.constexpr, HAS_ADD: tl.constexpr, NORM_H: tl.constexpr, BLOCK: tl.constexpr):
+                     IS_GEMMA: tl.constexpr, HAS_ADD: tl.constexpr, NORM_H: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -61,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool) 
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2, x2, weight, weight, out, x2.stride(0), 0, 0, out.stride(0), shape[-1], eps,
             IS_GEMMA=is_gemma, HAS_ADD=False, NORM_H=False, BLOCK=triton.next_power_of_2(shape[-1]),
-            num_warps=4 if shape[-1] <= 4096 else 8,
+            PDL=pdl.active(), num_warps=4 if shape[-1] <= 4096 else 8, launch_pdl=pdl.active(),
         )
     return out.view(shape)
 
@@ -85,7 +99,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
             x, h, total, weight, weight if h_weight is None else h_weight, out,
             x.stride(0), h.stride(0), total.stride(0), out.stride(0), x.shape[1], eps,
             IS_GEMMA=is_gemma, HAS_ADD=True, NORM_H=h_weight is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
-            num_warps=4 if x.shape[1] <= 4096 else 8,
+            PDL=pdl.active(), num_warps=4 if x.shape[1] <= 4096 else 8, launch_pdl=pdl.active(),
         )
     return total, out
 
@@ -131,7 +145,98 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
+def _qk_normed(x, w, r, IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
+    """_normed's arithmetic for values x of rows whose factor 1 / rms is r (broadcast), elementwise: a
+    row's own elements and its rotary partners are normed alike."""
+    if IS_GEMMA:
+        y = x * r * (1.0 + w)
+    else:
+        y = (x * r).to(DTYPE).to(tl.float32) * w
+    return y.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rotated(x, xp, c, s, HALF: tl.constexpr, offs_d, DTYPE: tl.constexpr):
+    """x * cos + rotate_half(x) * sin for elements x at head offsets offs_d, whose rotary partners (offset
+    d + HALF for d < HALF, d - HALF after) are xp; the rotary kernel's roundings. Returns DTYPE."""
+    xs = tl.where(offs_d < HALF, -xp, xp)
+    return ((x * c).to(DTYPE).to(tl.float32) + (xs * s).to(DTYPE).to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def rope_rows(P, offs_d, mask, COS, SIN, NW, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+              IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
+    """Rows of head vectors with their per-head norm (QK_NORM: Qwen 3, Gemma 3; weight NW) and rotary
+    applied, as the model's qkv() does them one kernel at a time. P: pointers to element offs_d of each
+    row, [rows, BLOCK_D]; offs_d: [1, BLOCK_D]; COS, SIN: pointers to the row's position's tables
+    ([HEAD_DIM] each). Returns DTYPE values of P's shape (masked lanes 0)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    partner = tl.where(offs_d < half, half, -half)
+    x = tl.load(P, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(P + partner, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        r = (1.0 / tl.sqrt_rn(tl.sum(x * x, 1) / HEAD_DIM + eps))[:, None]
+        x = _qk_normed(x, tl.load(NW + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32), r, IS_GEMMA,
+                       DTYPE)
+        xp = _qk_normed(xp, tl.load(NW + offs_d + partner, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32), r,
+                        IS_GEMMA, DTYPE)
+    c = tl.load(COS + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+    s = tl.load(SIN + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+    return _rotated(x, xp, c, s, half, offs_d, DTYPE)
+
+
+@triton.jit
+def _qk_rope_kernel(X, COS, SIN, QW, KW, stride_xt, stride_xh, stride_c, num_q, num_k, eps,
+                    HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr, IS_GEMMA: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    dt = X.dtype.element_ty
+    cos, sin = COS + t * stride_c, SIN + t * stride_c
+    for h0 in range(0, num_q + num_k, BLOCK_H):
+        heads = h0 + offs_h
+        # NOTE: a block of heads is all q or all k (BLOCK_H divides num_q), so one norm weight serves it
+        nw = QW
+        if h0 >= num_q:
+            nw = KW
+        mask = (heads[:, None] < num_q + num_k) & mask_d[None, :]
+        p = X + t * stride_xt + heads[:, None] * stride_xh + offs_d[None, :]
+        y = rope_rows(p, offs_d[None, :], mask, cos, sin, nw, eps, HEAD_DIM, QK_NORM, IS_GEMMA, dt)
+        tl.debug_barrier()  # every partner is read before any element of the block is overwritten
+        tl.store(p, y, mask=mask)
+
+
+def qk_rope_(qk: torch.Tensor, num_q: int, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None = None,
+             k_weight: torch.Tensor | None = None, eps: float = 0.0, is_gemma: bool = False) -> None:
+    """In place, one launch: the q heads (the first num_q of qk's [tokens, heads, dim]) and the k heads
+    after them get their per-head RMSNorm (with q_weight / k_weight; None: no norm) and then rotary, the
+    arithmetic of rms_norm then rotary_ (one rounding apart at most, where the compiler keeps a rotary
+    product unrounded). A strided view of the packed projection is fine."""
+    tokens, heads, dim = qk.shape
+    if qk.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        raise ValueError("qk_rope_ needs the head_dim axis contiguous and cos/sin laid out alike")
+    if dim % 2:
+        raise ValueError(f"rotary needs an even head_dim, got {dim}")
+    has_norm = q_weight is not None and k_weight is not None
+    block_h = min(16, triton.next_power_of_2(num_q))
+    while num_q % block_h:
+        block_h //= 2
+    if tokens:
+        _qk_rope_kernel[(tokens,)](
+            qk, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
+            qk.stride(0), qk.stride(1), cos.stride(0), num_q, heads - num_q, eps,
+            HEAD_DIM=dim, QK_NORM=has_norm, IS_GEMMA=is_gemma, BLOCK_H=block_h,
+            BLOCK_D=triton.next_power_of_2(dim), PDL=pdl.active(), num_warps=4, launch_pdl=pdl.active(),
+        )
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -160,6 +265,7 @@ def silu_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     block = 1024
     if tokens:
         _silu_mul_kernel[(tokens, triton.cdiv(n, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, GELU_TANH=act == "gelu_tanh", num_warps=4
+            gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block, GELU_TANH=act == "gelu_tanh",
+            PDL=pdl.active(), num_warps=4, launch_pdl=pdl.active(),
         )
     return out

@@ -257,3 +257,41 @@ def test_sinks_match_reference(window: int) -> None:
     assert torch.equal(alone[0], out[2])
     with pytest.raises(ValueError, match="sinks"):
         paged_decode_attention(q, cache, 0, table, ctx, 0.125, window=window, sinks=sinks[:4])
+
+
+@pytest.mark.parametrize("qk_norm,is_gemma", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("window", [0, 48])
+def test_rope_in_the_kernel_equals_rotating_first(window: int, qk_norm: bool, is_gemma: bool) -> None:
+    """With rope the kernel norms (qk-norm models) and rotates the raw q and new k itself: the output and
+    the stored key equal those of fused_ops.qk_rope_ applied first and the kernel run without rope."""
+    from pdkernels.decode_attention import Rope
+    from pdkernels.fused_ops import qk_rope_
+
+    gen = _gen("rope", window, qk_norm, is_gemma)
+    heads, kv_heads, dim, block_size = 8, 2, 64, 16
+    ctx_lens = [1, 17, 300, 0, 2 * 48 + 5] if window else [1, 17, 300, 0, 129]
+    if window:
+        cache = _rand(gen, len(ctx_lens) + 1, 1, 2, window, kv_heads, dim)
+        table = torch.arange(1, len(ctx_lens) + 1, dtype=torch.int32, device=DEVICE).view(-1, 1)
+    else:
+        cache, table = _paged_setup(gen, ctx_lens, block_size, kv_heads, dim, num_layers=1)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    qkv = _rand(gen, len(ctx_lens), heads + 2 * kv_heads, dim)
+    cos, sin = _rand(gen, len(ctx_lens), dim), _rand(gen, len(ctx_lens), dim)
+    qw = kw = None
+    if qk_norm:
+        qw, kw = _rand(gen, dim) * 0.3 + (0.0 if is_gemma else 1.0), _rand(gen, dim) * 0.3 + (0.0 if is_gemma else 1.0)
+    rotated = qkv.clone()
+    qk_rope_(rotated[:, : heads + kv_heads], heads, cos, sin, qw, kw, 1e-6, is_gemma)
+    q, k, v = rotated.split([heads, kv_heads, kv_heads], dim=1)
+    expect_cache = cache.clone()
+    expect = paged_decode_attention(q, expect_cache, 0, table, ctx, 0.125, window=window, k_new=k, v_new=v)
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    got = torch.full_like(q, float("nan"))
+    rope = Rope(cos, sin, qw, kw, 1e-6, is_gemma)
+    paged_decode_attention(q, cache, 0, table, ctx, 0.125, window=window, out=got, k_new=k, v_new=v, rope=rope)
+    assert torch.equal(got, expect)
+    assert torch.equal(cache.nan_to_num(7.0), expect_cache.nan_to_num(7.0))
+    assert not torch.equal(qkv, rotated)
+    with pytest.raises(ValueError, match="rope"):
+        paged_decode_attention(q, cache, 0, table, ctx, 0.125, window=window, rope=rope)

@@ -105,3 +105,31 @@ def test_add_rms_norm_matches_add_then_norm() -> None:
     total, normed = add_rms_norm(x, h, weight, 1e-5, False)
     assert torch.equal(total, x + h)
     assert torch.equal(normed, rms_norm(x + h, weight, 1e-5, False))  # the same kernel's arithmetic
+
+
+@pytest.mark.parametrize("qk_norm,is_gemma", [(False, False), (True, False), (True, True)])
+def test_qk_rope_is_norm_then_rotary(qk_norm: bool, is_gemma: bool) -> None:
+    """qk_rope_ (one launch) against rms_norm per head then rotary_ (the kernels it replaces) on a
+    strided view of a packed projection: equal up to the rotary kernel's own one rounding; v untouched."""
+    from pdkernels.fused_ops import qk_rope_
+
+    gen = torch.Generator().manual_seed(12 + qk_norm + 2 * is_gemma)
+    tokens, q_heads, kv_heads, dim = 7, 24, 8, 128
+    packed = _rand(gen, tokens, q_heads + 2 * kv_heads, dim)
+    cos, sin = _rand(gen, tokens, dim), _rand(gen, tokens, dim)
+    qw = _rand(gen, dim, scale=0.3) + (0.0 if is_gemma else 1.0)
+    kw = _rand(gen, dim, scale=0.3) + (0.0 if is_gemma else 1.0)
+    ref = packed.clone()
+    if qk_norm:
+        ref[:, :q_heads] = rms_norm(ref[:, :q_heads], qw, 1e-6, is_gemma)
+        ref[:, q_heads : q_heads + kv_heads] = rms_norm(ref[:, q_heads : q_heads + kv_heads], kw, 1e-6, is_gemma)
+    rotary_(ref[:, : q_heads + kv_heads], cos, sin)
+    got = packed.clone()
+    qk_rope_(got[:, : q_heads + kv_heads], q_heads, cos, sin, qw if qk_norm else None, kw if qk_norm else None,
+             1e-6, is_gemma)
+    assert torch.equal(got[:, q_heads + kv_heads :], packed[:, q_heads + kv_heads :])
+    if DTYPE == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    else:
+        eps = torch.finfo(DTYPE).eps
+        assert float(((got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)).max()) <= 2 * eps
