@@ -80,14 +80,19 @@ TINY_DIMS: dict[str, Any] = dict(
 )
 
 
-# mode -> (deterministic numerics, the engine's ForwardConfig.prefill_sdpa in its rows; None: as
-# --prefill-sdpa says)
-ENGINE_MODES: dict[str, tuple[bool, str | None]] = {
-    "default": (False, None),
-    "deterministic": (True, None),
-    "default-triton": (False, "off"),
-    "default-sdpa": (False, "flash"),
-    "default-cudnn": (False, "cudnn"),
+# mode -> (deterministic numerics, what its rows change in the engine's ForwardConfig; the rest as the
+# flags say): the prefill paths, and the decode step's kernels one at a time (cuBLAS instead of the
+# small-batch GEMV, no programmatic dependent launch, neither)
+ENGINE_MODES: dict[str, tuple[bool, dict[str, Any]]] = {
+    "default": (False, {}),
+    "deterministic": (True, {}),
+    "default-triton": (False, {"prefill_sdpa": "off"}),
+    "default-sdpa": (False, {"prefill_sdpa": "flash"}),
+    "default-cudnn": (False, {"prefill_sdpa": "cudnn"}),
+    "default-cublas": (False, {"gemv_rows": 0}),
+    "default-nopdl": (False, {"pdl": False}),
+    "default-plain": (False, {"gemv_rows": 0, "pdl": False}),
+    "deterministic-nopdl": (True, {"pdl": False}),
 }
 
 
@@ -387,8 +392,8 @@ def run_engine_mode(folder: Path, facts: ModelFacts, mode: str, grid: dict[str, 
                     args: argparse.Namespace, deadline: Deadline) -> list[dict[str, Any]]:
     """Two engines per model and mode: one whose KV pool holds the decode rows, one with a pool for a
     single long prompt (so the prefill rows keep the memory for their activations)."""
-    is_det, sdpa = ENGINE_MODES[mode]
-    forward = args.forward if sdpa is None else replace(args.forward, prefill_sdpa=sdpa)
+    is_det, changes = ENGINE_MODES[mode]
+    forward = replace(args.forward, **changes)
     return engine_rows(folder, facts, mode, is_det, forward, grid, args, deadline)
 
 

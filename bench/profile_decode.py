@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import EngineConfig, ForwardConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
+from pd.settings import add_flags, from_flags  # noqa: E402
 
 
 def _bench_engine() -> Any:
@@ -152,6 +153,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--out", default=".")
+    p.add_argument("--tag", default="", help="suffix of the JSON's name")
+    add_flags(p, ForwardConfig)  # --pdl/--no-pdl, --gemv-rows, ...: the engine's own flags
     args = p.parse_args()
     be = _bench_engine()
     batches = [int(b) for b in args.batches.split(",")]
@@ -169,6 +172,7 @@ def main() -> int:
                 kv_cache_gb=max(batches) * (max_len / 128 + 2) * eng_page_gib(folder),
                 hicache_gb=0,
                 is_deterministic=args.deterministic,
+                forward=from_flags(ForwardConfig, args),
             )
         )
         print(f"graphs: {eng.graph_stats}", flush=True)
@@ -218,7 +222,7 @@ def main() -> int:
                 print(f"  {k['us_per_step']:9.1f} us  x{k['per_step']:<5.0f} {k['kernel']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_decode_{args.model}.json").write_text(json.dumps(report, indent=1))
+    (out / f"profile_decode_{args.model}{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(report, indent=1))
     return 0
 
 

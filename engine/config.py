@@ -14,6 +14,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREFILL_SDPA_PATHS = ("fresh", "off", "flash", "cudnn")
+GEMV_MAX_ROWS = 8  # pdkernels/gemv.py MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class ForwardConfig:
     chain_residuals: bool = field(
         default=True, metadata={"help": "each residual add inside the next norm's kernel (same numbers)"}
     )
+    gemv_rows: int = field(
+        default=1,
+        metadata={"help": "default mode: a projection of at most this many rows (a decode step's) runs as one "
+                  "Triton matrix-vector kernel (the down projection with its activation fused) instead of "
+                  "cuBLAS; 0: always cuBLAS"},
+    )
     pdl: bool = field(
         default=True,
         metadata={"help": "Triton kernels start while the kernel before them ends (programmatic dependent launch, "
@@ -54,6 +61,8 @@ class ForwardConfig:
     def __post_init__(self) -> None:
         if self.prefill_sdpa not in PREFILL_SDPA_PATHS:
             raise ValueError(f"prefill_sdpa must be one of {PREFILL_SDPA_PATHS}, got {self.prefill_sdpa!r}")
+        if not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv_rows must be within 0..{GEMV_MAX_ROWS}, got {self.gemv_rows}")
         if min(self.prefill_sdpa_fresh_min_tokens, self.prefill_sdpa_min_pairs, self.prefill_sdpa_min_queries) < 1:
             raise ValueError("the prefill SDPA thresholds must be >= 1")
 

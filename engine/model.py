@@ -56,6 +56,37 @@ def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
     return _fused_ops() if x.is_cuda else None
 
 
+@cache
+def _gemv_kernels() -> ModuleType | None:
+    try:
+        from pdkernels import gemv
+    except ImportError:  # no triton
+        return None
+    return gemv
+
+
+def _gemv_for(x: torch.Tensor) -> ModuleType | None:
+    """pdkernels.gemv for a decode-sized x: CUDA, default numerics (deterministic mode's products stay
+    batch-invariant), at most ForwardConfig.gemv_rows rows; else None (cuBLAS through F.linear)."""
+    if not x.is_cuda or x.dim() != 2:
+        return None
+    ctx = get_context()
+    if x.shape[0] > ctx.config.gemv_rows or ctx.numerics is not Numerics.DEFAULT:
+        return None
+    return _gemv_kernels()
+
+
+def linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """lin(x): a decode step's few rows through pdkernels/gemv.py (one kernel, no split-K reduction after
+    it), everything else through F.linear."""
+    g = _gemv_for(x)
+    if g is None:
+        return lin(x)
+    from pdkernels import pdl
+
+    return g.gemv(x, lin.weight, lin.bias, pdl=pdl.active())
+
+
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One linear whose output is the given linears' outputs side by side."""
     has_bias = linears[0].bias is not None
@@ -161,7 +192,7 @@ class Attention(nn.Module):
     def _fused_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         assert self.qkv_proj is not None
         h_q, h_k = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(h).view(-1, h_q + 2 * h_k, self.head_dim)
+        qkv = linear(self.qkv_proj, h).view(-1, h_q + 2 * h_k, self.head_dim)
         ops = fused_ops_for(h)
         if ops is not None:  # one kernel: qk norms and rotary; the decode rows' in the attention kernel
             n = qkv.shape[0] - self._decode_rows_raw(h)
@@ -198,9 +229,15 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = self.gate_up_proj(x)
+        gate_up = linear(self.gate_up_proj, x)
         ops = fused_ops_for(x)
         if ops is not None and self.fused_act is not None:
+            g = _gemv_for(gate_up)
+            if g is not None:  # the activation inside the down projection's kernel: one launch fewer
+                from pdkernels import pdl
+
+                return g.gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=self.fused_act,
+                              pdl=pdl.active())
             return self.down_proj(ops.silu_mul(gate_up, self.fused_act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
@@ -251,7 +288,7 @@ class DecoderLayer(nn.Module):
         return x, norm(x)
 
     def _post(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = self.self_attn.o_proj(attn)
+        h = linear(self.self_attn.o_proj, attn)
         if self.is_sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -260,7 +297,7 @@ class DecoderLayer(nn.Module):
 
     def _post_sparse(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """A sparse layer's row-local part after attention: [x + o_proj(attn) | its norm] side by side."""
-        return torch.cat(self._add_norm(x, self.self_attn.o_proj(attn)), dim=1)
+        return torch.cat(self._add_norm(x, linear(self.self_attn.o_proj, attn)), dim=1)
 
     def _sparse_mlp(self, normed: torch.Tensor) -> torch.Tensor:
         return self.mlp(normed, get_context().numerics)
@@ -291,7 +328,8 @@ class DecoderLayer(nn.Module):
             x, normed = pending.add_norm(ops, x, norm)
         qkv = rowwise(a.qkv, normed, cos, sin)
         q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
-        h = rowwise(a.o_proj, paged_attention(q, k, v, self.spec, a.sinks, a.decode_rope(x, cos, sin)).flatten(1))
+        attn = paged_attention(q, k, v, self.spec, a.sinks, a.decode_rope(x, cos, sin))
+        h = rowwise(lambda t: linear(a.o_proj, t), attn.flatten(1))
         if self.is_sandwich:
             x, normed = ops.add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, norm.eps, norm.is_gemma,
                                          h_weight=self.post_attention_layernorm.weight)
