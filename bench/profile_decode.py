@@ -154,6 +154,7 @@ def main() -> int:
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--out", default=".")
     p.add_argument("--tag", default="", help="suffix of the JSON's name")
+    p.add_argument("--prefill", type=int, default=0, help="also profile one prompt of this many tokens (one chunk)")
     add_flags(p, ForwardConfig)  # --pdl/--no-pdl, --gemv-rows, ...: the engine's own flags
     args = p.parse_args()
     be = _bench_engine()
@@ -220,10 +221,51 @@ def main() -> int:
             )
             for k in kernels[:18]:
                 print(f"  {k['us_per_step']:9.1f} us  x{k['per_step']:<5.0f} {k['kernel']}")
+        if args.prefill:
+            del eng
+            torch.cuda.empty_cache()
+            profile_prefill(folder, args.prefill, from_flags(ForwardConfig, args), report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"profile_decode_{args.model}{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(report, indent=1))
     return 0
+
+
+def profile_prefill(folder: Path, tokens: int, forward: ForwardConfig, report: dict[str, Any]) -> None:
+    """One prompt of `tokens` tokens prefilled in one chunk: its wall time (median of 3) and the GPU time of
+    each kernel of one run (torch.profiler), to see where a long prefill's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    be = _bench_engine()
+    eng = LLMEngine(EngineConfig(model=str(folder), load_format="dummy", max_num_seqs=2, max_model_len=tokens + 64,
+                                 max_num_batched_tokens=tokens, kv_cache_gb=(tokens / 128 + 4) * eng_page_gib(folder),
+                                 hicache_gb=0, enforce_eager=True, forward=forward))
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    prompts = be.random_prompts(5, tokens, eng.arch.vocab_size, 7)
+
+    def once(i: int) -> None:
+        eng.add_request(f"pf{i}", prompts[i], params)
+        while eng.has_unfinished():
+            eng.step()
+        be.release_all(eng, [f"pf{i}"])
+
+    once(0)
+    runs = iter(range(1, 4))
+    wall = _median_ms(lambda: once(next(runs)), 3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        once(4)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.count:
+            rows.append({"kernel": e.key[:90], "count": e.count, "ms": t / 1e3})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    print(f"\nprefill {tokens}: wall {wall:.1f} ms, kernels {total:.1f} ms", flush=True)
+    for r in rows[:22]:
+        print(f"  {r['ms']:9.2f} ms  x{r['count']:<5} {r['kernel']}")
+    report["prefill"] = {"tokens": tokens, "wall_ms": wall, "kernel_ms": total, "kernels": rows[:40]}
 
 
 def eng_page_gib(folder: Path) -> float:

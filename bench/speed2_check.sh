@@ -11,7 +11,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 MODELS=${1:-llama8b,hybrid8b}
 BATCHES=${2:-1,64}
 MODES=${3:-default,default-cublas,default-nopdl,default-plain,deterministic}
-BUDGET=${4:-220}
+BUDGET=${4:-200}
 PROFILE=${5:-hybrid8b}
 t0=$(date +%s)
 timeout 140 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gemv.py tests/kernels/test_kernels_fused_gpu.py \
@@ -30,9 +30,9 @@ say "bench_engine: rc $? $(( $(date +%s) - t0 )) s"
 grep -E "Error|error" "$OUT/bench.log" | head -5 | tee -a "$SUMMARY"
 for m in ${PROFILE//,/ }; do
     t0=$(date +%s)
-    timeout 80 $PY bench/profile_decode.py --model "$m" --batches "$BATCHES" --context 1024 --out "$OUT" \
+    timeout 110 $PY bench/profile_decode.py --model "$m" --batches "$BATCHES" --context 1024 --out "$OUT" --prefill 8192 \
         > "$OUT/profile_$m.log" 2>&1
     say "profile $m: rc $? $(( $(date +%s) - t0 )) s"
 done
 sed -n '/^ceilings/,$p' "$OUT/bench.log" | tail -16 | tee -a "$SUMMARY"
-for m in ${PROFILE//,/ }; do grep -E -A14 "^b=" "$OUT/profile_$m.log" | cut -c1-140 | tee -a "$SUMMARY"; done
+for m in ${PROFILE//,/ }; do grep -E -A14 "^b=|^prefill" "$OUT/profile_$m.log" | cut -c1-140 | tee -a "$SUMMARY"; done
