@@ -15,7 +15,8 @@ BUDGET=${4:-200}
 PROFILE=${5:-hybrid8b}
 t0=$(date +%s)
 timeout 140 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gemv.py tests/kernels/test_kernels_fused_gpu.py \
-    tests/engine/test_engine_cuda_decode.py tests/kernels/test_kernels_attn_gpu.py > "$OUT/tests.log" 2>&1
+    tests/engine/test_engine_cuda_decode.py tests/kernels/test_kernels_bi_gpu.py tests/kernels/test_kernels_attn_gpu.py \
+    > "$OUT/tests.log" 2>&1
 say "tests: rc $? $(( $(date +%s) - t0 )) s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/tests.log" | tail -1)"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"
 t0=$(date +%s)

@@ -26,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pdkernels import pdl
+from pdkernels.fused_ops import pdl_start
+
 BLOCK_M = 64  # rows per tile: every M runs the same tile, so this is fixed
 TARGET_PROGRAMS = 264  # about two programs per multiprocessor of an H100/H200 (132)
 MIN_SPLIT_STEPS = 16  # K steps per range at least: shorter loops do not pipeline
@@ -60,7 +63,9 @@ def _bi_matmul_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cs, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -107,7 +112,8 @@ def _bi_matmul_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(P, C, BIAS, N, stride_ps, stride_pm, stride_cm,
-                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -147,13 +153,14 @@ def bi_matmul(
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0 and k_per_split * split == k,
         IEEE=a.dtype == torch.float32, SPLIT_K=split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl.active(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl.active(),
     )
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_splits_kernel[(m, triton.cdiv(n, block))](
             dst, c, bias if bias is not None else c, n, dst.stride(0), dst.stride(1), c.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4,
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, PDL=pdl.active(), num_warps=4,
+            launch_pdl=pdl.active(),
         )
     return c
 
