@@ -81,18 +81,20 @@ TINY_DIMS: dict[str, Any] = dict(
 
 
 # mode -> (deterministic numerics, what its rows change in the engine's ForwardConfig; the rest as the
-# flags say): the prefill paths, and the decode step's kernels one at a time (cuBLAS instead of the
-# small-batch GEMV, no programmatic dependent launch, neither)
+# flags say): the prefill paths, and the decode step's kernels (gemv: the small-batch GEMV instead of
+# cuBLAS; pdl: programmatic dependent launch; fast: both; norope: the decode rows' q/k norms and rotary
+# in a kernel of their own before the attention kernel, fused_ops.qk_rope_)
 ENGINE_MODES: dict[str, tuple[bool, dict[str, Any]]] = {
     "default": (False, {}),
     "deterministic": (True, {}),
     "default-triton": (False, {"prefill_sdpa": "off"}),
     "default-sdpa": (False, {"prefill_sdpa": "flash"}),
     "default-cudnn": (False, {"prefill_sdpa": "cudnn"}),
-    "default-cublas": (False, {"gemv_rows": 0}),
-    "default-nopdl": (False, {"pdl": False}),
-    "default-plain": (False, {"gemv_rows": 0, "pdl": False}),
-    "deterministic-nopdl": (True, {"pdl": False}),
+    "default-gemv": (False, {"gemv_rows": 1}),
+    "default-pdl": (False, {"pdl": True}),
+    "default-fast": (False, {"gemv_rows": 1, "pdl": True}),
+    "default-norope": (False, {"decode_rope": False, "gemv_rows": 0, "pdl": False}),
+    "deterministic-pdl": (True, {"pdl": True}),
 }
 
 

@@ -46,14 +46,19 @@ class ForwardConfig:
     chain_residuals: bool = field(
         default=True, metadata={"help": "each residual add inside the next norm's kernel (same numbers)"}
     )
+    decode_rope: bool = field(
+        default=True,
+        metadata={"help": "decode rows' q/k norms and rotary inside the attention kernel (one launch fewer per layer)"},
+    )
+    # NOTE: gemv_rows and pdl stay off until measured on the GPU (bench/speed2_check.sh; bench/RESULTS.md)
     gemv_rows: int = field(
-        default=1,
+        default=0,
         metadata={"help": "default mode: a projection of at most this many rows (a decode step's) runs as one "
                   "Triton matrix-vector kernel (the down projection with its activation fused) instead of "
                   "cuBLAS; 0: always cuBLAS"},
     )
     pdl: bool = field(
-        default=True,
+        default=False,
         metadata={"help": "Triton kernels start while the kernel before them ends (programmatic dependent launch, "
                   "Hopper and later; same numbers): hides a launch and a tail per kernel"},
     )

@@ -174,8 +174,11 @@ class Attention(nn.Module):
     def _decode_rows_raw(self, x: torch.Tensor) -> int:
         """How many rows (the step's last) leave qkv() unnormed and unrotated, for the decode kernel to do
         (CUDA with fused projections: every decode row; 0 elsewhere)."""
-        dec = get_context().decode
-        return dec.num_rows if dec is not None and self.qkv_proj is not None and fused_ops_for(x) is not None else 0
+        ctx = get_context()
+        dec = ctx.decode
+        if dec is None or not ctx.config.decode_rope or self.qkv_proj is None or fused_ops_for(x) is None:
+            return 0
+        return dec.num_rows
 
     def decode_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
         """The decode kernel's Rope (pdkernels/decode_attention.py) for the rows qkv() left raw, or None."""

@@ -35,8 +35,8 @@ def test_config_keys_are_flag_names(tmp_path: Path) -> None:
         "--dp: 2\n"
         "deterministic: true\n"
         "chain_residuals: false\n"
-        "pdl: false\n"
-        "gemv-rows: 0\n"
+        "pdl: true\n"
+        "gemv-rows: 1\n"
         "prefill-sdpa: 'off'\n"
         "accept-transports: [tcp, ipc]\n"
         "hicache-size-gb: 0\n"
@@ -46,7 +46,7 @@ def test_config_keys_are_flag_names(tmp_path: Path) -> None:
     )
     assert (cfg.engine.max_model_len, cfg.served_model_name, cfg.dp) == (1024, "tiny", 2)
     assert cfg.engine.is_deterministic and cfg.engine.forward == ForwardConfig(
-        prefill_sdpa="off", chain_residuals=False, pdl=False, gemv_rows=0
+        prefill_sdpa="off", chain_residuals=False, pdl=True, gemv_rows=1
     )
     assert (cfg.transfer.accept_transports, cfg.transfer.send_timeout_s) == (("tcp", "ipc"), 7.0)
     assert (cfg.engine.hicache_gb, cfg.engine.kv_cache_gb) == (0.0, 0.25)
