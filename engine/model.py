@@ -10,8 +10,10 @@ rows share the call.
 
 On CUDA, after loading, `fuse_projections()` stacks q/k/v into one `qkv_proj` and gate/up into one
 `gate_up_proj` (one matrix-vector product each instead of three and two in a decode step), and the
-norms, rotary and SiLU-and-mul run as one Triton kernel each (pdkernels/fused_ops.py). Loading, the KV
-layout and everything outside the model are unchanged.
+norms, rotary (with the q/k norms) and SiLU-and-mul run as one Triton kernel each (pdkernels/fused_ops.py).
+A decode row's q/k norms and rotary run inside the decode attention kernel instead
+(ForwardConfig.decode_rope), and a projection of few rows may take pdkernels/gemv.py
+(ForwardConfig.gemv_rows, `linear`). Loading, the KV layout and everything outside the model are unchanged.
 
 A sparse layer's MLP (engine/moe.py) groups tokens by expert, so it is not row-local: it runs outside
 `rowwise`, after the row-local attention output and norm, and applies the step's numerics to its own

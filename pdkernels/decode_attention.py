@@ -26,6 +26,14 @@ max sink, denominator 1, accumulator 0); the split kernels do not see them. A pa
 The new token's K/V (position context_len - 1) go into the cache in the same launch: the one program
 whose split holds that key stores them and uses them in place of the cache's stale entry, and no other
 program reads that key, so nothing races (`store_decode_kv` does the same store as a kernel of its own).
+
+With `rope` (`Rope`) q and the new k arrive straight from the projection: every program norms its
+query heads (Qwen 3's and Gemma 3's per-head RMSNorm) and rotates them, and the new key likewise
+before it is stored, with fused_ops.qk_rope_'s arithmetic (fused_ops.rope_rows). A few hundred values
+per program, against a kernel launch per layer (and for a qk-norm model the norm kernels and their
+copies) that a decode step no longer makes.
+
+With PDL (pdkernels/pdl.py) both kernels wait for the kernels before them first thing.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Row-local fused kernels (Triton) for the model's small ops on CUDA: RMSNorm (alone, after a residual
-add, or after a sandwich norm's output norm and its add), rotary, SiLU- or GELU(tanh)-and-mul.
+add, or after a sandwich norm's output norm and its add), rotary (alone, or after the per-head q/k
+norms of Qwen 3 and Gemma 3: `qk_rope_`, whose arithmetic `rope_rows` also lends the decode attention
+kernel), SiLU- or GELU(tanh)-and-mul. Each may launch with programmatic dependent launch (`pdl_start`,
+pdkernels/pdl.py).
 
 In eager torch each of these is several elementwise kernels (RMSNorm: cast, square, mean, rsqrt,
 two multiplies, casts; rotary: split, negate, concatenate, multiply, add, for q and k). In a decode step
