@@ -40,6 +40,7 @@ from engine.context import get_context
 from engine.model_config import SLIDING, ModelArch
 from engine.moe import SparseMoE
 from engine.numerics import Numerics, run_rows
+from pdkernels import pdl
 
 PROBE_VOCAB_ROWS = 8192
 
@@ -78,15 +79,16 @@ def _gemv_for(x: torch.Tensor) -> ModuleType | None:
     return _gemv_kernels()
 
 
-def linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(lin: nn.Linear, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
     """lin(x): a decode step's few rows through pdkernels/gemv.py (one kernel, no split-K reduction after
-    it), everything else through F.linear."""
+    it), everything else through F.linear. act (CUDA): x is [gate | up] and the input is act(gate) * up
+    (fused_ops.silu_mul; inside the GEMV's kernel when it takes x)."""
     g = _gemv_for(x)
-    if g is None:
-        return lin(x)
-    from pdkernels import pdl
-
-    return g.gemv(x, lin.weight, lin.bias, pdl=pdl.active())
+    if g is not None:
+        return g.gemv(x, lin.weight, lin.bias, act=act, pdl=pdl.active())
+    if act is not None:
+        x = cast(ModuleType, _fused_ops()).silu_mul(x, act)
+    return lin(x)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -235,15 +237,8 @@ class MLP(nn.Module):
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up = linear(self.gate_up_proj, x)
-        ops = fused_ops_for(x)
-        if ops is not None and self.fused_act is not None:
-            g = _gemv_for(gate_up)
-            if g is not None:  # the activation inside the down projection's kernel: one launch fewer
-                from pdkernels import pdl
-
-                return g.gemv(gate_up, self.down_proj.weight, self.down_proj.bias, act=self.fused_act,
-                              pdl=pdl.active())
-            return self.down_proj(ops.silu_mul(gate_up, self.fused_act))
+        if fused_ops_for(x) is not None and self.fused_act is not None:
+            return linear(self.down_proj, gate_up, act=self.fused_act)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -230,21 +230,28 @@ def test_attention_stores_the_new_token(window: int, block_size: int) -> None:
     assert torch.equal(cache.nan_to_num(7.0), stored.nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("window", [0, 48])
-def test_sinks_match_reference(window: int) -> None:
-    """Attention sinks join each head's denominator once, however many splits the keys take (300 keys:
-    three); a padded row still comes out as zeros; a row alone equals its row in the batch."""
-    gen = _gen("sinks", window)
-    heads, kv_heads, dim, block_size = 8, 2, 64, 16
-    sinks = torch.tensor([-4.0, 0.0, 1.5, 3.0, 6.0, -1.0, 2.0, 0.5]).to(DEVICE, DTYPE)
+def _one_layer_setup(gen: torch.Generator, window: int, kv_heads: int, dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's cache, table and context lengths for five rows (one key, 17, three splits of 300, a
+    padded row, and a wrapped ring or a few pages): rings of `window` tokens, else 16-token pages."""
     ctx_lens = [1, 17, 300, 0, 2 * 48 + 5] if window else [1, 17, 300, 0, 129]
     if window:
         cache = _rand(gen, len(ctx_lens) + 1, 1, 2, window, kv_heads, dim)
         table = torch.arange(1, len(ctx_lens) + 1, dtype=torch.int32, device=DEVICE).view(-1, 1)
     else:
-        cache, table = _paged_setup(gen, ctx_lens, block_size, kv_heads, dim, num_layers=1)
-    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
-    q = _rand(gen, len(ctx_lens), heads, dim)
+        cache, table = _paged_setup(gen, ctx_lens, 16, kv_heads, dim, num_layers=1)
+    return cache, table, torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("window", [0, 48])
+def test_sinks_match_reference(window: int) -> None:
+    """Attention sinks join each head's denominator once, however many splits the keys take (300 keys:
+    three); a padded row still comes out as zeros; a row alone equals its row in the batch."""
+    gen = _gen("sinks", window)
+    heads, kv_heads, dim = 8, 2, 64
+    sinks = torch.tensor([-4.0, 0.0, 1.5, 3.0, 6.0, -1.0, 2.0, 0.5]).to(DEVICE, DTYPE)
+    cache, table, ctx = _one_layer_setup(gen, window, kv_heads, dim)
+    q = _rand(gen, ctx.numel(), heads, dim)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, cache, 0, table, ctx, 0.125, window=window, out=out, sinks=sinks)
     ref = reference(q, cache, 0, table.cpu(), ctx.cpu(), 0.125, window, sinks)
@@ -268,16 +275,10 @@ def test_rope_in_the_kernel_equals_rotating_first(window: int, qk_norm: bool, is
     from pdkernels.fused_ops import qk_rope_
 
     gen = _gen("rope", window, qk_norm, is_gemma)
-    heads, kv_heads, dim, block_size = 8, 2, 64, 16
-    ctx_lens = [1, 17, 300, 0, 2 * 48 + 5] if window else [1, 17, 300, 0, 129]
-    if window:
-        cache = _rand(gen, len(ctx_lens) + 1, 1, 2, window, kv_heads, dim)
-        table = torch.arange(1, len(ctx_lens) + 1, dtype=torch.int32, device=DEVICE).view(-1, 1)
-    else:
-        cache, table = _paged_setup(gen, ctx_lens, block_size, kv_heads, dim, num_layers=1)
-    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
-    qkv = _rand(gen, len(ctx_lens), heads + 2 * kv_heads, dim)
-    cos, sin = _rand(gen, len(ctx_lens), dim), _rand(gen, len(ctx_lens), dim)
+    heads, kv_heads, dim = 8, 2, 64
+    cache, table, ctx = _one_layer_setup(gen, window, kv_heads, dim)
+    qkv = _rand(gen, ctx.numel(), heads + 2 * kv_heads, dim)
+    cos, sin = _rand(gen, ctx.numel(), dim), _rand(gen, ctx.numel(), dim)
     qw = kw = None
     if qk_norm:
         qw, kw = _rand(gen, dim) * 0.3 + (0.0 if is_gemma else 1.0), _rand(gen, dim) * 0.3 + (0.0 if is_gemma else 1.0)
