@@ -4,7 +4,7 @@
 #     when this was written; if they fail or time out, the PDL modes below are dropped;
 #  2. the GPU tests of the kernels and decode paths this work touches;
 #  3. the small-batch GEMV against cuBLAS (bench/bench_gemv.py --quick);
-#  4. bench_engine's decode rows per mode: default (the decode rows' q/k norms and rotary inside the
+#  4. bench_engine's decode rows (and an 8k prefill) per mode: default (the decode rows' q/k norms and rotary inside the
 #     attention kernel), default-norope (before that), default-gemv, default-pdl, default-fast (both),
 #     deterministic (and deterministic-pdl);
 #  5. a per-kernel profile of the decode step and of one 8k prefill (bench/profile_decode.py).
@@ -42,7 +42,7 @@ say "gemv: rc $? $(( $(date +%s) - t0 )) s"
 grep -E "^(copy|shape|qkv|o |gate_up|down)" "$OUT/gemv.log" | tee -a "$SUMMARY"
 t0=$(date +%s)
 $T $(( BUDGET + 20 )) $PY bench/bench_engine.py --models "$MODELS" --modes "$MODES" --batches "$BATCHES" \
-    --contexts 1024 --prefill "" --det-batches 1 --det-contexts 1024 --det-prefill "" --no-hf --hicache-gb 0 \
+    --contexts 1024 --prefill 8192 --prefill-reps 2 --det-batches 1 --det-contexts 1024 --det-prefill "" --no-hf --hicache-gb 0 \
     --steps 8 --time-budget-s "$BUDGET" --out "$OUT" --tag decode > "$OUT/bench.log" 2>&1
 say "bench_engine ($MODES): rc $? $(( $(date +%s) - t0 )) s"
 grep -E "Error|error" "$OUT/bench.log" | head -5 | tee -a "$SUMMARY"
