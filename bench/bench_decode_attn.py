@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,37 +25,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import pdkernels.decode_attention as da  # noqa: E402
+from bench.bench_engine import copy_bytes_per_s, replay_ms  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 32, 32, 8, 128, 128
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def copy_gbps() -> float:
-    """An eager 2 GiB device copy, read + written (a copy captured in a graph runs as a memcpy node,
-    which measures only ~2.7 TB/s on an H200 against ~4.2 eager: not a ceiling for kernels)."""
-    src = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return 2 * src.numel() * 2 / (statistics.median(times) / 1e3) / 1e9
 
 
 def workload(batch: int, ctx: int) -> dict[str, Any]:
@@ -87,7 +58,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_decode_attn: needs CUDA")
         return 0
-    ceiling = copy_gbps()
+    ceiling = copy_bytes_per_s(torch.device("cuda")) / 1e9
     print(f"copy ceiling {ceiling:,.0f} GB/s (read + write)", flush=True)
     current = (da.BLOCK_N, da.MIN_SPLIT_TOKENS, da.NUM_WARPS, da.NUM_STAGES, da.PAGE_TILES)
     if args.quick:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.bench_engine import copy_bytes_per_s, graph_ms  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # gemv tiles swept besides the default: (BLOCK_N, BLOCK_K, warps), bf16; BLOCK_K = 256 * warps keeps one
@@ -60,33 +60,6 @@ def _naive_kernel() -> Any:
             tl.store(y_ptr + m * N + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
 
     return gemv
-
-
-def graph_ms(fn: Callable[[], None], reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def copy_ceiling_gbps() -> float:
-    src = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-
-    def copy() -> None:
-        dst.copy_(src)
-
-    return 2 * src.numel() * 2 / (graph_ms(copy) / 1e3) / 1e9
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -181,7 +154,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_gemv: needs CUDA")
         return 0
-    copy_gbps = copy_ceiling_gbps()
+    copy_gbps = copy_bytes_per_s(torch.device("cuda")) / 1e9  # eager: a graph's memcpy node is no ceiling
     print(f"copy ceiling {copy_gbps:,.0f} GB/s (read + write)")
     rows = []
     for name in args.shapes.split(","):

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.bench_engine import measure_ceilings  # noqa: E402
+from bench.bench_engine import graph_ms, measure_ceilings  # noqa: E402
 from pdkernels.moe_gemm import fused_moe_reference  # noqa: E402
 
 LAYER_COPIES = 4
@@ -93,25 +93,6 @@ def step_bytes(shape: MoEShape, ids: torch.Tensor, element_bytes: int) -> int:
 
 def step_flops(shape: MoEShape, num_tokens: int) -> int:
     return 2 * num_tokens * shape.top_k * 3 * shape.hidden * shape.inter
-
-
-def graph_ms(fn: Callable[[], Any], reps: int) -> float:
-    """Median time of one replay of a CUDA graph of fn (warmed up eagerly first: Triton compiles)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def eager_ms(fn: Callable[[], Any], reps: int) -> float:

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.bench_engine import copy_bytes_per_s, replay_ms  # noqa: E402
 from engine.config import EngineConfig, ForwardConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
@@ -43,18 +44,6 @@ def _median_ms(fn: Any, reps: int) -> float:
         fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -101,7 +90,7 @@ def _weights_floor(eng: LLMEngine, batch: int, reps: int) -> dict[str, Any]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    ms = _replay_ms(graph, reps)
+    ms = replay_ms(graph, reps)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     # one shape at a time: 32 distinct weights of that shape (64 for the lm head's one: repeated)
     for shape in sorted({tuple(w.shape) for w in weights}):
@@ -113,37 +102,13 @@ def _weights_floor(eng: LLMEngine, batch: int, reps: int) -> dict[str, Any]:
         with torch.cuda.graph(g):
             for w in ws:
                 F.linear(x, w)
-        t = _replay_ms(g, reps) / len(ws)
+        t = replay_ms(g, reps) / len(ws)
         by_shape[f"{shape[0]}x{shape[1]}"] = {
             "us": t * 1e3,
             "GBps": shape[0] * shape[1] * 2 / (t / 1e3) / 1e9,
         }
     del graph
     return {"ms": ms, "bytes": nbytes, "GBps": nbytes / (ms / 1e3) / 1e9, "by_shape": by_shape}
-
-
-def _copy_ceiling() -> float:
-    src = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-
-    def copy() -> None:
-        dst.copy_(src)
-
-    ms = _replay_ms_fn(copy, 10)
-    return 2 * 2**31 / (ms / 1e3) / 1e9
-
-
-def _replay_ms_fn(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -177,7 +142,7 @@ def main() -> int:
             )
         )
         print(f"graphs: {eng.graph_stats}", flush=True)
-        report["copy_GBps"] = copy_gbps = _copy_ceiling()
+        report["copy_GBps"] = copy_gbps = copy_bytes_per_s(torch.device("cuda")) / 1e9
         print(f"copy ceiling {copy_gbps:,.0f} GB/s (read + write)", flush=True)
         for b in batches:
             ids = [f"p{b}-{i}" for i in range(b)]
@@ -191,7 +156,7 @@ def main() -> int:
             assert eng.runner.graphs is not None
             bucket = eng.runner.graphs.bucket(b)
             graph = eng.runner.graphs._graphs[bucket][0]
-            replay_ms = _replay_ms(graph, 15)
+            graph_replay_ms = replay_ms(graph, 15)
             kernels, kernel_us = _kernel_table(graph, 3)
             be.release_all(eng, ids)
             floor = _weights_floor(eng, b, 15)
@@ -207,15 +172,15 @@ def main() -> int:
                 "weights_floor": floor,
                 "batch": b,
                 "step_ms": step_ms,
-                "replay_ms": replay_ms,
-                "host_ms": step_ms - replay_ms,
+                "replay_ms": graph_replay_ms,
+                "host_ms": step_ms - graph_replay_ms,
                 "kernel_ms": kernel_us / 1e3,
                 "num_kernels": sum(k["per_step"] for k in kernels),
                 "kernels": kernels[:25],
             }
             report["rows"].append(row)
             print(
-                f"\nb={b}: step {step_ms:.3f} ms wall, graph replay {replay_ms:.3f} ms GPU (host {step_ms - replay_ms:.3f} ms), "
+                f"\nb={b}: step {step_ms:.3f} ms wall, graph replay {graph_replay_ms:.3f} ms GPU (host {step_ms - graph_replay_ms:.3f} ms), "
                 f"kernels {kernel_us / 1e3:.3f} ms in {row['num_kernels']:.0f} launches",
                 flush=True,
             )
