@@ -35,14 +35,20 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
-def _normed(x, w, n_cols, eps, IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
-    """RMSNorm of one float32 row (engine.model.RMSNorm's arithmetic), rounded to DTYPE."""
-    r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / n_cols + eps)
+def _scaled(x, w, r, IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
+    """engine.model.RMSNorm's arithmetic on float32 values x of rows whose 1 / rms is r (broadcast),
+    elementwise, rounded to DTYPE."""
     if IS_GEMMA:  # (x * (1 + w)) in float32, then cast
         y = x * r * (1.0 + w)
     else:  # weight * (normed cast to the dtype), the product rounded to the dtype
         y = (x * r).to(DTYPE).to(tl.float32) * w
     return y.to(DTYPE)
+
+
+@triton.jit
+def _normed(x, w, n_cols, eps, IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
+    """RMSNorm of one float32 row (engine.model.RMSNorm's arithmetic), rounded to DTYPE."""
+    return _scaled(x, w, 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / n_cols + eps), IS_GEMMA, DTYPE)
 
 
 @triton.jit
@@ -108,60 +114,10 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 @triton.jit
-def _rotary_kernel(X, COS, SIN, stride_xt, stride_xh, stride_c, num_heads, HALF: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask_d = offs_d < HALF
-    c1 = tl.load(COS + t * stride_c + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + t * stride_c + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + t * stride_c + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + t * stride_c + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    dt = X.dtype.element_ty
-    for h0 in range(0, num_heads, BLOCK_H):
-        heads = h0 + offs_h
-        mask = (heads[:, None] < num_heads) & mask_d[None, :]
-        p = X + t * stride_xt + heads[:, None] * stride_xh + offs_d[None, :]
-        x1 = tl.load(p, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(p + HALF, mask=mask, other=0.0).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, every product and the sum rounded to the dtype as torch does
-        o1 = (x1 * c1[None, :]).to(dt).to(tl.float32) + (-x2 * s1[None, :]).to(dt).to(tl.float32)
-        o2 = (x2 * c2[None, :]).to(dt).to(tl.float32) + (x1 * s2[None, :]).to(dt).to(tl.float32)
-        tl.store(p, o1.to(dt), mask=mask)
-        tl.store(p + HALF, o2.to(dt), mask=mask)
-
-
-def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """In place: x[t, h] = x[t, h] * cos[t] + rotate_half(x[t, h]) * sin[t]. x: [tokens, heads, dim]
-    (a strided view of a packed projection is fine); cos, sin: [tokens, dim]."""
-    tokens, num_heads, dim = x.shape
-    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
-        raise ValueError("rotary_ needs the head_dim axis contiguous and cos/sin laid out alike")
-    if tokens:
-        half = dim // 2
-        _rotary_kernel[(tokens,)](
-            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), num_heads,
-            HALF=half, BLOCK_H=min(16, triton.next_power_of_2(num_heads)), BLOCK_HALF=triton.next_power_of_2(half),
-            num_warps=4,
-        )
-
-
-@triton.jit
-def _qk_normed(x, w, r, IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
-    """_normed's arithmetic for values x of rows whose factor 1 / rms is r (broadcast), elementwise: a
-    row's own elements and its rotary partners are normed alike."""
-    if IS_GEMMA:
-        y = x * r * (1.0 + w)
-    else:
-        y = (x * r).to(DTYPE).to(tl.float32) * w
-    return y.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
 def _rotated(x, xp, c, s, HALF: tl.constexpr, offs_d, DTYPE: tl.constexpr):
     """x * cos + rotate_half(x) * sin for elements x at head offsets offs_d, whose rotary partners (offset
-    d + HALF for d < HALF, d - HALF after) are xp; the rotary kernel's roundings. Returns DTYPE."""
+    d + HALF for d < HALF, d - HALF after) are xp; every product and the sum rounded to DTYPE, as torch
+    does (the compiler may still keep a product unrounded inside the sum: within a rounding of torch)."""
     xs = tl.where(offs_d < HALF, -xp, xp)
     return ((x * c).to(DTYPE).to(tl.float32) + (xs * s).to(DTYPE).to(tl.float32)).to(DTYPE)
 
@@ -179,10 +135,11 @@ def rope_rows(P, offs_d, mask, COS, SIN, NW, eps, HEAD_DIM: tl.constexpr, QK_NOR
     xp = tl.load(P + partner, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
         r = (1.0 / tl.sqrt_rn(tl.sum(x * x, 1) / HEAD_DIM + eps))[:, None]
-        x = _qk_normed(x, tl.load(NW + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32), r, IS_GEMMA,
-                       DTYPE)
-        xp = _qk_normed(xp, tl.load(NW + offs_d + partner, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32), r,
-                        IS_GEMMA, DTYPE)
+        # a row's own elements and their rotary partners are normed alike
+        w = tl.load(NW + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+        wp = tl.load(NW + offs_d + partner, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+        x = _scaled(x, w, r, IS_GEMMA, DTYPE).to(tl.float32)
+        xp = _scaled(xp, wp, r, IS_GEMMA, DTYPE).to(tl.float32)
     c = tl.load(COS + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
     s = tl.load(SIN + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
     return _rotated(x, xp, c, s, half, offs_d, DTYPE)
@@ -215,9 +172,10 @@ def _qk_rope_kernel(X, COS, SIN, QW, KW, stride_xt, stride_xh, stride_c, num_q, 
 def qk_rope_(qk: torch.Tensor, num_q: int, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None = None,
              k_weight: torch.Tensor | None = None, eps: float = 0.0, is_gemma: bool = False) -> None:
     """In place, one launch: the q heads (the first num_q of qk's [tokens, heads, dim]) and the k heads
-    after them get their per-head RMSNorm (with q_weight / k_weight; None: no norm) and then rotary, the
-    arithmetic of rms_norm then rotary_ (one rounding apart at most, where the compiler keeps a rotary
-    product unrounded). A strided view of the packed projection is fine."""
+    after them get their per-head RMSNorm (with q_weight / k_weight; None: no norm, rotary alone) and
+    then rotary: the arithmetic of rms_norm, then x * cos + rotate_half(x) * sin with torch's roundings
+    (one rounding apart at most, where the compiler keeps a product unrounded). A strided view of the
+    packed projection is fine."""
     tokens, heads, dim = qk.shape
     if qk.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
         raise ValueError("qk_rope_ needs the head_dim axis contiguous and cos/sin laid out alike")
