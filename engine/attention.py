@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cache
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,9 @@ from torch.nn.attention.bias import causal_lower_right
 from engine.config import ForwardConfig
 from engine.context import ForwardContext, SeqChunk, get_context
 from engine.decode import decode_attention
+
+if TYPE_CHECKING:  # the kernel module imports triton
+    from pdkernels.decode_attention import Rope
 
 QUERY_TILE = 16
 
@@ -76,7 +79,7 @@ class AttnSpec:
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, sinks: torch.Tensor | None = None,
-    rope: Any = None,
+    rope: Rope | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] for the new tokens; sinks: [heads] attention
     sink logits or None (see the module docstring). Returns [tokens, heads, dim].

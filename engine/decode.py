@@ -18,13 +18,16 @@ block table; sliding layers: the sequence's ring slot), storing the row's new K/
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.kv_cache import KVCache
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:  # the kernel module imports triton
+    from pdkernels.decode_attention import Rope
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ WIDE_SPLIT_ROWS = 32
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_sliding: bool, cache_index: int,
                      window: int | None, scale: float, kv: KVCache, meta: DecodeMeta,
                      batch_invariant: bool = True, sinks: torch.Tensor | None = None,
-                     rope: Any = None) -> torch.Tensor:
+                     rope: Rope | None = None) -> torch.Tensor:
     """Stores the rows' new K/V and attends over each row's cached keys, in one kernel pass. q: [rows, heads, dim];
     sinks: [heads] attention sink logits, or None; rope: q and k still raw, normed and rotated in the kernel
     (pdkernels/decode_attention.py Rope), or None."""

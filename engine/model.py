@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import cache
 from types import ModuleType
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ from engine.model_config import SLIDING, ModelArch
 from engine.moe import SparseMoE
 from engine.numerics import Numerics, run_rows
 from pdkernels import pdl
+
+if TYPE_CHECKING:  # the kernel module imports triton
+    from pdkernels.decode_attention import Rope
 
 PROBE_VOCAB_ROWS = 8192
 
@@ -184,7 +187,7 @@ class Attention(nn.Module):
             return 0
         return dec.num_rows
 
-    def decode_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+    def decode_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rope | None:
         """The decode kernel's Rope (pdkernels/decode_attention.py) for the rows qkv() left raw, or None."""
         rows = self._decode_rows_raw(x)
         if not rows:
