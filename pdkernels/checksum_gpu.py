@@ -10,7 +10,8 @@ registers; torch then weights the per-chunk sums by their chunk keys (kept on th
 Three uses, one kernel:
     segment_sum(words)               hash only (checksum.segment_sum on CUDA)
     gather_pages(pool, ids, out)     the PE's export gather, hashing the pages it writes
-    copy_segment(dst, src)           the ipc receiver's copy out of the sender's memory
+    copy_segments(dst, src)          the ipc receiver's copy out of the sender's memory (its sums
+                                     read in host memory: SegmentSums.fold)
 
 Integer arithmetic wraps mod 2^64 in Triton as in torch and numpy, and >> of a signed int64 is
 arithmetic in all three, so the value is the definition's bit for bit. Still, the kernel is used on a
@@ -25,6 +26,7 @@ import threading
 from functools import cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdkernels.checksum import (
@@ -67,19 +69,26 @@ def _launch(
     dst: torch.Tensor | None = None,
     page_ids: torch.Tensor | None = None,
     page_words: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """S of the num_words words (0-dim int64 on the device, mod 2^64 as a signed value); queued only."""
+    """The weighted per-chunk sums of the num_words words (copy_hash.py; into out when given), whose
+    wrapping sum is S; queued only."""
     copy_hash, position_keys, mul, chunk_words = _kernel_args()
-    sums = copy_hash(
-        src, num_words, position_keys(src.device), mul, chunk_words,
-        dst=dst, page_ids=page_ids, page_words=page_words,
+    keys = chunk_keys(first_chunk, -(-num_words // chunk_words), src.device)
+    return copy_hash(
+        src, num_words, position_keys(src.device), keys, mul, chunk_words,
+        dst=dst, page_ids=page_ids, page_words=page_words, out=out,
     )  # fmt: skip
-    return (sums * chunk_keys(first_chunk, sums.numel(), src.device)).sum()
+
+
+def _s(src: torch.Tensor, num_words: int, first_chunk: int = 0, **kw: Any) -> torch.Tensor:
+    """S of the num_words words (0-dim int64 on the device, mod 2^64 as a signed value); queued only."""
+    return _launch(src, num_words, first_chunk, **kw).sum()
 
 
 def segment_sum(words: torch.Tensor, first_chunk: int) -> int:
     """checksum.segment_sum through the kernel (words: int64, contiguous, on a CUDA device)."""
-    return int(_launch(words, words.numel(), first_chunk)) & MASK64
+    return int(_s(words, words.numel(), first_chunk)) & MASK64
 
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
@@ -111,19 +120,50 @@ def gather_pages(pool: torch.Tensor, block_ids: list[int], out: torch.Tensor) ->
         return None
     ids = torch.tensor(block_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
     page_words = page_bytes // 8
-    return _launch(src, dst.numel(), dst=dst, page_ids=ids, page_words=page_words)
+    return _s(src, dst.numel(), dst=dst, page_ids=ids, page_words=page_words)
+
+
+class SegmentSums:
+    """The ipc receiver's copy+hash of several segments: every chunk's weighted sum in one device
+    buffer (sums), each segment's chunks a slice of it (bounds); S of each segment once the buffer
+    (or a copy of it in host memory) is read."""
+
+    def __init__(self, sums: torch.Tensor, bounds: list[int]) -> None:
+        self.sums = sums  # int64 [total chunks]
+        self.bounds = bounds  # segment i's chunks: sums[bounds[i]:bounds[i + 1]]
+
+    def fold(self, host: torch.Tensor) -> list[int]:
+        """Each segment's S from host, a CPU copy of sums (numpy's uint64 sums wrap mod 2^64)."""
+        h = host.numpy().view(np.uint64)
+        b = self.bounds
+        return [int(h[b[i] : b[i + 1]].sum(dtype=np.uint64)) for i in range(len(b) - 1)]
+
+
+def copy_segments(dst: list[torch.Tensor], src: list[torch.Tensor]) -> SegmentSums | None:
+    """dst[i].copy_(src[i]) for pairs of contiguous tensors of equal byte sizes on one CUDA device,
+    hashing the bytes on the way: one kernel launch per segment and one sums buffer for all of them,
+    queued on the current stream (nothing waits). None, nothing done, when the kernel cannot do all
+    of them (the caller copies and hashes with torch)."""
+    pairs = [(_words(s), _words(d)) for s, d in zip(src, dst)]
+    if not pairs or not dst[0].is_cuda or not usable(dst[0].device):
+        return None
+    bounds = [0]
+    for (s, d), t in zip(pairs, src):
+        if s is None or d is None or s.numel() != d.numel() or t.device != dst[0].device:
+            return None
+        bounds.append(bounds[-1] + -(-s.numel() // CHUNK_WORDS))
+    sums = torch.empty(bounds[-1], dtype=torch.int64, device=dst[0].device)
+    for i, (s, d) in enumerate(pairs):
+        assert s is not None and d is not None
+        if s.numel():
+            _launch(s, s.numel(), dst=d, out=sums[bounds[i] : bounds[i + 1]])
+    return SegmentSums(sums, bounds)
 
 
 def copy_segment(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
-    """dst.copy_(src) for two contiguous tensors of the same byte size on one CUDA device, hashing
-    the bytes on the way: dst's S as a 0-dim int64 device tensor (queued), or None (nothing done)
-    when the kernel cannot (the caller copies and hashes with torch)."""
-    s, d = _words(src), _words(dst)
-    if s is None or d is None or s.numel() != d.numel() or not dst.is_cuda or src.device != dst.device:
-        return None
-    if not usable(dst.device):
-        return None
-    return _launch(s, s.numel(), dst=d)
+    """copy_segments of one pair: dst's S as a 0-dim int64 device tensor (queued), or None."""
+    got = copy_segments([dst], [src])
+    return None if got is None else got.sums.sum()
 
 
 @cache
@@ -138,18 +178,25 @@ def usable(device: torch.device) -> bool:
         n = 2 * CHUNK_WORDS + 12345
         words = torch.randint(-(2**62), 2**62, (n,), generator=g, dtype=torch.int64).to(device)
         ok = all(
-            int(_launch(words[lo:], n - lo, k)) & MASK64 == torch_s(words[lo:], k)
+            int(_s(words[lo:], n - lo, k)) & MASK64 == torch_s(words[lo:], k)
             for lo, k in ((0, 0), (CHUNK_WORDS, 5))
         )
         out = torch.full_like(words, -1)
-        ok = ok and int(_launch(words, n, dst=out)) & MASK64 == torch_s(words) and torch.equal(out, words)
+        ok = ok and int(_s(words, n, dst=out)) & MASK64 == torch_s(words) and torch.equal(out, words)
+        # two segments' sums in one buffer, folded on the host (copy_segments' way)
+        a = CHUNK_WORDS + 7  # 2 chunks, then n - a words in 2 more
+        both = torch.empty(4, dtype=torch.int64, device=device)
+        _launch(words[:a], a, dst=out[:a], out=both[:2])
+        _launch(words[a:], n - a, dst=out[a:], out=both[2:])
+        got_s = SegmentSums(both, [0, 2, 4]).fold(both.cpu())
+        ok = ok and got_s == [torch_s(words[:a]), torch_s(words[a:])] and torch.equal(out, words)
         # pages that do not divide the chunk: steps inside a page (2048 | 6144), and across (1000)
         for page_words in (6144, 1000):
             pool = words[: (n // page_words) * page_words].view(-1, page_words)
             ids = torch.randperm(pool.shape[0], generator=g)[: pool.shape[0] - 3].to(device)
             want = pool[ids].reshape(-1)
             got = torch.full_like(want, -1)
-            s = _launch(pool.reshape(-1), want.numel(), dst=got, page_ids=ids, page_words=page_words)
+            s = _s(pool.reshape(-1), want.numel(), dst=got, page_ids=ids, page_words=page_words)
             ok = ok and int(s) & MASK64 == torch_s(want) and torch.equal(got, want)
     except Exception as e:  # no Triton, or it cannot build for this device
         log.info("payload checksum on %s: torch path (Triton kernel unavailable: %r)", device, e)

@@ -9,9 +9,10 @@ Source addressing (word i of the segment, i in [0, num_words)):
     segment words: | page_ids[0] ......... | page_ids[1] ......... | ... |
     chunks:        | chunk 0 (1 MiB) | chunk 1 | chunk 2 | ...            (need not align with pages)
 
-The destination, when given, is flat: dst[i]. sums[c] = sum_j x(w[c*CHUNK + j], keys[j]) over the
-chunk's live words, x = y ^ (y >> 31), y = (w ^ keys[j]) * MUL (wrapping int64, >> arithmetic):
-what the caller weights by chunk keys and folds (transfer/checksum_gpu.py).
+The destination, when given, is flat: dst[i]. sums[c] = K_c * sum_j x(w[c*CHUNK + j], keys[j]) over
+the chunk's live words, x = y ^ (y >> 31), y = (w ^ keys[j]) * MUL (wrapping int64, >> arithmetic),
+K_c the chunk's key (chunk_keys[c]): a segment's S is the wrapping sum of its sums (checksum.py), which
+the caller takes on the device or, once copied to host memory, with numpy (pdkernels/checksum_gpu.py).
 
 One program per chunk, BLOCK words per step. When BLOCK divides page_words, a step never crosses a
 page, so the page lookup is one scalar load per step (PAGE_STEPS); otherwise per word. Triton is
@@ -36,7 +37,7 @@ def _kernel() -> Any:
 
     @triton.jit
     def copy_hash(
-        src_ptr, ids_ptr, dst_ptr, keys_ptr, out_ptr, num_words, page_words, num_pages,
+        src_ptr, ids_ptr, dst_ptr, keys_ptr, ckeys_ptr, out_ptr, num_words, page_words, num_pages,
         CHUNK: tl.constexpr, BLOCK: tl.constexpr, MUL: tl.constexpr,
         PAGED: tl.constexpr, PAGE_STEPS: tl.constexpr, WRITE: tl.constexpr,
     ):  # fmt: skip
@@ -62,7 +63,7 @@ def _kernel() -> Any:
                 tl.store(dst_ptr + idx, w, mask=live)
             y = (w ^ tl.load(keys_ptr + j)) * MUL
             acc += tl.where(live, y ^ (y >> 31), 0)
-        tl.store(out_ptr + c, tl.sum(acc, axis=0))
+        tl.store(out_ptr + c, tl.sum(acc, axis=0) * tl.load(ckeys_ptr + c))
 
     return copy_hash
 
@@ -80,25 +81,31 @@ def copy_hash(
     src: torch.Tensor,
     num_words: int,
     keys: torch.Tensor,
+    chunk_keys: torch.Tensor,
     mul: int,
     chunk_words: int,
     *,
     dst: torch.Tensor | None = None,
     page_ids: torch.Tensor | None = None,
     page_words: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-chunk sums (int64, [ceil(num_words / chunk_words)], on src's device) of num_words words
-    of src (int64, contiguous; a pool of pages of page_words words when page_ids, int64, is given),
-    copied to dst[:num_words] (int64, contiguous) on the way when dst is given. Queued on the
-    current stream; nothing waits for it."""
+    """Per-chunk weighted sums (int64, [ceil(num_words / chunk_words)], on src's device) of num_words
+    words of src (int64, contiguous; a pool of pages of page_words words when page_ids, int64, is
+    given), copied to dst[:num_words] (int64, contiguous) on the way when dst is given. chunk_keys:
+    K_c of each chunk (int64, at least that many); out: where the sums go (a contiguous int64 slice
+    of that length, e.g. of one buffer for several segments), else new memory. Queued on the current
+    stream; nothing waits for it."""
     num_chunks = -(-num_words // chunk_words)
-    sums = torch.empty(num_chunks, dtype=torch.int64, device=src.device)
+    sums = torch.empty(num_chunks, dtype=torch.int64, device=src.device) if out is None else out
+    if sums.numel() != num_chunks or chunk_keys.numel() < num_chunks:
+        raise ValueError(f"{num_chunks} chunks: out has {sums.numel()} sums, chunk_keys {chunk_keys.numel()} keys")
     if num_chunks == 0:
         return sums
     paged = page_ids is not None
     block = _block_words(page_words) if paged else MAX_BLOCK_WORDS
     _kernel()[(num_chunks,)](
-        src, page_ids if paged else src, dst if dst is not None else src, keys, sums,
+        src, page_ids if paged else src, dst if dst is not None else src, keys, chunk_keys, sums,
         num_words, max(page_words, 1), page_ids.numel() if page_ids is not None else 1,
         CHUNK=chunk_words, BLOCK=block, MUL=mul, PAGED=paged,
         PAGE_STEPS=paged and page_words % block == 0, WRITE=dst is not None, num_warps=NUM_WARPS,

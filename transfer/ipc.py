@@ -15,8 +15,9 @@ handle per tensor, which the receiver opens and drops within the handoff.
 
 Receiver: keeps the arenas it has opened (MAX_OPEN_ARENAS, by (host, arena id), least recently used
 dropped first), so a handoff opens nothing; copies each segment into its buffer on a side stream
-with the fused copy+hash kernel (checksum_gpu.copy_segment: one launch per segment) and returns the
-checksum from pull, so the receiver has no separate verify pass.
+with the fused copy+hash kernel (checksum_gpu.copy_segments: one launch per segment, the sums copied
+to pinned host memory before the completion event) and returns the checksum from pull, so the
+receiver has no separate verify pass.
 
 NOTE: with the arena no per-handoff event travels in a handle, so the sender waits for its export's
 writes (an event on the producer's stream) before it offers. NOTE: the receiver keeps no
@@ -43,7 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.handoff import DTYPES, dtype_name
-from pdkernels.checksum import MASK64, fold
+from pdkernels.checksum import fold
 from transfer.config import TransferConfig
 from transfer.errors import TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader
@@ -107,9 +108,10 @@ def _wait(done: Done, deadline_s: float) -> bool:
 
 
 class _EventCopy:
-    def __init__(self, event: Any, sums: torch.Tensor | None = None, start: Any = None) -> None:
+    def __init__(self, event: Any, sums: Any = None, host: torch.Tensor | None = None, start: Any = None) -> None:
         self.event = event
-        self.sums = sums
+        self.sums = sums  # the copy's SegmentSums (pdkernels/checksum_gpu.py), if it hashed
+        self.host = host  # their buffer's copy in pinned host memory, written before the event
         self.start = start  # a timing event recorded before the copy's launches, if any
 
     def done(self) -> bool:
@@ -119,7 +121,7 @@ class _EventCopy:
         self.event.synchronize()
 
     def segment_sums(self) -> list[int] | None:
-        return None if self.sums is None else [int(s) & MASK64 for s in self.sums.tolist()]
+        return None if self.sums is None or self.host is None else self.sums.fold(self.host)
 
     def gpu_s(self) -> float | None:
         """Once done: the copy's time on the device (its stream's events), if it was timed."""
@@ -189,8 +191,10 @@ class TorchCudaIpc:
 
     def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Copy:
         # NOTE: on the handoff's critical path: few torch calls (each costs microseconds of host time,
-        # and the launch's Python is a sizeable part of a long sequence's copy: bench/RESULTS.md)
-        from pdkernels.checksum_gpu import copy_segment
+        # and the launch's Python is a sizeable part of a long sequence's copy: bench/RESULTS.md). One
+        # sums buffer for every segment, copied to pinned memory before the completion event: once the
+        # event is done the sums are read from host memory, with no further sync.
+        from pdkernels.checksum_gpu import copy_segments
 
         device = dst[0].device
         stream = self._streams.get(device)
@@ -204,21 +208,19 @@ class TorchCudaIpc:
             if self.time_copies:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-            sums: list[torch.Tensor | None] = []
-            for d, s in zip(dst, src):
-                summed = copy_segment(d, s) if s.device == d.device else None
-                if summed is None:
+            sums = copy_segments(dst, src) if all(s.device == device for s in src) else None
+            host = None
+            if sums is None:
+                for d, s in zip(dst, src):
                     d.copy_(s, non_blocking=True)
-                sums.append(summed)
-            hashed = [s for s in sums if s is not None]
-            stacked = None
-            if len(hashed) == len(sums):
-                stacked = hashed[0].view(1) if len(hashed) == 1 else torch.stack(hashed)
+            else:
+                host = torch.empty(sums.sums.shape, dtype=torch.int64, pin_memory=True)
+                host.copy_(sums.sums, non_blocking=True)
             event = torch.cuda.Event(enable_timing=self.time_copies)
             event.record(stream)
         finally:
             torch.cuda.set_stream(current)
-        return _EventCopy(event, stacked, start)
+        return _EventCopy(event, sums, host, start)
 
     def produced(self, device: torch.device) -> Done:
         stream = torch.cuda.current_stream(device)
