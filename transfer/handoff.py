@@ -21,7 +21,13 @@ IDS_INLINE_MAX tokens is not in the header's bytes: the header says how many ids
 (num_prompt_tokens) and the sender sends them in an `ids` message right after the offer (wire.py),
 so packing them, carrying them and reading them overlap the payload instead of delaying its start.
 A decoded header keeps the prompt's ids packed (PackedIds: checked when they arrive, unpacked on
-first use). Header version 4 (3 had no first_page).
+first use).
+
+The checksum may follow the offer (checksum_follows; the header's checksum field is then 0): an ipc
+sender offers as soon as its export's gather is queued, and sends the checksum in a `sum` message
+once the gather's sums are read (wire.py), so the receiver's copy launch overlaps the gather's end.
+
+Header version 5 (4 had no checksum_follows, 3 no first_page).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from pdkernels.checksum import MASK64, as_words, fold
 from transfer.checksum import segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
-HEADER_VERSION = 4
+HEADER_VERSION = 5
 IDS_INLINE_MAX = 1024  # prompts longer than this send their token ids after the offer
 
 
@@ -74,9 +80,10 @@ class HandoffHeader:
     page_bytes: int  # one page (every full layer)
     state_bytes: int  # the whole SWA ring
     payload_bytes: int
-    checksum: int  # transfer.checksum.payload_checksum of [pages, state]
+    checksum: int  # transfer.checksum.payload_checksum of [pages, state]; 0 when it follows
     first_page: int = 0  # the payload's pages start at this page of the sequence (see the module's doc)
     output_logprobs: tuple[TokenLogprob, ...] = ()
+    checksum_follows: bool = False  # a `sum` message after the offer carries the checksum
     version: int = HEADER_VERSION
 
     def __post_init__(self) -> None:
@@ -119,8 +126,8 @@ class HandoffHeader:
         wrong = [f"{k} {getattr(self, k)} != {v}" for k, v in want.items() if getattr(self, k) != v]
         if wrong:
             raise bad("inconsistent sizes: " + ", ".join(wrong))
-        if not 0 <= self.checksum < 1 << 64:
-            raise bad("checksum out of range")
+        if not 0 <= self.checksum < 1 << 64 or (self.checksum_follows and self.checksum):
+            raise bad("checksum out of range (or given although it follows)")
 
     @property
     def layout(self) -> KVLayout:
@@ -214,6 +221,8 @@ class HandoffHeader:
             for name in _INT_FIELDS:
                 if type(d[name]) is not int:  # NOTE: not isinstance: a bool is an int there
                     raise TypeError(f"{name} must be an integer")
+            if type(d["checksum_follows"]) is not bool:
+                raise TypeError("checksum_follows must be a boolean")
             return cls(**kw)
         except HandoffError:
             raise
@@ -374,9 +383,11 @@ def make_header(
     model: str = "",
     output_logprobs: list[TokenLogprob] | tuple[TokenLogprob, ...] = (),
     checksum: int | None = None,
+    checksum_follows: bool = False,
 ) -> HandoffHeader:
     """The header of an export (sender side). Computes the checksum where the tensors are unless
-    given. Raises HandoffError(LAYOUT) if the tensors do not have this layout's shapes."""
+    given, or unless it follows (then the header says so and the sender sends it after the offer:
+    export_checksum). Raises HandoffError(LAYOUT) if the tensors do not have this layout's shapes."""
     lo = layout.fields()
     num_computed = export.num_computed
     first_page = export.first_page
@@ -392,7 +403,9 @@ def make_header(
         if st is None or tuple(st.shape) != state_shape or st.dtype != layout.dtype:
             got = None if st is None else (tuple(st.shape), st.dtype)
             raise HandoffError(LAYOUT, f"SWA state {got} != {state_shape} {layout.dtype}")
-    if checksum is None:
+    if checksum_follows:
+        checksum = 0
+    elif checksum is None:
         checksum = export_checksum(export, layout)
     return HandoffHeader(
         request_id=export.request_id,
@@ -410,6 +423,7 @@ def make_header(
         checksum=checksum,
         first_page=first_page,
         output_logprobs=tuple(output_logprobs),
+        checksum_follows=checksum_follows,
         **lo,
     )
 

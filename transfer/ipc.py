@@ -19,8 +19,11 @@ with the fused copy+hash kernel (checksum_gpu.copy_segments: one launch per segm
 to pinned host memory before the completion event) and returns the checksum from pull, so the
 receiver has no separate verify pass.
 
-NOTE: with the arena no per-handoff event travels in a handle, so the sender waits for its export's
-writes (an event on the producer's stream) before it offers. NOTE: the receiver keeps no
+The arena comes with an interprocess CUDA event, exported once with it. The sender records it on
+the producer's stream when it offers (the export's gather queued, maybe not done) and offers at once,
+its checksum following the offer (handoff.py); the receiver's copy stream waits for that event on the
+device before the copy runs. Without the event (a backend that cannot export one) the sender waits
+for its export's writes before it offers, and the checksum is in the header. NOTE: the receiver keeps no
 torch-rebuilt mapping of a per-tensor handle past its handoff: torch's IPC ref counting would keep the
 sender's blocks in limbo and the sender's memory would grow (the arenas it keeps are few and fixed).
 
@@ -84,11 +87,21 @@ class IpcBackend(Protocol):
 
     def open(self, handle: dict[str, Any]) -> torch.Tensor: ...
 
-    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Copy:
-        """Queues dst[i] <- src[i] (flat uint8 tensors of equal sizes), hashing dst on the way where it can."""
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], after: Any = None) -> Copy:
+        """Queues dst[i] <- src[i] (flat uint8 tensors of equal sizes), hashing dst on the way where it
+        can; after: an event (open_event's) the copy waits for on the device first."""
 
     def produced(self, device: torch.device) -> Done:
         """Says when the work queued so far on device's current stream (the export's writes) is done."""
+
+    def export_event(self, device: torch.device) -> tuple[Any, dict[str, Any]]:
+        """An event another process on this host can wait for, and its handle (msgpack-able)."""
+
+    def record(self, event: Any, device: torch.device) -> None:
+        """Records event after the work queued so far on device's current stream."""
+
+    def open_event(self, handle: dict[str, Any]) -> Any:
+        """The event of another process's export_event handle."""
 
 
 def _wait(done: Done, deadline_s: float) -> bool:
@@ -173,11 +186,7 @@ class TorchCudaIpc:
     def open(self, h: dict[str, Any]) -> torch.Tensor:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        local = next((i for i in range(torch.cuda.device_count()) if _device_uuid(i) == h["device"]), None)
-        if local is None:
-            raise HandoffError(
-                TRANSPORT, f"the sender's GPU {h['device']} is not visible to this process (use tcp or nccl)"
-            )
+        local = _local_device(h["device"])
         return rebuild_cuda_tensor(
             torch.Tensor, torch.Size(h["size"]), tuple(h["stride"]), h["offset"], torch.storage.TypedStorage, _IPC_DTYPES[h["dtype"]],
             local, h["handle"], h["storage_bytes"], h["storage_offset"], False, h["ref_handle"], h["ref_offset"],
@@ -189,7 +198,7 @@ class TorchCudaIpc:
         self.time_copies = time_copies
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Copy:
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], after: Any = None) -> Copy:
         # NOTE: on the handoff's critical path: few torch calls (each costs microseconds of host time,
         # and the launch's Python is a sizeable part of a long sequence's copy: bench/RESULTS.md). One
         # sums buffer for every segment, copied to pinned memory before the completion event: once the
@@ -202,6 +211,8 @@ class TorchCudaIpc:
             stream = self._streams.setdefault(device, torch.cuda.Stream(device))
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)  # the buffers' allocation
+        if after is not None:
+            stream.wait_event(after)  # the sender's export, written on its own stream
         torch.cuda.set_stream(stream)
         try:
             start = None
@@ -231,6 +242,26 @@ class TorchCudaIpc:
         return _EventCopy(event)
 
 
+    def export_event(self, device: torch.device) -> tuple[Any, dict[str, Any]]:
+        event = torch.cuda.Event(interprocess=True)
+        event.record(torch.cuda.current_stream(device))
+        return event, {"device": _device_uuid(device.index or 0), "handle": bytes(event.ipc_handle())}
+
+    def record(self, event: Any, device: torch.device) -> None:
+        event.record(torch.cuda.current_stream(device))
+
+    def open_event(self, handle: dict[str, Any]) -> Any:
+        return torch.cuda.Event.from_ipc_handle(_local_device(handle["device"]), handle["handle"])
+
+
+def _local_device(uuid: str) -> int:
+    """This process's index of the GPU with that UUID (the sender's, named in its handles)."""
+    local = next((i for i in range(torch.cuda.device_count()) if _device_uuid(i) == uuid), None)
+    if local is None:
+        raise HandoffError(TRANSPORT, f"the sender's GPU {uuid} is not visible to this process (use tcp or nccl)")
+    return local
+
+
 class _Ready:
     def done(self) -> bool:
         return True
@@ -253,9 +284,13 @@ class ExportArena:
     """The sender's exported buffer and a first-fit allocator over it (thread-safe: slices are taken
     on the engine thread and freed wherever their tensor is collected)."""
 
-    def __init__(self, buf: torch.Tensor, handle: dict[str, Any]) -> None:
+    def __init__(
+        self, buf: torch.Tensor, handle: dict[str, Any], event: Any = None, event_handle: dict[str, Any] | None = None
+    ) -> None:
         self.buf = buf  # uint8, flat
         self.handle = handle
+        self.event = event  # recorded at each offer; the receiver's copy waits for it (None: no event)
+        self.event_handle = event_handle
         self.id = uuid.uuid4().hex
         self.nbytes = buf.numel()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), sorted, coalesced
@@ -324,8 +359,8 @@ class IpcTransport(Transport):
         self._arena: ExportArena | None = None
         self._arena_lock = threading.Lock()
         self._arena_failed = False
-        self._opened: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
-        self.counters = {"arena_offers": 0, "handle_offers": 0, "arena_opens": 0, "arena_hits": 0}
+        self._opened: OrderedDict[tuple[str, str], tuple[torch.Tensor, Any]] = OrderedDict()  # (bytes, event)
+        self.counters = {"arena_offers": 0, "event_offers": 0, "handle_offers": 0, "arena_opens": 0, "arena_hits": 0}
 
     # ---- sender side ---------------------------------------------------------------------------
 
@@ -351,7 +386,13 @@ class IpcTransport(Transport):
                 try:
                     if self.backend.can_carry(torch.empty(0, device=device)):
                         buf = torch.empty(self.config.ipc_arena_bytes, dtype=torch.uint8, device=device)
-                        self._arena = ExportArena(buf, self.backend.export(buf))
+                        handle = self.backend.export(buf)
+                        try:
+                            event, event_handle = self.backend.export_event(device)
+                        except Exception as e:  # the offers wait for the export's writes instead
+                            log.warning("no ipc event on %s (%r): offers wait for each export", device, e)
+                            event, event_handle = None, None
+                        self._arena = ExportArena(buf, handle, event, event_handle)
                         self._arena_failed = False
                         log.info("ipc export arena: %.2f GiB on %s", buf.numel() / 2**30, device)
                 except Exception as e:  # out of memory, or no IPC here: per-tensor handles
@@ -359,21 +400,36 @@ class IpcTransport(Transport):
             arena = self._arena
         return arena if arena is not None and arena.buf.device == device else None
 
+    def _arena_offsets(self, segments: list[torch.Tensor]) -> list[int] | None:
+        """Each segment's offset in the export arena, if they all lie in it."""
+        arena = self._arena
+        if arena is None or not segments:
+            return None
+        offsets = [arena.offset_of(t) for t in segments]
+        return [o for o in offsets if o is not None] if None not in offsets else None
+
+    def offers_unwritten(self, segments: list[torch.Tensor]) -> bool:
+        return self._arena is not None and self._arena.event is not None and self._arena_offsets(segments) is not None
+
     async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
         if not all(self.backend.can_carry(t) for t in segments):
             raise HandoffError(TRANSPORT, "the ipc transport needs the payload on a CUDA device")
-        arena = self._arena
-        offsets = [arena.offset_of(t) for t in segments] if arena is not None else []
-        if arena is None or not segments or any(o is None for o in offsets):
+        arena, offsets = self._arena, self._arena_offsets(segments)
+        if arena is None or offsets is None:
             self.counters["handle_offers"] += 1
             return {"host": self._host, "handles": [self.backend.export(t) for t in segments]}
-        done = self.backend.produced(segments[0].device)
-        if not done.done() and not await self._wait(done):
-            raise HandoffError(TIMEOUT, "the export was not written in time")
+        device = segments[0].device
+        if arena.event is not None:  # the receiver's copy waits for the export on the device
+            self.backend.record(arena.event, device)
+            self.counters["event_offers"] += 1
+        else:
+            done = self.backend.produced(device)
+            if not done.done() and not await self._wait(done):
+                raise HandoffError(TIMEOUT, "the export was not written in time")
         self.counters["arena_offers"] += 1
         return {
             "host": self._host,
-            "arena": {"id": arena.id, "handle": arena.handle, "nbytes": arena.nbytes},
+            "arena": {"id": arena.id, "handle": arena.handle, "nbytes": arena.nbytes, "event": arena.event_handle},
             "offsets": offsets,
         }
 
@@ -417,14 +473,15 @@ class IpcTransport(Transport):
     ) -> int | None:
         marks = [time.perf_counter()]
         sizes = [t.numel() * t.element_size() for t in segments]
+        event = None
         if "arena" in extra:
-            buf = await self._open_arena(extra["host"], extra["arena"])
+            buf, event = await self._open_arena(extra["host"], extra["arena"])
             src = [buf[off : off + n] for off, n in zip(extra["offsets"], sizes)]
         else:
             src = await self._open_handles(extra["handles"], segments)
         try:
             marks.append(time.perf_counter())
-            copy = self.backend.copy([_bytes(t) for t in segments], src)
+            copy = self.backend.copy([_bytes(t) for t in segments], src, event)
             marks.append(time.perf_counter())
             if not copy.done() and not await self._wait(copy):
                 raise HandoffError(TIMEOUT, "ipc copy did not finish")
@@ -458,29 +515,36 @@ class IpcTransport(Transport):
                 )
         return [_bytes(s) for s in src]
 
-    async def _open_arena(self, host: str, arena: dict[str, Any]) -> torch.Tensor:
-        """The sender's arena as flat bytes, opened on its first handoff and kept (a few, LRU)."""
+    async def _open_arena(self, host: str, arena: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        """The sender's arena as flat bytes and its event (None if it has none), opened on its first
+        handoff and kept (a few, LRU)."""
         key = (host, arena["id"])
-        buf = self._opened.get(key)
-        if buf is not None:
+        opened = self._opened.get(key)
+        if opened is not None:
             self._opened.move_to_end(key)
             self.counters["arena_hits"] += 1
-            return buf
+            return opened
         loop = asyncio.get_running_loop()
+
+        def open_both() -> tuple[torch.Tensor, Any]:
+            t = self.backend.open(arena["handle"])
+            event = None if arena["event"] is None else self.backend.open_event(arena["event"])
+            return t, event
+
         try:
-            t = await loop.run_in_executor(self.executor, self.backend.open, arena["handle"])
+            t, event = await loop.run_in_executor(self.executor, open_both)
         except HandoffError:
             raise
         except Exception as e:
             raise HandoffError(TRANSPORT, f"cannot open the sender's CUDA IPC arena: {e}") from None
         if t.numel() * t.element_size() != arena["nbytes"] or not t.is_contiguous():
             raise HandoffError(TRANSPORT, "the sender's arena is not the size its offer says")
-        buf = _bytes(t)
+        opened = (_bytes(t), event)
         self.counters["arena_opens"] += 1
-        self._opened[key] = buf
+        self._opened[key] = opened
         while len(self._opened) > MAX_OPEN_ARENAS:
             self._opened.popitem(last=False)  # drops the mapping (once no copy uses it)
-        return buf
+        return opened
 
     def close(self) -> None:
         self._opened.clear()
@@ -499,6 +563,7 @@ def _well_formed(extra: dict[str, Any], sizes: list[int]) -> bool:
             and isinstance(arena.get("id"), str)
             and isinstance(arena.get("handle"), dict)
             and is_int(arena.get("nbytes"))
+            and (arena.get("event", 0) is None or isinstance(arena.get("event"), dict))
             and isinstance(offsets, list)
             and len(offsets) == len(sizes)
             and all(is_int(o) and 0 <= o and o + n <= arena["nbytes"] for o, n in zip(offsets, sizes))

@@ -65,6 +65,16 @@ class Ids:
 
 
 @dataclass(frozen=True)
+class Sum:
+    """S -> R, after the offer (and its ids) of a header whose checksum follows: the payload's
+    checksum, sent once the export's gather has computed it."""
+
+    TYPE: ClassVar[str] = "sum"
+    request_id: str
+    checksum: int
+
+
+@dataclass(frozen=True)
 class Ready:
     """R -> S: the receive buffers are ready; the payload may go (fields: the transport's)."""
 
@@ -95,7 +105,7 @@ class Nack:
     reason: str
 
 
-ControlMessage = Hello | Auth | AuthOk | Offer | Ids | Ready | HandoffAck | Nack
+ControlMessage = Hello | Auth | AuthOk | Offer | Ids | Sum | Ready | HandoffAck | Nack
 TYPES: dict[str, type[ControlMessage]] = {
-    c.TYPE: c for c in (Hello, Auth, AuthOk, Offer, Ids, Ready, HandoffAck, Nack)
+    c.TYPE: c for c in (Hello, Auth, AuthOk, Offer, Ids, Sum, Ready, HandoffAck, Nack)
 }

@@ -60,7 +60,7 @@ from transfer.handoff import (
     check_segments,
     to_export,
 )
-from transfer.messages import AuthOk, HandoffAck, Ids, Offer, Ready
+from transfer.messages import AuthOk, HandoffAck, Ids, Offer, Ready, Sum
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -367,6 +367,21 @@ class KVReceiver:
         except (TypeError, ValueError) as e:
             raise HandoffError(BAD_HEADER, f"request {header.request_id!r}: {e}") from None
 
+    async def _read_sum(self, ch: Channel, header: HandoffHeader) -> int:
+        """The payload's checksum: the header's, or the `sum` message's when the header says it follows."""
+        if not header.checksum_follows:
+            return header.checksum
+        rid = header.request_id
+        try:
+            msg = await asyncio.wait_for(ch.expect(Sum), self.config.handshake_timeout_s)
+        except asyncio.TimeoutError:
+            raise HandoffError(TIMEOUT, f"request {rid!r}: no checksum after the offer") from None
+        if msg.request_id != rid or not 0 <= msg.checksum < 1 << 64:
+            raise HandoffError(
+                PROTOCOL, f"request {rid!r}: a checksum for {printable(repr(msg.request_id))} or out of range"
+            )
+        return msg.checksum
+
     def _read_offer(self, offer: Offer) -> tuple[HandoffHeader, Transport, dict[str, Any]]:
         """The offer's header, if it is for this engine, and the transport it asks for."""
         header = HandoffHeader.decode(offer.header)
@@ -390,8 +405,10 @@ class KVReceiver:
         reply = await transport.accept(ch, header, extra, segments)
         t0 = time.perf_counter()
         phases["accept"] = t0 - t_accept
-        if not transport.reads_in_place:
+        want = header.checksum
+        if not transport.reads_in_place:  # the payload comes after ready, on this socket for tcp
             await self._read_ids(ch, header)
+            want = await self._read_sum(ch, header)
             await ch.send(Ready(reply))
         pulling = asyncio.ensure_future(transport.pull(ch, header, extra, segments, phases=phases))
         try:
@@ -399,6 +416,7 @@ class KVReceiver:
             if transport.reads_in_place:  # the sender waits for nothing before the payload
                 await ch.send(Ready(reply))
                 await self._read_ids(ch, header)
+                want = await self._read_sum(ch, header)
             export = to_export(header, segments)  # token ids unpacked while the payload moves
             checksum = await pulling
         finally:
@@ -412,10 +430,8 @@ class KVReceiver:
                 transport.executor, payload_checksum, segments
             )
         verify_s = time.perf_counter() - t0 - recv_s
-        if checksum != header.checksum:
-            raise HandoffError(
-                CHECKSUM, f"request {rid!r}: payload checksum {checksum:#x} != header {header.checksum:#x}"
-            )
+        if checksum != want:
+            raise HandoffError(CHECKSUM, f"request {rid!r}: payload checksum {checksum:#x} != the sender's {want:#x}")
         t_complete = time.perf_counter()
         try:
             await _call(self.on_complete, header, export)

@@ -37,9 +37,16 @@ from transfer.errors import (
     HandoffError,
     printable,
 )
-from transfer.handoff import HandoffHeader, check_layout, make_header, payload_segments, peer_layout
+from transfer.handoff import (
+    HandoffHeader,
+    check_layout,
+    export_checksum,
+    make_header,
+    payload_segments,
+    peer_layout,
+)
 from transfer.ipc import IpcTransport
-from transfer.messages import HandoffAck, Ids, Offer, Ready
+from transfer.messages import HandoffAck, Ids, Offer, Ready, Sum
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -53,11 +60,11 @@ class Ack:
     transport: str
     payload_bytes: int
     elapsed_s: float  # the whole send, checksum included
-    checksum_s: float  # the header: the sender's checksum (or reading the export's recorded sums)
+    checksum_s: float  # the header: the sender's checksum (or reading the export's recorded sums), unless it follows
     recv_s: float  # the receiver's payload phase
     verify_s: float  # the receiver's checksum (0 when hashed on the way in)
     connect_s: float = 0.0  # TCP connect and the auth handshake
-    offer_s: float = 0.0  # the transport's offer fields (ipc: handles) and sending the offer
+    offer_s: float = 0.0  # the transport's offer fields (ipc: handles), the offer; a checksum that follows
     ready_wait_s: float = 0.0  # offer sent to ready received (the receiver's checks and buffers)
     push_s: float = 0.0  # the transport's push (tcp: the payload; ipc: nothing)
     ack_wait_s: float = 0.0  # push done to ack received (ipc: the receiver's copy and checks)
@@ -69,6 +76,13 @@ class Ack:
         """The sender's phases by name, in order."""
         names = ("checksum_s", "connect_s", "offer_s", "ready_wait_s", "push_s", "ack_wait_s")
         return {n.removesuffix("_s"): getattr(self, n) for n in names}
+
+
+def _retrieved(fut: asyncio.Future[int]) -> None:
+    """Reads a finished checksum future's exception, so that one nobody awaited (its send failed
+    first) is not reported as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 MAX_IDLE_PER_PEER = 8  # kept connections per receiver address
@@ -142,10 +156,16 @@ class KVSender:
         self, addr: str, export: SequenceExport, logprobs: tuple[TokenLogprob, ...], t0: float
     ) -> Ack:
         segments = payload_segments(export, self.layout)
-        if export.pages_sum is not None and not self.layout.num_swa_layers:
+        loop = asyncio.get_running_loop()
+        checksum: asyncio.Future[int] | None = None
+        if self.transport.offers_unwritten(segments):  # the offer goes now, the checksum once read
+            header = make_header(export, self.layout, self.model, logprobs, checksum_follows=True)
+            checksum = loop.run_in_executor(self.transport.executor, export_checksum, export, self.layout)
+            checksum.add_done_callback(_retrieved)
+        elif export.pages_sum is not None and not self.layout.num_swa_layers:
             header = make_header(export, self.layout, self.model, logprobs)  # no hashing left to do
         else:
-            header = await asyncio.get_running_loop().run_in_executor(
+            header = await loop.run_in_executor(
                 self.transport.executor, make_header, export, self.layout, self.model, logprobs
             )
         checksum_s = time.perf_counter() - t0
@@ -153,7 +173,7 @@ class KVSender:
         while True:
             try:
                 async with self.transport.session(addr):
-                    return await self._handoff(addr, header, segments, t0, checksum_s)
+                    return await self._handoff(addr, header, segments, t0, checksum_s, checksum)
             except _Stale:
                 stale += 1  # each kept connection is tried once, then dropped
                 if stale > MAX_IDLE_PER_PEER:
@@ -167,8 +187,16 @@ class KVSender:
                 self.transport.forget(addr)  # the receiver lost our communicator: bootstrap again
 
     async def _handoff(
-        self, addr: str, header: HandoffHeader, segments: list[torch.Tensor], t0: float, checksum_s: float
+        self,
+        addr: str,
+        header: HandoffHeader,
+        segments: list[torch.Tensor],
+        t0: float,
+        checksum_s: float,
+        checksum: asyncio.Future[int] | None,
     ) -> Ack:
+        """One try on one connection; checksum: the payload's, being read, when the header says it
+        follows the offer."""
         marks = [time.perf_counter()]  # the end of each phase
         conn, reused = self._kept(addr), True
         if conn is None:
@@ -189,6 +217,8 @@ class KVSender:
                 await ch.send(Offer(self.transport.name, header.encode(), extra))
                 if not header.ids_inline:  # a long prompt's ids follow: packed while the receiver starts
                     await ch.send(Ids(header.ids_bytes()))
+                if checksum is not None:  # the receiver's copy is under way meanwhile (ipc)
+                    await ch.send(Sum(header.request_id, await checksum))
                 marks.append(time.perf_counter())
                 ready = await ch.expect(Ready)
             except (HandoffError, OSError) as e:

@@ -50,6 +50,11 @@ class Transport(ABC):
         """Held by the sender from offer to ack (NCCL: one handoff at a time per communicator)."""
         yield
 
+    def offers_unwritten(self, segments: list[torch.Tensor]) -> bool:
+        """Whether this offer may go before the export's writes to segments are done (its receiver
+        waits for them on the device: ipc's exported event), so the checksum follows the offer."""
+        return False
+
     async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
         """Transport fields for the offer message. Raises HandoffError(TRANSPORT) if it cannot carry these."""
         return {}

@@ -15,6 +15,7 @@ TransferConfig.keepalive_s without an offer, or S when it is done with the peer:
   per handoff:
     S -> R  offer    Offer {transport, header, extra} (S first checks R's model/layout itself)
     S -> R  ids      Ids {ids}  (only when the header announces a long prompt's ids: handoff.py)
+    S -> R  sum      Sum {request_id, checksum}  (only when the header says its checksum follows)
     R -> S  ready    Ready {fields}                 | nack {code, reason}
     S => R  payload  (tcp: raw bytes on this socket; nccl: a NCCL send; ipc: handles in the offer)
     R -> S  ack      HandoffAck {request_id, payload_bytes, recv_s, verify_s, phases} | nack {code, reason}

@@ -5,6 +5,7 @@ copy refused); also the export's recorded pages sum in the header, and the sende
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import threading
@@ -19,7 +20,7 @@ from tests.transfer.support import LAYOUT_SWA, TOKEN, Sink, make_export, receive
 from transfer import ipc
 from transfer.checksum import as_words, segment_sum
 from transfer.config import TransferConfig
-from transfer.errors import CHECKSUM, TRANSPORT, UNEXPECTED, HandoffError
+from transfer.errors import CHECKSUM, PROTOCOL, TIMEOUT, TRANSPORT, UNEXPECTED, HandoffError
 from transfer.handoff import IDS_INLINE_MAX, make_header, payload_segments
 from transfer.ipc import ALIGN, ExportArena, IpcTransport
 from transfer.sender import KVSender
@@ -39,15 +40,37 @@ class _Copy:
         return self.sums
 
 
+class FakeEvent:
+    def __init__(self) -> None:
+        self.records = 0
+
+
+class _Pending:
+    """produced() of an export that is never written: a sender that waits for it times out."""
+
+    def done(self) -> bool:
+        return False
+
+    def segment_sums(self) -> list[int] | None:
+        return None
+
+
 class FakeIpc:
     """'Handles' are keys into a dict shared by both ends (one process). Counts opens; copies hash
-    their destination (as the fused kernel does) unless hash is False; corrupt flips a copied byte."""
+    their destination (as the fused kernel does) unless hash is False; corrupt flips a copied byte.
+    events: the arena's interprocess event (recorded per offer, opened by the receiver, waited for
+    by its copy: copies keep the event they were given); without it, produced() is done only if
+    written is True."""
 
-    def __init__(self, hash: bool = True) -> None:
-        self.shared: dict[str, torch.Tensor] = {}
+    def __init__(self, hash: bool = True, events: bool = True, written: bool = True) -> None:
+        self.shared: dict[str, Any] = {}
         self.opens: list[str] = []
+        self.event_opens: list[str] = []
+        self.waited: list[Any] = []  # each copy's event
         self.offers: list[dict[str, Any]] = []
         self.hash = hash
+        self.events = events
+        self.written = written
         self.corrupt = False
         self.lock = threading.Lock()
 
@@ -64,15 +87,30 @@ class FakeIpc:
             self.opens.append(handle["key"])
         return self.shared[handle["key"]]
 
-    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> _Copy:
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], after: Any = None) -> _Copy:
+        self.waited.append(after)
         for d, s in zip(dst, src):
             d.copy_(s)
         if self.corrupt:
             dst[0][3] ^= 0x10
         return _Copy([segment_sum(as_words(d)) for d in dst] if self.hash else None)
 
-    def produced(self, device: torch.device) -> _Copy:
-        return _Copy(None)
+    def produced(self, device: torch.device) -> _Copy | _Pending:
+        return _Copy(None) if self.written else _Pending()
+
+    def export_event(self, device: torch.device) -> tuple[FakeEvent, dict[str, Any]]:
+        if not self.events:
+            raise RuntimeError("no interprocess events here")
+        event = FakeEvent()
+        return event, self.export(event)  # type: ignore[arg-type]
+
+    def record(self, event: FakeEvent, device: torch.device) -> None:
+        event.records += 1
+
+    def open_event(self, handle: dict[str, Any]) -> FakeEvent:
+        with self.lock:
+            self.event_opens.append(handle["key"])
+        return self.shared[handle["key"]]  # type: ignore[no-any-return]
 
 
 class RecordingIpc(IpcTransport):
@@ -170,6 +208,7 @@ async def test_arena_offer_cache_hit_and_slices_freed_after_ack() -> None:
     assert arena is not None
     for extra in sender_tr.offers:  # (arena id, handle, offsets), no per-tensor handles
         assert set(extra) == {"host", "arena", "offsets"} and extra["arena"]["id"] == arena.id
+        assert extra["arena"]["event"] == arena.event_handle and arena.event_handle is not None
         assert extra["arena"]["nbytes"] == ARENA_BYTES and all(o % ALIGN == 0 for o in extra["offsets"])
     assert fake.opens == [arena.handle["key"]]  # opened once, then a cache hit
     assert recv_tr.counters["arena_opens"] == 1 and recv_tr.counters["arena_hits"] == 1
@@ -320,3 +359,121 @@ async def test_ack_carries_the_senders_phases() -> None:
     assert list(phases) == ["checksum", "connect", "offer", "ready_wait", "push", "ack_wait"]
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= ack.elapsed_s + 1e-6
     assert phases["connect"] > 0 and phases["ack_wait"] > 0
+
+
+# ---- the offer before the export is written; the checksum after it ---------------------------------
+
+
+class SlowSum:
+    """An export's pages sum whose gather has not finished: reading it (int()) blocks until released,
+    as reading a device tensor waits for the kernel that writes it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self.released = threading.Event()
+        self.reads = 0
+
+    def __int__(self) -> int:
+        self.reads += 1
+        assert self.released.wait(10.0), "the sum was never released"
+        return self.value
+
+
+class HeaderSink(Sink):
+    def __init__(self, *expected: str) -> None:
+        super().__init__(*expected)
+        self.headers: dict[str, Any] = {}
+
+    def on_handoff(self, header: Any) -> list[torch.Tensor] | None:
+        self.headers[header.request_id] = header
+        return super().on_handoff(header)
+
+
+async def test_the_offer_goes_before_the_export_is_written_and_the_checksum_follows() -> None:
+    # written=False: a sender that waited for the export's writes would never offer (1 s timeout)
+    fake = FakeIpc(written=False)
+    cfg = dataclasses.replace(config(), idle_timeout_s=1.0)
+    sender_tr = RecordingIpc(cfg, fake)
+    sink = HeaderSink("a", "b")
+    sender = KVSender(TOKEN, LAYOUT_SWA, config=cfg, transport=sender_tr)
+    async with receiver(sink, transports={"ipc": IpcTransport(cfg, fake)}) as r:
+        for rid, n in (("a", 37), ("b", IDS_INLINE_MAX + 9)):  # b: the ids, then the sum, follow
+            ex = in_arena(sender_tr, make_export(num_prompt=n, seed=n), rid)
+            pages = payload_segments(ex, LAYOUT_SWA)[0]
+            slow = SlowSum(segment_sum(as_words(pages)))
+            ex.pages_sum = slow  # type: ignore[assignment]
+            send = asyncio.create_task(sender.send(r.address, ex))
+            for _ in range(500):  # the receiver has the offer (and has launched its copy) ...
+                if len(fake.waited) == len(sink.headers) == (1 if rid == "a" else 2):
+                    break
+                await asyncio.sleep(0.01)
+            assert rid in sink.headers and not send.done() and rid not in sink.delivered
+            assert sink.headers[rid].checksum_follows and sink.headers[rid].checksum == 0
+            slow.released.set()  # ... before the gather's sum could be read
+            ack = await send
+            assert ack.request_id == rid and slow.reads == 1
+            assert torch.equal(sink.delivered[rid].pages, ex.pages)
+            del ex, pages
+    arena = sender_tr.arena
+    assert arena is not None and arena.event is not None and arena.event.records == 2  # once per offer
+    assert fake.event_opens == [arena.event_handle["key"]]  # opened with the arena, once
+    assert fake.waited == [arena.event, arena.event]  # each copy waited for it
+    assert sender_tr.counters["event_offers"] == 2
+
+
+async def test_a_wrong_checksum_that_follows_is_refused() -> None:
+    fake = FakeIpc()
+    sender_tr = IpcTransport(config(), fake)
+    sink = Sink("req-1")
+    ex = in_arena(sender_tr, make_export(), "req-1")
+    ex.pages_sum = torch.tensor(12345)  # not the pages' sum
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        with pytest.raises(HandoffError) as e:
+            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(r.address, ex)
+    assert e.value.code == CHECKSUM and "the sender's" in e.value.message
+    assert "req-1" not in sink.delivered and sink.errors
+
+
+async def test_without_an_event_the_offer_waits_and_the_checksum_is_in_the_header() -> None:
+    fake = FakeIpc(events=False)
+    sender_tr = RecordingIpc(config(), fake)
+    sink = HeaderSink("req-1")
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        ex = in_arena(sender_tr, make_export(), "req-1")
+        await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(r.address, ex)
+    header = sink.headers["req-1"]
+    assert not header.checksum_follows and header.checksum == make_header(ex, LAYOUT_SWA).checksum
+    assert sender_tr.arena is not None and sender_tr.arena.event is None
+    (extra,) = sender_tr.offers
+    assert extra["arena"]["event"] is None and fake.waited == [None] and fake.event_opens == []
+    assert sender_tr.counters["event_offers"] == 0 and torch.equal(sink.delivered["req-1"].pages, ex.pages)
+
+
+async def test_an_unwritten_export_without_an_event_times_out() -> None:
+    fake = FakeIpc(events=False, written=False)
+    cfg = dataclasses.replace(config(), idle_timeout_s=0.3)
+    sender_tr = IpcTransport(cfg, fake)
+    sink = Sink("req-1")
+    async with receiver(sink, transports={"ipc": IpcTransport(cfg, fake)}) as r:
+        with pytest.raises(HandoffError) as e:
+            await KVSender(TOKEN, LAYOUT_SWA, config=cfg, transport=sender_tr).send(
+                r.address, in_arena(sender_tr, make_export(), "req-1")
+            )
+    assert e.value.code == TIMEOUT and "not written" in e.value.message and sink.offered == []
+
+
+async def test_a_checksum_for_another_request_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transfer.sender as sender_mod
+    from transfer.messages import Sum
+
+    monkeypatch.setattr(sender_mod, "Sum", lambda rid, checksum: Sum("someone-else", checksum))
+    fake = FakeIpc()
+    sender_tr = IpcTransport(config(), fake)
+    sink = Sink("req-1")
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        with pytest.raises(HandoffError) as e:
+            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
+                r.address, in_arena(sender_tr, make_export(), "req-1")
+            )
+    assert e.value.code == PROTOCOL and "someone-else" in e.value.message
+    assert "req-1" not in sink.delivered and sink.errors

@@ -138,6 +138,14 @@ def test_header_round_trip() -> None:
     assert torch.equal(out.pages, exp.pages) and out.state is not None and torch.equal(out.state, exp.state)
 
 
+def test_a_header_whose_checksum_follows() -> None:
+    exp = make_export()
+    h = make_header(exp, LAYOUT_SWA, checksum_follows=True)
+    assert h.checksum_follows and h.checksum == 0
+    assert HandoffHeader.decode(h.encode()) == h
+    assert not make_header(exp, LAYOUT_SWA).checksum_follows
+
+
 def test_header_of_a_partial_handoff_carries_pages_from_first_page_on() -> None:
     """The CE's decode cache holds the first pages: the payload starts at first_page."""
     full = make_export()  # 37 prompt tokens: 3 pages of 16
@@ -217,6 +225,9 @@ def _tamper(h: HandoffHeader, **changes) -> bytes:
         (dict(payload_bytes=1), BAD_HEADER),
         (dict(num_computed=5), BAD_HEADER),
         (dict(checksum=KeyError), BAD_HEADER),
+        (dict(checksum_follows=KeyError), BAD_HEADER),
+        (dict(checksum_follows=1), BAD_HEADER),  # an int is not a bool here
+        (dict(checksum_follows=True), BAD_HEADER),  # and a checksum given too
         (dict(extra_field=1), BAD_HEADER),
         (dict(prompt_token_ids=["a"]), BAD_HEADER),
         (dict(prompt_token_ids=[1, 2, 3]), BAD_HEADER),  # a list, not packed bytes

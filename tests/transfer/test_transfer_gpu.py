@@ -195,7 +195,9 @@ async def from_a_child_process(transport: str, device: str) -> None:
 
 
 # The child: gathers two exports into its ipc export arena (the second after the first's slices are
-# freed, so it reuses them) and sends both; the receiver must open the arena once.
+# freed, so it reuses them) and sends both; the receiver must open the arena once. The second gather
+# is held back on the GPU: its offer goes before it is written, and only the receiver's wait for the
+# arena's interprocess event keeps its copy from reading the first export's bytes.
 _ARENA_SENDER = """
 import asyncio, dataclasses, gc, sys, torch
 from tests.transfer.test_transfer_gpu import CONFIG, LAYOUT, TOKEN, cuda_export
@@ -215,6 +217,7 @@ async def main():
     assert tr.arena.num_used_bytes == 0, tr.arena.num_used_bytes
     exp.pages.neg_()
     exp.state.neg_()
+    torch.cuda._sleep(400_000_000)  # the second gather ends ~0.2 s after the offer goes out
     a2 = await sender.send({addr!r}, in_arena(tr, exp, "a2"))
     print("acks", a1.transport, a2.transport, tr.counters)
 
@@ -241,7 +244,7 @@ async def ipc_arena_from_a_child_process() -> None:
         out, _ = await asyncio.wait_for(proc.communicate(), 120)
         counters = dict(recv_tr.counters)
     assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
-    assert b"acks ipc ipc" in out and b"'arena_offers': 2" in out, out.decode(errors="replace")[-3000:]
+    assert b"acks ipc ipc" in out and b"'arena_offers': 2, 'event_offers': 2" in out, out.decode(errors="replace")[-3000:]
     assert counters["arena_opens"] == 1 and counters["arena_hits"] == 1
     assert not sink.errors
     assert same(host_payload(sink.delivered["a1"]), want)
