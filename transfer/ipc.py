@@ -251,7 +251,7 @@ class TorchCudaIpc:
         event.record(torch.cuda.current_stream(device))
 
     def open_event(self, handle: dict[str, Any]) -> Any:
-        return torch.cuda.Event.from_ipc_handle(_local_device(handle["device"]), handle["handle"])
+        return torch.cuda.Event.from_ipc_handle(torch.device("cuda", _local_device(handle["device"])), handle["handle"])
 
 
 def _local_device(uuid: str) -> int:
