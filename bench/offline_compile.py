@@ -103,6 +103,19 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str,
                 dict(HAS_BIAS=False, EVEN_K=True, IEEE=False, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PDL=True),
                 dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+    out.append(("bi_matmul 4096x4096, 8 warps", bi_matmul._bi_matmul_kernel,
+                {"A": BF16, "B": BF16, "C": "*fp32", "BIAS": BF16},
+                dict(HAS_BIAS=False, EVEN_K=True, IEEE=False, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
+                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PDL=True),
+                dict(num_warps=8, num_stages=cfg.num_stages)))
+    from pdkernels import checksum, copy_hash
+
+    for paged in (False, True):  # the ipc receiver's copy, the PE's export gather
+        out.append((f"copy_hash ({'paged' if paged else 'flat'}, keyed)", copy_hash._kernel(),
+                    {n: "*i64" for n in ("src_ptr", "ids_ptr", "dst_ptr", "keys_ptr", "ckeys_ptr", "out_ptr")},
+                    dict(CHUNK=checksum.CHUNK_WORDS, BLOCK=copy_hash.MAX_BLOCK_WORDS, MUL=checksum.signed64(checksum.MUL),
+                         PAGED=paged, PAGE_STEPS=paged, WRITE=True),
+                    dict(num_warps=copy_hash.NUM_WARPS)))
     for m, act, k in [(1, 0, 4096), (1, 1, 14336), (4, 0, 4096), (8, 0, 4096)]:
         g = gemv.gemv_config(4096, k, m)
         out.append((f"gemv M={m} act={act} K={k} ({g.block_n}x{g.block_k}, {g.num_warps} warps)", gemv._gemv_kernel,
