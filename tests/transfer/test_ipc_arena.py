@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -145,6 +146,26 @@ def in_arena(tr: IpcTransport, exp: SequenceExport, rid: str) -> SequenceExport:
     return dataclasses.replace(exp, request_id=rid, pages=pages, state=state)
 
 
+async def refused(
+    fake: FakeIpc,
+    sender_tr: IpcTransport | None = None,
+    cfg: TransferConfig | None = None,
+    change: Callable[[SequenceExport], None] | None = None,
+) -> tuple[HandoffError, Sink]:
+    """A handoff of "req-1", gathered into the sender's arena (change: then altered), that must fail:
+    the sender's error, and the receiver's sink."""
+    cfg = cfg or config()
+    sender_tr = sender_tr or IpcTransport(cfg, fake)
+    sink = Sink("req-1")
+    ex = in_arena(sender_tr, make_export(), "req-1")
+    if change is not None:
+        change(ex)
+    async with receiver(sink, transports={"ipc": IpcTransport(cfg, fake)}) as r:
+        with pytest.raises(HandoffError) as e:
+            await KVSender(TOKEN, LAYOUT_SWA, config=cfg, transport=sender_tr).send(r.address, ex)
+    return e.value, sink
+
+
 # ---- the allocator ----------------------------------------------------------------------------
 
 
@@ -274,15 +295,9 @@ async def test_slices_freed_after_a_failed_handoff() -> None:
 @pytest.mark.parametrize("hash", [True, False])
 async def test_a_corrupt_copy_is_refused(hash: bool) -> None:
     fake = FakeIpc(hash=hash)
-    sender_tr = IpcTransport(config(), fake)
-    sink = Sink("req-1")
-    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
-        fake.corrupt = True
-        with pytest.raises(HandoffError) as e:
-            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
-                r.address, in_arena(sender_tr, make_export(), "req-1")
-            )
-    assert e.value.code == CHECKSUM and "req-1" not in sink.delivered and sink.errors
+    fake.corrupt = True
+    err, sink = await refused(fake)
+    assert err.code == CHECKSUM and "req-1" not in sink.delivered and sink.errors
 
 
 async def test_offsets_outside_the_arena_are_refused() -> None:
@@ -294,14 +309,8 @@ async def test_offsets_outside_the_arena_are_refused() -> None:
             extra["offsets"][-1] = extra["arena"]["nbytes"] - 8
             return extra
 
-    sender_tr = Lying(config(), fake)
-    sink = Sink("req-1")
-    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
-        with pytest.raises(HandoffError) as e:
-            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
-                r.address, in_arena(sender_tr, make_export(), "req-1")
-            )
-    assert e.value.code == TRANSPORT and "malformed" in e.value.message
+    err, _ = await refused(fake, Lying(config(), fake))
+    assert err.code == TRANSPORT and "malformed" in err.message
     assert fake.opens == []
 
 
@@ -422,15 +431,11 @@ async def test_the_offer_goes_before_the_export_is_written_and_the_checksum_foll
 
 
 async def test_a_wrong_checksum_that_follows_is_refused() -> None:
-    fake = FakeIpc()
-    sender_tr = IpcTransport(config(), fake)
-    sink = Sink("req-1")
-    ex = in_arena(sender_tr, make_export(), "req-1")
-    ex.pages_sum = torch.tensor(12345)  # not the pages' sum
-    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
-        with pytest.raises(HandoffError) as e:
-            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(r.address, ex)
-    assert e.value.code == CHECKSUM and "the sender's" in e.value.message
+    def wrong_sum(ex: SequenceExport) -> None:
+        ex.pages_sum = torch.tensor(12345)  # not the pages' sum
+
+    err, sink = await refused(FakeIpc(), change=wrong_sum)
+    assert err.code == CHECKSUM and "the sender's" in err.message
     assert "req-1" not in sink.delivered and sink.errors
 
 
@@ -450,16 +455,8 @@ async def test_without_an_event_the_offer_waits_and_the_checksum_is_in_the_heade
 
 
 async def test_an_unwritten_export_without_an_event_times_out() -> None:
-    fake = FakeIpc(events=False, written=False)
-    cfg = dataclasses.replace(config(), idle_timeout_s=0.3)
-    sender_tr = IpcTransport(cfg, fake)
-    sink = Sink("req-1")
-    async with receiver(sink, transports={"ipc": IpcTransport(cfg, fake)}) as r:
-        with pytest.raises(HandoffError) as e:
-            await KVSender(TOKEN, LAYOUT_SWA, config=cfg, transport=sender_tr).send(
-                r.address, in_arena(sender_tr, make_export(), "req-1")
-            )
-    assert e.value.code == TIMEOUT and "not written" in e.value.message and sink.offered == []
+    err, sink = await refused(FakeIpc(events=False, written=False), cfg=dataclasses.replace(config(), idle_timeout_s=0.3))
+    assert err.code == TIMEOUT and "not written" in err.message and sink.offered == []
 
 
 async def test_a_checksum_for_another_request_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -467,13 +464,6 @@ async def test_a_checksum_for_another_request_is_refused(monkeypatch: pytest.Mon
     from transfer.messages import Sum
 
     monkeypatch.setattr(sender_mod, "Sum", lambda rid, checksum: Sum("someone-else", checksum))
-    fake = FakeIpc()
-    sender_tr = IpcTransport(config(), fake)
-    sink = Sink("req-1")
-    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
-        with pytest.raises(HandoffError) as e:
-            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
-                r.address, in_arena(sender_tr, make_export(), "req-1")
-            )
-    assert e.value.code == PROTOCOL and "someone-else" in e.value.message
+    err, sink = await refused(FakeIpc())
+    assert err.code == PROTOCOL and "someone-else" in err.message
     assert "req-1" not in sink.delivered and sink.errors
