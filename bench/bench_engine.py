@@ -80,10 +80,11 @@ TINY_DIMS: dict[str, Any] = dict(
 )
 
 
-# mode -> (deterministic numerics, what its rows change in the engine's ForwardConfig; the rest as the
-# flags say): the prefill paths, and the decode step's kernels (gemv: the small-batch GEMV instead of
-# cuBLAS; pdl: programmatic dependent launch; fast: both; norope: the decode rows' q/k norms and rotary
-# in a kernel of their own before the attention kernel, fused_ops.qk_rope_)
+# mode -> (deterministic numerics, what its rows change in the engine's ForwardConfig (launch_ahead: in
+# its EngineConfig); the rest as the flags say): the prefill paths, and the decode step's kernels (gemv:
+# the small-batch GEMV instead of cuBLAS; pdl: programmatic dependent launch; norope: the decode rows'
+# q/k norms and rotary in a kernel of their own before the attention kernel, fused_ops.qk_rope_), and
+# ahead: the next decode step launched before the step before it returns; fast: gemv, pdl and ahead
 ENGINE_MODES: dict[str, tuple[bool, dict[str, Any]]] = {
     "default": (False, {}),
     "deterministic": (True, {}),
@@ -92,7 +93,8 @@ ENGINE_MODES: dict[str, tuple[bool, dict[str, Any]]] = {
     "default-cudnn": (False, {"prefill_sdpa": "cudnn"}),
     "default-gemv": (False, {"gemv_rows": 1}),
     "default-pdl": (False, {"pdl": True}),
-    "default-fast": (False, {"gemv_rows": 1, "pdl": True}),
+    "default-ahead": (False, {"launch_ahead": True}),
+    "default-fast": (False, {"gemv_rows": 1, "pdl": True, "launch_ahead": True}),
     "default-norope": (False, {"decode_rope": False, "gemv_rows": 0, "pdl": False}),
     "deterministic-pdl": (True, {"pdl": True}),
 }
@@ -295,7 +297,7 @@ def build_engine(folder: Path, args: argparse.Namespace, is_det: bool, forward: 
         model=str(folder), device=args.device, load_format="dummy", is_deterministic=is_det,
         max_num_seqs=max_seqs, max_num_batched_tokens=args.chunk, block_size=args.block_size,
         max_model_len=max_len, kv_cache_gb=kv_bytes / GiB, num_swa_slots=max_seqs + 1, seed=args.seed,
-        forward=forward, **extra,
+        launch_ahead=args.launch_ahead, forward=forward, **extra,
     ))
 
 
@@ -340,23 +342,31 @@ def engine_decode(eng: LLMEngine, batch: int, context: int, args: argparse.Names
         else:
             while any(s.num_uncomputed > 1 for s in eng.scheduler.running + list(eng.scheduler.waiting)):
                 eng.step()
-        times, experts_read = [], []
+        times, counts = [], []
         moes = eng.model.sparse_layers()
+        # NOTE: a step's time is from the return of the step before it to its own return, no sync
+        # between: with --launch-ahead a step returns with the next one's forward queued, and a sync
+        # would charge that forward to it. Either way each step samples (a sync on) one forward.
+        sync(eng.device)
+        t0 = time.perf_counter()
         for i in range(warmup + steps):
-            before = [m.tokens_per_expert.clone() for m in moes if m.tokens_per_expert is not None]
-            sync(eng.device)
-            t0 = time.perf_counter()
             outs = eng.step()
-            sync(eng.device)
-            dt = time.perf_counter() - t0
+            now = time.perf_counter()
+            dt, t0 = now - t0, now
             if len(outs) != batch:
                 raise RuntimeError(f"a decode step returned {len(outs)} tokens for {batch} sequences")
+            # the experts' token counters after each step, copied on the device (read after the row)
+            counts.append([m.tokens_per_expert.clone() for m in moes if m.tokens_per_expert is not None])
             if i >= warmup:
                 times.append(dt)
-                if len(before) == len(moes) and moes:  # experts whose count moved: the ones this step read
-                    experts_read.append(sum(int((m.tokens_per_expert != b).sum()) for m, b in zip(moes, before)))
                 if sum(times) > args.row_cap_s and len(times) >= 2:
                     break
+        # experts whose count moved from one step to the next: the ones that step's forward read
+        experts_read = [
+            sum(int((a != b).sum()) for a, b in zip(after, before))
+            for before, after in zip(counts[warmup - 1 :], counts[warmup:])
+            if moes and len(after) == len(moes)
+        ]
     finally:
         release_all(eng, ids)
     out = {"status": "ok", "step_s": statistics.median(times), "num_steps": len(times)}
@@ -426,8 +436,14 @@ def run_engine_mode(folder: Path, facts: ModelFacts, mode: str, grid: dict[str, 
     """Two engines per model and mode: one whose KV pool holds the decode rows, one with a pool for a
     single long prompt (so the prefill rows keep the memory for their activations)."""
     is_det, changes = ENGINE_MODES[mode]
+    changes = dict(changes)
+    ahead = changes.pop("launch_ahead", args.launch_ahead)
     forward = replace(args.forward, **changes)
-    return engine_rows(folder, facts, mode, is_det, forward, grid, args, deadline)
+    return engine_rows(folder, facts, mode, is_det, forward, grid, replace_args(args, launch_ahead=ahead), deadline)
+
+
+def replace_args(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def engine_rows(folder: Path, facts: ModelFacts, mode: str, is_det: bool, forward: ForwardConfig,
@@ -864,6 +880,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--tiny", action="store_true", help="toy dims and grid: a CPU smoke test")
     p.add_argument("--merge", nargs="+", default=None, help="print one table from these result JSON files")
+    p.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=EngineConfig.launch_ahead,
+                   help="every mode: the engine's --launch-ahead (the -ahead and -fast modes turn it on)")
     add_flags(p, ForwardConfig)  # --prefill-sdpa, its thresholds, --chain-residuals: the engine's own flags
     args = p.parse_args(argv)
     args.forward = from_flags(ForwardConfig, args)

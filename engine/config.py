@@ -137,6 +137,14 @@ class EngineConfig:
             "every prefill stalled all ranks for ~0.3 s under multi-turn traffic in the reference system)"
         },
     )
+    launch_ahead: bool = field(
+        default=False,
+        metadata={
+            "help": "steady decode: launch the next step's forward before this step's outputs are built and "
+            "sent, so the device works while the host does (same tokens; a request arriving meanwhile "
+            "starts a step later)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of dummy weights and of unseeded sampling"})
     forward: ForwardConfig = field(default_factory=ForwardConfig, metadata={"help": "model forward (CUDA)"})
 
@@ -189,6 +197,7 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
     num_preemptions_total: int
+    num_launched_ahead_total: int = 0  # decode batches launched before the step before them returned (--launch-ahead)
     cache_lookups_total: int = 0
     cache_hit_tokens_total: int = 0
     cache_stored_pages_total: int = 0

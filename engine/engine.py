@@ -7,6 +7,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,17 @@ DEFAULT_CUDA_HICACHE_GB = 32.0
 NUM_STATELESS_CACHE_PAGES = 1 << 16  # index entries for a model with no full-attention layers
 MAX_DEFAULT_MODEL_LEN = 32768
 log = logging.getLogger("engine.engine")
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A scheduled batch whose forward is queued (on CUDA maybe still running): the step that
+    completes it samples the logits of rows `sampled` (indices into seqs)."""
+
+    seqs: list[Sequence]
+    num_new: list[int]
+    sampled: list[int]
+    logits: torch.Tensor | None
 
 
 class LLMEngine:
@@ -104,6 +116,9 @@ class LLMEngine:
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
+        self._launched: _Launched | None = None  # a decode batch launched ahead: the next step samples it
+        self.launch_ahead = config.launch_ahead and self.ep is None  # a group's ranks step in lockstep
+        self.num_launched_ahead = 0  # batches launched before the step before them returned
         self._admit_errors: dict[str, Exception] = {}  # request id -> its failed prefix restore (step() ends it)
         # every P/D state of a sequence
         self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
@@ -288,7 +303,7 @@ class LLMEngine:
         self._pending.append(self._output(seq, is_final=True))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._launched is not None
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -324,13 +339,51 @@ class LLMEngine:
         self.eplb.seconds += time.monotonic() - t0
 
     def _step(self) -> list[RequestOutput]:
+        """Schedule and run a batch (or take the one launched ahead by the last step), sample it; then,
+        with launch_ahead, launch the next batch before this step's outputs are built and returned,
+        so the device runs it while the host builds them and the caller handles them (see _launch_next)."""
         outputs, self._pending = self._pending, []
+        launched, self._launched = self._launched, None
+        if launched is None:
+            launched = self._launch(outputs)
+            if launched is None:
+                return outputs
+        emit = self._complete(launched, outputs)
+        if self._launches_ahead():
+            self._launched = self._launch(outputs)
+            self.num_launched_ahead += self._launched is not None
+        for seq in emit:
+            try:
+                outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
+            except Exception as e:
+                _raise_if_fatal(e)
+                outputs.append(self._fail(seq, e, "sampling or detokenizing"))
+        return outputs
+
+    def _launches_ahead(self) -> bool:
+        """Whether the next batch may be launched now, before this step's outputs leave: steady decode
+        only (every running sequence decodes one token, nothing waits to be admitted). A request that
+        arrives meanwhile joins one step later; a sequence aborted meanwhile has its row computed and
+        dropped. NOTE: its memory may be reused at once: every later writer of the pools (forwards,
+        imports, prefix restores) is queued on the same stream, after the launched forward."""
+        sched = self.scheduler
+        return (
+            self.launch_ahead
+            and not sched.waiting
+            and bool(sched.running)
+            and all(s.num_uncomputed == 1 and s.num_computed >= s.num_prompt_tokens for s in sched.running)
+        )
+
+    def _launch(self, outputs: list[RequestOutput]) -> _Launched | None:
+        """Schedules a batch and queues its forward; None if there is nothing to run. Failures end
+        their requests into outputs."""
         try:
             batch = self.scheduler.schedule()
         except Exception as e:
             _raise_if_fatal(e)
             doomed = [*self.scheduler.running, *self.scheduler.waiting]
-            return outputs + [self._fail(seq, e, "scheduling") for seq in doomed]
+            outputs += [self._fail(seq, e, "scheduling") for seq in doomed]
+            return None
         seqs, num_new = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             admit_error = self._admit_errors.pop(seq.request_id, None)
@@ -340,7 +393,7 @@ class LLMEngine:
             else:
                 outputs.append(self._fail(seq, admit_error, "restoring its cached prefix"))
         if not seqs:
-            return outputs
+            return None
         for seq in seqs:
             if seq.num_computed == seq.num_cached_prompt and not seq.output_token_ids:  # its first chunk
                 self.num_prompt_tokens_total += seq.num_prompt_tokens  # cache hits included, as in vLLM
@@ -350,8 +403,18 @@ class LLMEngine:
             _raise_if_fatal(e)  # NOTE: the culprit is unknown in a batched forward: the batch fails
             if self.ep is not None:
                 raise
-            return outputs + [self._fail(seq, e, "running the model") for seq in seqs]
-        for seq, n in zip(seqs, num_new):
+            outputs += [self._fail(seq, e, "running the model") for seq in seqs]
+            return None
+        return _Launched(seqs, num_new, sampled, logits)
+
+    def _complete(self, launched: _Launched, outputs: list[RequestOutput]) -> list[Sequence]:
+        """A launched batch's tokens counted, prefixes stored, rows sampled and appended (finishing
+        the sequences they end); returns the sequences that got a token, whose outputs are due.
+        A sequence that left the batch after its launch (aborted) is skipped."""
+        seqs = launched.seqs
+        for seq, n in zip(seqs, launched.num_new):
+            if seq.status is not SeqStatus.RUNNING:
+                continue
             seq.num_computed += n
             if seq.cache_store_upto and seq.num_computed == seq.cache_store_upto:
                 try:
@@ -359,21 +422,23 @@ class LLMEngine:
                 except Exception as e:
                     _raise_if_fatal(e)
                     outputs.append(self._fail(seq, e, "storing its prefix"))
+        logits, sampled = launched.logits, launched.sampled
         if logits is None:
-            return outputs
+            return []
         rows = [i for i, _ in enumerate(sampled) if seqs[sampled[i]].status is SeqStatus.RUNNING]
         to_sample = [seqs[sampled[i]] for i in rows]
         drawn = self._sample(logits if len(rows) == len(sampled) else logits[rows], to_sample)
+        emit = []
         for seq, got in zip(to_sample, drawn):
             try:
                 if isinstance(got, Exception):
                     raise got
                 self._append_token(seq, *got)
-                outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
+                emit.append(seq)
             except Exception as e:
                 _raise_if_fatal(e)
                 outputs.append(self._fail(seq, e, "sampling or detokenizing"))
-        return outputs
+        return emit
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence]
@@ -611,6 +676,7 @@ class LLMEngine:
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
+            num_launched_ahead_total=self.num_launched_ahead,
             **self._cache_stats(),
             **self._decode_cache_stats(),
             **self._moe_stats(),
@@ -662,8 +728,8 @@ class LLMEngine:
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""
-        if self.scheduler.has_unfinished():
-            raise AssertionError("requests still in flight (running or waiting)")
+        if self.scheduler.has_unfinished() or self._launched is not None:
+            raise AssertionError("requests still in flight (running, waiting or launched)")
         self.handoffs.check_idle()
         self.blocks.check_idle()
         self.slots.check_idle()
