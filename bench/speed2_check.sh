@@ -5,8 +5,8 @@
 #  2. the GPU tests of the kernels and decode paths this work touches;
 #  3. the small-batch GEMV against cuBLAS (bench/bench_gemv.py --quick);
 #  4. bench_engine's decode rows (and an 8k prefill) per mode: default (the decode rows' q/k norms and rotary inside the
-#     attention kernel), default-norope (before that), default-gemv, default-pdl, default-fast (both),
-#     deterministic (and deterministic-pdl);
+#     attention kernel), default-ahead (--launch-ahead), default-gemv, default-pdl, default-fast (all three),
+#     default-norope (the rotary before the attention kernel, as before), deterministic (and deterministic-pdl);
 #  5. a per-kernel profile of the decode step and of one 8k prefill (bench/profile_decode.py).
 # Every step has its own time limit (timeout -k: a hung GPU call cannot hold the rest). Logs under
 # $OUT, the summary last.
@@ -24,10 +24,10 @@ $T 75 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gemv.py -k
     tests/engine/test_engine_cuda_decode.py::test_pdl_changes_no_number > "$OUT/smoke.log" 2>&1
 rc=$?
 say "smoke (PDL): rc $rc $(( $(date +%s) - t0 )) s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/smoke.log" | tail -1)"
-MODES=default,default-norope,default-gemv,deterministic
+MODES=default,default-ahead,default-gemv,default-norope,deterministic
 FAST=--no-pdl
 if [ $rc -eq 0 ]; then
-    MODES=default,default-norope,default-gemv,default-pdl,default-fast,deterministic,deterministic-pdl
+    MODES=default,default-ahead,default-gemv,default-pdl,default-fast,default-norope,deterministic,deterministic-pdl
     FAST="--pdl --gemv-rows 1"
 fi
 t0=$(date +%s)

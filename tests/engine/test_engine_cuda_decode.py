@@ -99,3 +99,23 @@ def test_pdl_changes_no_number(tiny_model_dir, family: str) -> None:
         assert run_off.keys() == run_on.keys()
         for rid, steps in run_off.items():
             assert all(torch.equal(a, b) for a, b in zip(steps, run_on[rid])), rid
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid"])
+def test_launch_ahead_same_tokens_from_graphs(tiny_model_dir, family: str) -> None:
+    """--launch-ahead with decode graphs (the next replay queued before a step returns): the same
+    tokens, logprobs and finish reasons as without, with requests arriving mid-stream (deterministic,
+    so a request's tokens do not depend on the batches it shares)."""
+    from tests.engine.test_launch_ahead import PROMPTS, params, run, summary
+
+    late = {5: [("late", PROMPTS[4], params(4))]}
+    got = {}
+    for ahead in (False, True):
+        eng = small_engine(tiny_model_dir(family), device="cuda", is_deterministic=True, launch_ahead=ahead,
+                           max_num_seqs=8, hicache_gb=0.1)
+        assert eng.graph_stats is not None
+        for i, prompt in enumerate(PROMPTS[:4]):
+            eng.add_request(f"r{i}", prompt, params(i), use_prefix_cache=False)
+        got[ahead] = {rid: summary(o) for rid, o in run(eng, {k: list(v) for k, v in late.items()}).items()}
+        assert (eng.num_launched_ahead >= 10) == ahead
+    assert got[True] == got[False] and "late" in got[True]
