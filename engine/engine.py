@@ -341,7 +341,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         """Schedule and run a batch (or take the one launched ahead by the last step), sample it; then,
         with launch_ahead, launch the next batch before this step's outputs are built and returned,
-        so the device runs it while the host builds them and the caller handles them (see _launch_next)."""
+        so the device runs it while the host builds them and the caller handles them (_launches_ahead)."""
         outputs, self._pending = self._pending, []
         launched, self._launched = self._launched, None
         if launched is None:
