@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pdkernels.copy_hash as ch  # noqa: E402
-from pdkernels.checksum_gpu import copy_segment, usable  # noqa: E402
+from pdkernels.checksum_gpu import copy_segment, copy_segments, usable  # noqa: E402
 from transfer.ipc import TorchCudaIpc  # noqa: E402
 
 
@@ -59,7 +59,11 @@ def main() -> int:
     print(f"event create+record: {host_us(lambda: torch.cuda.Event(enable_timing=True).record()):.1f} us")
     print(f"copy_segment 1 MiB, host: {host_us(lambda: copy_segment(dst[: 1 << 20], src[: 1 << 20])):.1f} us")
     print(f"copy_segment 2 GiB, host: {host_us(lambda: copy_segment(dst, src), 5):.1f} us")
+    print(f"copy_segments 2 GiB, host: {host_us(lambda: copy_segments([dst], [src]), 5):.1f} us")
     print(f"backend.copy 2 GiB, host: {host_us(lambda: backend.copy([dst], [src]), 5):.1f} us")
+    done = backend.copy([dst], [src])
+    done.synchronize()  # type: ignore[attr-defined]
+    print(f"segment_sums after the event, host: {host_us(lambda: done.segment_sums()):.1f} us")
     print(f"torch copy_ 2 GiB, host: {host_us(lambda: dst.copy_(src), 5):.1f} us")
     print(f"torch copy 2 GiB, GPU: {gpu_ms(lambda: dst.copy_(src)):.3f} ms")
     saved = ch.NUM_WARPS, ch.MAX_BLOCK_WORDS
