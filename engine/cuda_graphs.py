@@ -83,12 +83,15 @@ class DecodeGraphs:
     def bucket(self, num_rows: int) -> int | None:
         return min((b for b in self._graphs if b >= num_rows), default=None)
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """float32 logits [len(seqs), vocab] of one decode step of seqs (every one a decode row)."""
+    def run(self, seqs: list[Sequence], fed_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [len(seqs), vocab] of one decode step of seqs (every one a decode row); fed_ids:
+        their input tokens on the device (the last step's, not yet on the host) instead of their last."""
         b = self.bucket(len(seqs))
         if b is None:
             raise ValueError(f"no graph for {len(seqs)} rows (largest {max(self._graphs, default=0)})")
-        self.inputs.fill(seqs, b)
+        meta = self.inputs.fill(seqs, b)
+        if fed_ids is not None:
+            meta.input_ids[: len(seqs)].copy_(fed_ids)  # NOTE: queued after fill's copy, before the replay
         graph, logits = self._graphs[b]
         graph.replay()
         return logits[: len(seqs)]

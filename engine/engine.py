@@ -44,6 +44,9 @@ MAX_DEFAULT_MODEL_LEN = 32768
 log = logging.getLogger("engine.engine")
 
 
+PLACEHOLDER = 0  # a sequence's next token while only the device has it (_complete_fed)
+
+
 @dataclass(frozen=True)
 class _Launched:
     """A scheduled batch whose forward is queued (on CUDA maybe still running): the step that
@@ -119,6 +122,7 @@ class LLMEngine:
         self._launched: _Launched | None = None  # a decode batch launched ahead: the next step samples it
         self.launch_ahead = config.launch_ahead and self.ep is None  # a group's ranks step in lockstep
         self.num_launched_ahead = 0  # batches launched before the step before them returned
+        self.num_fed_ahead = 0  # of those, launched before the last step's tokens reached the host
         self._admit_errors: dict[str, Exception] = {}  # request id -> its failed prefix restore (step() ends it)
         # every P/D state of a sequence
         self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
@@ -348,10 +352,13 @@ class LLMEngine:
             launched = self._launch(outputs)
             if launched is None:
                 return outputs
-        emit = self._complete(launched, outputs)
-        if self._launches_ahead():
-            self._launched = self._launch(outputs)
-            self.num_launched_ahead += self._launched is not None
+        if self._feeds_ahead(launched):
+            emit = self._complete_fed(launched, outputs)
+        else:
+            emit = self._complete(launched, outputs)
+            if self._launches_ahead():
+                self._launched = self._launch(outputs)
+                self.num_launched_ahead += self._launched is not None
         for seq in emit:
             try:
                 outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
@@ -373,6 +380,75 @@ class LLMEngine:
             and bool(sched.running)
             and all(s.num_uncomputed == 1 and s.num_computed >= s.num_prompt_tokens for s in sched.running)
         )
+
+    def _feeds_ahead(self, launched: _Launched) -> bool:
+        """Whether the next batch may be launched before this one's tokens reach the host, fed with
+        them on the device: steady decode of the same sequences, every row greedy with no processor,
+        logprob or grammar (its token is the argmax of the raw logits), and pages for the next token of
+        every sequence free without preempting any (a preempted sequence would recompute a placeholder)."""
+        sched, seqs = self.scheduler, launched.seqs
+        return (
+            self.launch_ahead
+            and launched.logits is not None
+            and not sched.waiting
+            and len(sched.running) == len(seqs)
+            and all(a is b for a, b in zip(sched.running, seqs))
+            and launched.sampled == list(range(len(seqs)))
+            and len(seqs) <= self.config.max_num_batched_tokens
+            and all(n == 1 for n in launched.num_new)
+            and all(
+                s.num_computed >= s.num_prompt_tokens and s.num_uncomputed == 1 and s.params.is_greedy
+                and not s.params.has_penalties and s.params.logprobs is None and s.matcher is None
+                and not s.is_prefill_only and not s.cache_store_upto
+                for s in seqs
+            )
+        )  # fmt: skip
+
+    def _complete_fed(self, launched: _Launched, outputs: list[RequestOutput]) -> list[Sequence]:
+        """_complete for a batch that _feeds_ahead: the rows' argmax stays on the device and feeds the
+        next batch, launched at once (each sequence's next token a placeholder while it is queued); then
+        the tokens are read and appended. A sequence that ends here has had one more row computed, which
+        the next step drops. NOTE: the tokens' copy to the host is queued before the next forward, so
+        reading them waits for this batch only."""
+        seqs = launched.seqs
+        assert launched.logits is not None
+        for seq in seqs:
+            seq.num_computed += 1
+        ids = launched.logits.argmax(-1)  # what sample() draws for greedy rows without processors
+        host, ready = ids, None
+        if ids.is_cuda:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        if self.scheduler.grow_all(seqs, 1):
+            for seq in seqs:
+                seq.output_token_ids.append(PLACEHOLDER)
+            try:
+                sampled, logits = self.runner.run(seqs, [1] * len(seqs), fed_ids=ids)
+                self._launched = _Launched(list(seqs), [1] * len(seqs), sampled, logits)
+                self.num_launched_ahead += 1
+                self.num_fed_ahead += 1
+            except Exception as e:  # the next step runs the batch the ordinary way (and fails it there)
+                _raise_if_fatal(e)
+                log.warning("a decode batch launched ahead failed (%r); the next step runs it again", e)
+            finally:
+                for seq in seqs:
+                    seq.output_token_ids.pop()
+        if ready is not None:
+            ready.synchronize()
+        emit = []
+        for seq, token in zip(seqs, host.tolist()):
+            try:
+                self._append_token(seq, token, None)
+                emit.append(seq)
+            except Exception as e:
+                _raise_if_fatal(e)
+                outputs.append(self._fail(seq, e, "sampling or detokenizing"))
+        if self._launched is None and self._launches_ahead():  # no pages for a fed launch: the plain one
+            self._launched = self._launch(outputs)
+            self.num_launched_ahead += self._launched is not None
+        return emit
 
     def _launch(self, outputs: list[RequestOutput]) -> _Launched | None:
         """Schedules a batch and queues its forward; None if there is nothing to run. Failures end
@@ -511,6 +587,11 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         seq.output_token_ids.append(token)
+        self._accept_token(seq, token, lp)
+
+    def _accept_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
+        """A token now last in seq's output: its logprob kept, its grammar advanced, detokenized; seq
+        finished if it ends there (or parked, prefill only)."""
         if lp is not None:
             seq.output_logprobs.append(lp)
         self.num_generation_tokens_total += 1

@@ -55,14 +55,20 @@ class ModelRunner:
         return self.graphs.capture(sizes)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> tuple[list[int], torch.Tensor | None]:
-        """Returns (indices into seqs that get a sampled token, their logits [k, vocab])."""
+    def run(
+        self, seqs: list[Sequence], num_new_tokens: list[int], fed_ids: torch.Tensor | None = None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Returns (indices into seqs that get a sampled token, their logits [k, vocab]). fed_ids: every
+        row is a decode row whose input token is fed_ids[i] (on the device: sampled by the last step
+        and not yet read by the host; the sequence's last token is a placeholder meanwhile)."""
         self.num_forwards += 1
+        if fed_ids is not None and (len(fed_ids) != len(seqs) or any(n != 1 for n in num_new_tokens)):
+            raise ValueError("fed input ids need one decode row per sequence")
         decode: list[int] = []
         if self.decode_inputs is not None and len(seqs) <= self.decode_inputs.max_rows:
             decode = [i for i, (s, n) in enumerate(zip(seqs, num_new_tokens)) if is_decode_row(s, n)]
         if decode and len(decode) == len(seqs) and self.graphs is not None and self.graphs.bucket(len(seqs)):
-            return decode, self.graphs.run(seqs)
+            return decode, self.graphs.run(seqs, fed_ids)
         is_decode = set(decode)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -82,10 +88,14 @@ class ModelRunner:
                 last_rows.append(len(input_ids) - 1)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if fed_ids is not None and not decode:  # every row on the chunked path: one token each, in order
+            ids_t = fed_ids.to(self.device, torch.long)
         meta = None
         if decode:
             assert self.decode_inputs is not None
             meta = self.decode_inputs.fill([seqs[i] for i in decode], len(decode))
+            if fed_ids is not None:  # every row is a decode row here
+                meta.input_ids[: len(decode)].copy_(fed_ids)
             ids_t = torch.cat([ids_t, meta.input_ids.long()])
             pos_t = torch.cat([pos_t, meta.positions.long()])
             sampled += decode

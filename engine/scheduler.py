@@ -133,6 +133,17 @@ class Scheduler:
         seq.block_ids += self.blocks.allocate(need)
         return True
 
+    def grow_all(self, seqs: list[Sequence], num_tokens: int) -> bool:
+        """Pages for num_tokens more tokens of every one of seqs (beyond their tokens now), all or none:
+        False, with nothing allocated, when they do not all fit (no preemption)."""
+        need = [max(0, self.blocks_for(s.num_tokens + num_tokens) - len(s.block_ids)) for s in seqs]
+        if not self.blocks.can_allocate(sum(need)):
+            return False
+        for seq, n in zip(seqs, need):
+            if n:
+                seq.block_ids += self.blocks.allocate(n)
+        return True
+
     @staticmethod
     def _chunk(seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed, budget)

@@ -125,3 +125,76 @@ def test_off_by_default_and_never_while_a_prompt_is_computed(tiny_model_dir) -> 
             assert eng._launched.num_new == [1] * len(eng._launched.seqs)
     assert held_back >= 2 and eng.num_launched_ahead > 0
     eng.check_idle()
+
+
+# ---- fed ahead: the next batch launched before this one's tokens reach the host ---------------------
+
+
+def greedy(i: int, stop: tuple[int, ...] = ()) -> SamplingParams:
+    return SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, stop_token_ids=stop, ignore_eos=True)
+
+
+def fed_run(folder, ahead: bool, requests, **kw) -> tuple[dict, object]:
+    eng = small_engine(folder, launch_ahead=ahead, **kw)
+    for rid, prompt, p in requests:
+        eng.add_request(rid, prompt, p, use_prefix_cache=False)
+    return {rid: summary(o) for rid, o in run(eng).items()}, eng
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fed_ahead_same_outputs_sequences_ending_in_flight(tiny_model_dir, family: str, deterministic: bool) -> None:
+    """Greedy rows without logprobs: the next batch is fed the argmax on the device. Stop ids taken from
+    a first run's outputs end some sequences mid-stream, after their next row was launched."""
+    folder = tiny_model_dir(family)
+    first, _ = fed_run(folder, False, [(f"r{i}", p, greedy(i)) for i, p in enumerate(PROMPTS)])
+    stops = {i: (first[f"r{i}"][0][2 + i],) for i in (1, 3, 4)}  # a token each of these emitted mid-way
+    requests = [(f"r{i}", p, greedy(i, stops.get(i, ()))) for i, p in enumerate(PROMPTS)]
+    got = {}
+    for ahead in (False, True):
+        got[ahead], eng = fed_run(folder, ahead, requests, is_deterministic=deterministic)
+        if ahead:
+            assert eng.num_fed_ahead >= 10 and eng.num_fed_ahead <= eng.num_launched_ahead
+    assert got[True] == got[False]
+    for i in stops:  # they did end early, on their stop id
+        tokens, _, reasons = got[True][f"r{i}"]
+        assert reasons == ["stop"] and tokens[-1] == stops[i][0] and len(tokens) < greedy(i).max_tokens
+
+
+def test_fed_ahead_only_for_greedy_rows_and_falls_back_without_pages(tiny_model_dir) -> None:
+    folder = tiny_model_dir("llama")
+    mixed = [(f"r{i}", p, greedy(i)) for i, p in enumerate(PROMPTS[:4])]
+    mixed.append(("sampled", PROMPTS[4], SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)))
+    got = {}
+    for ahead in (False, True):
+        got[ahead], eng = fed_run(folder, ahead, mixed, is_deterministic=True)
+    assert got[True] == got[False]
+    # the sampled request (8 tokens) holds the batch to plain launches; after it, the greedy rows are fed
+    assert 0 < eng.num_fed_ahead < eng.num_launched_ahead
+    eng = small_engine(folder, launch_ahead=True, is_deterministic=True)
+    eng.scheduler.grow_all = lambda seqs, n: False  # no pages for the next token without preempting
+    for rid, prompt, p in mixed[:4]:
+        eng.add_request(rid, prompt, p, use_prefix_cache=False)
+    assert {rid: summary(o) for rid, o in run(eng).items()} == {r: got[False][r] for r, _, _ in mixed[:4]}
+    assert eng.num_fed_ahead == 0 and eng.num_launched_ahead > 0
+
+
+def test_abort_and_arrival_while_a_fed_batch_is_launched(tiny_model_dir) -> None:
+    eng = small_engine(tiny_model_dir("gemma3_hybrid"), launch_ahead=True, is_deterministic=True)
+    for i in range(3):
+        eng.add_request(f"r{i}", PROMPTS[i], greedy(5), use_prefix_cache=False)
+    outs: dict[str, list[RequestOutput]] = {}
+    while eng.num_fed_ahead < 2:
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert eng._launched is not None
+    eng.abort("r0")
+    eng.add_request("new", PROMPTS[3], greedy(0), use_prefix_cache=False)
+    for rid, o in run(eng).items():
+        outs.setdefault(rid, []).extend(o)
+    assert [o.finish_reason for o in outs["r0"] if o.is_finished] == ["abort"]
+    assert len(summary(outs["r0"])[0]) < greedy(5).max_tokens
+    assert all(len(summary(outs[r])[0]) == greedy(5).max_tokens for r in ("r1", "r2"))
+    assert len(summary(outs["new"])[0]) == greedy(0).max_tokens
+    alone, _ = fed_run(tiny_model_dir("gemma3_hybrid"), False, [("r1", PROMPTS[1], greedy(5))], is_deterministic=True)
+    assert summary(outs["r1"]) == alone["r1"]  # deterministic: the same tokens as alone
