@@ -119,3 +119,22 @@ def test_launch_ahead_same_tokens_from_graphs(tiny_model_dir, family: str) -> No
         got[ahead] = {rid: summary(o) for rid, o in run(eng, {k: list(v) for k, v in late.items()}).items()}
         assert (eng.num_launched_ahead >= 10) == ahead
     assert got[True] == got[False] and "late" in got[True]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid"])
+def test_launch_ahead_fed_greedy_same_tokens_from_graphs(tiny_model_dir, family: str) -> None:
+    """--launch-ahead on greedy rows: the next graph replay is fed the argmax on the device (written
+    into the static input buffer after the host's fill) before the tokens reach the host; stop ids
+    end some sequences in flight (so batches differ: deterministic numerics). The same tokens as without."""
+    from tests.engine.test_launch_ahead import PROMPTS, fed_run, greedy
+
+    folder = tiny_model_dir(family)
+    kw = dict(device="cuda", is_deterministic=True, max_num_seqs=8, hicache_gb=0.1)
+    first, _ = fed_run(folder, False, [(f"r{i}", p, greedy(i)) for i, p in enumerate(PROMPTS)], **kw)
+    stops = {i: (first[f"r{i}"][0][2 + i],) for i in (1, 3, 4)}
+    requests = [(f"r{i}", p, greedy(i, stops.get(i, ()))) for i, p in enumerate(PROMPTS)]
+    got = {}
+    for ahead in (False, True):
+        got[ahead], eng = fed_run(folder, ahead, requests, **kw)
+        assert eng.graph_stats is not None and (eng.num_fed_ahead >= 10) == ahead
+    assert got[True] == got[False]

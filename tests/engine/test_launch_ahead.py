@@ -142,10 +142,11 @@ def fed_run(folder, ahead: bool, requests, **kw) -> tuple[dict, object]:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_hybrid"])
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_fed_ahead_same_outputs_sequences_ending_in_flight(tiny_model_dir, family: str, deterministic: bool) -> None:
+def test_fed_ahead_same_outputs_sequences_ending_in_flight(tiny_model_dir, family: str) -> None:
     """Greedy rows without logprobs: the next batch is fed the argmax on the device. Stop ids taken from
-    a first run's outputs end some sequences mid-stream, after their next row was launched."""
+    a first run's outputs end some sequences mid-stream, after their next row was launched (so the
+    batches differ from one step at a time: deterministic numerics, a row's logits batch-invariant)."""
+    deterministic = True
     folder = tiny_model_dir(family)
     first, _ = fed_run(folder, False, [(f"r{i}", p, greedy(i)) for i, p in enumerate(PROMPTS)])
     stops = {i: (first[f"r{i}"][0][2 + i],) for i in (1, 3, 4)}  # a token each of these emitted mid-way
