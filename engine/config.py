@@ -198,6 +198,7 @@ class EngineStats:
     num_generation_tokens_total: int
     num_preemptions_total: int
     num_launched_ahead_total: int = 0  # decode batches launched before the step before them returned (--launch-ahead)
+    num_fed_ahead_total: int = 0  # of those, launched before the last step's tokens reached the host (greedy rows)
     cache_lookups_total: int = 0
     cache_hit_tokens_total: int = 0
     cache_stored_pages_total: int = 0

@@ -758,6 +758,7 @@ class LLMEngine:
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
             num_launched_ahead_total=self.num_launched_ahead,
+            num_fed_ahead_total=self.num_fed_ahead,
             **self._cache_stats(),
             **self._decode_cache_stats(),
             **self._moe_stats(),

@@ -155,7 +155,8 @@ def test_fed_ahead_same_outputs_sequences_ending_in_flight(tiny_model_dir, famil
     for ahead in (False, True):
         got[ahead], eng = fed_run(folder, ahead, requests, is_deterministic=deterministic)
         if ahead:
-            assert eng.num_fed_ahead >= 10 and eng.num_fed_ahead <= eng.num_launched_ahead
+            assert eng.stats().num_fed_ahead_total == eng.num_fed_ahead >= 10
+            assert eng.num_fed_ahead <= eng.num_launched_ahead
     assert got[True] == got[False]
     for i in stops:  # they did end early, on their stop id
         tokens, _, reasons = got[True][f"r{i}"]
