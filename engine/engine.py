@@ -17,6 +17,7 @@ from engine import expert_parallel
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, EngineStats, MemoryPlan
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
+from engine.decode import is_decode_row
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
 from engine.eplb import RebalanceStats, rebalance_layer
@@ -353,12 +354,12 @@ class LLMEngine:
             if launched is None:
                 return outputs
         if self._feeds_ahead(launched):
-            emit = self._complete_fed(launched, outputs)
+            emit = self._complete_fed(launched, outputs)  # launches the next batch itself if it can
         else:
             emit = self._complete(launched, outputs)
-            if self._launches_ahead():
-                self._launched = self._launch(outputs)
-                self.num_launched_ahead += self._launched is not None
+        if self._launched is None and self._launches_ahead():
+            self._launched = self._launch(outputs)
+            self.num_launched_ahead += self._launched is not None
         for seq in emit:
             try:
                 outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
@@ -378,7 +379,7 @@ class LLMEngine:
             self.launch_ahead
             and not sched.waiting
             and bool(sched.running)
-            and all(s.num_uncomputed == 1 and s.num_computed >= s.num_prompt_tokens for s in sched.running)
+            and all(is_decode_row(s, s.num_uncomputed) for s in sched.running)
         )
 
     def _feeds_ahead(self, launched: _Launched) -> bool:
@@ -394,13 +395,11 @@ class LLMEngine:
             and len(sched.running) == len(seqs)
             and all(a is b for a, b in zip(sched.running, seqs))
             and launched.sampled == list(range(len(seqs)))
-            and len(seqs) <= self.config.max_num_batched_tokens
-            and all(n == 1 for n in launched.num_new)
             and all(
-                s.num_computed >= s.num_prompt_tokens and s.num_uncomputed == 1 and s.params.is_greedy
-                and not s.params.has_penalties and s.params.logprobs is None and s.matcher is None
-                and not s.is_prefill_only and not s.cache_store_upto
-                for s in seqs
+                is_decode_row(s, n) and s.params.is_greedy and not s.params.has_penalties
+                and s.params.logprobs is None and s.matcher is None and not s.is_prefill_only
+                and not s.cache_store_upto
+                for s, n in zip(seqs, launched.num_new)
             )
         )  # fmt: skip
 
@@ -437,18 +436,7 @@ class LLMEngine:
                     seq.output_token_ids.pop()
         if ready is not None:
             ready.synchronize()
-        emit = []
-        for seq, token in zip(seqs, host.tolist()):
-            try:
-                self._append_token(seq, token, None)
-                emit.append(seq)
-            except Exception as e:
-                _raise_if_fatal(e)
-                outputs.append(self._fail(seq, e, "sampling or detokenizing"))
-        if self._launched is None and self._launches_ahead():  # no pages for a fed launch: the plain one
-            self._launched = self._launch(outputs)
-            self.num_launched_ahead += self._launched is not None
-        return emit
+        return self._append_tokens(seqs, [(token, None) for token in host.tolist()], outputs)
 
     def _launch(self, outputs: list[RequestOutput]) -> _Launched | None:
         """Schedules a batch and queues its forward; None if there is nothing to run. Failures end
@@ -504,8 +492,18 @@ class LLMEngine:
         rows = [i for i, _ in enumerate(sampled) if seqs[sampled[i]].status is SeqStatus.RUNNING]
         to_sample = [seqs[sampled[i]] for i in rows]
         drawn = self._sample(logits if len(rows) == len(sampled) else logits[rows], to_sample)
+        return self._append_tokens(to_sample, drawn, outputs)
+
+    def _append_tokens(
+        self,
+        seqs: list[Sequence],
+        drawn: list[tuple[int, TokenLogprob | None] | Exception],
+        outputs: list[RequestOutput],
+    ) -> list[Sequence]:
+        """Each sequence's drawn token appended (or its error ending it, into outputs); returns the
+        sequences that got one, whose outputs are due."""
         emit = []
-        for seq, got in zip(to_sample, drawn):
+        for seq, got in zip(seqs, drawn):
             try:
                 if isinstance(got, Exception):
                     raise got
@@ -587,11 +585,6 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         seq.output_token_ids.append(token)
-        self._accept_token(seq, token, lp)
-
-    def _accept_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
-        """A token now last in seq's output: its logprob kept, its grammar advanced, detokenized; seq
-        finished if it ends there (or parked, prefill only)."""
         if lp is not None:
             seq.output_logprobs.append(lp)
         self.num_generation_tokens_total += 1
