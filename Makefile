@@ -39,4 +39,4 @@ clean:
 demo: setup
 	$(BIN)/python -m engine.models fetch smollm2-135m-instruct
 	deploy/pd_run.sh start localhost localhost
-	$(BIN)/python -m pd.demo --url http://127.0.0.1:8888/v1 --stop-command "deploy/pd_run.sh stop localhost localhost"
+	$(BIN)/python -m pd.tools.demo --url http://127.0.0.1:8888/v1 --stop-command "deploy/pd_run.sh stop localhost localhost"

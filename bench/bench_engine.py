@@ -63,7 +63,7 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.kv_cache import layout_of  # noqa: E402
 from engine.model_config import ModelArch, arch_from_hf, load_hf_config  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from pd.settings import add_flags, from_flags  # noqa: E402
+from pd.flags import add_flags, from_flags  # noqa: E402
 
 CONFIGS = REPO / "bench" / "configs"
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renamed keyword arguments

@@ -63,7 +63,7 @@ def endpoint(url: str | None, launch_args: str | None, log_dir: Path | None) -> 
     if url is not None:
         yield url
         return
-    from pd.testing import ServerProcess
+    from pd.tools.server_process import ServerProcess
 
     log = log_dir / "server.log" if log_dir else None
     if log:

@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pd.testing import PDPair, ServerProcess  # noqa: E402
+from pd.tools.server_process import PDPair, ServerProcess  # noqa: E402
 
 STEPS = ("model", "tests", "xtray", "handoff", "check", "load")
 SMOLLM2 = "smollm2-135m-instruct"

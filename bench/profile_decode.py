@@ -27,7 +27,7 @@ from bench.bench_engine import copy_bytes_per_s, replay_ms  # noqa: E402
 from engine.config import EngineConfig, ForwardConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from pd.settings import add_flags, from_flags  # noqa: E402
+from pd.flags import add_flags, from_flags  # noqa: E402
 
 
 def _bench_engine() -> Any:

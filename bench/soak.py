@@ -10,7 +10,7 @@ a few chunks (the server must free them), and a rotating set of bad requests tha
 with OpenAI's error object (each is sent once first, while every rank is up). Every --kill-every-s one
 engine rank that is up gets SIGKILL, alternating between the servers (the --url server and, on a P/D
 pair, its PE) and their ranks: the server pids come from --run-dir's pid files (`server-PORT.pid`,
-`pd-ce-PORT.pid`, `pd-pe-PORT.pid`), the ranks are their `pd.rank` children.
+`pd-ce-PORT.pid`, `pd-pe-PORT.pid`), the ranks are their `pd.rank.worker` children.
 
 A request that fails is allowed only when a kill explains it:
   lost_on_killed_rank  502/503/504 (or an error event in its stream) with a kill at most KILL_SLACK_S
@@ -24,7 +24,7 @@ fall in the same allowed classes.
 
 At the end (within --settle-s) every rank of every server must be up again, serve one more short request
 (counted as good traffic), and be idle: nothing running, waiting or in flight, its KV pool all free
-(pd.testing.wait_idle). Restarts come from `pdserve_rank_restarts_total`, memory from VmRSS (per rank
+(pd.tools.server_process.wait_idle). Restarts come from `pdserve_rank_restarts_total`, memory from VmRSS (per rank
 index: a restarted rank has a new pid). Exit 1 on good_lost, bad_request_not_4xx, no answer to the last
 request, or a pool not idle. Plain http, loopback servers only.
 """
@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 
 import openai
 
-from pd.testing import get_json, rank_metrics, rank_pids, wait_idle
+from pd.tools.server_process import get_json, rank_metrics, rank_pids, wait_idle
 
 MIN_KILL_INTERVAL_S = 125.0  # a kill a rank per 125 s stays within 5 restarts per 600 s (server default)
 CLIENT_TIMEOUT_S = 120.0

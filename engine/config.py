@@ -1,6 +1,6 @@
 """Engine configuration (what the user asks for) and measured results (what the engine found).
 
-Every setting is one field: its default, type and help (metadata "help"; pd/settings.py makes the
+Every setting is one field: its default, type and help (metadata "help"; pd/flags.py makes the
 `python -m pd.server` flags from them, and a rank receives the whole EngineConfig through engine/codec.py).
 """
 

@@ -830,7 +830,7 @@ class LLMEngine:
 
 def is_fatal(error: BaseException) -> bool:
     """An error the process cannot serve on after: out of device or host memory, a CUDA error (the
-    context is likely unusable). The rank exits on these (pd/rank.py sends RankFatal)."""
+    context is likely unusable). The rank exits on these (pd/rank/worker.py sends RankFatal)."""
     if not isinstance(error, Exception) or isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8: CUDA errors

@@ -16,10 +16,10 @@ so a token's result is computed by the same arithmetic wherever its experts live
 mode (batch-invariant expert matmuls) tokens and logits are bit-identical to `--ep 1`.
 
 Every collective must be entered by every rank in the same order, so the ranks step in lockstep
-(pd/rank.py): each loop agrees whether any rank has work (`any`), and if so every rank runs exactly one
+(pd/rank/worker.py): each loop agrees whether any rank has work (`any`), and if so every rank runs exactly one
 forward, a rank with nothing scheduled running an empty one (`LLMEngine.step`: the MoE layers exchange
 zero rows). A rank that dies breaks its peers' collectives (gloo sees the closed connection; NCCL
-would wait, so the server kills the whole group at once, pd/rank_client.py) and the group is
+would wait, so the server kills the whole group at once, pd/rank/client.py) and the group is
 restarted as one.
 
 torch.distributed carries it: gloo on the CPU, NCCL on CUDA (one GPU per rank: NCCL cannot join two

@@ -4,7 +4,7 @@ rank is told about its role.
 Each setting is declared once, as a field with its default, type and help: the HTTP, coordinator and
 P/D role settings here, the engine's in EngineConfig (engine/config.py), the KV transfer's in
 TransferConfig (transfer/config.py), nested as `engine` and `transfer`. The flags are generated from
-the fields (pd/settings.py); a rank receives its EngineConfig and RoleConfig as JSON encoded by the
+the fields (pd/flags.py); a rank receives its EngineConfig and RoleConfig as JSON encoded by the
 codec (engine/codec.py), which refuses an unknown key.
 """
 
@@ -15,12 +15,10 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from engine.config import EngineConfig
-from pd.pe_targets import PE_ROUTING, parse_prefill_urls
-from pd.reasoning import REASONING_PARSERS
-from pd.restart_policy import RestartPolicy
-from pd.settings import add_config_flag, from_flags, parse_args, parser_for
+from pd.flags import add_config_flag, from_flags, parse_args, parser_for
 from transfer.config import TransferConfig
 
 DEFAULT_PORT = 8888
@@ -29,11 +27,63 @@ DEFAULT_KV_PORT_BASE = 8900
 ROUTING_POLICIES = ("affinity", "least-loaded")
 ROLES = ("single", "pe", "ce")
 API_KEY_ENV = "PDSERVE_API_KEY"
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the parsers pd/chat/reasoning.py implements (tested to agree)
+PE_ROUTING = ("affinity", "least-loaded", "round-robin")
+DNS_SCHEME = "dns+"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One entry of --prefill-url: a fixed URL, or (dns) a name whose addresses are the PEs."""
+
+    url: str  # as written, minus a trailing slash
+    dns: bool = False
+
+    @property
+    def scheme(self) -> str:
+        return urlsplit(self.url.removeprefix(DNS_SCHEME)).scheme
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url.removeprefix(DNS_SCHEME)).hostname or ""
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url.removeprefix(DNS_SCHEME)).port or (443 if self.scheme == "https" else 80)
+
+
+def parse_prefill_urls(value: str) -> list[Target]:
+    """The targets of a --prefill-url value (comma-separated); ValueError names the bad entry."""
+    targets: list[Target] = []
+    for raw in value.split(","):
+        entry = raw.strip().rstrip("/")
+        if not entry:
+            raise ValueError(f"--prefill-url has an empty entry: {value!r}")
+        dns = entry.startswith(DNS_SCHEME)
+        parts = urlsplit(entry.removeprefix(DNS_SCHEME))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"--prefill-url entry {entry!r} is not http(s)://HOST:PORT or dns+http(s)://NAME:PORT"
+            )
+        try:
+            parts.port  # noqa: B018 (a port out of range raises here)
+        except ValueError as e:
+            raise ValueError(f"--prefill-url entry {entry!r}: {e}") from None
+        if parts.path or parts.query or parts.fragment:
+            raise ValueError(f"--prefill-url entry {entry!r} must not have a path")
+        if dns and parts.port is None:
+            raise ValueError(f"--prefill-url entry {entry!r} needs a port")
+        t = Target(entry, dns)
+        if t in targets:
+            raise ValueError(f"--prefill-url names {entry!r} twice")
+        targets.append(t)
+    return targets
+
 
 
 @dataclass(frozen=True)
 class RoleConfig:
-    """What a P/D rank process is told about its role (pd/pe_rank.py, pd/ce_rank.py)."""
+    """What a P/D rank process is told about its role (pd/rank/prefill_role.py, pd/rank/decode_role.py)."""
 
     token_file: str | None = field(
         metadata={"help": "the cluster token's file; None: $PDSERVE_CLUSTER_TOKEN(_FILE)"}
@@ -291,15 +341,6 @@ class ServerConfig:
     def role_config(self, rank: int) -> RoleConfig:
         """What P/D rank `rank` is told about its role."""
         return RoleConfig(self.cluster_token_file, self.kv_host, self.kv_port_base + rank, self.transfer)
-
-    def restart_policy(self) -> RestartPolicy:
-        """A rank's restart policy (one per rank: each counts its own restarts)."""
-        return RestartPolicy(
-            self.rank_restart_max,
-            self.rank_restart_window_s,
-            self.rank_restart_backoff_s,
-            self.rank_restart_max_backoff_s,
-        )
 
     @classmethod
     def parser(

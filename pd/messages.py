@@ -9,12 +9,12 @@ another version outright rather than guessing at a layout it does not know.
     HTTP process ── AddRequest / AbortRequests / Shutdown ──────────────► rank
     HTTP process ◄── RankReady / StepOutputs / RequestRejected / RankStats / RankFatal ── rank
 
-P/D roles add (pd/ce_rank.py, pd/pe_rank.py):
+P/D roles add (pd/rank/decode_role.py, pd/rank/prefill_role.py):
 
     CE coordinator ── Reserve ──► CE rank ── Reserved ──► (then StepOutputs as for AddRequest)
     PE server      ── Prefill ──► PE rank ── PrefillResult ──► (one per Prefill)
 
-and between hosts, CE coordinator -> PE server, POST /prefill (JSON of to_wire; pd/prefill_client.py):
+and between hosts, CE coordinator -> PE server, POST /prefill (JSON of to_wire; pd/disagg/prefill_client.py):
 
     PrefillBody ──► PE server ── PrefillReply (200) or OpenAI's error object
 

@@ -24,22 +24,22 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from engine.errors import InvalidRequestError, ModelNotFoundError
-from pd.chat_api import chat_completions
-from pd.completions_api import completions
+from pd.api.chat import chat_completions
+from pd.api.completions import completions
+from pd.api.prefill import VERIFIER, prefill
+from pd.api.tokenize import detokenize, tokenize, version
 from pd.config import ServerConfig
-from pd.coordinator import Coordinator
+from pd.disagg.prefill_auth import Verifier
 from pd.errors import ApiError, bad_request, internal
-from pd.http_io import error_response, json_response
-from pd.http_site import LimitedSite, server_ssl_context
+from pd.frontend.coordinator import Coordinator
+from pd.frontend.metrics import CONTENT_TYPE
+from pd.http.io import error_response, json_response
+from pd.http.request_log import ACCESS_LOG_FORMAT, HEADER, REQUEST_ID, request_id_of
+from pd.http.request_log import install as install_logging
+from pd.http.site import LimitedSite, server_ssl_context
 from pd.lifecycle import RETRY_AFTER_S, exit_now
-from pd.metrics import CONTENT_TYPE
-from pd.prefill_auth import Verifier
-from pd.prefill_server import VERIFIER, prefill
-from pd.request_log import ACCESS_LOG_FORMAT, HEADER, REQUEST_ID, request_id_of
-from pd.request_log import install as install_logging
-from pd.tokenize_api import detokenize, tokenize, version
 
-log = logging.getLogger("pd.server")
+log = logging.getLogger(__spec__.name)  # __name__ is "__main__" under python -m
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 REQUEST_ID_KEY = "request_id"
 KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: --api-key applies to them too
@@ -193,7 +193,7 @@ def make_app(co: Coordinator) -> web.Application:
 
 
 def make_prefill_app(co: Coordinator, token: bytes) -> web.Application:
-    """The PE's app: /prefill (signed with the cluster token: pd/prefill_auth.py), /health*, /metrics,
+    """The PE's app: /prefill (signed with the cluster token: pd/disagg/prefill_auth.py), /health*, /metrics,
     /v1/models."""
     app = _base_app(co)
     app[VERIFIER] = Verifier(token, co.cfg.prefill_auth_window_s)
@@ -227,7 +227,7 @@ async def serve(cfg: ServerConfig) -> int:
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
-        access_log=logging.getLogger("pd.access") if cfg.access_log else None,
+        access_log=logging.getLogger(f"{__spec__.name}.access") if cfg.access_log else None,
         access_log_format=ACCESS_LOG_FORMAT,
         keepalive_timeout=cfg.timeout_keep_alive_s,
         lingering_time=LINGER_S,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from openai import OpenAI
 
-from pd.testing import PDPair, ServerProcess, wait_idle
+from pd.tools.server_process import PDPair, ServerProcess, wait_idle
 
 # A small deterministic server: what the identity tests (single engine and P/D pairs) run with.
 SMALL_DETERMINISTIC = (

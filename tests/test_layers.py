@@ -5,7 +5,10 @@ every import counted, including those inside functions:
 - a module imports only from its own layer and the layers below it;
 - transfer/ imports from engine/ only engine.handoff, the boundary module, and that module's own
   imports stay CUDA-free (no pdkernels, no model, loader or attention);
-- no import cycle among the project's modules.
+- no import cycle among the project's modules;
+- inside pd/, the rooms keep the same rule: the modules the whole server shares (pd/*.py) at the bottom,
+  then http/ <- chat/ <- rank/ <- disagg/ <- frontend/ <- api/, the server's entry (pd/server.py), and
+  tools/ (the pdserve command, the demo client, a server in a child process) on top.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("pdkernels", "engine", "transfer", "pd", "bench")
 BOUNDARY = "engine.handoff"
 BOUNDARY_MAY_IMPORT = {"engine.codec", "engine.errors", "engine.request"}
+PD_ROOMS = ("pd", "pd.http", "pd.chat", "pd.rank", "pd.disagg", "pd.frontend", "pd.api", "pd.server", "pd.tools")
+PD_SHARED = {"pd", "pd.config", "pd.errors", "pd.flags", "pd.lifecycle", "pd.messages"}
 
 
 def _modules() -> dict[str, Path]:
@@ -60,6 +65,14 @@ def _layer(module: str) -> int:
 def test_the_tree_is_seen() -> None:
     assert {"engine.engine", "engine.handoff", "transfer.handoff", "pd.server", "pdkernels.checksum"} <= set(MODULES)
     assert "engine.handoff" in GRAPH["transfer.handoff"]
+
+
+def _room(module: str) -> int:
+    """The index in PD_ROOMS of a pd module's room (its sub-package; "pd" for the shared modules)."""
+    if module == "pd.server":
+        return PD_ROOMS.index(module)
+    parts = module.split(".")
+    return PD_ROOMS.index(".".join(parts[:2]) if len(parts) > 2 or module in PD_ROOMS else "pd")
 
 
 def test_imports_point_down() -> None:
@@ -113,3 +126,21 @@ def test_no_import_cycle() -> None:
         if mod not in state:
             visit(mod)
     assert not cycles, "\n".join(cycles)
+
+
+def test_pd_rooms_import_down() -> None:
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in GRAPH.items()
+        if mod.startswith("pd")
+        for dep in sorted(deps)
+        if dep.startswith("pd") and _room(dep) > _room(mod)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_pd_top_level_holds_only_what_the_server_shares() -> None:
+    top = {mod for mod, path in MODULES.items() if mod.startswith("pd") and path.parent == ROOT / "pd"}
+    rooms = {f"pd.{p.name}" for p in (ROOT / "pd").iterdir() if (p / "__init__.py").is_file()}
+    assert top - {"pd.server"} == PD_SHARED
+    assert rooms == set(PD_ROOMS) - {"pd", "pd.server"}  # a new room takes its place in the order

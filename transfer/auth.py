@@ -32,7 +32,7 @@ MIN_TOKEN_CHARS = 16
 NONCE_BYTES = 32
 _CLIENT = b"pdserve-kv-auth/client\x00"
 _SERVER = b"pdserve-kv-auth/server\x00"
-log = logging.getLogger("transfer.auth")
+log = logging.getLogger(__name__)
 
 
 def generate_token() -> str:

@@ -1,6 +1,6 @@
 """TransferConfig: how a PE sends and a CE receives handoffs (one per process, shared by both ends).
 
-Every setting is one field with its default, type and help (metadata "help": pd/settings.py makes the
+Every setting is one field with its default, type and help (metadata "help": pd/flags.py makes the
 `python -m pd.server` flags from them; a P/D rank receives it inside its RoleConfig through the codec).
 """
 

@@ -54,7 +54,7 @@ from transfer.handoff import HandoffHeader
 from transfer.transport import Transport
 from transfer.wire import Channel
 
-log = logging.getLogger("transfer.ipc")
+log = logging.getLogger(__name__)
 POLL_S = 50e-6  # how often a worker thread asks whether the copy is done (a copy takes ~1 ms per GiB)
 ALIGN = 4096  # arena slices start at multiples of this
 MAX_OPEN_ARENAS = 4  # receiver: senders' arenas kept mapped

@@ -64,7 +64,7 @@ from transfer.messages import AuthOk, HandoffAck, Ids, Offer, Ready, Sum
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
-log = logging.getLogger("transfer.receiver")
+log = logging.getLogger(__name__)
 LOG_EVERY_S = 10.0  # each kind of refusal a flood can cause is logged at most this often
 
 # on_handoff: the buffers to receive into (transfer.handoff.allocate_payload shapes), or None to refuse.

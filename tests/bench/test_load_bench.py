@@ -494,7 +494,7 @@ def test_aiperf_records_pair_with_load_records(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_small_trace_against_a_real_server(tmp_path: Path) -> None:
-    from pd.testing import ServerProcess, rank_metrics, wait_idle
+    from pd.tools.server_process import ServerProcess, rank_metrics, wait_idle
 
     args = ("--model", "smollm2-135m-instruct", "--max-model-len", "2048", "--kv-cache-gb", "0.25")
     with ServerProcess(*args, log_path=tmp_path / "server.log") as server:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.testing import ServerProcess
+from pd.tools.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

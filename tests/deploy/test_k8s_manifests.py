@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from pd.config import ServerConfig
-from pd.coordinator import Coordinator
+from pd.frontend.coordinator import Coordinator
 from pd.server import make_app, make_prefill_app
 from transfer.auth import load_token
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from pd.pe_targets import hrw_order
-from pd.testing import free_port, get_json, group_alive, group_members, wait_idle
+from pd.disagg.prefill_pool import hrw_order
+from pd.tools.server_process import free_port, get_json, group_alive, group_members, wait_idle
 from tests.server_fixtures import SMALL_DETERMINISTIC, openai_client
 
 pytestmark = pytest.mark.slow
@@ -151,7 +151,7 @@ def test_every_server_listens_on_its_own_address(cluster: Cluster) -> None:
         assert all(p["state"] == "up" for p in health["prefill_engines"])
         # the rank is in the CE's process group, its KV receiver on the CE's own address
         pid = int(cluster.pidfile("ce", host).read_text())
-        assert [p for p, args in group_members(pid).items() if b"pd.rank" in args and p != pid]
+        assert [p for p, args in group_members(pid).items() if b"pd.rank.worker" in args and p != pid]
     st = run("pd_run.sh", "status", *cluster.hosts, *cluster.ports[:4], env=cluster.env)
     assert st.returncode == 0, st.stdout + st.stderr
     rows = [line.split() for line in st.stdout.splitlines()[1:]]

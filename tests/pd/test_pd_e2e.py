@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 
-from pd.testing import PDPair, get_json, rank_metrics, signed_headers
+from pd.tools.server_process import PDPair, get_json, rank_metrics, signed_headers
 from tests.deploy.test_grafana_dashboard import exposition_labels, load_dashboard, missing_metrics
 from tests.server_fixtures import (
     SMALL_DETERMINISTIC,

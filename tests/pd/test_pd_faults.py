@@ -39,7 +39,15 @@ from engine.kv_cache import layout_of
 from engine.model_config import arch_from_hf, load_hf_config
 from engine.models import resolve_model
 from pd.messages import PrefillBody
-from pd.testing import PDPair, ServerProcess, free_port, get_json, rank_metrics, signed_headers, wait_idle
+from pd.tools.server_process import (
+    PDPair,
+    ServerProcess,
+    free_port,
+    get_json,
+    rank_metrics,
+    signed_headers,
+    wait_idle,
+)
 from tests.server_fixtures import openai_client
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig

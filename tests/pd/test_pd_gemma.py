@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd.testing import rank_metrics
+from pd.tools.server_process import rank_metrics
 from tests.server_fixtures import SMALL_DETERMINISTIC, module_ref_and_pair, run_check_pd, wait_pair_idle
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.testing import free_port, get_json, group_members
+from pd.tools.server_process import free_port, get_json, group_members
 from tests.server_fixtures import openai_client
 
 pytestmark = pytest.mark.slow

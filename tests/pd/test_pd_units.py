@@ -16,7 +16,9 @@ import zmq
 from engine.codec import to_wire
 from engine.handoff_ledger import Phase
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from pd.api.prefill import parse_prefill
 from pd.config import RoleConfig, ServerConfig
+from pd.disagg.prefill_client import PrefillFailed
 from pd.errors import ApiError
 from pd.messages import (
     PROTOCOL_VERSION,
@@ -34,8 +36,6 @@ from pd.messages import (
     decode,
     encode,
 )
-from pd.prefill_client import PrefillFailed
-from pd.prefill_server import parse_prefill
 from tests.engine_utils import small_engine
 from transfer.config import TransferConfig
 
@@ -217,8 +217,8 @@ def run_until(sides: list[Side], cond: Any, timeout_s: float = 60.0) -> None:
 @pytest.fixture
 def pd(tiny_model_dir, monkeypatch):
     """(pe, ce, model folder): tiny engines (qwen3_hybrid: full and sliding layers) with their roles."""
-    from pd.ce_rank import DecodeRole
-    from pd.pe_rank import PrefillRole
+    from pd.rank.decode_role import DecodeRole
+    from pd.rank.prefill_role import PrefillRole
 
     monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", TOKEN)
     monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN_FILE", raising=False)
@@ -437,8 +437,8 @@ def test_decode_tokens_are_not_held_back_by_a_late_prefill_answer():
 
     from prometheus_client import CollectorRegistry
 
-    from pd.cluster_metrics import ClusterMetrics
-    from pd.disaggregation import DisaggregatedPath
+    from pd.disagg.decode_path import DisaggregatedPath
+    from pd.disagg.metrics import ClusterMetrics
 
     class Req:
         request_id = "r"
@@ -507,7 +507,7 @@ def _post_prefill(answer: Any) -> Any:
     import orjson
     from aiohttp import web
 
-    from pd.prefill_client import PrefillClient
+    from pd.disagg.prefill_client import PrefillClient
 
     bodies: list[Any] = []
 
@@ -549,8 +549,8 @@ def test_unreadable_prefill_answer_fails_the_request_cleanly():
 
     from prometheus_client import CollectorRegistry
 
-    from pd.cluster_metrics import ClusterMetrics
-    from pd.disaggregation import DisaggregatedPath, PhaseError
+    from pd.disagg.decode_path import DisaggregatedPath, PhaseError
+    from pd.disagg.metrics import ClusterMetrics
 
     class BadPE:
         async def prefill(self, body: PrefillBody) -> PrefillReply:

@@ -1,4 +1,4 @@
-"""The CE's choice of PE (pd/pe_pool.py, pd/pe_targets.py): --prefill-url parsing, rendezvous order
+"""The CE's choice of PE (pd/disagg/prefill_pool.py; the --prefill-url entries in pd/config.py): --prefill-url parsing, rendezvous order
 shared by every CE, the load bound, least-loaded and round-robin, fallback while no PE is known up,
 dns+ membership, and the health and metrics a CE shows per PE. PEs here are PrefillClients whose
 state the test sets (their probes aim at ports nothing listens on)."""
@@ -10,12 +10,11 @@ import collections
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pd import pe_pool
-from pd.cluster_metrics import ClusterMetrics
-from pd.config import ServerConfig
-from pd.pe_pool import PrefillPool
-from pd.pe_targets import Target, hrw_order, parse_prefill_urls, url_of
-from pd.testing import free_port
+from pd.config import ServerConfig, Target, parse_prefill_urls
+from pd.disagg import prefill_pool
+from pd.disagg.metrics import ClusterMetrics
+from pd.disagg.prefill_pool import PrefillPool, hrw_order, url_of
+from pd.tools.server_process import free_port
 
 TOKEN = b"pe-pool-test-token-0123456789abcdef"
 
@@ -149,7 +148,7 @@ async def test_dns_membership_follows_the_name(monkeypatch):
             raise OSError(f"cannot resolve {host}")
         return answers[host]
 
-    monkeypatch.setattr(pe_pool, "resolve", resolve)
+    monkeypatch.setattr(prefill_pool, "resolve", resolve)
     port = free_port()
     pool = PrefillPool(
         f"http://127.0.0.9:{port},dns+http://pe.test:{port}", TOKEN, 5.0, ClusterMetrics(CollectorRegistry())
@@ -178,8 +177,8 @@ async def test_dns_membership_follows_the_name(monkeypatch):
 
 
 async def test_dns_resolves_a_real_name():
-    assert "127.0.0.1" in await pe_pool.resolve("localhost", 80)
-    assert await pe_pool.resolve("127.0.0.7", 80) == ["127.0.0.7"]
+    assert "127.0.0.1" in await prefill_pool.resolve("localhost", 80)
+    assert await prefill_pool.resolve("127.0.0.7", 80) == ["127.0.0.7"]
 
 
 async def test_a_draining_pe_is_left_out_at_once():
@@ -189,9 +188,9 @@ async def test_a_draining_pe_is_left_out_at_once():
     from aiohttp import web
 
     from engine.request import SamplingParams
-    from pd.coordinator import Coordinator
+    from pd.disagg.prefill_client import PrefillFailed
+    from pd.frontend.coordinator import Coordinator
     from pd.messages import PrefillBody
-    from pd.prefill_client import PrefillFailed
     from pd.server import make_prefill_app
 
     co = Coordinator(ServerConfig(role="pe"))
@@ -227,8 +226,8 @@ async def test_a_reset_connection_is_sent_again_signed_anew():
     import struct
 
     from engine.request import SamplingParams
+    from pd.disagg.prefill_client import PrefillClient, PrefillFailed
     from pd.messages import PrefillBody
-    from pd.prefill_client import PrefillClient, PrefillFailed
 
     auths: list[str] = []
 

@@ -1,4 +1,4 @@
-"""The `pdserve` command (pd/cli.py) and `--config FILE.yaml` (pd/settings.py): the file's keys are the
+"""The `pdserve` command (pd/tools/cli.py) and `--config FILE.yaml` (pd/flags.py): the file's keys are the
 flags' names, kebab or snake case; a key that names no flag is an error; the command line wins."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from engine.config import ForwardConfig
 from pd.config import ServerConfig
-from pd.settings import config_defaults
-from pd.testing import ServerProcess, get_json
+from pd.flags import config_defaults
+from pd.tools.server_process import ServerProcess, get_json
 from tests.server_fixtures import openai_client
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")  # the console script (pip install -e .)

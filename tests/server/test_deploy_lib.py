@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from pd.testing import free_port, group_members
+from pd.tools.server_process import free_port, group_members
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # FAKE_HEALTH: a file holding /health's body (default: one rank up). FAKE_NO_READY: no /health/ready (an
-# older server). FAKE_RANK: "stopped" spawns a rank (`-c ... pd.rank`, ignoring SIGTERM) that the server
+# older server). FAKE_RANK: "stopped" spawns a rank (`-c ... pd.rank.worker`, ignoring SIGTERM) that the server
 # kills on SIGTERM, "left" one it leaves behind. Every SIGTERM is logged to FAKE_LOG as "ROLE-term PID".
 FAKE_SERVER = r"""
 import json, os, signal, subprocess, sys
@@ -48,7 +48,7 @@ port = int(sys.argv[sys.argv.index("--port") + 1])
 mode = os.environ.get("FAKE_RANK", "")
 rank = None
 if mode:
-    rank = subprocess.Popen([sys.executable, "-c", RANK, "pd.rank"], stdout=subprocess.PIPE)
+    rank = subprocess.Popen([sys.executable, "-c", RANK, "pd.rank.worker"], stdout=subprocess.PIPE)
     rank.stdout.readline()
 
 

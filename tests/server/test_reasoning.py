@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd.errors import ApiError
-from pd.prompt_renderer import PromptRenderer
-from pd.protocol import RESERVED_TEMPLATE_KWARGS, parse_chat_request
-from pd.reasoning import (
+from pd.api.protocol import RESERVED_TEMPLATE_KWARGS, parse_chat_request
+from pd.chat.reasoning import (
     PARSERS,
     DeepSeekR1Parser,
     Qwen3Parser,
@@ -17,6 +15,9 @@ from pd.reasoning import (
     reasoning_parser,
     split_reasoning,
 )
+from pd.chat.renderer import PromptRenderer
+from pd.config import REASONING_PARSERS
+from pd.errors import ApiError
 
 USER = [{"role": "user", "content": "hi"}]
 IN, IF = Start.IN_REASONING, Start.IF_TAG
@@ -80,6 +81,7 @@ def test_streamed_reasoning_goes_out_before_the_end():
 
 def test_parsers_and_registry():
     assert set(PARSERS) == {"deepseek_r1", "qwen3"} and reasoning_parser(None) is None
+    assert tuple(PARSERS) == REASONING_PARSERS  # the flag's choices (pd/config.py) are the parsers here
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         reasoning_parser("granite")
     r1, q3 = reasoning_parser("deepseek_r1"), reasoning_parser("qwen3")
@@ -214,7 +216,7 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def renderer():
-    from pd.coordinator import load_tokenizer
+    from pd.frontend.coordinator import load_tokenizer
 
     return PromptRenderer(load_tokenizer("smollm2-135m-instruct"), TEMPLATE)
 

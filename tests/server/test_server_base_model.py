@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pd.testing import ServerProcess
+from pd.tools.server_process import ServerProcess
 from tests.server_fixtures import openai_client
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from pd.testing import wait_idle
+from pd.tools.server_process import wait_idle
 from tests.server_fixtures import module_server, openai_client
 
 MODEL = "smollm2-135m-instruct"

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from pd.testing import get_json, rank_metrics
-from pd.testing import wait_idle as _wait_idle
+from pd.tools.server_process import get_json, rank_metrics
+from pd.tools.server_process import wait_idle as _wait_idle
 from tests.server_fixtures import SMALL_DETERMINISTIC, module_server, openai_client
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pd.coordinator import load_tokenizer
+    from pd.frontend.coordinator import load_tokenizer
 
     return load_tokenizer(MODEL)
 
@@ -217,7 +217,7 @@ def test_completions(client, tokenizer):
 
 
 def test_tool_call_comes_back_as_tool_calls(client, tokenizer):
-    from pd.prompt_renderer import PromptRenderer
+    from pd.chat.renderer import PromptRenderer
 
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     choice = {"type": "function", "function": {"name": "get_weather"}}

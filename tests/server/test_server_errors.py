@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from pd.testing import get_json
+from pd.tools.server_process import get_json
 from tests.server_fixtures import module_server
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ import openai
 import orjson
 import pytest
 
-from pd.testing import ServerProcess, get_json, group_alive
+from pd.tools.server_process import ServerProcess, get_json, group_alive
 
 pytestmark = pytest.mark.slow
 
@@ -166,7 +166,7 @@ def test_request_id_taken_or_made_and_logged(server):
     while "trace-42.a" not in server.log_tail(200000):  # the access log line carries the id
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    line = next(x for x in server.log_tail(200000).splitlines() if "trace-42.a" in x and "pd.access" in x)
+    line = next(x for x in server.log_tail(200000).splitlines() if "trace-42.a" in x and "pd.server.access" in x)
     assert "POST /v1/chat/completions" in line and " 200 " in line
 
 

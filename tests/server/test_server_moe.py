@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from pd.config import ServerConfig
-from pd.testing import PDPair, ServerProcess, get_json
+from pd.tools.server_process import PDPair, ServerProcess, get_json
 from tests.server_fixtures import SMALL_DETERMINISTIC, openai_client, run_check_pd, wait_pair_idle
 from tests.tiny_models import make_servable
 

@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from pd.testing import get_json, rank_metrics
+from pd.tools.server_process import get_json, rank_metrics
 from tests.server_fixtures import module_server, openai_client
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from pd.testing import ServerProcess
+from pd.tools.server_process import ServerProcess
 from tests.server_fixtures import SMALL_DETERMINISTIC
 
 pytestmark = pytest.mark.slow

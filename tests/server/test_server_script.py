@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.testing import free_port, get_json, group_alive
+from pd.tools.server_process import free_port, get_json, group_alive
 from tests.server_fixtures import openai_client
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 def rank_children(pid: int) -> list[int]:
-    """The `python -m pd.rank` processes whose parent is pid (from /proc/*/stat and cmdline)."""
+    """The `python -m pd.rank.worker` processes whose parent is pid (from /proc/*/stat and cmdline)."""
     found = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -36,7 +36,7 @@ def rank_children(pid: int) -> list[int]:
                 args = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if ppid == pid and b"pd.rank" in args:
+            if ppid == pid and b"pd.rank.worker" in args:
                 found.append(int(d.name))
     return found
 

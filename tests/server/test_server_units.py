@@ -15,8 +15,13 @@ from engine.codec import WireError, to_wire
 from engine.config import ForwardConfig
 from engine.errors import InvalidRequestError
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from pd.api.protocol import parse_chat_request, parse_completion_request
+from pd.api.sse import DONE, sse_event
 from pd.config import ServerConfig
 from pd.errors import ApiError
+from pd.flags import parser_for
+from pd.frontend.metrics import RankSnapshot, ServerMetrics
+from pd.frontend.router import AffinityRouter, LeastLoadedRouter, make_router
 from pd.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -31,14 +36,9 @@ from pd.messages import (
     decode,
     encode,
 )
-from pd.metrics import RankSnapshot, ServerMetrics
-from pd.protocol import parse_chat_request, parse_completion_request
-from pd.rank import engine_config as rank_engine_config
-from pd.rank import read_configs
-from pd.restart_policy import RestartPolicy
-from pd.router import AffinityRouter, LeastLoadedRouter, make_router
-from pd.settings import parser_for
-from pd.sse import DONE, sse_event
+from pd.rank.restart_policy import RestartPolicy
+from pd.rank.worker import engine_config as rank_engine_config
+from pd.rank.worker import read_configs
 from transfer.config import TransferConfig
 
 USER = [{"role": "user", "content": "hi"}]
@@ -532,6 +532,6 @@ def test_restart_policy_backs_off_and_stops_at_the_window_limit() -> None:
     with pytest.raises(ValueError):
         RestartPolicy(1, 600.0, 10.0, 5.0)
     cfg = ServerConfig.from_argv(["--rank-restart-max", "2", "--rank-restart-backoff-s", "0.5"])
-    assert cfg.restart_policy() == RestartPolicy(2, 600.0, 0.5, 30.0)
+    assert RestartPolicy.of(cfg) == RestartPolicy(2, 600.0, 0.5, 30.0)
     with pytest.raises(ValueError):
         ServerConfig.from_argv(["--rank-restart-backoff-s", "60"])

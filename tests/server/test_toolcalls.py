@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pd.prompt_renderer import FALLBACK_TOOLS_PROMPT, PromptRenderer
-from pd.toolcalls import (
+from pd.chat.renderer import FALLBACK_TOOLS_PROMPT, PromptRenderer
+from pd.chat.toolcalls import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
@@ -90,7 +90,7 @@ MISTRAL_TEMPLATE_EXCERPT = """{%- if tools is not none %}[AVAILABLE_TOOLS]{{ too
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pd.coordinator import load_tokenizer
+    from pd.frontend.coordinator import load_tokenizer
 
     return load_tokenizer("smollm2-135m-instruct")
 
@@ -295,7 +295,7 @@ def test_hermes_lenient_small_model_output():
 
 
 def test_forced_arguments():
-    from pd.toolcalls import parse_forced_arguments
+    from pd.chat.toolcalls import parse_forced_arguments
 
     call = parse_forced_arguments("get_weather", ' {"city": "Paris"}}\n</tool_call> trailing')
     assert call is not None and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}

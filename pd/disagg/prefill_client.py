@@ -1,7 +1,7 @@
 """The CE coordinator's client of the PE's prefill server: POST /prefill with the cluster token, and a
 health watch with backoff (the PE's state is never "failed for good": it is probed until it answers).
 
-POST /prefill (JSON of the codec's to_wire; signed with the cluster token: pd/prefill_auth.py):
+POST /prefill (JSON of the codec's to_wire; signed with the cluster token: pd/disagg/prefill_auth.py):
 
     PrefillBody {"request_id", "prompt_token_ids": [int], "params": {SamplingParams fields},
                  "receiver": "host:port", "use_prefix_cache": bool, "seed": int | null, "lease_s": float | null}
@@ -27,14 +27,14 @@ import aiohttp
 import orjson
 
 from engine.codec import WireError, from_wire, to_wire
-from pd.http_site import client_ssl_context
+from pd.disagg.prefill_auth import sign
+from pd.http.request_log import HEADER, REQUEST_ID
+from pd.http.site import client_ssl_context
 from pd.lifecycle import DRAINING_CODE
 from pd.messages import PrefillBody, PrefillReply
-from pd.prefill_auth import sign
-from pd.request_log import HEADER, REQUEST_ID
 from transfer.errors import MESSAGE_CHARS, printable
 
-log = logging.getLogger("pd.prefill_client")
+log = logging.getLogger(__name__)
 HEALTH_EVERY_S = 2.0
 MAX_BACKOFF_S = 10.0
 KEEPALIVE_S = 2.0  # an idle pooled connection is closed here before the PE's --timeout-keep-alive (5 s)
@@ -77,7 +77,7 @@ class PrefillClient:
         self.state = "unknown"  # unknown | up | down | draining
         self.error: str | None = None  # why it is not up
         self.last_error: str | None = None  # the last failed prefill's, kept after it is up again
-        self.num_inflight = 0  # /prefill requests in flight (pd/pe_pool.py counts them)
+        self.num_inflight = 0  # /prefill requests in flight (pd/disagg/prefill_pool.py counts them)
         self.source = self.url  # the --prefill-url entry it comes from (a dns+ name, or itself)
         self.retired = False  # gone from its dns+ name
         self.changed_s = time.monotonic()

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def pd_run_script() -> Path:
     """deploy/pd_run.sh of the checkout the pd package is installed from (pip install -e)."""
-    return Path(__file__).resolve().parents[1] / "deploy" / "pd_run.sh"
+    return Path(__file__).resolve().parents[2] / "deploy" / "pd_run.sh"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

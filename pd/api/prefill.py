@@ -1,7 +1,7 @@
 """The PE's HTTP side (`python -m pd.server --role pe`, port 8889): POST /prefill, /health, /metrics.
 
-/prefill (body PrefillBody, answer PrefillReply: pd/messages.py, pd/prefill_client.py) takes only
-requests signed with the cluster token (pd/prefill_auth.py: an HMAC over the method, path, time,
+/prefill (body PrefillBody, answer PrefillReply: pd/messages.py, pd/disagg/prefill_client.py) takes only
+requests signed with the cluster token (pd/disagg/prefill_auth.py: an HMAC over the method, path, time,
 a nonce and the body; the token itself never crosses the wire); others, replays included, get 401 and
 are logged. A request id already in flight gets 409. The request goes to a PE rank (affinity on the prompt's first tokens, so a conversation's turns
 meet their cached prefix); the answer comes once the CE has acknowledged the handoff (or it failed). A
@@ -18,14 +18,14 @@ from typing import Any
 from aiohttp import web
 
 from engine.codec import WireError, from_wire, to_wire
-from pd.coordinator import Coordinator
+from pd.disagg.prefill_auth import AuthFailed, Verifier
 from pd.errors import ApiError, bad_request
-from pd.http_io import json_response, parse_json, read_body
+from pd.frontend.coordinator import Coordinator
+from pd.http.io import json_response, parse_json, read_body
 from pd.messages import Prefill, PrefillBody, PrefillReply, PrefillResult, RequestRejected
-from pd.prefill_auth import AuthFailed, Verifier
-from pd.rank_client import RankDown, RankEvent
+from pd.rank.client import RankDown, RankEvent
 
-log = logging.getLogger("pd.prefill_server")
+log = logging.getLogger(__name__)
 VERIFIER = web.AppKey("prefill_verifier", Verifier)
 AFFINITY_TOKENS = 1024
 
@@ -38,7 +38,7 @@ def check_signature(request: web.Request, verifier: Verifier, body: bytes) -> No
         log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, e)
         raise ApiError(
             401,
-            "this endpoint needs a request signed with the cluster token (pd/prefill_auth.py)",
+            "this endpoint needs a request signed with the cluster token (pd/disagg/prefill_auth.py)",
             type="authentication_error",
             code="unauthorized",
         ) from None

@@ -16,7 +16,7 @@ Choice (--pe-routing):
 - round-robin: each PE in turn.
 When no PE is known to be up (a probe can lag behind a restart), the PEs are tried in the same order
 anyway (reason "fallback"). A failed first attempt goes once to the next PE of the order (reason
-"failover"; pd/disaggregation.py decides when that is safe).
+"failover"; pd/disagg/decode_path.py decides when that is safe).
 
 A PE's identity is its URL as written (or, for dns+http, scheme://address:port): every CE must be given
 the same list, so that their rankings agree.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import itertools
 import logging
@@ -34,11 +35,11 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
-from pd.cluster_metrics import ClusterMetrics
-from pd.pe_targets import PE_ROUTING, Target, hrw_order, parse_prefill_urls, url_of
-from pd.prefill_client import PrefillClient
+from pd.config import PE_ROUTING, Target, parse_prefill_urls
+from pd.disagg.metrics import ClusterMetrics
+from pd.disagg.prefill_client import PrefillClient
 
-log = logging.getLogger("pd.pe_pool")
+log = logging.getLogger(__name__)
 
 
 async def resolve(host: str, port: int) -> list[str]:
@@ -58,7 +59,7 @@ def _is_ip(host: str) -> bool:
 
 
 class PrefillPool:
-    """The PEs of a CE. A PrefillClient per PE (pd/prefill_client.py) watches its health; `choose` gives
+    """The PEs of a CE. A PrefillClient per PE (pd/disagg/prefill_client.py) watches its health; `choose` gives
     the PE for a request and `attempt` counts it in flight while its /prefill runs."""
 
     def __init__(
@@ -257,3 +258,18 @@ class PrefillPool:
     def _gauge_inflight(self, client: PrefillClient) -> None:
         if not client.retired:
             self.metrics.pe_inflight.labels(client.url).set(client.num_inflight)
+
+
+def url_of(scheme: str, address: str, port: int) -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"{scheme}://{host}:{port}"
+
+
+def hrw_order(key: str, urls: list[str]) -> list[str]:
+    """The urls by rendezvous weight for key, highest first (the same on every CE)."""
+    data = key.encode("utf-8", "surrogatepass")
+
+    def weight(url: str) -> bytes:
+        return hashlib.blake2b(data, digest_size=8, key=url.encode()[:64]).digest()
+
+    return sorted(urls, key=weight, reverse=True)

@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.request import RequestOutput, SamplingParams
-from pd.cluster_metrics import ClusterMetrics
 from pd.config import ServerConfig
+from pd.disagg.metrics import ClusterMetrics
+from pd.disagg.prefill_client import PrefillFailed
+from pd.disagg.prefill_pool import PrefillPool
 from pd.errors import ApiError, bad_request, internal
 from pd.messages import PrefillBody, PrefillReply, RequestRejected, Reserved
-from pd.pe_pool import PrefillPool
-from pd.prefill_client import PrefillFailed
-from pd.rank_client import RankClient, RankDown, RankEvent
+from pd.rank.client import RankClient, RankDown, RankEvent
 from transfer.errors import MESSAGE_CHARS, printable
 
-log = logging.getLogger("pd.disaggregation")
+log = logging.getLogger(__name__)
 RESERVATION_MARGIN_S = 5.0  # a reservation outlives the coordinator's wait for /prefill by this much
 
 
@@ -111,7 +111,7 @@ class DisaggregatedPath:
         key: str | None = None,
     ) -> None:
         """Runs one request to its end, putting its events on `out` as Generation expects them. key:
-        the conversation's (PE choice: pd/pe_pool.py)."""
+        the conversation's (PE choice: pd/disagg/prefill_pool.py)."""
         rid = req.request_id
         events: asyncio.Queue[tuple[str, RankEvent]] = asyncio.Queue()
         try:

@@ -4,7 +4,7 @@ parser written as OpenAI error objects.
     limits                          flag                          answer
     connections held at once        --http-max-connections        503, connection closed
     idle or unfinished headers      --timeout-keep-alive          connection closed
-    a body not read in time         --body-timeout                408 (pd/http_io.py)
+    a body not read in time         --body-timeout                408 (pd/http/io.py)
     a body too large                --max-body-bytes              413
     a header line or field too long (8 KiB), more than 128 headers    431
     a request line that is not HTTP                               400
@@ -29,7 +29,7 @@ from aiohttp.web_request import BaseRequest
 
 from pd.errors import ApiError
 
-log = logging.getLogger("pd.http_site")
+log = logging.getLogger(__name__)
 LOG_EVERY_S = 10.0  # refusals are logged at most this often
 
 

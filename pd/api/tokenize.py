@@ -16,10 +16,10 @@ from typing import Any
 
 from aiohttp import web
 
-from pd.coordinator import Coordinator
+from pd.api.protocol import parse_chat_request, parse_model, parse_object, parse_token_ids
 from pd.errors import bad_request
-from pd.http_io import json_response
-from pd.protocol import parse_chat_request, parse_model, parse_object, parse_token_ids
+from pd.frontend.coordinator import Coordinator
+from pd.http.io import json_response
 
 
 def _version() -> str:

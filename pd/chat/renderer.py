@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pd.chat.toolcalls import HermesParser, ToolParser, parser_for_template
 from pd.errors import bad_request
-from pd.toolcalls import HermesParser, ToolParser, parser_for_template
 
 FALLBACK_TOOLS_PROMPT = """# Tools
 

@@ -27,8 +27,8 @@ def free_port() -> int:
 
 
 def signed_headers(token: str | bytes, body: bytes) -> dict[str, str]:
-    """Headers of a /prefill signed with the cluster token (pd/prefill_auth.py), as a CE sends them."""
-    from pd.prefill_auth import sign
+    """Headers of a /prefill signed with the cluster token (pd/disagg/prefill_auth.py), as a CE sends them."""
+    from pd.disagg.prefill_auth import sign
 
     key = token.encode() if isinstance(token, str) else token
     return {"Authorization": sign(key, "POST", "/prefill", body), "Content-Type": "application/json"}
@@ -157,7 +157,7 @@ def group_alive(pgid: int) -> bool:
 
 
 def rank_pids(server_pid: int) -> dict[int, int]:
-    """The engine ranks (`python -m pd.rank --rank N`) that are children of server_pid: rank -> pid."""
+    """The engine ranks (`python -m pd.rank.worker --rank N`) that are children of server_pid: rank -> pid."""
     out: dict[int, int] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -165,7 +165,7 @@ def rank_pids(server_pid: int) -> dict[int, int]:
         with contextlib.suppress(OSError):
             ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             argv = (d / "cmdline").read_bytes().split(b"\0")
-            if ppid == server_pid and b"pd.rank" in argv:
+            if ppid == server_pid and b"pd.rank.worker" in argv:
                 out[int(argv[argv.index(b"--rank") + 1])] = int(d.name)
     return out
 

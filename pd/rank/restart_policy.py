@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pd.config import ServerConfig
 
 
 @dataclass
@@ -20,6 +24,13 @@ class RestartPolicy:
     backoff_s: float
     max_backoff_s: float
     _times: deque[float] = field(default_factory=deque, repr=False)  # restarts granted, oldest first
+
+    @classmethod
+    def of(cls, cfg: ServerConfig) -> RestartPolicy:
+        """A rank's restart policy from the server's flags (one per rank: each counts its own restarts)."""
+        return cls(
+            cfg.rank_restart_max, cfg.rank_restart_window_s, cfg.rank_restart_backoff_s, cfg.rank_restart_max_backoff_s
+        )
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:

@@ -21,18 +21,19 @@ from typing import Any, TypeVar
 import zmq.asyncio
 from aiohttp import web
 
-from pd.cluster_metrics import ClusterMetrics
+from pd.chat.renderer import PromptRenderer
 from pd.config import ServerConfig
-from pd.disaggregation import DisaggregatedPath
+from pd.disagg.decode_path import DisaggregatedPath
+from pd.disagg.metrics import ClusterMetrics
 from pd.errors import ApiError, bad_request, model_not_found, unavailable
-from pd.http_io import read_json
+from pd.frontend.metrics import RankSnapshot, ServerMetrics
+from pd.frontend.router import make_router
+from pd.http.io import read_json
 from pd.lifecycle import Admission
-from pd.metrics import RankSnapshot, ServerMetrics
-from pd.prompt_renderer import PromptRenderer
-from pd.rank_client import RankClient, RankGroup, RankState
-from pd.router import make_router
+from pd.rank.client import RankClient, RankGroup, RankState
+from pd.rank.restart_policy import RestartPolicy
 
-log = logging.getLogger("pd.coordinator")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 RENDER_THREADS = 2  # chat rendering and tokenization run here, off the event loop
 # The render threads run at this nice value (Linux sets it per thread): a maximal prompt's tokenization
@@ -108,7 +109,7 @@ class Coordinator:
         self._ctx = zmq.asyncio.Context()
         self._socket_dir = tempfile.mkdtemp(prefix="pdserve-")
         if self.cfg.role == "ce":
-            from pd.pe_pool import PrefillPool
+            from pd.disagg.prefill_pool import PrefillPool
             from transfer.auth import load_token
 
             token = load_token(token_file=self.cfg.cluster_token_file or None)
@@ -126,7 +127,7 @@ class Coordinator:
             )
             self.pd = DisaggregatedPath(self.cfg, pool, cm)
             await pool.start()
-        group = RankGroup("127.0.0.1", self.cfg.restart_policy()) if self.cfg.ep > 1 else None
+        group = RankGroup("127.0.0.1", RestartPolicy.of(self.cfg)) if self.cfg.ep > 1 else None
         self.ranks = [
             RankClient(
                 i,
@@ -136,7 +137,7 @@ class Coordinator:
                 self._ctx,
                 self.cfg.role,
                 self.cfg.role_config(i) if self.cfg.is_pd else None,
-                self.cfg.restart_policy(),
+                RestartPolicy.of(self.cfg),
                 group,
             )
             for i in range(self.cfg.dp)

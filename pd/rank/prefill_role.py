@@ -26,9 +26,9 @@ import zmq
 from engine.handoff import SequenceExport
 from engine.request import RequestOutput
 from pd.config import RoleConfig
-from pd.loop_thread import LoopThread
 from pd.messages import AbortRequests, Message, Prefill, PrefillResult
-from pd.rank_role import add_request
+from pd.rank.loop_thread import LoopThread
+from pd.rank.role import add_request
 from transfer.auth import load_token
 from transfer.errors import TRANSPORT, HandoffError
 from transfer.handoff import model_fingerprint
@@ -37,7 +37,7 @@ from transfer.sender import Ack, KVSender
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
-log = logging.getLogger("pd.pe_rank")
+log = logging.getLogger(__name__)
 ABORTED = "aborted"
 REJECTED = "rejected"
 ENGINE_ERROR = "engine_error"  # the engine failed this request (finish_reason "error"); the rank goes on

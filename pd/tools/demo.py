@@ -1,6 +1,6 @@
 """`make demo`'s client: one chat request to a running server through the `openai` client.
 
-python -m pd.demo [--url http://127.0.0.1:8888/v1] [--prompt TEXT]
+python -m pd.tools.demo [--url http://127.0.0.1:8888/v1] [--prompt TEXT]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pd.demo")
+    p = argparse.ArgumentParser(prog="python -m pd.tools.demo")
     p.add_argument("--url", default="http://127.0.0.1:8888/v1")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=64)

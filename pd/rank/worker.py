@@ -1,6 +1,6 @@
 """One engine rank: a process that owns an LLMEngine and serves it over ZeroMQ.
 
-    python -m pd.rank --rank I --dp N --inbox ADDR --outbox ADDR --engine-config JSON [--role pe|ce --role-config JSON]
+    python -m pd.rank.worker --rank I --dp N --inbox ADDR --outbox ADDR --engine-config JSON [--role pe|ce --role-config JSON]
 
 The JSON are an EngineConfig and a RoleConfig encoded by engine/codec.py: a key either class lacks is
 an error (the rank reports it and exits), never dropped.
@@ -16,7 +16,7 @@ they agree whether any of them has work, and if so all run one engine step (a ra
 runs an empty forward, so every rank enters the same MoE exchanges). Idle, they poll every
 EP_IDLE_POLL_S instead of blocking, so a new request waits at most that long for its group.
 
-`--role pe|ce` adds a RankRole (pd/pe_rank.py, pd/ce_rank.py): the P/D messages it takes, the threads
+`--role pe|ce` adds a RankRole (pd/rank/prefill_role.py, pd/rank/decode_role.py): the P/D messages it takes, the threads
 it runs (KV sender or receiver) and what it does with the engine's outputs. A role's threads never touch
 the engine: they queue their news and ring `role.wake`; the role applies it on this thread in tick().
 """
@@ -54,7 +54,7 @@ from pd.messages import (
     decode,
     encode,
 )
-from pd.rank_role import RankRole, add_request
+from pd.rank.role import RankRole, add_request
 
 if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed import is a RankFatal
     from engine.engine import LLMEngine
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed
 HEARTBEAT_S = 1.0
 BUSY_STATS_EVERY_S = 0.1
 EP_IDLE_POLL_S = 0.002  # an idle rank of an expert-parallel group: one `any` collective this often
-log = logging.getLogger("pd.rank")
+log = logging.getLogger(__spec__.name)  # __name__ is "__main__" under python -m
 
 
 def _die_with_parent() -> None:
@@ -207,18 +207,18 @@ def make_role(
     if config is None:
         raise ValueError(f"--role {name} needs --role-config")
     if name == "pe":
-        from pd.pe_rank import PrefillRole
+        from pd.rank.prefill_role import PrefillRole
 
         return PrefillRole(engine, ctx, send, config)
     if name == "ce":
-        from pd.ce_rank import DecodeRole
+        from pd.rank.decode_role import DecodeRole
 
         return DecodeRole(engine, ctx, send, config)
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pd.rank")
+    p = argparse.ArgumentParser(prog="python -m pd.rank.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--dp", type=int, required=True)
     p.add_argument("--inbox", required=True, help="ZeroMQ address the server pushes requests to")

@@ -29,8 +29,8 @@ from engine.handoff import SequenceExport
 from engine.handoff_ledger import Phase
 from engine.request import RequestOutput
 from pd.config import RoleConfig
-from pd.loop_thread import LoopThread
 from pd.messages import AbortRequests, AddRequest, Message, RequestRejected, Reserve, Reserved, StepOutputs
+from pd.rank.loop_thread import LoopThread
 from transfer.auth import load_token
 from transfer.errors import UNEXPECTED, HandoffError
 from transfer.handoff import HandoffHeader, allocate_payload, model_fingerprint
@@ -39,7 +39,7 @@ from transfer.receiver import KVReceiver
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
-log = logging.getLogger("pd.ce_rank")
+log = logging.getLogger(__name__)
 TICK_S = 0.1  # how often reservations are checked for expiry while any is held
 
 

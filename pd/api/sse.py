@@ -11,7 +11,7 @@ from aiohttp import web
 from pd.errors import ApiError
 
 if TYPE_CHECKING:
-    from pd.generation import ChoiceUpdate, Generation
+    from pd.frontend.generation import ChoiceUpdate, Generation
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

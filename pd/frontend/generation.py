@@ -6,7 +6,7 @@ into one stream of per-choice updates, and whatever is unfinished aborted when t
         await gen.submit(subrequests)
         async for update in gen.updates(): ...
 
-With `pd` (a CE coordinator), each engine request runs as a task of pd/disaggregation.py (reserve on
+With `pd` (a CE coordinator), each engine request runs as a task of pd/disagg/decode_path.py (reserve on
 the CE rank, prefill on the PE, then the CE's decode): the task puts the same events on the queue.
 """
 
@@ -20,11 +20,11 @@ from types import TracebackType
 from typing import Any
 
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
-from pd.disaggregation import DisaggregatedPath, PhaseError
+from pd.disagg.decode_path import DisaggregatedPath, PhaseError
 from pd.errors import ApiError, bad_request, internal
+from pd.frontend.metrics import ServerMetrics
 from pd.messages import RequestRejected
-from pd.metrics import ServerMetrics
-from pd.rank_client import RankClient, RankDown, RankEvent
+from pd.rank.client import RankClient, RankDown, RankEvent
 
 
 @dataclass(frozen=True)

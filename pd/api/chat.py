@@ -8,16 +8,16 @@ from typing import Any
 from aiohttp import web
 
 from engine.request import TokenLogprob
-from pd.coordinator import Coordinator
-from pd.generation import ChoiceUpdate, Generation, SubRequest
-from pd.http_io import json_response, usage
-from pd.prompt_renderer import RenderedPrompt
-from pd.protocol import ChatRequest, parse_chat_request
-from pd.rank_client import RankClient
-from pd.reasoning import ReasoningSplitter, Start, reasoning_parser, split_reasoning
-from pd.request_log import REQUEST_ID
-from pd.sse import stream_choices
-from pd.toolcalls import ParsedOutput, ToolStreamFilter, parse_forced_arguments
+from pd.api.protocol import ChatRequest, parse_chat_request
+from pd.api.sse import stream_choices
+from pd.chat.reasoning import ReasoningSplitter, Start, reasoning_parser, split_reasoning
+from pd.chat.renderer import RenderedPrompt
+from pd.chat.toolcalls import ParsedOutput, ToolStreamFilter, parse_forced_arguments
+from pd.frontend.coordinator import Coordinator
+from pd.frontend.generation import ChoiceUpdate, Generation, SubRequest
+from pd.http.io import json_response, usage
+from pd.http.request_log import REQUEST_ID
+from pd.rank.client import RankClient
 
 _LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
 

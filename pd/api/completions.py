@@ -8,14 +8,14 @@ from typing import Any
 from aiohttp import web
 
 from engine.request import TokenLogprob
-from pd.coordinator import Coordinator
+from pd.api.protocol import CompletionRequest, parse_completion_request
+from pd.api.sse import stream_choices
 from pd.errors import bad_request
-from pd.generation import ChoiceUpdate, Generation, SubRequest
-from pd.http_io import json_response, usage
-from pd.protocol import CompletionRequest, parse_completion_request
-from pd.rank_client import RankClient
-from pd.request_log import REQUEST_ID
-from pd.sse import stream_choices
+from pd.frontend.coordinator import Coordinator
+from pd.frontend.generation import ChoiceUpdate, Generation, SubRequest
+from pd.http.io import json_response, usage
+from pd.http.request_log import REQUEST_ID
+from pd.rank.client import RankClient
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _LOGPROB_FLOOR = -9999.0
@@ -73,7 +73,7 @@ async def completions(co: Coordinator, request: web.Request) -> web.StreamRespon
 
 
 def _tokenize(co: Coordinator, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-    """Each prompt's ids, and its text when echoed (on the render threads: pd/coordinator.py)."""
+    """Each prompt's ids, and its text when echoed (on the render threads: pd/frontend/coordinator.py)."""
     prompt_ids: list[list[int]] = []
     prompt_texts: list[str] = []
     for p in req.prompts:

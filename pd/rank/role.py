@@ -1,4 +1,4 @@
-"""What the rank loop (pd/rank.py) and its P/D roles (pd/pe_rank.py, pd/ce_rank.py) share: the role
+"""What the rank loop (pd/rank/worker.py) and its P/D roles (pd/rank/prefill_role.py, pd/rank/decode_role.py) share: the role
 interface, and the one way a request message becomes an engine request."""
 
 from __future__ import annotations

@@ -52,7 +52,6 @@ class Qwen3Parser:
 
 
 PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (DeepSeekR1Parser(), Qwen3Parser())}
-REASONING_PARSERS = tuple(PARSERS)
 
 
 def reasoning_parser(name: str | None) -> ReasoningParser | None:

@@ -52,9 +52,10 @@ from pd.messages import (
     decode,
     encode,
 )
-from pd.restart_policy import RestartPolicy
+from pd.rank import worker
+from pd.rank.restart_policy import RestartPolicy
 
-log = logging.getLogger("pd.rank_client")
+log = logging.getLogger(__name__)
 
 
 class RankState(str, enum.Enum):
@@ -223,7 +224,7 @@ class RankClient:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "pd.rank",
+            worker.__name__,
             "--rank",
             str(self.index),
             "--dp",
