@@ -40,7 +40,7 @@ from pdkernels.checksum import (
 )
 from pdkernels.copy_hash import copy_hash
 
-log = logging.getLogger("transfer.checksum")
+log = logging.getLogger(__name__)
 _KEYS: dict[torch.device, torch.Tensor] = {}
 _KEYS_LOCK = threading.Lock()
 MIN_CACHED_CHUNK_KEYS = 4096  # 4 GiB of chunks: enough for one segment of a long sequence
