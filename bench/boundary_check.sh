@@ -12,8 +12,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 
 t0=$(date +%s)
 timeout "${TESTS_S:-260}" $PY -m pytest -q -p no:cacheprovider -m "not slow" \
-    tests/kernels/test_kernels_gpu.py tests/kernels/test_kernels_attn_gpu.py tests/kernels/test_kernels_prefill_gpu.py \
-    tests/kernels/test_kernels_bi_gpu.py tests/kernels/test_kernels_fused_gpu.py \
+    tests/pdkernels/test_kernels_gpu.py tests/pdkernels/test_kernels_attn_gpu.py tests/pdkernels/test_kernels_prefill_gpu.py \
+    tests/pdkernels/test_kernels_bi_gpu.py tests/pdkernels/test_kernels_fused_gpu.py \
     tests/engine/test_engine_cuda_decode.py tests/engine/test_attention_sdpa_gpu.py tests/engine/test_engine_determinism.py \
     tests/engine/test_engine_memory.py tests/engine/test_pd_lifecycle.py tests/transfer tests/test_layers.py \
     > "$OUT/tests.log" 2>&1

@@ -14,7 +14,7 @@ PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 t0=$(date +%s)
-timeout 100 $PY -m pytest -q -s tests/kernels/test_kernels_attn_gpu.py tests/kernels/test_kernels_fused_gpu.py 2>&1 \
+timeout 100 $PY -m pytest -q -s tests/pdkernels/test_kernels_attn_gpu.py tests/pdkernels/test_kernels_fused_gpu.py 2>&1 \
     | tee "$OUT/kernels.log" | grep -E "GB/s|passed|failed|Error" ; echo "kernels: $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
 timeout 80 $PY bench/profile_decode.py --model llama8b --batches "$BATCHES" --context 1024 --out "$OUT" \

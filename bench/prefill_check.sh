@@ -21,8 +21,8 @@ say "$($PY -c 'import torch, triton; print("torch", torch.__version__, "triton",
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 if has tests; then
     t0=$(date +%s)
-    timeout "${TESTS_S:-100}" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_prefill_gpu.py \
-        tests/kernels/test_kernels_bi_gpu.py > "$OUT/kernel_tests.log" 2>&1
+    timeout "${TESTS_S:-100}" $PY -m pytest -q -p no:cacheprovider tests/pdkernels/test_kernels_prefill_gpu.py \
+        tests/pdkernels/test_kernels_bi_gpu.py > "$OUT/kernel_tests.log" 2>&1
     say "kernel tests: rc $? $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/kernel_tests.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/kernel_tests.log" | head -20 | tee -a "$SUMMARY"
 fi

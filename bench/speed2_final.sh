@@ -22,7 +22,7 @@ grep -E "Error|error" "$OUT/bench.log" | head -5 | tee -a "$SUMMARY"
 t0=$(date +%s)
 # the ipc control plane's GPU paths first: the copy+hash kernel's sums, the two-process arena handoff
 # whose gather ends after its offer (the interprocess event)
-$T 90 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_copy_hash.py tests/transfer/test_transfer_gpu.py \
+$T 90 $PY -m pytest -q -p no:cacheprovider tests/pdkernels/test_kernels_copy_hash.py tests/transfer/test_transfer_gpu.py \
     > "$OUT/transfer_tests.log" 2>&1
 say "transfer GPU tests: rc $? $(( $(date +%s) - t0 )) s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/transfer_tests.log" | tail -1)"
 grep -E "^(FAILED|ERROR)" "$OUT/transfer_tests.log" | head -10 | tee -a "$SUMMARY"

@@ -8,7 +8,7 @@ order of the K loop (ascending, one float32 accumulator per output and range) an
 the ranges (a second kernel adds them in index order), the launch's warps and stages. M only decides
 how many row tiles run, and M is never specialized on, so every M runs the same compiled code. A row
 sits at a varying offset inside its row tile; the matmul units round each output element from its own
-row and column alone (tests/kernels/test_kernels_bi_gpu.py checks rows bit for bit across M).
+row and column alone (tests/pdkernels/test_kernels_bi_gpu.py checks rows bit for bit across M).
 
 One configuration must serve a decode step (M of 1 to a few hundred, bound by reading B) and a
 prefill chunk (M in the thousands, bound by arithmetic), where cuBLAS would pick differently for each.

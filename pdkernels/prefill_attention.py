@@ -27,7 +27,7 @@ its prompt was chunked:
   numpy's BLAS under the Triton interpreter does);
 - the query tile decides only which key tiles are visited; the extra ones are no-ops for the rows that
   cannot see them.
-tests/kernels/test_kernels_prefill_gpu.py checks chunked against whole bit for bit.
+tests/pdkernels/test_kernels_prefill_gpu.py checks chunked against whole bit for bit.
 
 Attention sinks (gpt-oss; `sinks` [heads], one logit per query head, in the units of the scaled scores):
 a row's online softmax starts from its head's sink, running max sink * log2(e) and denominator 1, so

@@ -171,5 +171,5 @@ def test_check_fails_on_a_misspelled_metric():
     )
 
 
-# The check against real servers (a single engine, a PE and a CE) is in tests/pd/test_pd_e2e.py
+# The check against real servers (a single engine, a PE and a CE) is in tests/pd/disagg/test_pair_e2e.py
 # (test_every_dashboard_metric_is_exported), which has those servers running already.

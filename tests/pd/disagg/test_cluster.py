@@ -27,7 +27,7 @@ from tests.server_fixtures import SMALL_DETERMINISTIC, openai_client
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PE_HOSTS = ("127.0.0.2", "127.0.0.3")
 CE_HOSTS = ("127.0.0.4", "127.0.0.5")
 FLAGS = (*SMALL_DETERMINISTIC, "--hicache-gb", "0.1")
