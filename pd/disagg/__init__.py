@@ -1,3 +1,3 @@
-"""The disaggregated path on the decode side: the decode coordinator's path for one request
-(decode_path), its prefill engines (prefill_pool, prefill_client), the cluster's /prefill
-authentication and the P/D metrics."""
+"""The disaggregated path on the decode side (the CE): one request's path (decode_path: reserve decode
+memory, ask a prefill engine, decode what it sends), the prefill engines it asks (prefill_pool,
+prefill_client), the cluster's /prefill authentication and the P/D metrics."""

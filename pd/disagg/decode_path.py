@@ -90,7 +90,7 @@ def _prefill_error(e: PrefillFailed) -> ApiError:
     )
 
 
-class DisaggregatedPath:
+class DecodePath:
     def __init__(self, cfg: ServerConfig, pool: PrefillPool, metrics: ClusterMetrics) -> None:
         self.cfg = cfg
         self.pool = pool

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from pd.chat.renderer import PromptRenderer
 from pd.config import ServerConfig
-from pd.disagg.decode_path import DisaggregatedPath
+from pd.disagg.decode_path import DecodePath
 from pd.disagg.metrics import ClusterMetrics
 from pd.errors import ApiError, bad_request, model_not_found, unavailable
 from pd.frontend.metrics import RankSnapshot, ServerMetrics
@@ -69,7 +69,7 @@ class Coordinator:
         self.router = make_router(cfg.routing)
         self.metrics = ServerMetrics(self.snapshot, cfg.model_name)
         self.cluster_metrics = ClusterMetrics(self.metrics.registry) if cfg.is_pd else None
-        self.pd: DisaggregatedPath | None = None  # the CE's P/D generation path (set by start)
+        self.pd: DecodePath | None = None  # the CE's P/D generation path (set by start)
         self.ranks: list[RankClient] = []
         self.created = int(time.time())
         self.admission = Admission()
@@ -125,7 +125,7 @@ class Coordinator:
                 dns_refresh_s=self.cfg.pe_dns_refresh_s,
                 ssl_ca_certs=self.cfg.ssl_ca_certs,
             )
-            self.pd = DisaggregatedPath(self.cfg, pool, cm)
+            self.pd = DecodePath(self.cfg, pool, cm)
             await pool.start()
         group = RankGroup("127.0.0.1", RestartPolicy.of(self.cfg)) if self.cfg.ep > 1 else None
         self.ranks = [

@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any
 
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
-from pd.disagg.decode_path import DisaggregatedPath, PhaseError
+from pd.disagg.decode_path import DecodePath, PhaseError
 from pd.errors import ApiError, bad_request, internal
 from pd.frontend.metrics import ServerMetrics
 from pd.messages import RequestRejected
@@ -66,7 +66,7 @@ class Generation:
     rank: RankClient
     metrics: ServerMetrics
     arrival_s: float
-    pd: DisaggregatedPath | None = None
+    pd: DecodePath | None = None
     key: str | None = None  # the conversation's (a CE picks its PE by it)
     queue: asyncio.Queue[tuple[str, RankEvent | PhaseError]] = field(default_factory=asyncio.Queue)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)

@@ -379,7 +379,7 @@ def test_local_prefill_on_the_ce_takes_over_its_reservation(pd):
 
 
 class _Rank:
-    """The CE rank as DisaggregatedPath sees it: grants the reservation, then decodes once told to."""
+    """The CE rank as DecodePath sees it: grants the reservation, then decodes once told to."""
 
     index = 0
 
@@ -416,7 +416,7 @@ class _PE:
 
 
 class _OnePE:
-    """A PrefillPool of one PE, as DisaggregatedPath sees it."""
+    """A PrefillPool of one PE, as DecodePath sees it."""
 
     def __init__(self, pe: _PE) -> None:
         self.pe = pe
@@ -437,7 +437,7 @@ def test_decode_tokens_are_not_held_back_by_a_late_prefill_answer():
 
     from prometheus_client import CollectorRegistry
 
-    from pd.disagg.decode_path import DisaggregatedPath
+    from pd.disagg.decode_path import DecodePath
     from pd.disagg.metrics import ClusterMetrics
 
     class Req:
@@ -448,7 +448,7 @@ def test_decode_tokens_are_not_held_back_by_a_late_prefill_answer():
 
     async def main() -> list[Any]:
         rank, pe = _Rank(), _PE()
-        path = DisaggregatedPath(ServerConfig(role="ce"), _OnePE(pe), ClusterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        path = DecodePath(ServerConfig(role="ce"), _OnePE(pe), ClusterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
         out: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         task = asyncio.create_task(path.run(rank, Req(), out, time.monotonic()))  # type: ignore[arg-type]
         await asyncio.sleep(0.05)
@@ -549,7 +549,7 @@ def test_unreadable_prefill_answer_fails_the_request_cleanly():
 
     from prometheus_client import CollectorRegistry
 
-    from pd.disagg.decode_path import DisaggregatedPath, PhaseError
+    from pd.disagg.decode_path import DecodePath, PhaseError
     from pd.disagg.metrics import ClusterMetrics
 
     class BadPE:
@@ -565,7 +565,7 @@ def test_unreadable_prefill_answer_fails_the_request_cleanly():
     async def main() -> tuple[Any, list[str]]:
         rank = _Rank()
         cfg = ServerConfig(role="ce", fallback_local_prefill=True)
-        path = DisaggregatedPath(cfg, _OnePE(BadPE()), ClusterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        path = DecodePath(cfg, _OnePE(BadPE()), ClusterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
         out: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         await asyncio.wait_for(path.run(rank, Req(), out, time.monotonic()), 5.0)  # type: ignore[arg-type]
         return out.get_nowait(), rank.aborted
