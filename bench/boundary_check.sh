@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # After a change to the engine/transfer boundary, in one device call: every GPU test (kernels, CUDA
 # decode, the SDPA path, determinism, the handoff on the GPU: checksum, tcp staging, CUDA ipc, the ipc
-# arena), then the speed rows that the change could move: bench_engine.py decode (b=1, 64 at 1k) and an
-# 8k prefill for llama8b and hybrid8b in default mode, and bench_handoff.py's 16k-token llama8b handoff
+# arena), then the speed rows that the change could move: engine_speed.py decode (b=1, 64 at 1k) and an
+# 8k prefill for llama8b and hybrid8b in default mode, and handoff.py's 16k-token llama8b handoff
 # (tcp and ipc) against its ceilings. Logs under $OUT, a summary last ($OUT/summary.txt). About 8
 # minutes on an H200; each step has its own limit (TESTS_S, ENGINE_S, HANDOFF_S).
 #   bash bench/boundary_check.sh            (wheels in .whl/ are installed into /tmp/site first)
@@ -21,14 +21,14 @@ say "gpu tests: rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
 grep -E "FAILED|Error" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"
 
 t0=$(date +%s)
-timeout "${ENGINE_S:-220}" $PY bench/bench_engine.py --models llama8b,hybrid8b --modes default --batches 1,64 \
+timeout "${ENGINE_S:-220}" $PY bench/micro/engine_speed.py --models llama8b,hybrid8b --modes default --batches 1,64 \
     --contexts 1024 --prefill 8192 --no-hf --hicache-gb 0 --steps 8 --out "$OUT" --tag boundary \
     > "$OUT/engine.log" 2>&1
-say "bench_engine: rc $? in $(( $(date +%s) - t0 )) s"
+say "engine_speed: rc $? in $(( $(date +%s) - t0 )) s"
 sed -n '/^ceilings/,$p' "$OUT/engine.log" | tee -a "$SUMMARY"
 
 t0=$(date +%s)
-timeout "${HANDOFF_S:-120}" $PY bench/bench_handoff.py --device cuda --layout llama8b --tokens 16384 --repeats 5 \
+timeout "${HANDOFF_S:-120}" $PY bench/micro/handoff.py --device cuda --layout llama8b --tokens 16384 --repeats 5 \
     --json "$OUT/handoff.json" > "$OUT/handoff.log" 2>&1
-say "bench_handoff: rc $? in $(( $(date +%s) - t0 )) s"
+say "handoff: rc $? in $(( $(date +%s) - t0 )) s"
 grep -E "^ +[0-9]+ +[0-9]+ +(raw|device|handoff|payload|checksum|export)|^bar" "$OUT/handoff.log" | tee -a "$SUMMARY"

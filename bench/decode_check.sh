@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The decode path on one GPU, in one device call: kernel tests (with their GB/s), the CUDA decode
-# engine tests, a profile of llama8b decode steps (bench/profile_decode.py), decode rows of bench_engine.py (default and deterministic), and optionally the
+# engine tests, a profile of llama8b decode steps (bench/micro/profile_decode.py), decode rows of engine_speed.py (default and deterministic), and optionally the
 # synthetic golden/determinism checks of bench/gpu_check.py. Logs under $OUT; a summary last.
 #   bash bench/decode_check.sh [bench models] [batches] [extra: golden]
 set -u
@@ -17,10 +17,10 @@ t0=$(date +%s)
 timeout 100 $PY -m pytest -q -s tests/kernels/test_kernels_attn_gpu.py tests/kernels/test_kernels_fused_gpu.py 2>&1 \
     | tee "$OUT/kernels.log" | grep -E "GB/s|passed|failed|Error" ; echo "kernels: $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
-timeout 80 $PY bench/profile_decode.py --model llama8b --batches "$BATCHES" --context 1024 --out "$OUT" \
+timeout 80 $PY bench/micro/profile_decode.py --model llama8b --batches "$BATCHES" --context 1024 --out "$OUT" \
     > "$OUT/profile.log" 2>&1; echo "profile: rc $? $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
-timeout 170 $PY bench/bench_engine.py --models "$MODELS" --modes default,deterministic --batches "$BATCHES" \
+timeout 170 $PY bench/micro/engine_speed.py --models "$MODELS" --modes default,deterministic --batches "$BATCHES" \
     --contexts 1024 --prefill "" --det-batches "$BATCHES" --det-contexts 1024 --det-prefill "" --no-hf \
     --hicache-gb 0 --steps 8 --out "$OUT" --tag decode > "$OUT/bench.log" 2>&1
 echo "bench: rc $? $(( $(date +%s) - t0 )) s"

@@ -12,7 +12,7 @@ ends with one summary table, whatever failed on the way:
            with --handoff-last, which runs the handoff step at the end, alone)
   xtray    bench/nccl_xtray_test.py --local (two GPUs): NCCL's transport and point-to-point rate
            between GPU 0 and GPU 1, torch.distributed's all-reduce bus bandwidth and a peer copy
-  handoff  bench/bench_handoff.py: a --handoff-tokens sequence of the llama8b layout over tcp and ipc,
+  handoff  bench/micro/handoff.py: a --handoff-tokens sequence of the llama8b layout over tcp and ipc,
            against the raw socket and the device-copy ceilings measured in the same run; with the
            receiver on a second GPU also nccl, against the xtray step's NCCL rate
   check    a single-engine server and one P/D pair per --transports, all --deterministic and all on
@@ -285,7 +285,7 @@ def step_handoff(run: Run, tokens: str, repeats: int) -> dict[str, Any]:
     rc = sh(
         [
             sys.executable,
-            "bench/bench_handoff.py",
+            "bench/micro/handoff.py",
             "--tokens",
             tokens,
             "--repeats",

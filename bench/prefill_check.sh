@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prefill path and deterministic mode on one GPU, in one device call: prefill-attention and
-# batch-invariant matmul kernel tests, the CUDA determinism tests, llama8b rows of bench_engine.py
-# (default and deterministic), the kernel benchmark (bench/bench_prefill_kernels.py). Logs under $OUT,
+# batch-invariant matmul kernel tests, the CUDA determinism tests, llama8b rows of engine_speed.py
+# (default and deterministic), the kernel benchmark (bench/micro/prefill_kernels.py). Logs under $OUT,
 # a summary last. Each step has its own time limit (TESTS_S, DET_S, ENGINE_S, KERNELS_S).
 #   bash bench/prefill_check.sh [prefill tokens] [chunk] [decode batches] [steps: tests,det,engine,kernels]
 set -u
@@ -35,16 +35,16 @@ if has det; then
 fi
 if has engine; then
     t0=$(date +%s)
-    timeout "${ENGINE_S:-120}" $PY bench/bench_engine.py --models llama8b --modes default,deterministic \
+    timeout "${ENGINE_S:-120}" $PY bench/micro/engine_speed.py --models llama8b --modes default,deterministic \
         --batches "$BATCHES" --contexts 1024 --prefill "$PREFILL" --det-batches "$BATCHES" --det-contexts 1024 \
         --det-prefill "$PREFILL" --no-hf --hicache-gb 0 --steps 8 --prefill-reps 2 --chunk "$CHUNK" \
-        --out "$OUT" --tag prefill > "$OUT/bench_engine.log" 2>&1
+        --out "$OUT" --tag prefill > "$OUT/engine_speed.log" 2>&1
     say "engine bench: rc $? $(( $(date +%s) - t0 )) s"
-    sed -n '/^model /,$p' "$OUT/bench_engine.log" | tee -a "$SUMMARY"
+    sed -n '/^model /,$p' "$OUT/engine_speed.log" | tee -a "$SUMMARY"
 fi
 if has kernels; then
     t0=$(date +%s)
-    timeout "${KERNELS_S:-90}" $PY bench/bench_prefill_kernels.py --out "$OUT" ${KERNEL_ARGS:-} \
+    timeout "${KERNELS_S:-90}" $PY bench/micro/prefill_kernels.py --out "$OUT" ${KERNEL_ARGS:-} \
         > "$OUT/bench_kernels.log" 2>&1
     say "kernel bench: rc $? $(( $(date +%s) - t0 )) s"
     sed -n '/ s on /,$p' "$OUT/bench_kernels.log" >> "$SUMMARY"

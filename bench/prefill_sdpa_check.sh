@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The default-mode SDPA prefill path (engine/attention.py) on one GPU, in one device call: which SDPA
 # backend torch picks here, the SDPA path's tests (with each path's TFLOP/s on an 8B layer), the prefill
-# kernel and CUDA decode tests, then bench_engine.py prefill rows (1k, 8k, 32k; no decode rows) of llama8b
+# kernel and CUDA decode tests, then engine_speed.py prefill rows (1k, 8k, 32k; no decode rows) of llama8b
 # and hybrid8b with the SDPA path on (default-sdpa) and off (default-triton), against transformers. Logs
 # and JSON under $OUT, a summary last. Each step has its own time limit (PROBE_S, SDPA_TESTS_S, TESTS_S,
 # ENGINE_S per model); about 5-6 minutes in all on an H200.
 #   bash bench/prefill_sdpa_check.sh [steps: probe,tests,engine] [modes] [prefill tokens]
 #   e.g. modes default-sdpa,default-triton,default-cudnn to add cuDNN for chunks without a prefix;
-#   MIN_PAIRS=... sets the SDPA path's threshold (bench_engine.py --prefill-sdpa-min-pairs) for the engine rows.
+#   MIN_PAIRS=... sets the SDPA path's threshold (engine_speed.py --prefill-sdpa-min-pairs) for the engine rows.
 set -u
 OUT=${OUT:-/tmp/prefill_sdpa_check}
 mkdir -p "$OUT"
@@ -83,15 +83,15 @@ if has engine; then
     # One process per model, each with its own budget, so a slow one cannot starve the other.
     for model in llama8b hybrid8b; do
         t0=$(date +%s)
-        timeout "${ENGINE_S:-170}" $PY bench/bench_engine.py --models "$model" --modes "$MODES" --batches '' \
+        timeout "${ENGINE_S:-170}" $PY bench/micro/engine_speed.py --models "$model" --modes "$MODES" --batches '' \
             --contexts '' --prefill "$PREFILL" --hf --no-hf-compile --hicache-gb 0 --prefill-reps 2 --chunk 8192 \
             --time-budget-s "${BUDGET_S:-150}" --out "$OUT" --tag "sdpa_$model" \
-            ${MIN_PAIRS:+--prefill-sdpa-min-pairs "$MIN_PAIRS"} > "$OUT/bench_engine_$model.log" 2>&1
+            ${MIN_PAIRS:+--prefill-sdpa-min-pairs "$MIN_PAIRS"} > "$OUT/engine_speed_$model.log" 2>&1
         say "engine bench $model: rc $? $(( $(date +%s) - t0 )) s"
-        grep -E "^ceilings" "$OUT/bench_engine_$model.log" | tail -1 | tee -a "$SUMMARY"
+        grep -E "^ceilings" "$OUT/engine_speed_$model.log" | tail -1 | tee -a "$SUMMARY"
     done
-    files=("$OUT"/bench_engine_sdpa_*.json)
-    [[ -e "${files[0]}" ]] && $PY bench/bench_engine.py --merge "${files[@]}" | grep -v "^ceilings" | tee -a "$SUMMARY"
+    files=("$OUT"/engine_speed_sdpa_*.json)
+    [[ -e "${files[0]}" ]] && $PY bench/micro/engine_speed.py --merge "${files[@]}" | grep -v "^ceilings" | tee -a "$SUMMARY"
 fi
 echo "==== summary"
 cat "$SUMMARY"

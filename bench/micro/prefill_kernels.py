@@ -10,10 +10,10 @@
    (F.linear): TFLOP/s, and for small M the weight bytes read per second. Each time is one eager call:
    at small M a split-K weight (two Triton launches from Python) is bound by launch overhead here
    (seen on an H200: 0.11-0.14 ms for 20-60 us of reading), while the engine replays decode steps as
-   CUDA graphs, where it is not: bench_engine.py's deterministic decode rows are the number that counts.
+   CUDA graphs, where it is not: engine_speed.py's deterministic decode rows are the number that counts.
 3. Whether torch's own RMSNorm arithmetic (the model's CPU code, run on CUDA) is batch-invariant.
 
-    python bench/bench_prefill_kernels.py [--quick] [--out DIR]
+    python bench/micro/prefill_kernels.py [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -272,7 +272,7 @@ def main() -> int:
         result["matmul"] = matmul_rows(args.quick)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_prefill_kernels.json").write_text(json.dumps(result, indent=1))
+    (out / "prefill_kernels.json").write_text(json.dumps(result, indent=1))
     print(f"\n{time.monotonic() - t0:.0f} s on {result['gpu']}, torch {result['torch']}, triton {result['triton']}")
     for r in result.get("attention", []):
         val = f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s err {r['rel_err']:.1e}" if "ms" in r else r["error"]

@@ -3,7 +3,7 @@ step's CUDA graph replayed alone (the difference is host work: scheduling, filli
 sampling, bookkeeping), and the GPU time of each kernel in one replay (torch.profiler), for an
 8B-shaped dummy model (bench/configs) at a few batch sizes and one context length.
 
-    python bench/profile_decode.py --model llama8b --batches 1,64 --context 1024 --out $OUT
+    python bench/micro/profile_decode.py --model llama8b --batches 1,64 --context 1024 --out $OUT
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.bench_engine import copy_bytes_per_s, replay_ms  # noqa: E402
+from bench.micro.engine_speed import copy_bytes_per_s, replay_ms  # noqa: E402
 from engine.config import EngineConfig, ForwardConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
@@ -31,9 +31,9 @@ from pd.settings import add_flags, from_flags  # noqa: E402
 
 
 def _bench_engine() -> Any:
-    from bench import bench_engine
+    from bench.micro import engine_speed
 
-    return bench_engine
+    return engine_speed
 
 
 def _median_ms(fn: Any, reps: int) -> float:

@@ -20,8 +20,8 @@ cost). Each transport's sender keeps its authenticated connection, as a PE does:
 it (shown as `new connection` where it happened), the best and the median of the --repeats sends after
 it are reported, with the sender's phases and the receiver's (from its ack) of the best.
 
-    python bench/bench_handoff.py                            # 1k, 4k, 8k tokens of llama8b
-    python bench/bench_handoff.py --tokens 1024,16384 --layout hybrid8b --repeats 5
+    python bench/micro/handoff.py                            # 1k, 4k, 8k tokens of llama8b
+    python bench/micro/handoff.py --tokens 1024,16384 --layout hybrid8b --repeats 5
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.handoff import (
     KVLayout,
@@ -65,7 +65,7 @@ from transfer.receiver import KVReceiver  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
 from transfer.tcp import byte_view  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOKEN = os.urandom(24).hex().encode()
 GB = 1e9
 

@@ -6,7 +6,7 @@ step, new K/V stored as the engine does) captured in one CUDA graph; prints us p
 KV read, against the device-copy ceiling of the same run, and each configuration's largest relative
 difference from the first (the split layout changes the float sums, nothing else).
 
-    python bench/bench_decode_attn.py --out $OUT
+    python bench/micro/decode_attn.py --out $OUT
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import pdkernels.decode_attention as da  # noqa: E402
-from bench.bench_engine import copy_bytes_per_s, replay_ms  # noqa: E402
+from bench.micro.engine_speed import copy_bytes_per_s, replay_ms  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 32, 32, 8, 128, 128
 
@@ -56,7 +56,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="the current and a few promising configurations only")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("bench_decode_attn: needs CUDA")
+        print("decode_attn: needs CUDA")
         return 0
     ceiling = copy_bytes_per_s(torch.device("cuda")) / 1e9
     print(f"copy ceiling {ceiling:,.0f} GB/s (read + write)", flush=True)
@@ -102,7 +102,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_decode_attn.json").write_text(json.dumps({"copy_GBps": ceiling, "rows": rows}, indent=1))
+        (Path(args.out) / "decode_attn.json").write_text(json.dumps({"copy_GBps": ceiling, "rows": rows}, indent=1))
     # the configurations' mean rank over the shapes (lower is better)
     ranks: dict[tuple, list[int]] = {}
     for shape in {(r["batch"], r["ctx"]) for r in rows}:

@@ -6,7 +6,7 @@ Both must give the same text as one full decode; the table gives microseconds pe
 total for the stream. The ceiling: a CPU decode step of SmolLM2-135M is ~40-60 ms, so either is
 small there; on a GPU step (~5 ms at 8B) tens of microseconds per token per row start to count.
 
-    python bench/bench_detok.py [--tokens 4096] [--models smollm2-135m-instruct,gemma3-270m]
+    python bench/micro/detok.py [--tokens 4096] [--models smollm2-135m-instruct,gemma3-270m]
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ static cache is marked filled to the same length: neither side's decode cost dep
 values, and computing 64 x 8k prompts would cost more than the rest of the run. `--kv-fill prefill`
 computes the prompts first (untimed) for the engine.
 
-    python bench/bench_engine.py                      # the full grid, on the GPU
-    python bench/bench_engine.py --tiny               # CPU smoke test, under a minute
-    python bench/bench_engine.py --merge a.json b.json  # one table from several runs
+    python bench/micro/engine_speed.py                      # the full grid, on the GPU
+    python bench/micro/engine_speed.py --tiny               # CPU smoke test, under a minute
+    python bench/micro/engine_speed.py --merge a.json b.json  # one table from several runs
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -976,9 +976,9 @@ def save(args: argparse.Namespace, env: dict[str, Any], rows: list[dict[str, Any
     suffix = f"_{args.tag}" if args.tag else ""
     saved_args = {k: v for k, v in vars(args).items() if k not in ("dtype_t", "ceilings", "model_name")}
     result = {"env": env, "ceilings": args.ceilings, "args": saved_args, "rows": rows, "hf": hf_rows}
-    path = out / f"bench_engine{suffix}.json"
+    path = out / f"engine_speed{suffix}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
-    (out / f"bench_engine{suffix}.txt").write_text(ceiling_lines(args.ceilings) + "\n" + table(rows) + "\n")
+    (out / f"engine_speed{suffix}.txt").write_text(ceiling_lines(args.ceilings) + "\n" + table(rows) + "\n")
     return path
 
 

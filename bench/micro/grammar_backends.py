@@ -8,7 +8,7 @@ work the engine adds to each decode step of a constrained row. The ceiling: a de
 model itself (stated in the table: SmolLM2-135M's step on this CPU, measured in the same run unless
 --no-model).
 
-    python bench/bench_grammar.py [--model smollm2-135m-instruct] [--steps 200] [--xgrammar-path DIR]
+    python bench/micro/grammar_backends.py [--model smollm2-135m-instruct] [--steps 200] [--xgrammar-path DIR]
 
 xgrammar is optional: install it where you like (`pip install --no-deps --target DIR xgrammar
 apache-tvm-ffi` keeps it out of the venv) and pass --xgrammar-path DIR; without it only llguidance runs.

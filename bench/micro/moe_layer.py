@@ -5,7 +5,7 @@ I 2880, 32 experts, top-4, biases, clamped SwiGLU), for 1, 64 and 8192 tokens in
 
     bytes ceiling  the bytes a step must read or write (the weights and biases of the experts the
                    batch's tokens picked, the tokens in, the output out) / the device copy bandwidth
-                   (bench_engine.py's ceilings: a 4 GiB eager device-to-device copy, bytes read + written / time)
+                   (engine_speed.py's ceilings: a 4 GiB eager device-to-device copy, bytes read + written / time)
     flops ceiling  2 * T * k * 3 * H * I / the rate of a bf16 8192^3 torch matmul
 
 Routing is uniform (k distinct experts per token from random logits, fixed seed). Each fused_moe time
@@ -14,8 +14,8 @@ the L2 holds, as in a forward pass), divided by the copies; the reference syncs 
 runs eagerly. Prints one table; --out writes JSON. --tiny rehearses the script on the CPU at tiny
 shapes, through the reference only.
 
-    python bench/bench_moe.py [--tokens 1,64,8192] [--out DIR]
-    python bench/bench_moe.py --tiny
+    python bench/micro/moe_layer.py [--tokens 1,64,8192] [--out DIR]
+    python bench/micro/moe_layer.py --tiny
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.bench_engine import graph_ms, measure_ceilings  # noqa: E402
+from bench.micro.engine_speed import graph_ms, measure_ceilings  # noqa: E402
 from pdkernels.moe_gemm import fused_moe_reference  # noqa: E402
 
 LAYER_COPIES = 4
@@ -174,12 +174,12 @@ def main() -> int:
     if args.tiny:
         device, models, token_counts, gbps, tflops = torch.device("cpu"), TINY_MODELS, [1, 64], None, None
     elif not torch.cuda.is_available():
-        print("bench_moe: needs CUDA (or --tiny)")
+        print("moe_layer: needs CUDA (or --tiny)")
         return 0
     else:
         device, models = torch.device("cuda"), MODELS
         token_counts = [int(t) for t in args.tokens.split(",")]
-        ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16, tiny=False)  # bench_engine's, eager
+        ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16, tiny=False)  # engine_speed's, eager
         gbps, tflops = ceilings["copy_bytes_per_s"] / 1e9, ceilings["matmul_flops_per_s"] / 1e12
         print(f"copy ceiling {gbps:,.0f} GB/s (read + written), bf16 matmul {tflops:,.0f} TFLOP/s")
     rows = []
@@ -197,7 +197,7 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         payload = {"copy_GBps": gbps, "matmul_TFLOPs": tflops, "layer_copies": LAYER_COPIES,
                    "models": {k: asdict(v) for k, v in models.items()}, "rows": rows}
-        (Path(args.out) / "bench_moe.json").write_text(json.dumps(payload, indent=1))
+        (Path(args.out) / "moe_layer.json").write_text(json.dumps(payload, indent=1))
     return 0
 
 

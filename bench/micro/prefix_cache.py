@@ -2,7 +2,7 @@
 """Prefix-cache speed on a GPU: the page-copy kernel against the pinned host<->device bandwidth,
 and the TTFT of a long conversation's next turn with and without the host cache.
 
-    python bench/bench_prefix_cache.py --config bench/configs/llama8b.json --context 16384 --new 300
+    python bench/micro/prefix_cache.py --config bench/configs/llama8b.json --context 16384 --new 300
 
 Ceilings measured in the same run: a 1 GiB pinned host->device (and device->host) copy. The TTFT
 bar: with the cache at most 20% of the same turn without it.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from engine.config import EngineConfig  # noqa: E402

@@ -11,7 +11,7 @@ fused_ops.silu_mul followed by cuBLAS. --naive adds the first experiment's kerne
 reads the weights again) at its tiles. --quick: cuBLAS, the default configuration (with and without
 the fused activation) and the pdl variants only. Prints a table; --out writes JSON.
 
-    python bench/bench_gemv.py --batches 1,8 --out $OUT
+    python bench/micro/gemv.py --batches 1,8 --out $OUT
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.bench_engine import copy_bytes_per_s, graph_ms  # noqa: E402
+from bench.micro.engine_speed import copy_bytes_per_s, graph_ms  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # gemv tiles swept besides the default: (BLOCK_N, BLOCK_K, warps), bf16; BLOCK_K = 256 * warps keeps one
@@ -152,7 +152,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("bench_gemv: needs CUDA")
+        print("gemv: needs CUDA")
         return 0
     copy_gbps = copy_bytes_per_s(torch.device("cuda")) / 1e9  # eager: a graph's memcpy node is no ceiling
     print(f"copy ceiling {copy_gbps:,.0f} GB/s (read + write)")
@@ -171,7 +171,7 @@ def main() -> int:
         )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_gemv.json").write_text(
+        (Path(args.out) / "gemv.json").write_text(
             json.dumps({"copy_GBps": copy_gbps, "rows": rows}, indent=1)
         )
     return 0

@@ -2,7 +2,7 @@
 constants, on one GPU: 2 GiB, microseconds of host time per call (launch only) and milliseconds on
 the GPU per variant (warps x words per step).
 
-    python bench/probe_ipc_launch.py
+    python bench/micro/ipc_launch.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pdkernels.copy_hash as ch  # noqa: E402
 from pdkernels.checksum_gpu import copy_segment, copy_segments, usable  # noqa: E402
@@ -47,7 +47,7 @@ def gpu_ms(fn: Callable[[], object], n: int = 7) -> float:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("probe_ipc_launch: needs CUDA")
+        print("ipc_launch: needs CUDA")
         return 0
     dev = torch.device("cuda")
     src = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device=dev)
