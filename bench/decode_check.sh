@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The decode path on one GPU, in one device call: kernel tests (with their GB/s), the CUDA decode
 # engine tests, a profile of llama8b decode steps (bench/micro/profile_decode.py), decode rows of engine_speed.py (default and deterministic), and optionally the
-# synthetic golden/determinism checks of bench/gpu_check.py. Logs under $OUT; a summary last.
+# synthetic golden/determinism checks of bench/checks/gpu_golden.py. Logs under $OUT; a summary last.
 #   bash bench/decode_check.sh [bench models] [batches] [extra: golden]
 set -u
 OUT=${OUT:-/tmp/decode_check}
@@ -29,8 +29,8 @@ timeout 90 $PY -m pytest -q tests/engine/test_engine_cuda_decode.py 2>&1 | tee "
 echo "engine tests: $(( $(date +%s) - t0 )) s"
 if [ "$EXTRA" = golden ]; then
     t0=$(date +%s)
-    timeout 80 $PY bench/gpu_check.py --synthetic smollm2-135m --checks golden --out "$OUT" > "$OUT/gpu_check.log" 2>&1
-    echo "gpu_check: rc $? $(( $(date +%s) - t0 )) s"; sed -n '/== gpu_check summary/,$p' "$OUT/gpu_check.log"
+    timeout 80 $PY bench/checks/gpu_golden.py --synthetic smollm2-135m --checks golden --out "$OUT" > "$OUT/gpu_golden.log" 2>&1
+    echo "gpu_golden: rc $? $(( $(date +%s) - t0 )) s"; sed -n '/== gpu_golden summary/,$p' "$OUT/gpu_golden.log"
 fi
 grep -E "Error|error" "$OUT/bench.log" | head -10
 grep -E -A12 "^b=" "$OUT/profile.log" | cut -c1-150

@@ -187,7 +187,7 @@ class WeightRing:
 
 def matmul_candidates(x: torch.Tensor, w: WeightRing, quick: bool, chosen: bim.MatmulConfig) -> dict[str, Any]:
     """cuBLAS, the chosen configuration, and (always) the chosen one at 8 warps: at 4 warps its 64x128x64
-    tile spills 312-416 bytes in an offline compile for sm_90a (bench/offline_compile.py), at 8 none."""
+    tile spills 312-416 bytes in an offline compile for sm_90a (bench/checks/offline_compile.py), at 8 none."""
     alts = {
         "m64 n64": bim.MatmulConfig(64, 64, 64, 4, 4),
         "m64 n128": bim.MatmulConfig(64, 128, 64, 4, 4),

@@ -14,7 +14,7 @@ with the real models' shapes (Gemma 3 270M, SmolLM2 135M) and widened weights so
 winners: they exercise the same code paths, but they are no substitute for a real checkpoint's golden
 check and are reported apart.
 
-    python bench/gpu_check.py --model smollm2=/path/to/folder --synthetic gemma3-270m --out $OUT
+    python bench/checks/gpu_golden.py --model smollm2=/path/to/folder --synthetic gemma3-270m --out $OUT
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -398,14 +398,14 @@ def main(argv: list[str] | None = None) -> int:
                 log(line)
     lines = summary_lines(report)
     failed = [ln for ln in lines if "FAIL" in ln or "DIFFER" in ln or "NOT RUN" in ln]
-    log(f"\n== gpu_check summary ({report['device']}, {report['dtype']}, torch {report['torch']}, transformers "
+    log(f"\n== gpu_golden summary ({report['device']}, {report['dtype']}, torch {report['torch']}, transformers "
         f"{report['transformers']}, {time.monotonic() - t_start:.0f} s)")
     for line in lines:
         log(line)
-    log("gpu_check: " + ("all passed" if not failed else f"{len(failed)} line(s) failed or not run"))
+    log("gpu_golden: " + ("all passed" if not failed else f"{len(failed)} line(s) failed or not run"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    (out / "gpu_golden.json").write_text(json.dumps(report, indent=1))
     return 1 if failed else 0
 
 

@@ -2,7 +2,7 @@
 reports each variant's registers and spills (ptxas -v) and where programmatic dependent launch's wait
 falls: a check that costs no device time before a device call.
 
-    python bench/offline_compile.py            # needs triton (the project's .venv has it), no GPU
+    python bench/checks/offline_compile.py            # needs triton (the project's .venv has it), no GPU
 
 What it cannot tell: speed, and whether the kernels compute the right thing (the Triton interpreter
 tests do that: TRITON_INTERPRET=1 pytest tests/kernels).
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

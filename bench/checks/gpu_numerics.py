@@ -1,12 +1,12 @@
 """Is the engine's bf16 error on the GPU the size of transformers' own? Against a float32 reference.
 
-gpu_check.py's golden check compares the engine with transformers in the same dtype; where both are
+gpu_golden.py's golden check compares the engine with transformers in the same dtype; where both are
 bf16 and the model magnifies rounding (the widened synthetic models), a legitimate change of kernel
 (float32 softmax, another reduction order) parts them by as much as a bug would. This check measures
 each side's error against transformers in float32 (TF32 off): first-step logits of each prompt, the
 prompt as one chunk and as 512-token chunks over the paged prefix, default and deterministic mode.
 
-    python bench/gpu_numerics_check.py --synthetic smollm2-135m,gemma3-270m --out $OUT
+    python bench/checks/gpu_numerics.py --synthetic smollm2-135m,gemma3-270m --out $OUT
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script without the project installed
     sys.path.insert(0, str(REPO))
 
-from bench.gpu_check import first_logits, free_memory, make_synthetic, prompts_for  # noqa: E402
+from bench.checks.gpu_golden import first_logits, free_memory, make_synthetic, prompts_for  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402

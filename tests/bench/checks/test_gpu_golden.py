@@ -2,7 +2,7 @@
 
 Greedy tokens identical to transformers bf16 for 32 new tokens, or parting only on a near-tie (the
 reference's top-2 logit gap under 0.05 at that step, reported); in deterministic mode, the engine's
-batched and one-at-a-time runs bit-identical. The checks live in bench/gpu_check.py, which also runs
+batched and one-at-a-time runs bit-identical. The checks live in bench/checks/gpu_golden.py, which also runs
 them on the GPU machine without pytest. Skipped without CUDA or without the converted checkpoints
 (`python -m engine.models fetch NAME`)."""
 
@@ -26,9 +26,9 @@ MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
 
 
 def _gpu_check():
-    from bench import gpu_check
+    from bench.checks import gpu_golden
 
-    return gpu_check
+    return gpu_golden
 
 
 def _folder(name: str) -> Path:

@@ -3,7 +3,7 @@ applied to CUDA logits) and the CE's decode cache (a multi-turn P/D conversation
 on one GPU, the PE exporting only the pages the CE lacks). Random weights (`--load-format dummy`) of
 a real model's shape with its real tokenizer; prints a summary table and exits non-zero on a failure.
 
-    python bench/gpu_features_check.py --model .dev/smol-shape [--device cuda]
+    python bench/checks/gpu_features.py --model .dev/smol-shape [--device cuda]
 """
 
 from __future__ import annotations
