@@ -18,9 +18,9 @@ ends with one summary table, whatever failed on the way:
   check    a single-engine server and one P/D pair per --transports, all --deterministic and all on
            this GPU (PE and CE as two processes), then bench/check_pd.py against each pair at once
   load     an 8B-shaped dummy model (bench/configs/llama8b.json, SmolLM2's tokenizer and vocabulary)
-           as a PE and a CE sharing the GPU, and bench/load.py's synthetic trace against the CE;
+           as a PE and a CE sharing the GPU, and bench/load/replay.py's synthetic trace against the CE;
            with --load-colocated FLAGS also a single-engine server of that model (e.g. '--dp 2': one
-           rank per GPU), and bench/compare.py --interleave runs the same trace against both
+           rank per GPU), and bench/load/compare.py --interleave runs the same trace against both
 
 On two GPUs, --pe-device cuda:0 --ce-device cuda:1 gives each pair's PE and CE a GPU of its own (the
 reference servers stay on --ref-device), and --transports may include nccl.
@@ -519,12 +519,12 @@ def _load_run(
             raise RuntimeError(state["load_pair"])
         out_dir = run.logs / ("load" if decode_cache else "load_no_decode_cache")
         after = opts.handoff_reserve_s if opts.handoff_last and "handoff" in opts.steps else 0.0
-        budget = max(30.0, (run.left_s() - 15 - after) * share)  # load.py's start, warm-up, plots: ~10 s
+        budget = max(30.0, (run.left_s() - 15 - after) * share)  # replay.py's start, warm-up, plots: ~10 s
         grace_s = 15.0
         label = f"pd-{opts.load_transport}-{gpus(opts)}" + ("" if decode_cache else "-no-decode-cache")
         duration_s = min(opts.load_duration_s, budget - grace_s - 10)
         cmd = [
-            sys.executable, "bench/load.py", "--url", pair.url, "--concurrency", str(opts.load_concurrency),
+            sys.executable, "bench/load/replay.py", "--url", pair.url, "--concurrency", str(opts.load_concurrency),
             *trace_flags(opts, duration_s, grace_s), "--label", label, "--out", str(out_dir),
         ]  # fmt: skip
         log_name = "load.log" if decode_cache else "load_no_decode_cache.log"
@@ -547,7 +547,7 @@ def gpus(opts: argparse.Namespace) -> str:
 
 
 def trace_flags(opts: argparse.Namespace, duration_s: float, grace_s: float) -> list[str]:
-    """bench/load.py's synthetic trace (compare.py takes the same flags)."""
+    """bench/load/replay.py's synthetic trace (compare.py takes the same flags)."""
     return [
         "--trace", "synthetic", "--conversations", str(opts.load_conversations), "--turns", str(opts.load_turns),
         "--output-tokens", str(opts.load_output_tokens), "--output-sigma", "0", "--think-s", "0.5",
@@ -560,7 +560,7 @@ def trace_flags(opts: argparse.Namespace, duration_s: float, grace_s: float) -> 
 def _compare_run(
     run: Run, model: dict[str, Any], opts: argparse.Namespace, pending: dict[str, Any]
 ) -> dict[str, Any]:
-    """The trace against the pair and the colocated server, interleaved (bench/compare.py: every target
+    """The trace against the pair and the colocated server, interleaved (bench/load/compare.py: every target
     at one concurrency before the next), both up for the whole run."""
     if "load_pair_error" in pending:
         raise RuntimeError(pending["load_pair_error"])
@@ -581,7 +581,7 @@ def _compare_run(
             "-".join(["colocated", *(a.lstrip("-") for a in shlex.split(opts.load_colocated))]),
         )
         cmd = [
-            sys.executable, "bench/compare.py", "--target", f"{names[0]}={pair.url}",
+            sys.executable, "bench/load/compare.py", "--target", f"{names[0]}={pair.url}",
             "--target", f"{names[1]}={colo.url}", "--interleave", "--concurrency", ",".join(points),
             *trace_flags(opts, max(10.0, per_run), grace_s), "--out", str(out_dir),
         ]  # fmt: skip

@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
-"""aiperf's and bench/load.py's records of the same trace, paired request by request.
+"""aiperf's and bench/load/replay.py's records of the same trace, paired request by request.
 
-    python bench/aiperf_vs_load.py --load load-c4/results.json --aiperf aiperf-c4/profile_export.jsonl \\
+    python bench/load/aiperf_vs_load.py --load load-c4/results.json --aiperf aiperf-c4/profile_export.jsonl \\
         [--load ...] [--aiperf ...]
 
-Both tools replay one trace file (bench/load.py --write-trace F --trace-format multi_turn), so every
+Both tools replay one trace file (bench/load/replay.py --write-trace F --trace-format multi_turn), so every
 request is named by (conversation, turn): aiperf's profile_export.jsonl has them as `conversation_id`
-and `turn_index`, load.py's results.json as `conversation` and `turn`. A table with one line per run:
+and `turn_index`, replay.py's results.json as `conversation` and `turn`. A table with one line per run:
 - requests paired with the first run, and how many of them had the same prompt, cached and completion
   tokens (the server's usage), which is how to tell that the two tools sent the same requests;
 - TTFT p50/p90/p99. Both measure from sending to the first chunk with content;
 - the per-request mean inter-token gap. aiperf's "Inter Token Latency" is (request latency - TTFT) /
-  (output tokens - 1), and load.py's `tpot_ms` is the mean of the gaps between token chunks;
-- every inter-token gap (aiperf's `inter_chunk_latency`, load.py's `itl_s`), which is what load.py's
+  (output tokens - 1), and replay.py's `tpot_ms` is the mean of the gaps between token chunks;
+- every inter-token gap (aiperf's `inter_chunk_latency`, replay.py's `itl_s`), which is what replay.py's
   ITL percentiles are computed from;
 - the median, p10 and p90 of each request's TTFT divided by the same request's TTFT in the first run.
 """
@@ -42,7 +42,7 @@ Key = tuple[str, int]  # (conversation, turn)
 
 
 def read_load(path: Path) -> dict[Key, Rec]:
-    """The ok requests of load.py's results.json (its only run)."""
+    """The ok requests of replay.py's results.json (its only run)."""
     (run,) = json.loads(Path(path).read_text())["runs"]
     out: dict[Key, Rec] = {}
     for r in run["requests"]:
@@ -127,12 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:]),
     )
-    ap.add_argument("--load", type=Path, action="append", default=[], help="load.py's results.json")
+    ap.add_argument("--load", type=Path, action="append", default=[], help="replay.py's results.json")
     ap.add_argument("--aiperf", type=Path, action="append", default=[], help="aiperf's profile_export.jsonl")
     args = ap.parse_args(argv)
     if not args.load or not args.aiperf:
         ap.error("give at least one --load and one --aiperf")
-    runs = [(f"load.py #{i + 1}", read_load(p)) for i, p in enumerate(args.load)]
+    runs = [(f"replay.py #{i + 1}", read_load(p)) for i, p in enumerate(args.load)]
     runs += [(f"aiperf #{i + 1}", read_aiperf(p)) for i, p in enumerate(args.aiperf)]
     print(compare(runs))
     return 0

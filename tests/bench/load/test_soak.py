@@ -1,4 +1,4 @@
-"""bench/soak.py against a real single-engine server for a few seconds: its one rank is killed and
+"""bench/load/soak.py against a real single-engine server for a few seconds: its one rank is killed and
 restarted mid-run, and the soak must end clean (nothing good lost, bad requests answered 4xx, pool idle)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pd.testing import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_soak_survives_a_rank_kill(tmp_path: Path) -> None:
@@ -25,7 +25,7 @@ def test_soak_survives_a_rank_kill(tmp_path: Path) -> None:
     with ServerProcess(*args, log_path=tmp_path / "server.log") as server:
         (run_dir / f"server-{server.port}.pid").write_text(f"{server.pid}\n")
         soak = subprocess.run(
-            [sys.executable, "-m", "bench.soak", "--url", server.url, "--minutes", "0.3"]
+            [sys.executable, "-m", "bench.load.soak", "--url", server.url, "--minutes", "0.3"]
             + ["--run-dir", str(run_dir), "--kill-every-s", "10", "--force", "--out", str(out)],
             cwd=REPO,
             capture_output=True,

@@ -47,7 +47,7 @@ class LoadConfig:
         label: str,
         salt: str,
     ) -> LoadConfig:
-        """One load point with the run-wide settings of load.py's (or compare.py's) command line."""
+        """One load point with the run-wide settings of replay.py's (or compare.py's) command line."""
         return cls(
             url,
             model,

@@ -1,4 +1,4 @@
-"""The command-line pieces that bench/load.py and bench/compare.py share: the trace and request flags,
+"""The command-line pieces that bench/load/replay.py and bench/load/compare.py share: the trace and request flags,
 and what they turn into (the trace, the extra request body, the load points, run labels and salts)."""
 
 from __future__ import annotations

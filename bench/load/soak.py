@@ -2,7 +2,7 @@
 rank kills for --minutes, then a check that nothing good was lost and every KV pool is idle again.
 
     deploy/server.sh start                     # or: deploy/pd_run.sh start localhost localhost
-    python -m bench.soak --url http://127.0.0.1:8888 --minutes 30 --out run/soak.json
+    python -m bench.load.soak --url http://127.0.0.1:8888 --minutes 30 --out run/soak.json
 
 Traffic (--concurrency threads, seeded by --seed): chat completions through the `openai` client (streamed
 or not, one prompt or a multi-turn conversation, max_tokens 8-64), /v1/completions, streams closed after

@@ -8,13 +8,13 @@
 # The PEs are shared (runs never overlap, and each run's conversations start with their own marker, so
 # no run hits another's cache); each configuration has its own CEs on its own port.
 #
-#   bench/cluster_compare.sh OUT_DIR [bench/compare.py flags, e.g. --concurrency 4 --duration-s 120]
+#   bench/load/cluster_compare.sh OUT_DIR [bench/load/compare.py flags, e.g. --concurrency 4 --duration-s 120]
 #
-# Starts everything with deploy/pd_run.sh (RUN_DIR: OUT_DIR/run), runs bench/compare.py --interleave,
+# Starts everything with deploy/pd_run.sh (RUN_DIR: OUT_DIR/run), runs bench/load/compare.py --interleave,
 # stops everything. SERVER_FLAGS (environment) go to every server.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${1:?usage: bench/cluster_compare.sh OUT_DIR [compare.py flags]}"; shift
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${1:?usage: bench/load/cluster_compare.sh OUT_DIR [compare.py flags]}"; shift
 mkdir -p "$OUT"
 export PDSERVE_RUN_DIR="$OUT/run"
 PY="${PDSERVE_PYTHON:-$ROOT/.venv/bin/python}"
@@ -39,7 +39,7 @@ start 127.0.0.2 18803 18920                            # one-pe
 "$ROOT/deploy/pd_run.sh" status "$PES" "$CES"
 
 ces() { echo "http://127.0.0.4:$1,http://127.0.0.5:$1"; }
-"$PY" "$ROOT/bench/compare.py" --interleave \
+"$PY" "$ROOT/bench/load/compare.py" --interleave \
     --target "one-pe=$(ces 18803)" --target "affinity=$(ces 18801)" --target "least-loaded=$(ces 18802)" \
     --out "$OUT" "$@"
 for port in 18803 18801 18802; do  # where each configuration's prefills went, per PE and reason

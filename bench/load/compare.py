@@ -11,16 +11,16 @@ never overlap. By default each target runs every load point of the sweep (`--con
 `--request-rate ...`) before the next target starts; `--interleave` runs every target at one load
 point before the next point (all targets up at once), so a slow drift of the machine (other work on
 shared cores) spreads over every target instead of landing on one. The trace and request flags are
-bench/load.py's (`--help` lists them).
+bench/load/replay.py's (`--help` lists them).
 
-    python bench/compare.py --target colocated=http://127.0.0.1:8888 --target pd=http://127.0.0.1:8889 \\
+    python bench/load/compare.py --target colocated=http://127.0.0.1:8888 --target pd=http://127.0.0.1:8889 \\
         --trace synthetic --conversations 32 --turns 6 --concurrency 1,4,8 --out bench/results/compare
-    python bench/compare.py --launch 'dp2=--model smollm2-135m-instruct --dp 2' \\
+    python bench/load/compare.py --launch 'dp2=--model smollm2-135m-instruct --dp 2' \\
         --launch 'dp2-nocache=--model smollm2-135m-instruct --dp 2 --hicache-gb 0' --concurrency 2,4 ...
 
 Every run of a comparison starts its conversations with a marker of the target and load point (a few
 tokens in front of the first user message), so no run hits prefix-cache entries an earlier run left.
-Writes into --out what bench/load.py writes (results.json with one run per target and load point,
+Writes into --out what bench/load/replay.py writes (results.json with one run per target and load point,
 labelled `NAME c=4`, summary.txt, distributions.png, throughput.png, sweep.png with one line per
 target), compare.png (p50 and p90 TTFT, p90 ITL, p90 ITL of the gaps that overlap a long prefill,
 output tokens/s and the prefix-cache hit rate, per target at each load point) and itl_timeline.png (at the highest load point, every
@@ -40,11 +40,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script without the project installed
     sys.path.insert(0, str(REPO))
 
-from bench.loadgen import cli, plots, report, runner, summary  # noqa: E402
+from bench.load.loadgen import cli, plots, report, runner, summary  # noqa: E402
 
 
 def _named(items: Sequence[str], flag: str) -> dict[str, str]:

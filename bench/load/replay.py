@@ -8,9 +8,9 @@ arriving as a Poisson process (`--request-rate`, per second, as aiperf's --reque
 mode), or both (the rate, capped at the concurrency). A comma list of either is a sweep. Runs are
 bounded by `--max-requests` and `--duration-s`.
 
-    python bench/load.py --url http://127.0.0.1:8888 --trace synthetic --conversations 64 --turns 8 \\
+    python bench/load/replay.py --url http://127.0.0.1:8888 --trace synthetic --conversations 64 --turns 8 \\
         --concurrency 8 --slo-ttft-ms 2000 --slo-itl-ms 100 --out bench/results/load
-    python bench/load.py --trace synthetic --conversations 64 --turns 8 \\
+    python bench/load/replay.py --trace synthetic --conversations 64 --turns 8 \\
         --write-trace conv.jsonl --trace-format multi_turn        # for aiperf; no --url: nothing is sent
 
 Synthetic traces (`--trace synthetic`, seeded by `--seed`), per conversation; sizes are in tokens by
@@ -56,11 +56,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script without the project installed
     sys.path.insert(0, str(REPO))
 
-from bench.loadgen.cli import (  # noqa: E402
+from bench.load.loadgen.cli import (  # noqa: E402
     add_request_args,
     add_trace_args,
     chat_url,
@@ -71,9 +71,9 @@ from bench.loadgen.cli import (  # noqa: E402
     server_model,
     trace_from_args,
 )
-from bench.loadgen.report import format_itl_split, format_table, results_doc, write_outputs  # noqa: E402
-from bench.loadgen.runner import LoadConfig, run_load, warm_up  # noqa: E402
-from bench.loadgen.summary import summarize  # noqa: E402
+from bench.load.loadgen.report import format_itl_split, format_table, results_doc, write_outputs  # noqa: E402
+from bench.load.loadgen.runner import LoadConfig, run_load, warm_up  # noqa: E402
+from bench.load.loadgen.summary import summarize  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

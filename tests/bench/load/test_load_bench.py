@@ -1,4 +1,4 @@
-"""bench/load.py and bench/loadgen: the seeded trace and its aiperf formats, the summary's arithmetic,
+"""bench/load/replay.py and bench/load/loadgen: the seeded trace and its aiperf formats, the summary's arithmetic,
 the runner against a fake streaming endpoint (history, bounds, errors, cancellation), and a small run
 against a real server whose numbers must agree with the server's usage and its /metrics counters."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from bench import load
-from bench.loadgen import plots, report, runner, summary, trace
+from bench.load import replay
+from bench.load.loadgen import plots, report, runner, summary, trace
 
 # ---- trace ----------------------------------------------------------------------------------------
 
@@ -308,7 +308,7 @@ async def test_outputs_json_table_and_plots(fake, tmp_path: Path) -> None:
     for c in (1, 2):
         cfg = runner.LoadConfig(fake.url, "m", concurrency=c, label=f"c={c}")
         runs.append(await runner.run_load(cfg, [_conv("a", "x", "y"), _conv("b", "z")]))
-    doc = report.results_doc(runs, {"source": "test"}, 1000.0, None, ["load.py"])
+    doc = report.results_doc(runs, {"source": "test"}, 1000.0, None, ["replay.py"])
     table = report.write_outputs(tmp_path, doc, {"fake": doc["runs"]})
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["schema"] == report.SCHEMA and [r["label"] for r in saved["runs"]] == ["c=1", "c=2"]
@@ -360,7 +360,7 @@ SMALL = "--conversations 3 --turns 2 --output-tokens 4 --output-sigma 0 --think-
 def test_load_command_line_sweep(fake_in_thread, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     flags = f'--url {fake_in_thread.url}/v1 --out {out} --concurrency 1,3 --warmup 2 --extra-body {{"x":1}} {SMALL}'
-    assert load.main(flags.split()) == 0
+    assert replay.main(flags.split()) == 0
     doc = json.loads((out / "results.json").read_text())
     assert [r["label"] for r in doc["runs"]] == ["c=1", "c=3"] and doc["runs"][0]["model"] == "fake-model"
     assert all(r["summary"]["num_ok"] == r["summary"]["num_planned"] == 6 for r in doc["runs"])
@@ -373,7 +373,7 @@ def test_load_command_line_sweep(fake_in_thread, tmp_path: Path, capsys) -> None
 
 
 def test_turns_of_a_conversation_move_between_the_endpoints_of_a_cluster() -> None:
-    from bench.loadgen import cli
+    from bench.load.loadgen import cli
 
     urls = cli.chat_url("http://a:1, http://b:2/v1")
     assert urls == "http://a:1/v1/chat/completions,http://b:2/v1/chat/completions"
@@ -387,7 +387,7 @@ def test_turns_of_a_conversation_move_between_the_endpoints_of_a_cluster() -> No
 
 
 def test_compare_two_targets_side_by_side(fake_in_thread, tmp_path: Path) -> None:
-    from bench import compare
+    from bench.load import compare
     out = tmp_path / "cmp"
     url = fake_in_thread.url
     flags = (
@@ -403,7 +403,7 @@ def test_compare_two_targets_side_by_side(fake_in_thread, tmp_path: Path) -> Non
 
 
 def test_compare_interleaves_points_with_setup_and_teardown(fake_in_thread, tmp_path: Path) -> None:
-    from bench import compare
+    from bench.load import compare
     out, log = tmp_path / "cmp", tmp_path / "hooks.log"
     url = fake_in_thread.url
     args = [
@@ -424,7 +424,7 @@ def test_compare_interleaves_points_with_setup_and_teardown(fake_in_thread, tmp_
 
 
 def test_aiperf_records_pair_with_load_records(tmp_path: Path) -> None:
-    from bench import aiperf_vs_load as pair
+    from bench.load import aiperf_vs_load as pair
     reqs = [
         runner.RequestRecord(
             "conv-0000",
@@ -483,7 +483,7 @@ def test_aiperf_records_pair_with_load_records(tmp_path: Path) -> None:
     assert (
         mine[("conv-0000", 1)].mean_gap_ms == pytest.approx(200) and theirs[("conv-0000", 0)].ttft_ms == 1000
     )
-    table = pair.compare([("load.py #1", mine), ("aiperf #1", theirs)])
+    table = pair.compare([("replay.py #1", mine), ("aiperf #1", theirs)])
     # the second turn's cached tokens differ (128 vs 0): 1 of the 2 paired requests is the same
     assert "2 of 2 (1)" in table.splitlines()[-1] and "2 of 2 (2)" in table.splitlines()[-2]
     assert table.splitlines()[-1].endswith("1.50 (1.10-1.90)")  # TTFT ratios 2.0 and 1.0
@@ -504,7 +504,7 @@ def test_small_trace_against_a_real_server(tmp_path: Path) -> None:
             " --user-tokens 10 --tool-fraction 0 --think-s 0.05 --concurrency 3 --ignore-eos --logprobs"
             " --warmup 0 --slo-ttft-ms 60000 --slo-itl-ms 60000"
         )
-        rc = load.main(["--url", server.url, "--out", str(tmp_path / "out"), *flags.split()])
+        rc = replay.main(["--url", server.url, "--out", str(tmp_path / "out"), *flags.split()])
         after = wait_idle(server.port)
     assert rc == 0
     doc = json.loads((tmp_path / "out" / "results.json").read_text())

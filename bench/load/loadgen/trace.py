@@ -1,4 +1,4 @@
-"""Conversations to replay: the seeded synthetic trace (its distributions are in bench/load.py's
+"""Conversations to replay: the seeded synthetic trace (its distributions are in bench/load/replay.py's
 docstring), trace files in this tool's JSONL format or aiperf's, and a trace's digest."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _tool_result(rng: random.Random, n: int) -> str:
 
 
 def synthetic_trace(spec: SyntheticSpec) -> list[Conversation]:
-    """Seeded conversations with the distributions stated in bench/load.py's docstring; conversation c
+    """Seeded conversations with the distributions stated in bench/load/replay.py's docstring; conversation c
     is the same whatever the number of conversations, and a context cap only cuts it short."""
     system = SYSTEM_HEAD + " " + _words(random.Random(f"{spec.seed}-system"), spec.system_tokens)
     convs = []
