@@ -2,7 +2,7 @@
 # The decode path on one GPU, in one device call: kernel tests (with their GB/s), the CUDA decode
 # engine tests, a profile of llama8b decode steps (bench/micro/profile_decode.py), decode rows of engine_speed.py (default and deterministic), and optionally the
 # synthetic golden/determinism checks of bench/checks/gpu_golden.py. Logs under $OUT; a summary last.
-#   bash bench/decode_check.sh [bench models] [batches] [extra: golden]
+#   bash bench/device/decode_check.sh [bench models] [batches] [extra: golden]
 set -u
 OUT=${OUT:-/tmp/decode_check}
 mkdir -p "$OUT"

@@ -10,10 +10,10 @@
 #  5. a per-kernel profile of the decode step and of one 8k prefill (bench/micro/profile_decode.py).
 # Every step has its own time limit (timeout -k: a hung GPU call cannot hold the rest). Logs under
 # $OUT, the summary last.
-#   OUT=... bash bench/speed2_check.sh [models] [batches] [bench budget s] [profile models]
+#   OUT=... bash bench/device/decode_modes_check.sh [models] [batches] [bench budget s] [profile models]
 set -u
-OUT=${OUT:-/tmp/speed2_check}
-source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
+OUT=${OUT:-/tmp/decode_modes_check}
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 MODELS=${1:-llama8b,hybrid8b}
 BATCHES=${2:-1,64}
 BUDGET=${3:-180}

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 19's bars in one device call (about 560 s), after bench/speed2_check.sh has picked the defaults:
+# Issue 19's bars in one device call (about 560 s), after bench/device/decode_modes_check.sh has picked the defaults:
 # engine_speed's decode rows (b=1 and b=64, 1k context; deterministic b=1) and the 8k prefill row for
 # llama8b and hybrid8b, each against transformers in the same run (compiled where its budget allows),
 # then the ipc control plane's GPU tests and the 16k-token ipc handoff (bench/micro/handoff.py) against
 # the device copy. Every step under timeout -k; logs under $OUT, the summary last.
-#   OUT=... bash bench/speed2_final.sh ["engine flags", e.g. "--pdl --gemv-rows 1 --launch-ahead"] [bench budget s]
+#   OUT=... bash bench/device/engine_speed_bars.sh ["engine flags", e.g. "--pdl --gemv-rows 1 --launch-ahead"] [bench budget s]
 set -u
-OUT=${OUT:-/tmp/speed2_final}
-source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
+OUT=${OUT:-/tmp/engine_speed_bars}
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 FLAGS=${1:-}
 BUDGET=${2:-380}
 T="timeout -k 10"

@@ -7,10 +7,10 @@
 # an 8k prefill against the matmul ceiling, and transformers on the same shapes in the same run; then
 # moe_layer.py's layer-level table. Logs under $OUT, a summary last ($OUT/summary.txt). Each step has
 # its own limit (TESTS_S, ENGINE_S, LAYER_S).
-#   bash bench/moe_check.sh            (wheels in .whl/ are installed into /tmp/site first)
+#   bash bench/device/moe_check.sh            (wheels in .whl/ are installed into /tmp/site first)
 set -u
 OUT=${OUT:-/tmp/moe_check}
-source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 t0=$(date +%s)
 TESTS=$(ls tests/kernels/test_kernels_moe_gpu.py tests/engine/test_moe.py tests/engine/test_gpt_oss.py \

@@ -5,10 +5,10 @@
 # 8k prefill for llama8b and hybrid8b in default mode, and handoff.py's 16k-token llama8b handoff
 # (tcp and ipc) against its ceilings. Logs under $OUT, a summary last ($OUT/summary.txt). About 8
 # minutes on an H200; each step has its own limit (TESTS_S, ENGINE_S, HANDOFF_S).
-#   bash bench/boundary_check.sh            (wheels in .whl/ are installed into /tmp/site first)
+#   bash bench/device/boundary_check.sh            (wheels in .whl/ are installed into /tmp/site first)
 set -u
 OUT=${OUT:-/tmp/boundary_check}
-source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 t0=$(date +%s)
 timeout "${TESTS_S:-260}" $PY -m pytest -q -p no:cacheprovider -m "not slow" \

@@ -1,21 +1,16 @@
-"""The transfer benchmarks' pieces that run anywhere: NCCL log parsing, the TCP measurement."""
+"""bench/nccl_xtray_test.py's pieces that run anywhere: NCCL log parsing, the TCP measurement, a local run."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import sys
 import threading
 from pathlib import Path
-from types import ModuleType
 
-
-def load(name: str) -> ModuleType:
-    return importlib.import_module(f"bench.{name}")
+from bench import nccl_xtray_test as xtray
 
 
 def test_nccl_log_parsing(tmp_path: Path) -> None:
-    xtray = load("nccl_xtray_test")
     (tmp_path / "nccl.a.1.log").write_text(
         "h:1:2 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB ; OOB eth0\n"
         "h:1:2 [0] NCCL INFO Using network IB\n"
@@ -32,7 +27,6 @@ def test_nccl_log_parsing(tmp_path: Path) -> None:
 
 
 def test_tcp_bandwidth_between_two_ranks() -> None:
-    xtray = load("nccl_xtray_test")
     a, b = socket.socketpair()
     sizes, out = [1 << 16, 1 << 20], {}
     t = threading.Thread(target=lambda: out.update(r1=xtray.tcp_bandwidth(b, 1, sizes, 3)))
@@ -40,6 +34,8 @@ def test_tcp_bandwidth_between_two_ranks() -> None:
     out["r0"] = xtray.tcp_bandwidth(a, 0, sizes, 3)
     t.join(10)
     assert out["r0"] == out["r1"] and len(out["r0"]) == 2 and all(x > 0 for x in out["r0"])
+
+
 
 
 def test_xtray_local_run_writes_its_figures(tmp_path: Path) -> None:
@@ -60,22 +56,3 @@ def test_xtray_local_run_writes_its_figures(tmp_path: Path) -> None:
     if doc["nccl_p2p_gbps"] is None:  # no two GPUs here
         assert doc["allreduce_backend"] == "gloo" and "NCCL not measured" in done.stdout
     assert "all-reduce busbw" in done.stdout
-
-
-def test_h200_pd_gives_each_pair_side_its_gpu(tmp_path: Path) -> None:
-    """The two-GPU run's placement: every pair's PE and CE get the devices named, the references theirs,
-    and the load step names its runs by GPU count; `auto` adds no flag (one GPU, as before)."""
-    h200_pd = load("h200_pd")
-    opts = h200_pd.parse_args(
-        ["--out", str(tmp_path), "--pe-device", "cuda:0", "--ce-device", "cuda:1", "--transports", "nccl,ipc",
-         "--load-colocated", "--dp 2", "--load-concurrency", "4,8"]
-    )  # fmt: skip
-    pair = h200_pd.pd_pair(("--model", "m"), tmp_path / "p", "nccl", opts)
-    pe, ce = pair.pe.args, pair.ce.args
-    assert pe[pe.index("--device") + 1] == "cuda:0" and pe[pe.index("--transport") + 1] == "nccl"
-    assert ce[ce.index("--device") + 1] == "cuda:1"
-    assert h200_pd.gpus(opts) == "2gpu" and opts.transports == ["nccl", "ipc"]
-    one = h200_pd.parse_args(["--out", str(tmp_path)])
-    single = h200_pd.pd_pair(("--model", "m"), tmp_path / "q", "ipc", one)
-    assert "--device" not in single.pe.args and "--device" not in single.ce.args
-    assert h200_pd.gpus(one) == "1gpu" and h200_pd.device_flag("auto") == ()

@@ -3,7 +3,7 @@
 # batch-invariant matmul kernel tests, the CUDA determinism tests, llama8b rows of engine_speed.py
 # (default and deterministic), the kernel benchmark (bench/micro/prefill_kernels.py). Logs under $OUT,
 # a summary last. Each step has its own time limit (TESTS_S, DET_S, ENGINE_S, KERNELS_S).
-#   bash bench/prefill_check.sh [prefill tokens] [chunk] [decode batches] [steps: tests,det,engine,kernels]
+#   bash bench/device/prefill_check.sh [prefill tokens] [chunk] [decode batches] [steps: tests,det,engine,kernels]
 set -u
 OUT=${OUT:-/tmp/prefill_check}
 mkdir -p "$OUT"

@@ -5,7 +5,7 @@
 # and hybrid8b with the SDPA path on (default-sdpa) and off (default-triton), against transformers. Logs
 # and JSON under $OUT, a summary last. Each step has its own time limit (PROBE_S, SDPA_TESTS_S, TESTS_S,
 # ENGINE_S per model); about 5-6 minutes in all on an H200.
-#   bash bench/prefill_sdpa_check.sh [steps: probe,tests,engine] [modes] [prefill tokens]
+#   bash bench/device/prefill_sdpa_check.sh [steps: probe,tests,engine] [modes] [prefill tokens]
 #   e.g. modes default-sdpa,default-triton,default-cudnn to add cuDNN for chunks without a prefix;
 #   MIN_PAIRS=... sets the SDPA path's threshold (engine_speed.py --prefill-sdpa-min-pairs) for the engine rows.
 set -u

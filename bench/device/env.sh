@@ -1,8 +1,8 @@
-# Sourced by the one-call device scripts (bench/boundary_check.sh, bench/moe_check.sh) after they set
+# Sourced by the one-call device scripts (bench/device/boundary_check.sh, bench/device/moe_check.sh) after they set
 # OUT's default: the wheels carried in .whl/ installed into /tmp/site (never into the image) and put on
 # PYTHONPATH with the repo, $PY, a fresh $OUT/summary.txt, and `say` (a line to the screen and to the
 # summary), whose first two lines give the GPU and the versions.
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The P/D pair on one GPU machine, in one go: issue 6's GPU checks and issue 7's GPU load run.
+"""The P/D pair on one GPU machine (one GPU or two), in one go: its GPU checks (transports, handoff, token
+identity) and its GPU load run.
 
 Device time is short and every call starts a bare machine, so one script does all of it and always
 ends with one summary table, whatever failed on the way:
@@ -34,8 +35,8 @@ second finds nothing left); a fixed pool per process does not.
 Logs and results go to a work folder; --out gets summary.md, summary.json and logs.tgz (everything),
 rewritten after each step so a run cut short still returns what it did.
 
-    bench/h200_pd.sh --out $OUT --steps model,check,load --gguf a.part1+a.part2     # on the GPU machine
-    python bench/h200_pd.py --tiny --out /tmp/pd_rehearsal                           # CPU rehearsal
+    bench/device/pd_pair_gpu.sh --out $OUT --steps model,check,load --gguf a.part1+a.part2     # on the GPU machine
+    python bench/device/pd_pair_gpu.py --tiny --out /tmp/pd_rehearsal                           # CPU rehearsal
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -771,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     if opts.home is not None:
         os.environ["PDSERVE_HOME"] = str(opts.home)
-    work = opts.work or Path(tempfile.mkdtemp(prefix="h200_pd-"))
+    work = opts.work or Path(tempfile.mkdtemp(prefix="pd_pair_gpu-"))
     run = Run(opts.out, work, opts.budget_s)
     tests = Tests(run) if "tests" in opts.steps else None
     run.environment = environment()
