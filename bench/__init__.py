@@ -11,7 +11,7 @@
 
 At the top stay the commands of the design card: check_pd.py (token identity, single engine vs P/D),
 check_prefix_cache.py (A/B of the prefix cache) and nccl_xtray_test.py (NCCL's transport between hosts).
-Current figures: RESULTS.md; how they were reached: history/.
+Current figures: RESULTS.md; how they were reached: RESULTS-log-2026-12.md.
 
 Run as scripts (`python bench/load/replay.py ...`) or imported as `bench.<folder>.<module>` (tests do);
 each script puts the repository root on its path when the project is not installed (the GPU machine)."""
