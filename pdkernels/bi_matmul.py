@@ -14,7 +14,7 @@ One configuration must serve a decode step (M of 1 to a few hundred, bound by re
 prefill chunk (M in the thousands, bound by arithmetic), where cuBLAS would pick differently for each.
 Narrow weights (q/k/v, o, down projections of an 8B model: 32-48 column tiles) would leave most of the
 GPU idle in a decode step, so they split K: more programs read B at once, for the price of a float32
-partial per range and output (bench/bench_prefill_kernels.py measures both regimes against cuBLAS).
+partial per range and output (bench/micro/prefill_kernels.py measures both regimes against cuBLAS).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ they arrive (SegmentHasher) and get the same value as one pass over the finished
 
 Cost per word: 4 elementwise ops + a sum over a chunk that stays in cache, so one pass runs near
 memory bandwidth on a GPU (pdkernels/checksum_gpu.py; torch's separate elementwise passes move about ten times
-the bytes) and at about zlib.crc32's speed on one CPU core (bench/bench_handoff.py measures both).
+the bytes) and at about zlib.crc32's speed on one CPU core (bench/micro/handoff.py measures both).
 
 This module is the definition and its torch and numpy forms; pdkernels/checksum_gpu.py is the one-pass
 Triton form, and transfer/checksum.py picks among them for the data at hand.

@@ -54,7 +54,7 @@ MIN_SPLIT_TOKENS = 128  # a split gets at least this many keys (fewer splits for
 # batch (not deterministic mode) pass it as min_split.
 WIDE_SPLIT_TOKENS = 256
 BLOCK_N = 64  # keys per tile
-NUM_WARPS, NUM_STAGES = 4, 2  # the split kernel's launch (bench/bench_decode_attn.py sweeps these)
+NUM_WARPS, NUM_STAGES = 4, 2  # the split kernel's launch (bench/micro/decode_attn.py sweeps these)
 # A tile of keys inside one page (or ring) reads its page id once and addresses its rows from that one
 # base; off: the page id is looked up per key (any BLOCK_N). Used only where BLOCK_N divides the page.
 PAGE_TILES = True

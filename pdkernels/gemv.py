@@ -4,13 +4,13 @@ At batch 1 to 8 a linear layer is a trip of its weight through HBM, so the kerne
 element exactly once per call: program p owns BLOCK_N output columns (weight rows) for all M rows of x
 and walks K in BLOCK_K steps; each step's weight tile is loaded once and used by every row. No split-K:
 one launch, no reduction kernel after it. Meant to replace cuBLAS for an 8B model's small projections at
-batch 1 on an H200 (bench/bench_gemv.py times both against the device-copy ceiling).
+batch 1 on an H200 (bench/micro/gemv.py times both against the device-copy ceiling).
 
 Elementwise FMAs, not tl.dot. At small M the arithmetic (M*N*K FMAs for N*K weight elements) hides under
 the memory time and the weight tile goes from a 16-byte load straight into FMAs, while tl.dot would pad x
 to 16 rows and stage every weight tile through shared memory for the tensor cores, which pays only when
 a tile serves more rows than a decode step has. The FMA form measured faster than cuBLAS at M = 1 on an
-H200 (the first version of bench/bench_gemv.py, 4096x4096 and 6144x4096 weights). Its cost grows with M:
+H200 (the first version of bench/micro/gemv.py, 4096x4096 and 6144x4096 weights). Its cost grows with M:
 by M = 8 the FMAs and conversions take about as many issue slots as the weights take to arrive, the end
 of the range where this form is expected to keep up (the benchmark shows where cuBLAS overtakes it).
 

@@ -3,7 +3,7 @@
     pdserve serve MODEL [server flags] [--config FILE.yaml]   python -m pd.server --model MODEL ...
     pdserve pd start|stop|status ...                         deploy/pd_run.sh start|stop|status ...
     pdserve models fetch|list|path ...                       python -m engine.models ...
-    pdserve bench load|compare ...                           bench/load.py, bench/compare.py
+    pdserve bench load|compare ...                           bench/load/replay.py, bench/load/compare.py
 
 Everything after the subcommand goes to the tool it names, unchanged; its exit status is pdserve's.
 """
@@ -21,9 +21,9 @@ COMMANDS = {
     "serve": "the OpenAI-compatible server (python -m pd.server; `pdserve serve --help`: its flags)",
     "pd": "a P/D cluster across hosts: start|stop|status (deploy/pd_run.sh)",
     "models": "the model catalogue: fetch|list|path (python -m engine.models)",
-    "bench": "benchmarks against running endpoints: load|compare (bench/load.py, bench/compare.py)",
+    "bench": "benchmarks against running endpoints: load|compare (bench/load/replay.py, bench/load/compare.py)",
 }
-BENCHES = ("load", "compare")
+BENCHES = {"load": "bench.load.replay", "compare": "bench.load.compare"}  # name: module
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if is_help else 2
     # NOTE: imported by name: bench sits above pd in the layers (tests/test_layers.py), and only this
     # entry point reaches up to it
-    bench = importlib.import_module(f"bench.{rest[0]}")
+    bench = importlib.import_module(BENCHES[rest[0]])
     sys.argv[0] = f"pdserve bench {rest[0]}"  # the prog its argparse usage shows
     return int(bench.main(rest[1:]))
 

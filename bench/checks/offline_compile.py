@@ -1,0 +1,145 @@
+"""Compiles the decode step's Triton kernels for an H100/H200 (sm_90a) on a machine without a GPU, and
+reports each variant's registers and spills (ptxas -v) and where programmatic dependent launch's wait
+falls: a check that costs no device time before a device call.
+
+    python bench/checks/offline_compile.py            # needs triton (the project's .venv has it), no GPU
+
+What it cannot tell: speed, and whether the kernels compute the right thing (the Triton interpreter
+tests do that: TRITON_INTERPRET=1 pytest tests/kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+BF16 = "*bf16"
+ALIGNED_INTS = {"N", "K", "n_cols", "M"}  # integer arguments a real launch sees as multiples of 16
+
+
+def compile_kernel(fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int = 4,
+                   num_stages: int = 3, pdl: bool = False) -> str:
+    """PTX of fn for sm_90a; pointers, strides and ALIGNED_INTS marked 16-byte divisible as a launch
+    with aligned tensors would specialize them; other arguments are i32 unless typed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    aligned = [n for n in names if n not in consts and (sig[n].startswith("*") or n.startswith("stride")
+                                                       or n in ALIGNED_INTS)]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()}, attrs)
+    opts: dict[str, Any] = {"num_warps": num_warps, "num_stages": num_stages}
+    if pdl:
+        opts["launch_pdl"] = True
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts).asm["ptx"]
+
+
+def ptxas_report(ptx: str) -> str:
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
+        fh.write(ptx)
+    try:
+        r = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", fh.name, "-o", os.devnull],
+                           capture_output=True, text=True)
+    finally:
+        os.unlink(fh.name)
+    out = r.stderr + r.stdout
+    if r.returncode:
+        return "ptxas FAILED: " + out[-300:]
+    regs = ",".join(re.findall(r"Used (\d+) registers", out))
+    spills = ",".join(re.findall(r"(\d+) bytes spill stores", out))
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    wait = next((i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln), None)
+    pdl = "no PDL"
+    if wait is not None:
+        early = sum(1 for ln in lines[:wait] if re.match(r"(@%p\d+ )?(ld|st)\.global", ln))
+        pdl = f"PDL, {early} global loads/stores before the wait"
+    return f"{regs} registers, {spills} bytes spilled, {pdl}"
+
+
+def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
+    from pdkernels import bi_matmul, decode_attention, fused_ops, gemv
+
+    split_types = {n: BF16 for n in ("Q", "K_NEW", "V_NEW", "KV", "COS", "SIN", "QW", "KW")}
+    split_types |= {"BT": "*i32", "CTX": "*i32", "ACC": "*fp32", "ML": "*fp32", "scale": "fp32", "eps": "fp32"}
+    out = []
+    for window, rope, norm in [(0, False, False), (0, True, False), (0, True, True), (1024, True, True)]:
+        consts = dict(WINDOW=window, UNIT_TOKENS=window or 128, GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128,
+                      BLOCK_N=decode_attention.BLOCK_N, MAX_SPLITS=decode_attention.MAX_SPLITS,
+                      MIN_SPLIT=decode_attention.MIN_SPLIT_TOKENS, IEEE=False, HAS_NEW=True, PAGE_TILE=True,
+                      ROPE=rope, QK_NORM=norm, IS_GEMMA=norm, PDL=True)
+        out.append((f"decode split (window {window}, rope {rope}, qk norm {norm})", decode_attention._decode_split_kernel,
+                    split_types, consts, dict(num_warps=decode_attention.NUM_WARPS,
+                                              num_stages=decode_attention.NUM_STAGES)))
+    out.append(("decode fold", decode_attention._decode_reduce_kernel,
+                {"ACC": "*fp32", "ML": "*fp32", "CTX": "*i32", "OUT": BF16, "SINKS": "*fp32"},
+                dict(WINDOW=0, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=decode_attention.BLOCK_N,
+                     MAX_SPLITS=decode_attention.MAX_SPLITS, MIN_SPLIT=decode_attention.MIN_SPLIT_TOKENS,
+                     HAS_SINKS=False, PDL=True), dict(num_warps=1)))
+    out.append(("qk_rope_ (Gemma norm)", fused_ops._qk_rope_kernel,
+                {"X": BF16, "COS": BF16, "SIN": BF16, "QW": BF16, "KW": BF16, "eps": "fp32"},
+                dict(HEAD_DIM=128, QK_NORM=True, IS_GEMMA=True, BLOCK_H=16, BLOCK_D=128, PDL=True), {}))
+    out.append(("add_rms_norm (sandwich)", fused_ops._rms_norm_kernel,
+                {"X": BF16, "H": BF16, "SUM": BF16, "W": BF16, "W0": BF16, "OUT": BF16, "eps": "fp32"},
+                dict(IS_GEMMA=True, HAS_ADD=True, NORM_H=True, BLOCK=4096, PDL=True), {}))
+    out.append(("silu_mul", fused_ops._silu_mul_kernel, {"GU": BF16, "OUT": BF16},
+                dict(BLOCK=1024, GELU_TANH=False, PDL=True), {}))
+    cfg = bi_matmul.matmul_config(4096, 4096)
+    out.append(("bi_matmul 4096x4096", bi_matmul._bi_matmul_kernel, {"A": BF16, "B": BF16, "C": "*fp32", "BIAS": BF16},
+                dict(HAS_BIAS=False, EVEN_K=True, IEEE=False, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
+                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PDL=True),
+                dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+    out.append(("bi_matmul 4096x4096, 8 warps", bi_matmul._bi_matmul_kernel,
+                {"A": BF16, "B": BF16, "C": "*fp32", "BIAS": BF16},
+                dict(HAS_BIAS=False, EVEN_K=True, IEEE=False, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m,
+                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PDL=True),
+                dict(num_warps=8, num_stages=cfg.num_stages)))
+    from pdkernels import checksum, copy_hash
+
+    for paged in (False, True):  # the ipc receiver's copy, the PE's export gather
+        out.append((f"copy_hash ({'paged' if paged else 'flat'}, keyed)", copy_hash._kernel(),
+                    {n: "*i64" for n in ("src_ptr", "ids_ptr", "dst_ptr", "keys_ptr", "ckeys_ptr", "out_ptr")},
+                    dict(CHUNK=checksum.CHUNK_WORDS, BLOCK=copy_hash.MAX_BLOCK_WORDS, MUL=checksum.signed64(checksum.MUL),
+                         PAGED=paged, PAGE_STEPS=paged, WRITE=True),
+                    dict(num_warps=copy_hash.NUM_WARPS)))
+    for m, act, k in [(1, 0, 4096), (1, 1, 14336), (4, 0, 4096), (8, 0, 4096)]:
+        g = gemv.gemv_config(4096, k, m)
+        out.append((f"gemv M={m} act={act} K={k} ({g.block_n}x{g.block_k}, {g.num_warps} warps)", gemv._gemv_kernel,
+                    {"X": BF16, "W": BF16, "BIAS": BF16, "OUT": BF16},
+                    dict(M=m, ACT=act, HAS_BIAS=False, EVEN_K=True, BLOCK_N=g.block_n, BLOCK_K=g.block_k, VEC=8,
+                         PDL=True, PREFETCH=0, LINE=gemv.LINE_BYTES), dict(num_warps=g.num_warps, num_stages=1)))
+    return out
+
+
+def main() -> int:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("offline_compile: needs triton")
+        return 0
+    failed = 0
+    for name, fn, types, consts, launch in variants():
+        try:
+            report = ptxas_report(compile_kernel(fn, types, consts, pdl=consts.get("PDL", False), **launch))
+        except Exception as e:  # a kernel that does not compile is the finding
+            report, failed = f"FAILED {type(e).__name__}: {str(e)[:400]}", failed + 1
+        print(f"{name:<58} {report}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Where the ipc receiver's copy launch spends host time, and the fused copy+hash kernel's launch
+constants, on one GPU: 2 GiB, microseconds of host time per call (launch only) and milliseconds on
+the GPU per variant (warps x words per step).
+
+    python bench/micro/ipc_launch.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pdkernels.copy_hash as ch  # noqa: E402
+from pdkernels.checksum_gpu import copy_segment, copy_segments, usable  # noqa: E402
+from transfer.ipc import TorchCudaIpc  # noqa: E402
+
+
+def host_us(fn: Callable[[], object], n: int = 20) -> float:
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def gpu_ms(fn: Callable[[], object], n: int = 7) -> float:
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("ipc_launch: needs CUDA")
+        return 0
+    dev = torch.device("cuda")
+    src = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    if not usable(dev):
+        print("the copy+hash kernel is not usable here")
+        return 1
+    backend = TorchCudaIpc()
+    print(f"event create+record: {host_us(lambda: torch.cuda.Event(enable_timing=True).record()):.1f} us")
+    print(f"copy_segment 1 MiB, host: {host_us(lambda: copy_segment(dst[: 1 << 20], src[: 1 << 20])):.1f} us")
+    print(f"copy_segment 2 GiB, host: {host_us(lambda: copy_segment(dst, src), 5):.1f} us")
+    print(f"copy_segments 2 GiB, host: {host_us(lambda: copy_segments([dst], [src]), 5):.1f} us")
+    print(f"backend.copy 2 GiB, host: {host_us(lambda: backend.copy([dst], [src]), 5):.1f} us")
+    done = backend.copy([dst], [src])
+    done.synchronize()  # type: ignore[attr-defined]
+    print(f"segment_sums after the event, host: {host_us(lambda: done.segment_sums()):.1f} us")
+    print(f"torch copy_ 2 GiB, host: {host_us(lambda: dst.copy_(src), 5):.1f} us")
+    print(f"torch copy 2 GiB, GPU: {gpu_ms(lambda: dst.copy_(src)):.3f} ms")
+    saved = ch.NUM_WARPS, ch.MAX_BLOCK_WORDS
+    for warps in (4, 8, 16):
+        for block in (1024, 2048, 4096):
+            ch.NUM_WARPS, ch.MAX_BLOCK_WORDS = warps, block
+            print(f"copy+hash warps {warps} block {block}: {gpu_ms(lambda: copy_segment(dst, src)):.3f} ms", flush=True)
+    ch.NUM_WARPS, ch.MAX_BLOCK_WORDS = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""One MoE layer through pdkernels/moe_gemm.py's fused_moe (default tiles and batch-invariant) against
+fused_moe_reference (torch, a loop over the experts) and against two ceilings measured in the same run,
+at Qwen3-30B-A3B's layer shape (H 2048, I 768, 128 experts, top-8, SwiGLU) and gpt-oss-20b's (H 2880,
+I 2880, 32 experts, top-4, biases, clamped SwiGLU), for 1, 64 and 8192 tokens in bf16 on one GPU.
+
+    bytes ceiling  the bytes a step must read or write (the weights and biases of the experts the
+                   batch's tokens picked, the tokens in, the output out) / the device copy bandwidth
+                   (engine_speed.py's ceilings: a 4 GiB eager device-to-device copy, bytes read + written / time)
+    flops ceiling  2 * T * k * 3 * H * I / the rate of a bf16 8192^3 torch matmul
+
+Routing is uniform (k distinct experts per token from random logits, fixed seed). Each fused_moe time
+is one replay of a CUDA graph that runs the layer over LAYER_COPIES copies of its weights (more than
+the L2 holds, as in a forward pass), divided by the copies; the reference syncs with the host, so it
+runs eagerly. Prints one table; --out writes JSON. --tiny rehearses the script on the CPU at tiny
+shapes, through the reference only.
+
+    python bench/micro/moe_layer.py [--tokens 1,64,8192] [--out DIR]
+    python bench/micro/moe_layer.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.micro.engine_speed import graph_ms, measure_ceilings  # noqa: E402
+from pdkernels.moe_gemm import fused_moe_reference  # noqa: E402
+
+LAYER_COPIES = 4
+SEED = 0
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    hidden: int
+    inter: int
+    num_experts: int
+    top_k: int
+    has_bias: bool
+    activation: str
+
+
+MODELS = {
+    "qwen3-30b-a3b": MoEShape(2048, 768, 128, 8, False, "swiglu"),
+    "gpt-oss-20b": MoEShape(2880, 2880, 32, 4, True, "swiglu_oai"),
+}
+TINY_MODELS = {
+    "tiny": MoEShape(64, 32, 8, 2, False, "swiglu"),
+    "tiny-oai": MoEShape(64, 32, 8, 2, True, "swiglu_oai"),
+}
+
+
+def make_layer(shape: MoEShape, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> dict[str, Any]:
+    e, h, i = shape.num_experts, shape.hidden, shape.inter
+
+    def rand(*size: int, scale: float) -> torch.Tensor:
+        return (torch.randn(size, generator=gen, device=device) * scale).to(dtype)
+
+    return {
+        "w_gate_up": rand(e, 2 * i, h, scale=h**-0.5),
+        "w_down": rand(e, h, i, scale=i**-0.5),
+        "b_gate_up": rand(e, 2 * i, scale=0.1) if shape.has_bias else None,
+        "b_down": rand(e, h, scale=0.1) if shape.has_bias else None,
+    }
+
+
+def route(shape: MoEShape, num_tokens: int, device: torch.device, dtype: torch.dtype,
+          gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(num_tokens, shape.num_experts, generator=gen, device=device)
+    values, ids = logits.topk(shape.top_k, dim=-1)
+    return ids, torch.softmax(values, dim=-1).to(dtype)
+
+
+def step_bytes(shape: MoEShape, ids: torch.Tensor, element_bytes: int) -> int:
+    """What the step cannot avoid moving: the picked experts' weights and biases, tokens in, output out."""
+    h, i = shape.hidden, shape.inter
+    per_expert = 3 * h * i + (3 * i + h if shape.has_bias else 0)  # gate_up 2I x H, down H x I
+    return (ids.unique().numel() * per_expert + 2 * ids.shape[0] * h) * element_bytes
+
+
+def step_flops(shape: MoEShape, num_tokens: int) -> int:
+    return 2 * num_tokens * shape.top_k * 3 * shape.hidden * shape.inter
+
+
+def eager_ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_tokens: int,
+                 gen: torch.Generator, gbps: float | None, tflops: float | None) -> list[dict[str, Any]]:
+    """The reference and, on CUDA, both fused_moe paths and the ceiling, at one token count."""
+    from pdkernels.moe_gemm import fused_moe
+
+    w0 = layers[0]["w_gate_up"]
+    device, dtype = w0.device, w0.dtype
+    x = torch.randn(num_tokens, shape.hidden, generator=gen, device=device).to(dtype)
+    ids, weights = route(shape, num_tokens, device, dtype, gen)
+    kw: dict[str, Any] = {"activation": shape.activation}
+    nbytes = step_bytes(shape, ids, w0.element_size())
+    flops = step_flops(shape, num_tokens)
+    floor_ms = max(nbytes / gbps / 1e6, flops / tflops / 1e9) if gbps and tflops else None
+
+    def row(impl: str, ms: float, err: float | None = None) -> dict[str, Any]:
+        return {"model": name, "tokens": num_tokens, "impl": impl, "ms": ms, "GBps": nbytes / ms / 1e6,
+                "TFLOPs": flops / ms / 1e9, "of_ceiling": floor_ms / ms if floor_ms else None, "err": err}
+
+    reps = 3 if num_tokens >= 4096 else 10
+
+    def reference() -> torch.Tensor:
+        return fused_moe_reference(x, ids, weights, **layers[0], **kw)
+
+    ref = reference()
+    rows = [row("torch reference", eager_ms(reference, reps=reps))]
+    if device.type == "cuda":
+        for label, bi in (("fused_moe", False), ("fused_moe bi", True)):
+            out = fused_moe(x, ids, weights, **layers[0], **kw, batch_invariant=bi)
+
+            def run(bi: bool = bi) -> None:
+                for layer in layers:
+                    fused_moe(x, ids, weights, **layer, **kw, batch_invariant=bi)
+
+            rows.append(row(label, graph_ms(run, reps=reps * 2) / len(layers), rel_err(out, ref)))
+    if floor_ms:
+        rows.append(row("ceiling", floor_ms))
+    return rows
+
+
+def bench_model(name: str, shape: MoEShape, token_counts: list[int], device: torch.device,
+                gbps: float | None, tflops: float | None) -> list[dict[str, Any]]:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    copies = LAYER_COPIES if device.type == "cuda" else 1
+    layers = [make_layer(shape, device, dtype, gen) for _ in range(copies)]
+    rows = []
+    for num_tokens in token_counts:
+        rows += bench_tokens(name, shape, layers, num_tokens, gen, gbps, tflops)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,64,8192")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, the reference only")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.manual_seed(SEED)
+    if args.tiny:
+        device, models, token_counts, gbps, tflops = torch.device("cpu"), TINY_MODELS, [1, 64], None, None
+    elif not torch.cuda.is_available():
+        print("moe_layer: needs CUDA (or --tiny)")
+        return 0
+    else:
+        device, models = torch.device("cuda"), MODELS
+        token_counts = [int(t) for t in args.tokens.split(",")]
+        ceilings = measure_ceilings(torch.device("cuda"), torch.bfloat16, tiny=False)  # engine_speed's, eager
+        gbps, tflops = ceilings["copy_bytes_per_s"] / 1e9, ceilings["matmul_flops_per_s"] / 1e12
+        print(f"copy ceiling {gbps:,.0f} GB/s (read + written), bf16 matmul {tflops:,.0f} TFLOP/s")
+    rows = []
+    for name, shape in models.items():
+        rows += bench_model(name, shape, token_counts, device, gbps, tflops)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the last model's weights
+    print(f"{'model':<14} {'T':>5} {'impl':<16} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'of ceil':>8} {'rel err':>8}")
+    for r in rows:
+        frac = f"{r['of_ceiling']:8.1%}" if r["of_ceiling"] else f"{'-':>8}"
+        err = f"{r['err']:8.1e}" if r["err"] is not None else f"{'-':>8}"
+        print(f"{r['model']:<14} {r['tokens']:>5} {r['impl']:<16} {r['ms']:9.3f} {r['GBps']:8,.0f} "
+              f"{r['TFLOPs']:8.1f} {frac} {err}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        payload = {"copy_GBps": gbps, "matmul_TFLOPs": tflops, "layer_copies": LAYER_COPIES,
+                   "models": {k: asdict(v) for k, v in models.items()}, "rows": rows}
+        (Path(args.out) / "moe_layer.json").write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""bench/micro/handoff.py's pieces that run anywhere: its 8B-shaped layouts, a receiver that dies."""
+
+from __future__ import annotations
+
+import sys
+
+from bench.micro import handoff
+
+
+def test_layouts_are_8b_shaped() -> None:
+    llama = handoff.layout_of("llama8b")
+    assert (llama.num_full_layers, llama.num_swa_layers, llama.page_bytes) == (
+        32,
+        0,
+        16 << 20,
+    )  # 128 KiB per token
+    hybrid = handoff.layout_of("hybrid8b")
+    assert hybrid.num_full_layers + hybrid.num_swa_layers == 32 and hybrid.window == 1024
+    exp = handoff.synthetic_export(hybrid, 200, handoff.torch.device("cpu"))
+    assert exp.pages.shape[0] == 2 and exp.state is not None and exp.num_computed == 200
+
+
+def test_handoff_fails_fast_when_its_receiver_dies() -> None:
+    import multiprocessing as mp
+
+    import pytest
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=sys.exit, args=(3,))  # dies before it answers, as a failed CUDA init did
+    proc.start()
+    with pytest.raises(RuntimeError, match="exited"):
+        handoff.first_answer(parent, proc, 30.0)
+    proc.join()
