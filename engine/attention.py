@@ -59,7 +59,7 @@ QUERY_TILE = 16
 # flash|cudnn: a chunk takes SDPA when queries x visible keys >= prefill_sdpa_min_pairs and it has
 # prefill_sdpa_min_queries queries or more: below that the one Triton launch for the whole step (no key
 # gather, no extra launch) is as good. 2^20 is a 1,024-token prompt, so every row of
-# bench/prefill_sdpa_check.sh compares the two; to be tuned on the H200 (--prefill-sdpa-min-pairs).
+# bench/device/prefill_sdpa_check.sh compares the two; to be tuned on the H200 (--prefill-sdpa-min-pairs).
 _SDPA_BACKENDS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],

@@ -50,7 +50,7 @@ class ForwardConfig:
         default=True,
         metadata={"help": "decode rows' q/k norms and rotary inside the attention kernel (one launch fewer per layer)"},
     )
-    # NOTE: gemv_rows and pdl stay off until measured on the GPU (bench/speed2_check.sh; bench/RESULTS.md)
+    # NOTE: gemv_rows and pdl stay off until measured on the GPU (bench/device/decode_modes_check.sh; bench/RESULTS.md)
     gemv_rows: int = field(
         default=0,
         metadata={"help": "default mode: a projection of at most this many rows (a decode step's) runs as one "

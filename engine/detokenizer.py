@@ -6,7 +6,7 @@ since they could still begin a stop string.
 
 A fast tokenizer decodes through the `tokenizers` library's own DecodeStream: 1.3-2.1 us a token with
 this class's bookkeeping, against 6.0-6.8 us for re-decoding a window of ids per token
-(bench/bench_detok.py, 4,096 tokens, the same text); other tokenizers through the window.
+(bench/micro/detok.py, 4,096 tokens, the same text); other tokenizers through the window.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, Lark or GBNF
 grammar) as a token mask per step, through llguidance.
 
-Why llguidance rather than xgrammar (bench/bench_grammar.py measures both, bench/RESULTS.md has the
+Why llguidance rather than xgrammar (bench/micro/grammar_backends.py measures both, bench/RESULTS.md has the
 figures): its wheel is 3 MB with no dependencies, where xgrammar's Linux wheel pulls torch's CUDA
 build and triton into a CPU install; and it computes a step's mask on the fly from the parser state
 (no per-grammar token-table precompilation), so a new schema costs no compile time before its first
@@ -172,7 +172,7 @@ def mask_logits(logits: torch.Tensor, matchers: list[Matcher | None]) -> torch.T
     """logits with every token its row's grammar does not allow at -inf (rows without one unchanged).
     One bitmask for the batch, filled on the host; on the logits' device each mask byte is looked up
     in a [256, 8] table of 0 / -inf and added (a masked_fill over unpacked bits is ~8x slower on the
-    CPU: bench/bench_grammar.py). NOTE: the int32 words are read as bytes, least significant first
+    CPU: bench/micro/grammar_backends.py). NOTE: the int32 words are read as bytes, least significant first
     (little-endian hosts and GPUs), which is llguidance's bit order: token 32w + b is bit b of word w."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:

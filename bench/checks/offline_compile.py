@@ -5,7 +5,7 @@ falls: a check that costs no device time before a device call.
     python bench/checks/offline_compile.py            # needs triton (the project's .venv has it), no GPU
 
 What it cannot tell: speed, and whether the kernels compute the right thing (the Triton interpreter
-tests do that: TRITON_INTERPRET=1 pytest tests/kernels).
+tests do that: TRITON_INTERPRET=1 pytest tests/pdkernels).
 """
 
 from __future__ import annotations
