@@ -88,8 +88,8 @@ class RoleConfig:
     token_file: str | None = field(
         metadata={"help": "the cluster token's file; None: $PDSERVE_CLUSTER_TOKEN(_FILE)"}
     )
-    kv_host: str = field(metadata={"help": "CE: the address its KV receiver binds (a PE rank ignores it)"})
-    kv_port: int = field(metadata={"help": "CE: the port its KV receiver binds (a PE rank ignores it)"})
+    kv_host: str = field(metadata={"help": "decode: the address its KV receiver binds (a prefill rank ignores it)"})
+    kv_port: int = field(metadata={"help": "decode: the port its KV receiver binds (a prefill rank ignores it)"})
     transfer: TransferConfig = field(metadata={"help": "how it sends or receives handoffs"})
 
     def __post_init__(self) -> None:
@@ -183,7 +183,7 @@ class ServerConfig:
     ssl_keyfile: str | None = field(default=None, metadata={"help": "the certificate's private key (PEM)"})
     ssl_ca_certs: str | None = field(
         default=None,
-        metadata={"help": "CE: CA certificates that verify an https --prefill-url; default the system's"},
+        metadata={"help": "decode: CA certificates that verify an https --prefill-url; default the system's"},
     )
     http_max_connections: int = field(
         default=1024, metadata={"help": "HTTP connections held at once; more get 503 and are closed"}
@@ -213,56 +213,56 @@ class ServerConfig:
     prefill_url: str = field(
         default=f"http://127.0.0.1:{DEFAULT_PE_PORT}",
         metadata={
-            "help": "CE: the PEs' prefill servers, comma-separated; dns+http://NAME:PORT stands for every "
-            "address NAME resolves to (a Kubernetes headless service), looked up again every "
-            "--pe-dns-refresh-s. Give every CE the same list"
+            "help": "decode: the prefill engines' servers, comma-separated; dns+http://NAME:PORT stands "
+            "for every address NAME resolves to (a Kubernetes headless service), looked up again every "
+            "--pe-dns-refresh-s. Give every decode engine the same list"
         },
     )
     pe_routing: str = field(
         default="affinity",
         metadata={
-            "help": "CE: PE choice: affinity (rendezvous hashing of the conversation: its turns meet "
-            "their prefix cache, from any CE) | least-loaded | round-robin",
+            "help": "decode: prefill engine choice: affinity (rendezvous hashing of the conversation: "
+            "its turns meet their prefix cache, from any decode engine) | least-loaded | round-robin",
             "choices": PE_ROUTING,
         },
     )
     pe_load_slack: float = field(
         default=0.5,
         metadata={
-            "help": "CE, affinity: a PE holding (1 + this) times the mean in-flight prefills is passed "
-            "over for the next in the conversation's order"
+            "help": "decode, affinity: a prefill engine holding (1 + this) times the mean in-flight "
+            "prefills is passed over for the next in the conversation's order"
         },
     )
     pe_dns_refresh_s: float = field(
-        default=10.0, metadata={"help": "CE: how often dns+ entries of --prefill-url are resolved again"}
+        default=10.0, metadata={"help": "decode: how often dns+ entries of --prefill-url are resolved again"}
     )
-    kv_host: str = field(default="127.0.0.1", metadata={"help": "CE: address the KV receivers bind"})
+    kv_host: str = field(default="127.0.0.1", metadata={"help": "decode: address the KV receivers bind"})
     kv_advertise_host: str | None = field(
-        default=None, metadata={"help": "CE: address the PE sends KV to; default --kv-host"}
+        default=None, metadata={"help": "decode: address the prefill engine sends KV to; default --kv-host"}
     )
     kv_port_base: int = field(
-        default=DEFAULT_KV_PORT_BASE, metadata={"help": "CE: rank i receives KV on kv_port_base + i"}
+        default=DEFAULT_KV_PORT_BASE, metadata={"help": "decode: rank i receives KV on kv_port_base + i"}
     )
     handoff_lease_s: float = field(
         default=30.0,
-        metadata={"help": "PE: a prefilled sequence's KV is kept at most this long for the CE's ack"},
+        metadata={"help": "prefill: a prefilled sequence's KV is kept at most this long for the decode engine's ack"},
     )
     prefill_timeout_s: float = field(
-        default=600.0, metadata={"help": "CE: a /prefill answer (PE queue, prefill and handoff) within this"}
+        default=600.0, metadata={"help": "decode: a /prefill answer (the prefill engine's queue, prefill and handoff) within this"}
     )
     fallback_local_prefill: bool = field(
-        default=False, metadata={"help": "CE: prefill locally when the PE fails or is unreachable"}
+        default=False, metadata={"help": "decode: prefill locally when the prefill engine fails or is unreachable"}
     )
     max_queued_requests: int = field(
-        default=256, metadata={"help": "CE: requests waiting for decode memory; more get 429"}
+        default=256, metadata={"help": "decode: requests waiting for decode memory; more get 429"}
     )
     queue_timeout_s: float = field(
-        default=120.0, metadata={"help": "CE: a request waits this long for decode memory, then 503"}
+        default=120.0, metadata={"help": "decode: a request waits this long for decode memory, then 503"}
     )
     prefill_auth_window_s: float = field(
         default=60.0,
         metadata={
-            "help": "PE: a signed /prefill must be this fresh (seconds, either way); its nonce is "
+            "help": "prefill: a signed /prefill must be this fresh (seconds, either way); its nonce is "
             "remembered this long, so a replay is refused"
         },
     )

@@ -17,20 +17,20 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class TransferConfig:
     transport: str = field(
-        default="tcp", metadata={"help": "PE: the KV transport it sends with", "choices": TRANSPORT_NAMES}
+        default="tcp", metadata={"help": "prefill: the KV transport it sends with", "choices": TRANSPORT_NAMES}
     )
     accept_transports: tuple[str, ...] = field(
-        default=TRANSPORT_NAMES, metadata={"help": "CE: the transports its receivers take", "choices": TRANSPORT_NAMES}
+        default=TRANSPORT_NAMES, metadata={"help": "decode: the transports its receivers take", "choices": TRANSPORT_NAMES}
     )
     send_timeout_s: float = field(
-        default=120.0, metadata={"help": "a whole send, connect to ack; keep the PE's lease longer than this"}
+        default=120.0, metadata={"help": "a whole send, connect to ack; keep the prefill engine's lease longer than this"}
     )
-    connect_timeout_s: float = field(default=5.0, metadata={"help": "PE: connecting to a CE's receiver"})
+    connect_timeout_s: float = field(default=5.0, metadata={"help": "prefill: connecting to a decode engine's receiver"})
     handshake_timeout_s: float = field(
-        default=10.0, metadata={"help": "CE: auth_ok to the first offer; a silent peer is dropped after this"}
+        default=10.0, metadata={"help": "decode: auth_ok to the first offer; a silent peer is dropped after this"}
     )
     auth_timeout_s: float = field(
-        default=5.0, metadata={"help": "CE: a KV peer must authenticate within this, or is dropped"}
+        default=5.0, metadata={"help": "decode: a KV peer must authenticate within this, or is dropped"}
     )
     # At most max_connections // 2 of them (at least 1) may be unauthenticated: a new connection past
     # that share closes the oldest unauthenticated one, so slow peers without the token neither hold
@@ -38,7 +38,7 @@ class TransferConfig:
     max_connections: int = field(
         default=64,
         metadata={
-            "help": "CE: KV connections a receiver holds at once (authenticated or not);"
+            "help": "decode: KV connections a receiver holds at once (authenticated or not);"
             " more are closed at once",
             "flag": "kv-max-connections",  # --http-max-connections is the HTTP port's
         },
@@ -49,7 +49,7 @@ class TransferConfig:
     # an authenticated connection carries one handoff after another: the receiver closes one idle for
     # keepalive_s, a sender reuses one only while it has been idle less than half of that
     keepalive_s: float = field(
-        default=60.0, metadata={"help": "CE: closes a connection idle this long (a PE reuses one up to half)"}
+        default=60.0, metadata={"help": "decode: closes a connection idle this long (a prefill engine reuses one up to half)"}
     )
     chunk_bytes: int = field(
         default=8 << 20,
@@ -61,11 +61,11 @@ class TransferConfig:
     # ipc sender: a device buffer exported once that exports are gathered into (0: none; every
     # handoff then exports its tensors' own handles). Allocated on the first ipc export.
     ipc_arena_gb: float = field(
-        default=4.0, metadata={"help": "PE, ipc: a GPU buffer exported once that exports are gathered into; 0: off"}
+        default=4.0, metadata={"help": "prefill, ipc: a GPU buffer exported once that exports are gathered into; 0: off"}
     )
     ipc_time_copies: bool = field(
         default=False,
-        metadata={"help": "CE, ipc: time each copy on its stream (the ack's ipc_copy_gpu phase; costs host time)"},
+        metadata={"help": "decode, ipc: time each copy on its stream (the ack's ipc_copy_gpu phase; costs host time)"},
     )
 
     def __post_init__(self) -> None:
