@@ -42,7 +42,7 @@ DEFAULT_CPU_HICACHE_GB = 1.0
 DEFAULT_CUDA_HICACHE_GB = 32.0
 NUM_STATELESS_CACHE_PAGES = 1 << 16  # index entries for a model with no full-attention layers
 MAX_DEFAULT_MODEL_LEN = 32768
-log = logging.getLogger("engine.engine")
+log = logging.getLogger(__name__)
 
 
 PLACEHOLDER = 0  # a sequence's next token while only the device has it (_complete_fed)

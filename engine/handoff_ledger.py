@@ -16,7 +16,7 @@ from engine.request import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
-log = logging.getLogger("engine.handoff_ledger")
+log = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
