@@ -22,6 +22,7 @@ from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
 from engine.eplb import RebalanceStats, rebalance_layer
 from engine.errors import InvalidRequestError
+from engine.faults import raise_if_fatal
 from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
 from engine.handoff_ledger import HandoffLedger, Phase
@@ -317,7 +318,8 @@ class LLMEngine:
         request(s) it came from with finish_reason "error" (memory freed) and the engine serves the
         others: one sequence when it can be told apart (its prefix restore or store, its sampling,
         its detokenizing), the whole batch when not (the batched model run), every queued request
-        when the scheduler itself fails. Fatal errors (is_fatal: out of device memory, CUDA) propagate.
+        when the scheduler itself fails. Fatal errors (engine/faults.py: out of device memory, CUDA)
+        propagate.
 
         In an expert-parallel group every call runs exactly one forward, an empty one when nothing was
         scheduled (the peers' MoE layers wait for this rank's rows), and a failed forward is fatal
@@ -364,7 +366,7 @@ class LLMEngine:
             try:
                 outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
             except Exception as e:
-                _raise_if_fatal(e)
+                raise_if_fatal(e)
                 outputs.append(self._fail(seq, e, "sampling or detokenizing"))
         return outputs
 
@@ -429,7 +431,7 @@ class LLMEngine:
                 self.num_launched_ahead += 1
                 self.num_fed_ahead += 1
             except Exception as e:  # the next step runs the batch the ordinary way (and fails it there)
-                _raise_if_fatal(e)
+                raise_if_fatal(e)
                 log.warning("a decode batch launched ahead failed (%r); the next step runs it again", e)
             finally:
                 for seq in seqs:
@@ -444,7 +446,7 @@ class LLMEngine:
         try:
             batch = self.scheduler.schedule()
         except Exception as e:
-            _raise_if_fatal(e)
+            raise_if_fatal(e)
             doomed = [*self.scheduler.running, *self.scheduler.waiting]
             outputs += [self._fail(seq, e, "scheduling") for seq in doomed]
             return None
@@ -464,7 +466,7 @@ class LLMEngine:
         try:
             sampled, logits = self.runner.run(seqs, num_new)
         except Exception as e:
-            _raise_if_fatal(e)  # NOTE: the culprit is unknown in a batched forward: the batch fails
+            raise_if_fatal(e)  # NOTE: the culprit is unknown in a batched forward: the batch fails
             if self.ep is not None:
                 raise
             outputs += [self._fail(seq, e, "running the model") for seq in seqs]
@@ -484,7 +486,7 @@ class LLMEngine:
                 try:
                     self._store_prefix(seq)
                 except Exception as e:
-                    _raise_if_fatal(e)
+                    raise_if_fatal(e)
                     outputs.append(self._fail(seq, e, "storing its prefix"))
         logits, sampled = launched.logits, launched.sampled
         if logits is None:
@@ -510,7 +512,7 @@ class LLMEngine:
                 self._append_token(seq, *got)
                 emit.append(seq)
             except Exception as e:
-                _raise_if_fatal(e)
+                raise_if_fatal(e)
                 outputs.append(self._fail(seq, e, "sampling or detokenizing"))
         return emit
 
@@ -530,7 +532,7 @@ class LLMEngine:
             )
             return list(zip(tokens, logprobs))
         except Exception as e:
-            _raise_if_fatal(e)
+            raise_if_fatal(e)
         out: list[tuple[int, TokenLogprob | None] | Exception] = []
         for i, s in enumerate(seqs):
             try:
@@ -540,7 +542,7 @@ class LLMEngine:
                 )
                 out.append((tokens[0], logprobs[0]))
             except Exception as e:
-                _raise_if_fatal(e)
+                raise_if_fatal(e)
                 out.append(e)
         return out
 
@@ -559,7 +561,7 @@ class LLMEngine:
         try:
             self._restore_prefix(seq)
         except Exception as e:
-            _raise_if_fatal(e)
+            raise_if_fatal(e)
             self._admit_errors[seq.request_id] = e
 
     def _fail(self, seq: Sequence, error: Exception, phase: str) -> RequestOutput:
@@ -826,23 +828,6 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return [seqs[rid] for rid in ids]
-
-
-def is_fatal(error: BaseException) -> bool:
-    """An error the process cannot serve on after: out of device or host memory, a CUDA error (the
-    context is likely unusable). The rank exits on these (pd/rank.py sends RankFatal)."""
-    if not isinstance(error, Exception) or isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
-        return True
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8: CUDA errors
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("CUDA error" in text or "CUBLAS_STATUS" in text or "CUDNN_STATUS" in text)
-
-
-def _raise_if_fatal(error: Exception) -> None:
-    if is_fatal(error):
-        raise error
 
 
 def _load_tokenizer(folder: Path) -> Any:
