@@ -7,7 +7,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ from engine import expert_parallel
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, EngineStats, MemoryPlan
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
-from engine.decode import is_decode_row
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
 from engine.eplb import RebalanceStats, rebalance_layer
@@ -27,6 +25,7 @@ from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
 from engine.handoff_ledger import HandoffLedger, Phase
 from engine.kv_cache import KVCache, layout_of
+from engine.launch_ahead import LaunchAhead, LaunchedBatch
 from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
 from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
@@ -44,20 +43,6 @@ DEFAULT_CUDA_HICACHE_GB = 32.0
 NUM_STATELESS_CACHE_PAGES = 1 << 16  # index entries for a model with no full-attention layers
 MAX_DEFAULT_MODEL_LEN = 32768
 log = logging.getLogger(__name__)
-
-
-PLACEHOLDER = 0  # a sequence's next token while only the device has it (_complete_fed)
-
-
-@dataclass(frozen=True)
-class _Launched:
-    """A scheduled batch whose forward is queued (on CUDA maybe still running): the step that
-    completes it samples the logits of rows `sampled` (indices into seqs)."""
-
-    seqs: list[Sequence]
-    num_new: list[int]
-    sampled: list[int]
-    logits: torch.Tensor | None
 
 
 class LLMEngine:
@@ -121,10 +106,8 @@ class LLMEngine:
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
-        self._launched: _Launched | None = None  # a decode batch launched ahead: the next step samples it
-        self.launch_ahead = config.launch_ahead and self.ep is None  # a group's ranks step in lockstep
-        self.num_launched_ahead = 0  # batches launched before the step before them returned
-        self.num_fed_ahead = 0  # of those, launched before the last step's tokens reached the host
+        # --launch-ahead: the next decode batch queued before its step; never in a group (its ranks step in lockstep)
+        self.ahead = LaunchAhead(self.scheduler, self.runner, config.launch_ahead and self.ep is None)
         self._admit_errors: dict[str, Exception] = {}  # request id -> its failed prefix restore (step() ends it)
         # every P/D state of a sequence
         self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
@@ -309,7 +292,7 @@ class LLMEngine:
         self._pending.append(self._output(seq, is_final=True))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._launched is not None
+        return self.scheduler.has_unfinished() or bool(self._pending) or self.ahead.launched is not None
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -348,20 +331,21 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         """Schedule and run a batch (or take the one launched ahead by the last step), sample it; then,
         with launch_ahead, launch the next batch before this step's outputs are built and returned,
-        so the device runs it while the host builds them and the caller handles them (_launches_ahead)."""
+        so the device runs it while the host builds them and the caller handles them
+        (engine/launch_ahead.py)."""
         outputs, self._pending = self._pending, []
-        launched, self._launched = self._launched, None
+        launched = self.ahead.take()
         if launched is None:
             launched = self._launch(outputs)
             if launched is None:
                 return outputs
-        if self._feeds_ahead(launched):
-            emit = self._complete_fed(launched, outputs)  # launches the next batch itself if it can
+        if self.ahead.feeds(launched):
+            tokens = self.ahead.feed(launched)  # launches the next batch itself if it can
+            emit = self._append_tokens(launched.seqs, [(token, None) for token in tokens], outputs)
         else:
             emit = self._complete(launched, outputs)
-        if self._launched is None and self._launches_ahead():
-            self._launched = self._launch(outputs)
-            self.num_launched_ahead += self._launched is not None
+        if self.ahead.launched is None and self.ahead.launches():
+            self.ahead.hold(self._launch(outputs))
         for seq in emit:
             try:
                 outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
@@ -370,77 +354,7 @@ class LLMEngine:
                 outputs.append(self._fail(seq, e, "sampling or detokenizing"))
         return outputs
 
-    def _launches_ahead(self) -> bool:
-        """Whether the next batch may be launched now, before this step's outputs leave: steady decode
-        only (every running sequence decodes one token, nothing waits to be admitted). A request that
-        arrives meanwhile joins one step later; a sequence aborted meanwhile has its row computed and
-        dropped. NOTE: its memory may be reused at once: every later writer of the pools (forwards,
-        imports, prefix restores) is queued on the same stream, after the launched forward."""
-        sched = self.scheduler
-        return (
-            self.launch_ahead
-            and not sched.waiting
-            and bool(sched.running)
-            and all(is_decode_row(s, s.num_uncomputed) for s in sched.running)
-        )
-
-    def _feeds_ahead(self, launched: _Launched) -> bool:
-        """Whether the next batch may be launched before this one's tokens reach the host, fed with
-        them on the device: steady decode of the same sequences, every row greedy with no processor,
-        logprob or grammar (its token is the argmax of the raw logits), and pages for the next token of
-        every sequence free without preempting any (a preempted sequence would recompute a placeholder)."""
-        sched, seqs = self.scheduler, launched.seqs
-        return (
-            self.launch_ahead
-            and launched.logits is not None
-            and not sched.waiting
-            and len(sched.running) == len(seqs)
-            and all(a is b for a, b in zip(sched.running, seqs))
-            and launched.sampled == list(range(len(seqs)))
-            and all(
-                is_decode_row(s, n) and s.params.is_greedy and not s.params.has_penalties
-                and s.params.logprobs is None and s.matcher is None and not s.is_prefill_only
-                and not s.cache_store_upto
-                for s, n in zip(seqs, launched.num_new)
-            )
-        )  # fmt: skip
-
-    def _complete_fed(self, launched: _Launched, outputs: list[RequestOutput]) -> list[Sequence]:
-        """_complete for a batch that _feeds_ahead: the rows' argmax stays on the device and feeds the
-        next batch, launched at once (each sequence's next token a placeholder while it is queued); then
-        the tokens are read and appended. A sequence that ends here has had one more row computed, which
-        the next step drops. NOTE: the tokens' copy to the host is queued before the next forward, so
-        reading them waits for this batch only."""
-        seqs = launched.seqs
-        assert launched.logits is not None
-        for seq in seqs:
-            seq.num_computed += 1
-        ids = launched.logits.argmax(-1)  # what sample() draws for greedy rows without processors
-        host, ready = ids, None
-        if ids.is_cuda:
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        if self.scheduler.grow_all(seqs, 1):
-            for seq in seqs:
-                seq.output_token_ids.append(PLACEHOLDER)
-            try:
-                sampled, logits = self.runner.run(seqs, [1] * len(seqs), fed_ids=ids)
-                self._launched = _Launched(list(seqs), [1] * len(seqs), sampled, logits)
-                self.num_launched_ahead += 1
-                self.num_fed_ahead += 1
-            except Exception as e:  # the next step runs the batch the ordinary way (and fails it there)
-                raise_if_fatal(e)
-                log.warning("a decode batch launched ahead failed (%r); the next step runs it again", e)
-            finally:
-                for seq in seqs:
-                    seq.output_token_ids.pop()
-        if ready is not None:
-            ready.synchronize()
-        return self._append_tokens(seqs, [(token, None) for token in host.tolist()], outputs)
-
-    def _launch(self, outputs: list[RequestOutput]) -> _Launched | None:
+    def _launch(self, outputs: list[RequestOutput]) -> LaunchedBatch | None:
         """Schedules a batch and queues its forward; None if there is nothing to run. Failures end
         their requests into outputs."""
         try:
@@ -471,9 +385,9 @@ class LLMEngine:
                 raise
             outputs += [self._fail(seq, e, "running the model") for seq in seqs]
             return None
-        return _Launched(seqs, num_new, sampled, logits)
+        return LaunchedBatch(seqs, num_new, sampled, logits)
 
-    def _complete(self, launched: _Launched, outputs: list[RequestOutput]) -> list[Sequence]:
+    def _complete(self, launched: LaunchedBatch, outputs: list[RequestOutput]) -> list[Sequence]:
         """A launched batch's tokens counted, prefixes stored, rows sampled and appended (finishing
         the sequences they end); returns the sequences that got a token, whose outputs are due.
         A sequence that left the batch after its launch (aborted) is skipped."""
@@ -752,8 +666,8 @@ class LLMEngine:
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions,
-            num_launched_ahead_total=self.num_launched_ahead,
-            num_fed_ahead_total=self.num_fed_ahead,
+            num_launched_ahead_total=self.ahead.num_launched_ahead,
+            num_fed_ahead_total=self.ahead.num_fed_ahead,
             **self._cache_stats(),
             **self._decode_cache_stats(),
             **self._moe_stats(),
@@ -805,7 +719,7 @@ class LLMEngine:
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""
-        if self.scheduler.has_unfinished() or self._launched is not None:
+        if self.scheduler.has_unfinished() or self.ahead.launched is not None:
             raise AssertionError("requests still in flight (running, waiting or launched)")
         self.handoffs.check_idle()
         self.blocks.check_idle()
