@@ -24,23 +24,19 @@ from engine.faults import raise_if_fatal
 from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
 from engine.handoff_ledger import HandoffLedger, Phase
+from engine.host_prefix_cache import HostPrefixCache
 from engine.kv_cache import KVCache, layout_of
 from engine.launch_ahead import LaunchAhead, LaunchedBatch
 from engine.loader import build_model
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
 from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
-from engine.prefix_cache import PrefixIndex
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
 from engine.runner import ModelRunner
 from engine.sampler import process_logits, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
-from pdkernels.page_copy import copy_units
 
 DEFAULT_CPU_KV_GB = 2.0
-DEFAULT_CPU_HICACHE_GB = 1.0
-DEFAULT_CUDA_HICACHE_GB = 32.0
-NUM_STATELESS_CACHE_PAGES = 1 << 16  # index entries for a model with no full-attention layers
 MAX_DEFAULT_MODEL_LEN = 32768
 log = logging.getLogger(__name__)
 
@@ -86,7 +82,7 @@ class LLMEngine:
             self.slots,
             on_admit=self._admit,
         )
-        self.host_kv, self.prefix_index = self._make_prefix_cache()
+        self.prefix_cache = HostPrefixCache.sized(config, self.arch, self.kv)  # None: --hicache-gb 0
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -148,57 +144,6 @@ class LLMEngine:
         if (self.arch.has_full and blocks < 2) or kv_bytes < 0:
             raise MemoryError(f"not enough memory for the KV cache ({kv_bytes / 2**30:.2f} GiB left for pages)")
         return MemoryPlan(blocks, slots, lo.page_bytes, lo.state_bytes, weight_bytes, peak)
-
-    def _make_prefix_cache(self) -> tuple[KVCache | None, PrefixIndex | None]:
-        cfg, lo = self.config, self.layout
-        gb = cfg.hicache_gb
-        if gb is None:
-            gb = DEFAULT_CUDA_HICACHE_GB if self.device.type == "cuda" else DEFAULT_CPU_HICACHE_GB
-        if gb <= 0:
-            return None, None
-        budget = int(gb * 2**30)
-        states = 0
-        if self.arch.has_sliding:
-            states = cfg.hicache_state_slots or max(1, budget // 4 // lo.state_bytes)
-            budget -= states * lo.state_bytes
-        pages = budget // lo.page_bytes if self.arch.has_full else NUM_STATELESS_CACHE_PAGES
-        if pages < 1 or budget < 0:
-            raise MemoryError(f"hicache_gb={gb} holds no page of {lo.page_bytes} bytes")
-        host = KVCache(lo, pages, states, torch.device("cpu"), pin_memory=self.device.type == "cuda")
-        return host, PrefixIndex(pages, states, lo.block_size, needs_state=self.arch.has_sliding)
-
-    def _restore_prefix(self, seq: Sequence) -> None:
-        """On admission: copy the longest cached prefix of the prompt into seq's fresh memory."""
-        if self.prefix_index is None or self.host_kv is None or not seq.use_prefix_cache or seq.num_computed:
-            return
-        index, host = self.prefix_index, self.host_kv
-        match = index.match(seq.prompt_token_ids)
-        try:
-            if match.num_pages:
-                moved = copy_units(host.pages, [e.page for e in match.entries], self.kv.pages, seq.block_ids[: match.num_pages])
-                if self.arch.has_sliding:
-                    moved += copy_units(host.swa, [match.entries[-1].state], self.kv.swa, [seq.state_slot])
-                index.counters.bytes_to_device += moved
-                seq.num_computed = seq.num_cached_prompt = match.num_tokens
-        finally:
-            index.release(match)
-        boundary = seq.num_prompt_tokens // self.layout.block_size * self.layout.block_size
-        seq.cache_store_upto = boundary if boundary > seq.num_computed else 0
-
-    def _store_prefix(self, seq: Sequence) -> None:
-        """Write-through of the prompt's full pages and the SWA state at its last page boundary."""
-        assert self.prefix_index is not None and self.host_kv is not None
-        index, host = self.prefix_index, self.host_kv
-        num_pages = seq.cache_store_upto // self.layout.block_size
-        seq.cache_store_upto = 0
-        plan, state = index.plan_store(seq.prompt_token_ids, num_pages, with_state=self.arch.has_sliding)
-        try:
-            moved = copy_units(self.kv.pages, [seq.block_ids[i] for i, _ in plan], host.pages, [p for _, p in plan])
-            if state >= 0:
-                moved += copy_units(self.kv.swa, [seq.state_slot], host.swa, [state])
-            index.counters.bytes_to_host += moved
-        finally:
-            index.commit_store()
 
     def _profile_peak_bytes(self) -> int:
         """Activation peak of one full-budget prefill, measured on a scratch cache."""
@@ -398,7 +343,8 @@ class LLMEngine:
             seq.num_computed += n
             if seq.cache_store_upto and seq.num_computed == seq.cache_store_upto:
                 try:
-                    self._store_prefix(seq)
+                    assert self.prefix_cache is not None  # only its restore sets cache_store_upto
+                    self.prefix_cache.store(seq, self.kv)
                 except Exception as e:
                     raise_if_fatal(e)
                     outputs.append(self._fail(seq, e, "storing its prefix"))
@@ -473,7 +419,8 @@ class LLMEngine:
     def _admit(self, seq: Sequence) -> None:
         """The scheduler's on_admit: a failed prefix restore is remembered and fails seq in step()."""
         try:
-            self._restore_prefix(seq)
+            if self.prefix_cache is not None:
+                self.prefix_cache.restore(seq, self.kv)
         except Exception as e:
             raise_if_fatal(e)
             self._admit_errors[seq.request_id] = e
@@ -688,9 +635,9 @@ class LLMEngine:
         )
 
     def _cache_stats(self) -> dict[str, Any]:
-        index = self.prefix_index
-        if index is None:
+        if self.prefix_cache is None:
             return {}
+        index = self.prefix_cache.index
         c = index.counters
         return dict(
             cache_lookups_total=c.lookups,
@@ -724,8 +671,8 @@ class LLMEngine:
         self.handoffs.check_idle()
         self.blocks.check_idle()
         self.slots.check_idle()
-        if self.prefix_index is not None:
-            self.prefix_index.check_idle()
+        if self.prefix_cache is not None:
+            self.prefix_cache.index.check_idle()
         if self.decode_cache is not None:
             self.decode_cache.check_idle()
 
