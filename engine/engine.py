@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from engine.errors import InvalidRequestError
 from engine.faults import raise_if_fatal
 from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
+from engine.handoff_io import Alloc, HandoffIO
 from engine.handoff_ledger import HandoffLedger, Phase
 from engine.host_prefix_cache import HostPrefixCache
 from engine.kv_cache import KVCache, layout_of
@@ -107,6 +107,8 @@ class LLMEngine:
         self._admit_errors: dict[str, Exception] = {}  # request id -> its failed prefix restore (step() ends it)
         # every P/D state of a sequence
         self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
+        retains = self.decode_cache is not None
+        self.handoff_io = HandoffIO(self.handoffs, self.scheduler, self.kv, self.grammars, retains_at_end=retains)
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -508,7 +510,7 @@ class LLMEngine:
         self,
         request_id: str,
         device: str | torch.device | None = "cpu",
-        alloc: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None = None,
+        alloc: Alloc | None = None,
         skip_pages: int = 0,
     ) -> SequenceExport:
         """A prefilled sequence's state (every token but the last is in the cache). device=None
@@ -517,31 +519,7 @@ class LLMEngine:
         transport's exported arena), or None for new memory; used only with device=None.
         skip_pages: pages the receiver holds already (its reservation's held tokens / block_size):
         only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page)."""
-        seq = self.handoffs.parked(request_id) or self.scheduler.find(request_id)
-        if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.PARKED) or seq.num_uncomputed != 1:
-            raise InvalidRequestError(f"request {request_id!r} is not a prefilled sequence between steps")
-        n_pages = self.layout.num_pages(seq.num_computed)
-        if not 0 <= skip_pages * self.layout.block_size <= seq.num_computed:
-            raise InvalidRequestError(f"cannot skip {skip_pages} pages of {seq.num_computed} computed tokens")
-        kv = self.kv
-        out = None
-        if alloc is not None and device is None and n_pages > skip_pages:
-            out = alloc((n_pages - skip_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
-        # on CUDA the gather also hashes the pages (the handoff's checksum, at no extra pass)
-        pages, pages_sum = kv.read_pages(seq.block_ids[skip_pages:n_pages], out=out, with_checksum=True)
-        state = kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
-        if state is not None and alloc is not None and device is None:
-            st = alloc(tuple(state.shape), state.dtype, state.device)
-            state = st.copy_(state) if st is not None else state
-        if device is not None:
-            pages = pages.to(device)
-            state = state.to(device) if state is not None else None
-        self.handoffs.export(request_id)
-        return SequenceExport(
-            request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
-            seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt, pages_sum,
-            first_page=skip_pages,
-        )
+        return self.handoff_io.export(request_id, device, alloc, skip_pages)
 
     def finish_handoff(self, request_id: str) -> None:
         """The exported sequence now lives elsewhere: free it here without a further output."""
@@ -557,38 +535,7 @@ class LLMEngine:
         (first_page 0) into a reservation that held pages releases those (they stay cached) and
         writes every page into fresh ones: an indexed page is never overwritten."""
         self.validate(exp.request_id, exp.prompt_token_ids, exp.params)
-        num_tokens = len(exp.prompt_token_ids) + len(exp.output_token_ids)
-        if exp.num_computed != num_tokens - 1:
-            raise InvalidRequestError("an imported sequence must have every token but the last computed")
-        lo = self.layout
-        n_pages = lo.num_pages(exp.num_computed)
-        if not 0 <= exp.first_page <= n_pages:
-            raise InvalidRequestError(f"first page {exp.first_page} out of [0, {n_pages}]")
-        want_pages = lo.page_shape(n_pages - exp.first_page)
-        if tuple(exp.pages.shape) != want_pages:
-            raise InvalidRequestError(f"page tensor shape {tuple(exp.pages.shape)} != expected {want_pages}")
-        if lo.has_state:
-            want_state = lo.state_shape()
-            if exp.state is None or tuple(exp.state.shape) != want_state:
-                raise InvalidRequestError(f"SWA state shape does not match {want_state}")
-        seq = Sequence(exp.request_id, list(exp.prompt_token_ids), exp.params, exp.seed, time.monotonic())
-        seq.output_token_ids = list(exp.output_token_ids)
-        seq.output_logprobs = list(exp.output_logprobs)
-        seq.num_computed = exp.num_computed
-        seq.num_cached_prompt = exp.num_cached_tokens
-        seq.is_retained_at_end = self.decode_cache is not None
-        if exp.params.structured is not None:  # the grammar's state: the handed-over tokens, replayed
-            seq.matcher = self.grammars.matcher(exp.params.structured, list(exp.output_token_ids))
-        self.handoffs.import_(seq, exp.first_page)
-        try:
-            if n_pages > exp.first_page:
-                self.kv.write_pages(seq.block_ids[exp.first_page : n_pages], exp.pages)
-            if exp.state is not None:
-                self.kv.write_state(seq.state_slot, exp.state.to(self.device, self.dtype))
-        except BaseException:
-            self.handoffs.abort(seq.request_id)
-            self.scheduler.finish(seq, "abort")
-            raise
+        seq = self.handoff_io.import_(exp)
         detok = IncrementalDetokenizer(self.tokenizer, exp.params.stop)
         self._detok[seq.request_id] = detok
         for t in exp.output_token_ids:
