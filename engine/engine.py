@@ -17,6 +17,7 @@ from engine.config import EngineConfig, EngineStats, MemoryPlan
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_stats import engine_stats
 from engine.eplb import RebalanceStats, rebalance_layer
 from engine.errors import InvalidRequestError
 from engine.faults import raise_if_fatal
@@ -548,68 +549,7 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        total = self.blocks.num_blocks
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_free_blocks=self.blocks.num_free,
-            num_total_blocks=total,
-            num_free_swa_slots=self.slots.num_free,
-            num_total_swa_slots=self.slots.num_blocks,
-            kv_usage=(self.blocks.num_used / total) if total else (self.slots.num_used / max(1, self.slots.num_blocks)),
-            num_prompt_tokens_total=self.num_prompt_tokens_total,
-            num_generation_tokens_total=self.num_generation_tokens_total,
-            num_preemptions_total=self.scheduler.num_preemptions,
-            num_launched_ahead_total=self.ahead.num_launched_ahead,
-            num_fed_ahead_total=self.ahead.num_fed_ahead,
-            **self._cache_stats(),
-            **self._decode_cache_stats(),
-            **self._moe_stats(),
-        )
-
-    def _moe_stats(self) -> dict[str, Any]:
-        mlps = self.model.sparse_layers()
-        if not mlps:
-            return {}
-        counts = [m.tokens_per_expert.tolist() if m.tokens_per_expert is not None else [0] * m.num_experts for m in mlps]
-        return dict(
-            moe_layers=self.arch.sparse_layers,
-            moe_tokens_per_expert=tuple(tuple(c) for c in counts),
-            moe_rows_computed=tuple(m.rows_computed for m in mlps),
-            eplb_rebalances_total=self.eplb.num_rebalances,
-            eplb_experts_moved_total=self.eplb.num_experts_moved,
-            eplb_seconds_total=self.eplb.seconds,
-        )
-
-    def _cache_stats(self) -> dict[str, Any]:
-        if self.prefix_cache is None:
-            return {}
-        index = self.prefix_cache.index
-        c = index.counters
-        return dict(
-            cache_lookups_total=c.lookups,
-            cache_hit_tokens_total=c.hit_tokens,
-            cache_stored_pages_total=c.stored_pages,
-            cache_evictions_total=c.evictions,
-            cache_bytes_to_device_total=c.bytes_to_device,
-            cache_bytes_to_host_total=c.bytes_to_host,
-            cache_used_pages=index.num_used_pages,
-            cache_total_pages=index.num_pages,
-            cache_used_states=index.num_used_states,
-            cache_total_states=index.num_states,
-        )
-
-    def _decode_cache_stats(self) -> dict[str, Any]:
-        cache = self.decode_cache
-        if cache is None:
-            return {}
-        c = cache.counters
-        return dict(
-            decode_cache_lookups_total=c.lookups,
-            decode_cache_hit_tokens_total=c.hit_tokens,
-            decode_cache_retained_pages=cache.num_retained_pages,
-            decode_cache_evictions_total=c.evictions,
-        )
+        return engine_stats(self)
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""
