@@ -13,7 +13,7 @@ import torch
 
 from engine import expert_parallel
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, EngineStats, MemoryPlan
+from engine.config import EngineConfig, EngineStats
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
@@ -29,6 +29,7 @@ from engine.host_prefix_cache import HostPrefixCache
 from engine.kv_cache import KVCache, layout_of
 from engine.launch_ahead import LaunchAhead, LaunchedBatch
 from engine.loader import build_model
+from engine.memory_plan import plan_memory
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
 from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
@@ -37,7 +38,6 @@ from engine.sampler import process_logits, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
 
-DEFAULT_CPU_KV_GB = 2.0
 MAX_DEFAULT_MODEL_LEN = 32768
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ class LLMEngine:
         )
         self.numerics = self._pick_numerics()
         self.layout = layout_of(self.arch, config.block_size, self.dtype)
-        self.memory = self._plan_memory()
+        self.memory = plan_memory(
+            config, self.arch, self.layout, self.model, self.numerics, self.device, self.max_model_len
+        )
         self.kv = KVCache(self.layout, self.memory.num_blocks, self.memory.num_swa_slots, self.device)
         self.blocks = BlockPool(self.memory.num_blocks)
         self.slots = BlockPool(self.memory.num_swa_slots)
@@ -121,49 +123,6 @@ class LLMEngine:
             return Numerics.BATCH_INVARIANT
         fast = probe_padded_is_invariant(self.model.row_functions(), self.dtype, self.device)
         return Numerics.PADDED if fast else Numerics.TILED
-
-    # ---- memory -------------------------------------------------------------------------------
-
-    def _plan_memory(self) -> MemoryPlan:
-        lo, cfg = self.layout, self.config
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        peak = 0
-        if cfg.kv_cache_gb is not None:
-            kv_bytes = int(cfg.kv_cache_gb * 2**30)
-        elif self.device.type == "cuda":
-            peak = self._profile_peak_bytes()
-            free, total = torch.cuda.mem_get_info(self.device)
-            kv_bytes = int(free - total * (1 - cfg.gpu_memory_utilization) - peak)
-        else:
-            kv_bytes = int(DEFAULT_CPU_KV_GB * 2**30)
-        slots = 0
-        if self.arch.has_sliding:
-            # By default one slot per sequence, but never more than half the KV memory (all of it
-            # for a model with no full-attention layers).
-            share = 0.5 if self.arch.has_full else 1.0
-            slots = cfg.num_swa_slots or max(1, min(cfg.max_num_seqs + 1, int(share * kv_bytes / lo.state_bytes)))
-        kv_bytes -= slots * lo.state_bytes
-        blocks = kv_bytes // lo.page_bytes if self.arch.has_full else 0
-        if (self.arch.has_full and blocks < 2) or kv_bytes < 0:
-            raise MemoryError(f"not enough memory for the KV cache ({kv_bytes / 2**30:.2f} GiB left for pages)")
-        return MemoryPlan(blocks, slots, lo.page_bytes, lo.state_bytes, weight_bytes, peak)
-
-    def _profile_peak_bytes(self) -> int:
-        """Activation peak of one full-budget prefill, measured on a scratch cache."""
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        num_blocks = -(-n // self.layout.block_size) + 1 if self.arch.has_full else 0
-        scratch = KVCache(self.layout, num_blocks, 1 if self.arch.has_sliding else 0, self.device)
-        seq = Sequence("profile", [1] * n, SamplingParams(), 0, 0.0, block_ids=list(range(num_blocks)))
-        seq.state_slot = 0 if self.arch.has_sliding else -1
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        ModelRunner(self.model, scratch, self.numerics, self.config.forward).run([seq], [n])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del scratch
-        torch.cuda.empty_cache()
-        return int(peak * 1.1)
 
     # ---- requests -----------------------------------------------------------------------------
 
