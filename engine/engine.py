@@ -1,5 +1,20 @@
 """LLMEngine: the public face of the engine. add_request / abort / step, plus export and import of a
-sequence's memory (the prefix cache and the P/D handoff are built on these two)."""
+sequence's memory (the P/D handoff is built on these two).
+
+Here: the constructor, admission (validate, add_request, abort) and the step loop (schedule, run the
+model, sample, append and detokenize; a failure ends only the request(s) it came from). The rest is
+composed in, one job a module:
+
+    engine/launch_ahead.py       whether the next decode batch may be launched, or fed on the device,
+                                 before this step returns; the batch launched ahead (engine.ahead)
+    engine/host_prefix_cache.py  the host prefix cache's memory: a prompt's cached prefix restored on
+                                 admission, its full pages stored once computed (engine.prefix_cache)
+    engine/handoff_io.py         export_sequence / import_sequence's memory (engine.handoff_io), beside
+                                 the ledger of every P/D phase (engine/handoff_ledger.py, engine.handoffs)
+    engine/engine_stats.py       stats()
+    engine/memory_plan.py        the KV memory's size at start (engine.memory)
+    engine/faults.py             which failures are fatal: those propagate and the rank exits
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""HandoffLedger: the one owner of a sequence's P/D lifecycle in an engine (LLMEngine.handoffs)."""
+"""HandoffLedger: the one owner of a sequence's P/D lifecycle in an engine (LLMEngine.handoffs). The
+memory an export or import moves is engine/handoff_io.py's."""
 
 from __future__ import annotations
 
