@@ -125,7 +125,7 @@ class EngineConfig:
     decode_cache: bool = field(
         default=True,
         metadata={
-            "help": "CE: keep a finished request's KV pages as evictable cache so the next turn's handoff "
+            "help": "decode: keep a finished request's KV pages as evictable cache so the next turn's handoff "
             "sends only the pages this rank lacks"
         },
     )

@@ -1,13 +1,26 @@
 """LLMEngine: the public face of the engine. add_request / abort / step, plus export and import of a
-sequence's memory (the prefix cache and the P/D handoff are built on these two)."""
+sequence's memory (the P/D handoff is built on these two).
+
+Here: the constructor, admission (validate, add_request, abort) and the step loop (schedule, run the
+model, sample, append and detokenize; a failure ends only the request(s) it came from). The rest is
+composed in, one job a module:
+
+    engine/launch_ahead.py       whether the next decode batch may be launched, or fed on the device,
+                                 before this step returns; the batch launched ahead (engine.ahead)
+    engine/host_prefix_cache.py  the host prefix cache's memory: a prompt's cached prefix restored on
+                                 admission, its full pages stored once computed (engine.prefix_cache)
+    engine/handoff_io.py         export_sequence / import_sequence's memory (engine.handoff_io), beside
+                                 the ledger of every P/D phase (engine/handoff_ledger.py, engine.handoffs)
+    engine/engine_stats.py       stats()
+    engine/memory_plan.py        the KV memory's size at start (engine.memory)
+    engine/faults.py             which failures are fatal: those propagate and the rank exits
+"""
 
 from __future__ import annotations
 
 import logging
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,48 +28,33 @@ import torch
 
 from engine import expert_parallel
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, EngineStats, MemoryPlan
+from engine.config import EngineConfig, EngineStats
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
-from engine.decode import is_decode_row
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_stats import engine_stats
 from engine.eplb import RebalanceStats, rebalance_layer
 from engine.errors import InvalidRequestError
+from engine.faults import raise_if_fatal
 from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
+from engine.handoff_io import Alloc, HandoffIO
 from engine.handoff_ledger import HandoffLedger, Phase
+from engine.host_prefix_cache import HostPrefixCache
 from engine.kv_cache import KVCache, layout_of
+from engine.launch_ahead import LaunchAhead, LaunchedBatch
 from engine.loader import build_model
+from engine.memory_plan import plan_memory
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
 from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
-from engine.prefix_cache import PrefixIndex
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
 from engine.runner import ModelRunner
 from engine.sampler import process_logits, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
-from pdkernels.page_copy import copy_units
 
-DEFAULT_CPU_KV_GB = 2.0
-DEFAULT_CPU_HICACHE_GB = 1.0
-DEFAULT_CUDA_HICACHE_GB = 32.0
-NUM_STATELESS_CACHE_PAGES = 1 << 16  # index entries for a model with no full-attention layers
 MAX_DEFAULT_MODEL_LEN = 32768
-log = logging.getLogger("engine.engine")
-
-
-PLACEHOLDER = 0  # a sequence's next token while only the device has it (_complete_fed)
-
-
-@dataclass(frozen=True)
-class _Launched:
-    """A scheduled batch whose forward is queued (on CUDA maybe still running): the step that
-    completes it samples the logits of rows `sampled` (indices into seqs)."""
-
-    seqs: list[Sequence]
-    num_new: list[int]
-    sampled: list[int]
-    logits: torch.Tensor | None
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -80,7 +78,9 @@ class LLMEngine:
         )
         self.numerics = self._pick_numerics()
         self.layout = layout_of(self.arch, config.block_size, self.dtype)
-        self.memory = self._plan_memory()
+        self.memory = plan_memory(
+            config, self.arch, self.layout, self.model, self.numerics, self.device, self.max_model_len
+        )
         self.kv = KVCache(self.layout, self.memory.num_blocks, self.memory.num_swa_slots, self.device)
         self.blocks = BlockPool(self.memory.num_blocks)
         self.slots = BlockPool(self.memory.num_swa_slots)
@@ -100,7 +100,7 @@ class LLMEngine:
             self.slots,
             on_admit=self._admit,
         )
-        self.host_kv, self.prefix_index = self._make_prefix_cache()
+        self.prefix_cache = HostPrefixCache.sized(config, self.arch, self.kv)  # None: --hicache-gb 0
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -120,13 +120,13 @@ class LLMEngine:
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
-        self._launched: _Launched | None = None  # a decode batch launched ahead: the next step samples it
-        self.launch_ahead = config.launch_ahead and self.ep is None  # a group's ranks step in lockstep
-        self.num_launched_ahead = 0  # batches launched before the step before them returned
-        self.num_fed_ahead = 0  # of those, launched before the last step's tokens reached the host
+        # --launch-ahead: the next decode batch queued before its step; never in a group (its ranks step in lockstep)
+        self.ahead = LaunchAhead(self.scheduler, self.runner, config.launch_ahead and self.ep is None)
         self._admit_errors: dict[str, Exception] = {}  # request id -> its failed prefix restore (step() ends it)
         # every P/D state of a sequence
         self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
+        retains = self.decode_cache is not None
+        self.handoff_io = HandoffIO(self.handoffs, self.scheduler, self.kv, self.grammars, retains_at_end=retains)
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -138,100 +138,6 @@ class LLMEngine:
             return Numerics.BATCH_INVARIANT
         fast = probe_padded_is_invariant(self.model.row_functions(), self.dtype, self.device)
         return Numerics.PADDED if fast else Numerics.TILED
-
-    # ---- memory -------------------------------------------------------------------------------
-
-    def _plan_memory(self) -> MemoryPlan:
-        lo, cfg = self.layout, self.config
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        peak = 0
-        if cfg.kv_cache_gb is not None:
-            kv_bytes = int(cfg.kv_cache_gb * 2**30)
-        elif self.device.type == "cuda":
-            peak = self._profile_peak_bytes()
-            free, total = torch.cuda.mem_get_info(self.device)
-            kv_bytes = int(free - total * (1 - cfg.gpu_memory_utilization) - peak)
-        else:
-            kv_bytes = int(DEFAULT_CPU_KV_GB * 2**30)
-        slots = 0
-        if self.arch.has_sliding:
-            # By default one slot per sequence, but never more than half the KV memory (all of it
-            # for a model with no full-attention layers).
-            share = 0.5 if self.arch.has_full else 1.0
-            slots = cfg.num_swa_slots or max(1, min(cfg.max_num_seqs + 1, int(share * kv_bytes / lo.state_bytes)))
-        kv_bytes -= slots * lo.state_bytes
-        blocks = kv_bytes // lo.page_bytes if self.arch.has_full else 0
-        if (self.arch.has_full and blocks < 2) or kv_bytes < 0:
-            raise MemoryError(f"not enough memory for the KV cache ({kv_bytes / 2**30:.2f} GiB left for pages)")
-        return MemoryPlan(blocks, slots, lo.page_bytes, lo.state_bytes, weight_bytes, peak)
-
-    def _make_prefix_cache(self) -> tuple[KVCache | None, PrefixIndex | None]:
-        cfg, lo = self.config, self.layout
-        gb = cfg.hicache_gb
-        if gb is None:
-            gb = DEFAULT_CUDA_HICACHE_GB if self.device.type == "cuda" else DEFAULT_CPU_HICACHE_GB
-        if gb <= 0:
-            return None, None
-        budget = int(gb * 2**30)
-        states = 0
-        if self.arch.has_sliding:
-            states = cfg.hicache_state_slots or max(1, budget // 4 // lo.state_bytes)
-            budget -= states * lo.state_bytes
-        pages = budget // lo.page_bytes if self.arch.has_full else NUM_STATELESS_CACHE_PAGES
-        if pages < 1 or budget < 0:
-            raise MemoryError(f"hicache_gb={gb} holds no page of {lo.page_bytes} bytes")
-        host = KVCache(lo, pages, states, torch.device("cpu"), pin_memory=self.device.type == "cuda")
-        return host, PrefixIndex(pages, states, lo.block_size, needs_state=self.arch.has_sliding)
-
-    def _restore_prefix(self, seq: Sequence) -> None:
-        """On admission: copy the longest cached prefix of the prompt into seq's fresh memory."""
-        if self.prefix_index is None or self.host_kv is None or not seq.use_prefix_cache or seq.num_computed:
-            return
-        index, host = self.prefix_index, self.host_kv
-        match = index.match(seq.prompt_token_ids)
-        try:
-            if match.num_pages:
-                moved = copy_units(host.pages, [e.page for e in match.entries], self.kv.pages, seq.block_ids[: match.num_pages])
-                if self.arch.has_sliding:
-                    moved += copy_units(host.swa, [match.entries[-1].state], self.kv.swa, [seq.state_slot])
-                index.counters.bytes_to_device += moved
-                seq.num_computed = seq.num_cached_prompt = match.num_tokens
-        finally:
-            index.release(match)
-        boundary = seq.num_prompt_tokens // self.layout.block_size * self.layout.block_size
-        seq.cache_store_upto = boundary if boundary > seq.num_computed else 0
-
-    def _store_prefix(self, seq: Sequence) -> None:
-        """Write-through of the prompt's full pages and the SWA state at its last page boundary."""
-        assert self.prefix_index is not None and self.host_kv is not None
-        index, host = self.prefix_index, self.host_kv
-        num_pages = seq.cache_store_upto // self.layout.block_size
-        seq.cache_store_upto = 0
-        plan, state = index.plan_store(seq.prompt_token_ids, num_pages, with_state=self.arch.has_sliding)
-        try:
-            moved = copy_units(self.kv.pages, [seq.block_ids[i] for i, _ in plan], host.pages, [p for _, p in plan])
-            if state >= 0:
-                moved += copy_units(self.kv.swa, [seq.state_slot], host.swa, [state])
-            index.counters.bytes_to_host += moved
-        finally:
-            index.commit_store()
-
-    def _profile_peak_bytes(self) -> int:
-        """Activation peak of one full-budget prefill, measured on a scratch cache."""
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        num_blocks = -(-n // self.layout.block_size) + 1 if self.arch.has_full else 0
-        scratch = KVCache(self.layout, num_blocks, 1 if self.arch.has_sliding else 0, self.device)
-        seq = Sequence("profile", [1] * n, SamplingParams(), 0, 0.0, block_ids=list(range(num_blocks)))
-        seq.state_slot = 0 if self.arch.has_sliding else -1
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        ModelRunner(self.model, scratch, self.numerics, self.config.forward).run([seq], [n])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del scratch
-        torch.cuda.empty_cache()
-        return int(peak * 1.1)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -308,7 +214,7 @@ class LLMEngine:
         self._pending.append(self._output(seq, is_final=True))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._launched is not None
+        return self.scheduler.has_unfinished() or bool(self._pending) or self.ahead.launched is not None
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -317,7 +223,8 @@ class LLMEngine:
         request(s) it came from with finish_reason "error" (memory freed) and the engine serves the
         others: one sequence when it can be told apart (its prefix restore or store, its sampling,
         its detokenizing), the whole batch when not (the batched model run), every queued request
-        when the scheduler itself fails. Fatal errors (is_fatal: out of device memory, CUDA) propagate.
+        when the scheduler itself fails. Fatal errors (engine/faults.py: out of device memory, CUDA)
+        propagate.
 
         In an expert-parallel group every call runs exactly one forward, an empty one when nothing was
         scheduled (the peers' MoE layers wait for this rank's rows), and a failed forward is fatal
@@ -346,105 +253,36 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         """Schedule and run a batch (or take the one launched ahead by the last step), sample it; then,
         with launch_ahead, launch the next batch before this step's outputs are built and returned,
-        so the device runs it while the host builds them and the caller handles them (_launches_ahead)."""
+        so the device runs it while the host builds them and the caller handles them
+        (engine/launch_ahead.py)."""
         outputs, self._pending = self._pending, []
-        launched, self._launched = self._launched, None
+        launched = self.ahead.take()
         if launched is None:
             launched = self._launch(outputs)
             if launched is None:
                 return outputs
-        if self._feeds_ahead(launched):
-            emit = self._complete_fed(launched, outputs)  # launches the next batch itself if it can
+        if self.ahead.feeds(launched):
+            tokens = self.ahead.feed(launched)  # launches the next batch itself if it can
+            emit = self._append_tokens(launched.seqs, [(token, None) for token in tokens], outputs)
         else:
             emit = self._complete(launched, outputs)
-        if self._launched is None and self._launches_ahead():
-            self._launched = self._launch(outputs)
-            self.num_launched_ahead += self._launched is not None
+        if self.ahead.launched is None and self.ahead.launches():
+            self.ahead.hold(self._launch(outputs))
         for seq in emit:
             try:
                 outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
             except Exception as e:
-                _raise_if_fatal(e)
+                raise_if_fatal(e)
                 outputs.append(self._fail(seq, e, "sampling or detokenizing"))
         return outputs
 
-    def _launches_ahead(self) -> bool:
-        """Whether the next batch may be launched now, before this step's outputs leave: steady decode
-        only (every running sequence decodes one token, nothing waits to be admitted). A request that
-        arrives meanwhile joins one step later; a sequence aborted meanwhile has its row computed and
-        dropped. NOTE: its memory may be reused at once: every later writer of the pools (forwards,
-        imports, prefix restores) is queued on the same stream, after the launched forward."""
-        sched = self.scheduler
-        return (
-            self.launch_ahead
-            and not sched.waiting
-            and bool(sched.running)
-            and all(is_decode_row(s, s.num_uncomputed) for s in sched.running)
-        )
-
-    def _feeds_ahead(self, launched: _Launched) -> bool:
-        """Whether the next batch may be launched before this one's tokens reach the host, fed with
-        them on the device: steady decode of the same sequences, every row greedy with no processor,
-        logprob or grammar (its token is the argmax of the raw logits), and pages for the next token of
-        every sequence free without preempting any (a preempted sequence would recompute a placeholder)."""
-        sched, seqs = self.scheduler, launched.seqs
-        return (
-            self.launch_ahead
-            and launched.logits is not None
-            and not sched.waiting
-            and len(sched.running) == len(seqs)
-            and all(a is b for a, b in zip(sched.running, seqs))
-            and launched.sampled == list(range(len(seqs)))
-            and all(
-                is_decode_row(s, n) and s.params.is_greedy and not s.params.has_penalties
-                and s.params.logprobs is None and s.matcher is None and not s.is_prefill_only
-                and not s.cache_store_upto
-                for s, n in zip(seqs, launched.num_new)
-            )
-        )  # fmt: skip
-
-    def _complete_fed(self, launched: _Launched, outputs: list[RequestOutput]) -> list[Sequence]:
-        """_complete for a batch that _feeds_ahead: the rows' argmax stays on the device and feeds the
-        next batch, launched at once (each sequence's next token a placeholder while it is queued); then
-        the tokens are read and appended. A sequence that ends here has had one more row computed, which
-        the next step drops. NOTE: the tokens' copy to the host is queued before the next forward, so
-        reading them waits for this batch only."""
-        seqs = launched.seqs
-        assert launched.logits is not None
-        for seq in seqs:
-            seq.num_computed += 1
-        ids = launched.logits.argmax(-1)  # what sample() draws for greedy rows without processors
-        host, ready = ids, None
-        if ids.is_cuda:
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        if self.scheduler.grow_all(seqs, 1):
-            for seq in seqs:
-                seq.output_token_ids.append(PLACEHOLDER)
-            try:
-                sampled, logits = self.runner.run(seqs, [1] * len(seqs), fed_ids=ids)
-                self._launched = _Launched(list(seqs), [1] * len(seqs), sampled, logits)
-                self.num_launched_ahead += 1
-                self.num_fed_ahead += 1
-            except Exception as e:  # the next step runs the batch the ordinary way (and fails it there)
-                _raise_if_fatal(e)
-                log.warning("a decode batch launched ahead failed (%r); the next step runs it again", e)
-            finally:
-                for seq in seqs:
-                    seq.output_token_ids.pop()
-        if ready is not None:
-            ready.synchronize()
-        return self._append_tokens(seqs, [(token, None) for token in host.tolist()], outputs)
-
-    def _launch(self, outputs: list[RequestOutput]) -> _Launched | None:
+    def _launch(self, outputs: list[RequestOutput]) -> LaunchedBatch | None:
         """Schedules a batch and queues its forward; None if there is nothing to run. Failures end
         their requests into outputs."""
         try:
             batch = self.scheduler.schedule()
         except Exception as e:
-            _raise_if_fatal(e)
+            raise_if_fatal(e)
             doomed = [*self.scheduler.running, *self.scheduler.waiting]
             outputs += [self._fail(seq, e, "scheduling") for seq in doomed]
             return None
@@ -464,14 +302,14 @@ class LLMEngine:
         try:
             sampled, logits = self.runner.run(seqs, num_new)
         except Exception as e:
-            _raise_if_fatal(e)  # NOTE: the culprit is unknown in a batched forward: the batch fails
+            raise_if_fatal(e)  # NOTE: the culprit is unknown in a batched forward: the batch fails
             if self.ep is not None:
                 raise
             outputs += [self._fail(seq, e, "running the model") for seq in seqs]
             return None
-        return _Launched(seqs, num_new, sampled, logits)
+        return LaunchedBatch(seqs, num_new, sampled, logits)
 
-    def _complete(self, launched: _Launched, outputs: list[RequestOutput]) -> list[Sequence]:
+    def _complete(self, launched: LaunchedBatch, outputs: list[RequestOutput]) -> list[Sequence]:
         """A launched batch's tokens counted, prefixes stored, rows sampled and appended (finishing
         the sequences they end); returns the sequences that got a token, whose outputs are due.
         A sequence that left the batch after its launch (aborted) is skipped."""
@@ -482,9 +320,10 @@ class LLMEngine:
             seq.num_computed += n
             if seq.cache_store_upto and seq.num_computed == seq.cache_store_upto:
                 try:
-                    self._store_prefix(seq)
+                    assert self.prefix_cache is not None  # only its restore sets cache_store_upto
+                    self.prefix_cache.store(seq, self.kv)
                 except Exception as e:
-                    _raise_if_fatal(e)
+                    raise_if_fatal(e)
                     outputs.append(self._fail(seq, e, "storing its prefix"))
         logits, sampled = launched.logits, launched.sampled
         if logits is None:
@@ -510,7 +349,7 @@ class LLMEngine:
                 self._append_token(seq, *got)
                 emit.append(seq)
             except Exception as e:
-                _raise_if_fatal(e)
+                raise_if_fatal(e)
                 outputs.append(self._fail(seq, e, "sampling or detokenizing"))
         return emit
 
@@ -530,7 +369,7 @@ class LLMEngine:
             )
             return list(zip(tokens, logprobs))
         except Exception as e:
-            _raise_if_fatal(e)
+            raise_if_fatal(e)
         out: list[tuple[int, TokenLogprob | None] | Exception] = []
         for i, s in enumerate(seqs):
             try:
@@ -540,7 +379,7 @@ class LLMEngine:
                 )
                 out.append((tokens[0], logprobs[0]))
             except Exception as e:
-                _raise_if_fatal(e)
+                raise_if_fatal(e)
                 out.append(e)
         return out
 
@@ -557,9 +396,10 @@ class LLMEngine:
     def _admit(self, seq: Sequence) -> None:
         """The scheduler's on_admit: a failed prefix restore is remembered and fails seq in step()."""
         try:
-            self._restore_prefix(seq)
+            if self.prefix_cache is not None:
+                self.prefix_cache.restore(seq, self.kv)
         except Exception as e:
-            _raise_if_fatal(e)
+            raise_if_fatal(e)
             self._admit_errors[seq.request_id] = e
 
     def _fail(self, seq: Sequence, error: Exception, phase: str) -> RequestOutput:
@@ -645,7 +485,7 @@ class LLMEngine:
         self,
         request_id: str,
         device: str | torch.device | None = "cpu",
-        alloc: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None = None,
+        alloc: Alloc | None = None,
         skip_pages: int = 0,
     ) -> SequenceExport:
         """A prefilled sequence's state (every token but the last is in the cache). device=None
@@ -654,31 +494,7 @@ class LLMEngine:
         transport's exported arena), or None for new memory; used only with device=None.
         skip_pages: pages the receiver holds already (its reservation's held tokens / block_size):
         only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page)."""
-        seq = self.handoffs.parked(request_id) or self.scheduler.find(request_id)
-        if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.PARKED) or seq.num_uncomputed != 1:
-            raise InvalidRequestError(f"request {request_id!r} is not a prefilled sequence between steps")
-        n_pages = self.layout.num_pages(seq.num_computed)
-        if not 0 <= skip_pages * self.layout.block_size <= seq.num_computed:
-            raise InvalidRequestError(f"cannot skip {skip_pages} pages of {seq.num_computed} computed tokens")
-        kv = self.kv
-        out = None
-        if alloc is not None and device is None and n_pages > skip_pages:
-            out = alloc((n_pages - skip_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
-        # on CUDA the gather also hashes the pages (the handoff's checksum, at no extra pass)
-        pages, pages_sum = kv.read_pages(seq.block_ids[skip_pages:n_pages], out=out, with_checksum=True)
-        state = kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
-        if state is not None and alloc is not None and device is None:
-            st = alloc(tuple(state.shape), state.dtype, state.device)
-            state = st.copy_(state) if st is not None else state
-        if device is not None:
-            pages = pages.to(device)
-            state = state.to(device) if state is not None else None
-        self.handoffs.export(request_id)
-        return SequenceExport(
-            request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
-            seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt, pages_sum,
-            first_page=skip_pages,
-        )
+        return self.handoff_io.export(request_id, device, alloc, skip_pages)
 
     def finish_handoff(self, request_id: str) -> None:
         """The exported sequence now lives elsewhere: free it here without a further output."""
@@ -694,38 +510,7 @@ class LLMEngine:
         (first_page 0) into a reservation that held pages releases those (they stay cached) and
         writes every page into fresh ones: an indexed page is never overwritten."""
         self.validate(exp.request_id, exp.prompt_token_ids, exp.params)
-        num_tokens = len(exp.prompt_token_ids) + len(exp.output_token_ids)
-        if exp.num_computed != num_tokens - 1:
-            raise InvalidRequestError("an imported sequence must have every token but the last computed")
-        lo = self.layout
-        n_pages = lo.num_pages(exp.num_computed)
-        if not 0 <= exp.first_page <= n_pages:
-            raise InvalidRequestError(f"first page {exp.first_page} out of [0, {n_pages}]")
-        want_pages = lo.page_shape(n_pages - exp.first_page)
-        if tuple(exp.pages.shape) != want_pages:
-            raise InvalidRequestError(f"page tensor shape {tuple(exp.pages.shape)} != expected {want_pages}")
-        if lo.has_state:
-            want_state = lo.state_shape()
-            if exp.state is None or tuple(exp.state.shape) != want_state:
-                raise InvalidRequestError(f"SWA state shape does not match {want_state}")
-        seq = Sequence(exp.request_id, list(exp.prompt_token_ids), exp.params, exp.seed, time.monotonic())
-        seq.output_token_ids = list(exp.output_token_ids)
-        seq.output_logprobs = list(exp.output_logprobs)
-        seq.num_computed = exp.num_computed
-        seq.num_cached_prompt = exp.num_cached_tokens
-        seq.is_retained_at_end = self.decode_cache is not None
-        if exp.params.structured is not None:  # the grammar's state: the handed-over tokens, replayed
-            seq.matcher = self.grammars.matcher(exp.params.structured, list(exp.output_token_ids))
-        self.handoffs.import_(seq, exp.first_page)
-        try:
-            if n_pages > exp.first_page:
-                self.kv.write_pages(seq.block_ids[exp.first_page : n_pages], exp.pages)
-            if exp.state is not None:
-                self.kv.write_state(seq.state_slot, exp.state.to(self.device, self.dtype))
-        except BaseException:
-            self.handoffs.abort(seq.request_id)
-            self.scheduler.finish(seq, "abort")
-            raise
+        seq = self.handoff_io.import_(exp)
         detok = IncrementalDetokenizer(self.tokenizer, exp.params.stop)
         self._detok[seq.request_id] = detok
         for t in exp.output_token_ids:
@@ -738,78 +523,17 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        total = self.blocks.num_blocks
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_free_blocks=self.blocks.num_free,
-            num_total_blocks=total,
-            num_free_swa_slots=self.slots.num_free,
-            num_total_swa_slots=self.slots.num_blocks,
-            kv_usage=(self.blocks.num_used / total) if total else (self.slots.num_used / max(1, self.slots.num_blocks)),
-            num_prompt_tokens_total=self.num_prompt_tokens_total,
-            num_generation_tokens_total=self.num_generation_tokens_total,
-            num_preemptions_total=self.scheduler.num_preemptions,
-            num_launched_ahead_total=self.num_launched_ahead,
-            num_fed_ahead_total=self.num_fed_ahead,
-            **self._cache_stats(),
-            **self._decode_cache_stats(),
-            **self._moe_stats(),
-        )
-
-    def _moe_stats(self) -> dict[str, Any]:
-        mlps = self.model.sparse_layers()
-        if not mlps:
-            return {}
-        counts = [m.tokens_per_expert.tolist() if m.tokens_per_expert is not None else [0] * m.num_experts for m in mlps]
-        return dict(
-            moe_layers=self.arch.sparse_layers,
-            moe_tokens_per_expert=tuple(tuple(c) for c in counts),
-            moe_rows_computed=tuple(m.rows_computed for m in mlps),
-            eplb_rebalances_total=self.eplb.num_rebalances,
-            eplb_experts_moved_total=self.eplb.num_experts_moved,
-            eplb_seconds_total=self.eplb.seconds,
-        )
-
-    def _cache_stats(self) -> dict[str, Any]:
-        index = self.prefix_index
-        if index is None:
-            return {}
-        c = index.counters
-        return dict(
-            cache_lookups_total=c.lookups,
-            cache_hit_tokens_total=c.hit_tokens,
-            cache_stored_pages_total=c.stored_pages,
-            cache_evictions_total=c.evictions,
-            cache_bytes_to_device_total=c.bytes_to_device,
-            cache_bytes_to_host_total=c.bytes_to_host,
-            cache_used_pages=index.num_used_pages,
-            cache_total_pages=index.num_pages,
-            cache_used_states=index.num_used_states,
-            cache_total_states=index.num_states,
-        )
-
-    def _decode_cache_stats(self) -> dict[str, Any]:
-        cache = self.decode_cache
-        if cache is None:
-            return {}
-        c = cache.counters
-        return dict(
-            decode_cache_lookups_total=c.lookups,
-            decode_cache_hit_tokens_total=c.hit_tokens,
-            decode_cache_retained_pages=cache.num_retained_pages,
-            decode_cache_evictions_total=c.evictions,
-        )
+        return engine_stats(self)
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""
-        if self.scheduler.has_unfinished() or self._launched is not None:
+        if self.scheduler.has_unfinished() or self.ahead.launched is not None:
             raise AssertionError("requests still in flight (running, waiting or launched)")
         self.handoffs.check_idle()
         self.blocks.check_idle()
         self.slots.check_idle()
-        if self.prefix_index is not None:
-            self.prefix_index.check_idle()
+        if self.prefix_cache is not None:
+            self.prefix_cache.index.check_idle()
         if self.decode_cache is not None:
             self.decode_cache.check_idle()
 
@@ -826,23 +550,6 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return [seqs[rid] for rid in ids]
-
-
-def is_fatal(error: BaseException) -> bool:
-    """An error the process cannot serve on after: out of device or host memory, a CUDA error (the
-    context is likely unusable). The rank exits on these (pd/rank/worker.py sends RankFatal)."""
-    if not isinstance(error, Exception) or isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
-        return True
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8: CUDA errors
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("CUDA error" in text or "CUBLAS_STATUS" in text or "CUDNN_STATUS" in text)
-
-
-def _raise_if_fatal(error: Exception) -> None:
-    if is_fatal(error):
-        raise error
 
 
 def _load_tokenizer(folder: Path) -> Any:

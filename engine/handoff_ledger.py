@@ -1,4 +1,5 @@
-"""HandoffLedger: the one owner of a sequence's P/D lifecycle in an engine (LLMEngine.handoffs)."""
+"""HandoffLedger: the one owner of a sequence's P/D lifecycle in an engine (LLMEngine.handoffs). The
+memory an export or import moves is engine/handoff_io.py's."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from engine.request import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
-log = logging.getLogger("engine.handoff_ledger")
+log = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):

@@ -8,7 +8,7 @@ Hashes are blake2b over little-endian int64 token ids with a fixed seed, so ever
 same keys; a hit is confirmed against the stored tokens, so a collision can only cost a miss.
 Eviction takes the least recently used unpinned entry; a chain is touched tail first, so its tail
 pages are older than its head and go first (a head page alone would orphan everything after it).
-Bookkeeping only (ints, bytes, lists); the engine moves the tensors.
+Bookkeeping only (ints, bytes, lists); engine/host_prefix_cache.py holds and moves the tensors.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def test_launch_ahead_same_tokens_from_graphs(tiny_model_dir, family: str) -> No
         for i, prompt in enumerate(PROMPTS[:4]):
             eng.add_request(f"r{i}", prompt, params(i), use_prefix_cache=False)
         got[ahead] = {rid: summary(o) for rid, o in run(eng, {k: list(v) for k, v in late.items()}).items()}
-        assert (eng.num_launched_ahead >= 10) == ahead
+        assert (eng.ahead.num_launched_ahead >= 10) == ahead
     assert got[True] == got[False] and "late" in got[True]
 
 
@@ -136,5 +136,5 @@ def test_launch_ahead_fed_greedy_same_tokens_from_graphs(tiny_model_dir, family:
     got = {}
     for ahead in (False, True):
         got[ahead], eng = fed_run(folder, ahead, requests, **kw)
-        assert eng.graph_stats is not None and (eng.num_fed_ahead >= 10) == ahead
+        assert eng.graph_stats is not None and (eng.ahead.num_fed_ahead >= 10) == ahead
     assert got[True] == got[False]

@@ -51,7 +51,7 @@ def test_same_outputs_as_one_batch_at_a_time(tiny_model_dir, deterministic: bool
             eng.add_request(f"r{i}", prompt, params(i), use_prefix_cache=False)
         got[ahead] = {rid: summary(o) for rid, o in run(eng).items()}
         if ahead:
-            assert eng.stats().num_launched_ahead_total == eng.num_launched_ahead >= 10  # most decode steps
+            assert eng.stats().num_launched_ahead_total == eng.ahead.num_launched_ahead >= 10  # most decode steps
     assert got[True] == got[False]
     assert all(reasons for _, _, reasons in got[True].values())  # every request ended, once
 
@@ -72,17 +72,17 @@ def test_arrivals_and_aborts_while_a_batch_is_launched(tiny_model_dir) -> None:
     for i in (0, 1, 2):
         eng.add_request(f"r{i}", PROMPTS[i], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     outs: dict[str, list[RequestOutput]] = {}
-    while eng._launched is None:  # prefill, then the first decode step launches the next one
+    while eng.ahead.launched is None:  # prefill, then the first decode step launches the next one
         for o in eng.step():
             outs.setdefault(o.request_id, []).append(o)
-    assert {s.request_id for s in eng._launched.seqs} == {"r0", "r1", "r2"}
+    assert {s.request_id for s in eng.ahead.launched.seqs} == {"r0", "r1", "r2"}
     eng.abort("r1")  # its row is in the launched batch
     eng.add_request("r3", PROMPTS[3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     step = eng.step()
     for o in step:
         outs.setdefault(o.request_id, []).append(o)
     assert [o.finish_reason for o in step if o.request_id == "r1"] == ["abort"]
-    assert eng._launched is None  # r3 waits: nothing launched ahead
+    assert eng.ahead.launched is None  # r3 waits: nothing launched ahead
     before = len([t for o in outs["r1"] for t in o.new_token_ids])
     for rid, o in run(eng).items():
         outs.setdefault(rid, []).extend(o)
@@ -96,7 +96,7 @@ def test_aborting_the_whole_launched_batch_leaves_nothing_behind(tiny_model_dir)
     eng = small_engine(tiny_model_dir("llama"), launch_ahead=True)
     for i in range(3):
         eng.add_request(f"r{i}", PROMPTS[i], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-    while eng._launched is None:
+    while eng.ahead.launched is None:
         eng.step()
     for i in range(3):
         eng.abort(f"r{i}")
@@ -110,7 +110,7 @@ def test_off_by_default_and_never_while_a_prompt_is_computed(tiny_model_dir) -> 
     folder = tiny_model_dir("llama")
     eng = small_engine(folder)
     eng.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    assert not eng.launch_ahead and eng.num_launched_ahead == 0
+    assert not eng.ahead.enabled and eng.ahead.num_launched_ahead == 0
     eng = small_engine(folder, launch_ahead=True, max_num_batched_tokens=8)  # prompts take several chunks
     eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     eng.step()
@@ -119,11 +119,11 @@ def test_off_by_default_and_never_while_a_prompt_is_computed(tiny_model_dir) -> 
     while eng.has_unfinished():
         eng.step()
         if any(s.num_uncomputed > 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
-            assert eng._launched is None  # b's prompt is still being computed
+            assert eng.ahead.launched is None  # b's prompt is still being computed
             held_back += 1
-        elif eng._launched is not None:
-            assert eng._launched.num_new == [1] * len(eng._launched.seqs)
-    assert held_back >= 2 and eng.num_launched_ahead > 0
+        elif eng.ahead.launched is not None:
+            assert eng.ahead.launched.num_new == [1] * len(eng.ahead.launched.seqs)
+    assert held_back >= 2 and eng.ahead.num_launched_ahead > 0
     eng.check_idle()
 
 
@@ -155,8 +155,8 @@ def test_fed_ahead_same_outputs_sequences_ending_in_flight(tiny_model_dir, famil
     for ahead in (False, True):
         got[ahead], eng = fed_run(folder, ahead, requests, is_deterministic=deterministic)
         if ahead:
-            assert eng.stats().num_fed_ahead_total == eng.num_fed_ahead >= 10
-            assert eng.num_fed_ahead <= eng.num_launched_ahead
+            assert eng.stats().num_fed_ahead_total == eng.ahead.num_fed_ahead >= 10
+            assert eng.ahead.num_fed_ahead <= eng.ahead.num_launched_ahead
     assert got[True] == got[False]
     for i in stops:  # they did end early, on their stop id
         tokens, _, reasons = got[True][f"r{i}"]
@@ -172,13 +172,13 @@ def test_fed_ahead_only_for_greedy_rows_and_falls_back_without_pages(tiny_model_
         got[ahead], eng = fed_run(folder, ahead, mixed, is_deterministic=True)
     assert got[True] == got[False]
     # the sampled request (8 tokens) holds the batch to plain launches; after it, the greedy rows are fed
-    assert 0 < eng.num_fed_ahead < eng.num_launched_ahead
+    assert 0 < eng.ahead.num_fed_ahead < eng.ahead.num_launched_ahead
     eng = small_engine(folder, launch_ahead=True, is_deterministic=True)
     eng.scheduler.grow_all = lambda seqs, n: False  # no pages for the next token without preempting
     for rid, prompt, p in mixed[:4]:
         eng.add_request(rid, prompt, p, use_prefix_cache=False)
     assert {rid: summary(o) for rid, o in run(eng).items()} == {r: got[False][r] for r, _, _ in mixed[:4]}
-    assert eng.num_fed_ahead == 0 and eng.num_launched_ahead > 0
+    assert eng.ahead.num_fed_ahead == 0 and eng.ahead.num_launched_ahead > 0
 
 
 def test_abort_and_arrival_while_a_fed_batch_is_launched(tiny_model_dir) -> None:
@@ -186,10 +186,10 @@ def test_abort_and_arrival_while_a_fed_batch_is_launched(tiny_model_dir) -> None
     for i in range(3):
         eng.add_request(f"r{i}", PROMPTS[i], greedy(5), use_prefix_cache=False)
     outs: dict[str, list[RequestOutput]] = {}
-    while eng.num_fed_ahead < 2:
+    while eng.ahead.num_fed_ahead < 2:
         for o in eng.step():
             outs.setdefault(o.request_id, []).append(o)
-    assert eng._launched is not None
+    assert eng.ahead.launched is not None
     eng.abort("r0")
     eng.add_request("new", PROMPTS[3], greedy(0), use_prefix_cache=False)
     for rid, o in run(eng).items():

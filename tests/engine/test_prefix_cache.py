@@ -105,7 +105,7 @@ def test_multi_turn_identical_with_and_without_cache(tiny_model_dir, family: str
 
 def test_cache_off_and_abort_during_store_leave_nothing(tiny_model_dir) -> None:
     eng = small_engine(tiny_model_dir("gemma3_hybrid"), hicache_gb=0.0)
-    assert eng.prefix_index is None
+    assert eng.prefix_cache is None
     eng = small_engine(tiny_model_dir("gemma3_hybrid"), hicache_gb=0.0005, max_num_batched_tokens=16)
     eng.add_request("a", list(range(3, 80)), SamplingParams(max_tokens=4, temperature=0.0))
     eng.step()

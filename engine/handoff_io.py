@@ -1,0 +1,116 @@
+"""A sequence's memory across the P/D handoff, beside the ledger that owns its phases
+(engine/handoff_ledger.py):
+
+    export   PE: a prefilled sequence's pages, SWA state and sampling state gathered into a
+             SequenceExport (engine/handoff.py); the ledger marks it EXPORTED
+    import   CE: an export checked against this engine's layout, made a decoding sequence in the
+             memory of its reservation (or fresh memory), its pages and state written there
+
+LLMEngine's export_sequence / import_sequence are the callers' door; the engine keeps what an import
+means for the request (its checks against the model, its detokenizer, an output if it has ended)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler
+from engine.handoff import SequenceExport
+from engine.handoff_ledger import HandoffLedger
+from engine.kv_cache import KVCache
+from engine.scheduler import Scheduler
+from engine.sequence import SeqStatus, Sequence
+
+# alloc(shape, dtype, device): the memory an export's tensors are gathered into, or None for new memory
+Alloc = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None]
+
+
+class HandoffIO:
+    """Export and import of a sequence's memory in this engine's KV cache (kv)."""
+
+    def __init__(
+        self,
+        ledger: HandoffLedger,
+        scheduler: Scheduler,
+        kv: KVCache,
+        grammars: GrammarCompiler,
+        *,
+        retains_at_end: bool,
+    ) -> None:
+        self.ledger = ledger
+        self.scheduler = scheduler
+        self.kv = kv
+        self.grammars = grammars
+        self.retains_at_end = retains_at_end  # a CE with a decode cache: an import's pages stay cached
+
+    def export(
+        self, request_id: str, device: str | torch.device | None, alloc: Alloc | None, skip_pages: int
+    ) -> SequenceExport:
+        """LLMEngine.export_sequence: a parked or running sequence between steps, every token but the
+        last computed; its memory stays held (EXPORTED) until the ledger hands it off or aborts it."""
+        seq = self.ledger.parked(request_id) or self.scheduler.find(request_id)
+        if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.PARKED) or seq.num_uncomputed != 1:
+            raise InvalidRequestError(f"request {request_id!r} is not a prefilled sequence between steps")
+        kv = self.kv
+        n_pages = kv.layout.num_pages(seq.num_computed)
+        if not 0 <= skip_pages * kv.layout.block_size <= seq.num_computed:
+            raise InvalidRequestError(f"cannot skip {skip_pages} pages of {seq.num_computed} computed tokens")
+        out = None
+        if alloc is not None and device is None and n_pages > skip_pages:
+            out = alloc((n_pages - skip_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
+        # on CUDA the gather also hashes the pages (the handoff's checksum, at no extra pass)
+        pages, pages_sum = kv.read_pages(seq.block_ids[skip_pages:n_pages], out=out, with_checksum=True)
+        state = kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
+        if state is not None and alloc is not None and device is None:
+            st = alloc(tuple(state.shape), state.dtype, state.device)
+            state = st.copy_(state) if st is not None else state
+        if device is not None:
+            pages = pages.to(device)
+            state = state.to(device) if state is not None else None
+        self.ledger.export(request_id)
+        return SequenceExport(
+            request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
+            seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt, pages_sum,
+            first_page=skip_pages,
+        )
+
+    def import_(self, exp: SequenceExport) -> Sequence:
+        """The imported sequence, decoding in memory the ledger gave it, its pages and state written.
+        Raises, holding nothing, if exp does not match this engine's layout or the write fails
+        (LLMEngine.import_sequence: the full handoff and first_page rules)."""
+        num_tokens = len(exp.prompt_token_ids) + len(exp.output_token_ids)
+        if exp.num_computed != num_tokens - 1:
+            raise InvalidRequestError("an imported sequence must have every token but the last computed")
+        kv, lo = self.kv, self.kv.layout
+        n_pages = lo.num_pages(exp.num_computed)
+        if not 0 <= exp.first_page <= n_pages:
+            raise InvalidRequestError(f"first page {exp.first_page} out of [0, {n_pages}]")
+        want_pages = lo.page_shape(n_pages - exp.first_page)
+        if tuple(exp.pages.shape) != want_pages:
+            raise InvalidRequestError(f"page tensor shape {tuple(exp.pages.shape)} != expected {want_pages}")
+        if lo.has_state:
+            want_state = lo.state_shape()
+            if exp.state is None or tuple(exp.state.shape) != want_state:
+                raise InvalidRequestError(f"SWA state shape does not match {want_state}")
+        seq = Sequence(exp.request_id, list(exp.prompt_token_ids), exp.params, exp.seed, time.monotonic())
+        seq.output_token_ids = list(exp.output_token_ids)
+        seq.output_logprobs = list(exp.output_logprobs)
+        seq.num_computed = exp.num_computed
+        seq.num_cached_prompt = exp.num_cached_tokens
+        seq.is_retained_at_end = self.retains_at_end
+        if exp.params.structured is not None:  # the grammar's state: the handed-over tokens, replayed
+            seq.matcher = self.grammars.matcher(exp.params.structured, list(exp.output_token_ids))
+        self.ledger.import_(seq, exp.first_page)
+        try:
+            if n_pages > exp.first_page:
+                kv.write_pages(seq.block_ids[exp.first_page : n_pages], exp.pages)
+            if exp.state is not None:
+                kv.write_state(seq.state_slot, exp.state.to(kv.device, lo.dtype))
+        except BaseException:
+            self.ledger.abort(seq.request_id)
+            self.scheduler.finish(seq, "abort")
+            raise
+        return seq

@@ -1,0 +1,87 @@
+"""The host prefix cache's memory and its copies: a pinned host pool of pages and SWA state slots (a
+KVCache on the CPU, `--hicache-gb`) under a PrefixIndex (engine/prefix_cache.py, the bookkeeping).
+
+    restore   on admission: the longest cached prefix of the prompt into the sequence's fresh pages
+              (and the SWA state at its end), so its prefill starts after it
+    store     once the prompt's full pages are computed: written through to the host, with the SWA
+              state at the last page boundary
+
+The engine calls both (LLMEngine._admit, LLMEngine._complete) and fails only the sequence whose copy
+raised; every copy is counted in the index's counters."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.model_config import ModelArch
+from engine.prefix_cache import PrefixIndex
+from engine.sequence import Sequence
+from pdkernels.page_copy import copy_units
+
+DEFAULT_CPU_HICACHE_GB = 1.0
+DEFAULT_CUDA_HICACHE_GB = 32.0
+NUM_STATELESS_CACHE_PAGES = 1 << 16  # index entries for a model with no full-attention layers
+
+
+class HostPrefixCache:
+    def __init__(self, host: KVCache, index: PrefixIndex, has_sliding: bool) -> None:
+        self.host = host
+        self.index = index
+        self.has_sliding = has_sliding  # the model has SWA layers: a prefix carries its state too
+
+    @classmethod
+    def sized(cls, config: EngineConfig, arch: ModelArch, kv: KVCache) -> HostPrefixCache | None:
+        """The cache config.hicache_gb asks for beside kv (pinned when kv is on CUDA), or None when off."""
+        lo, device = kv.layout, kv.device
+        gb = config.hicache_gb
+        if gb is None:
+            gb = DEFAULT_CUDA_HICACHE_GB if device.type == "cuda" else DEFAULT_CPU_HICACHE_GB
+        if gb <= 0:
+            return None
+        budget = int(gb * 2**30)
+        states = 0
+        if arch.has_sliding:
+            states = config.hicache_state_slots or max(1, budget // 4 // lo.state_bytes)
+            budget -= states * lo.state_bytes
+        pages = budget // lo.page_bytes if arch.has_full else NUM_STATELESS_CACHE_PAGES
+        if pages < 1 or budget < 0:
+            raise MemoryError(f"hicache_gb={gb} holds no page of {lo.page_bytes} bytes")
+        host = KVCache(lo, pages, states, torch.device("cpu"), pin_memory=device.type == "cuda")
+        index = PrefixIndex(pages, states, lo.block_size, needs_state=arch.has_sliding)
+        return cls(host, index, arch.has_sliding)
+
+    def restore(self, seq: Sequence, kv: KVCache) -> None:
+        """On admission: copy the longest cached prefix of the prompt into seq's fresh memory in kv,
+        and mark the prompt's last page boundary for store() when pages past the prefix end there."""
+        if not seq.use_prefix_cache or seq.num_computed:
+            return
+        index, host = self.index, self.host
+        match = index.match(seq.prompt_token_ids)
+        try:
+            if match.num_pages:
+                moved = copy_units(host.pages, [e.page for e in match.entries], kv.pages, seq.block_ids[: match.num_pages])
+                if self.has_sliding:
+                    moved += copy_units(host.swa, [match.entries[-1].state], kv.swa, [seq.state_slot])
+                index.counters.bytes_to_device += moved
+                seq.num_computed = seq.num_cached_prompt = match.num_tokens
+        finally:
+            index.release(match)
+        block_size = kv.layout.block_size
+        boundary = seq.num_prompt_tokens // block_size * block_size
+        seq.cache_store_upto = boundary if boundary > seq.num_computed else 0
+
+    def store(self, seq: Sequence, kv: KVCache) -> None:
+        """Write-through of the prompt's full pages and the SWA state at its last page boundary."""
+        index, host = self.index, self.host
+        num_pages = seq.cache_store_upto // kv.layout.block_size
+        seq.cache_store_upto = 0
+        plan, state = index.plan_store(seq.prompt_token_ids, num_pages, with_state=self.has_sliding)
+        try:
+            moved = copy_units(kv.pages, [seq.block_ids[i] for i, _ in plan], host.pages, [p for _, p in plan])
+            if state >= 0:
+                moved += copy_units(kv.swa, [seq.state_slot], host.swa, [state])
+            index.counters.bytes_to_host += moved
+        finally:
+            index.commit_store()
