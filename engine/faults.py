@@ -1,22 +1,25 @@
-"""Which failures the engine serves on after. A request's fault (its sampling, its detokenizing, its
-prefix copy, a batch's forward) ends that request, or that batch, with finish_reason "error"; a fatal
-one ends the process, since what it broke is shared by every request."""
+"""Which failures the engine serves on after. A request's fault (its sampling, its grammar, its
+detokenizing, its prefix copy, a batch's forward) ends that request, or that batch, with finish_reason
+"error"; a fatal one ends the process, since what it broke is shared by every request.
+
+Fatal is decided by the exception's type alone, never by its message: messages carry text a client
+chose (a grammar library quotes the request's grammar in its errors), and a client must not be able
+to end a rank by writing "CUDA error" into a regex."""
 
 from __future__ import annotations
 
 import torch
 
+# torch raises CUDA (and other accelerator) errors as torch.AcceleratorError from 2.8 on: the reason
+# pyproject.toml asks for torch>=2.8.
+FATAL_TYPES: tuple[type[BaseException], ...] = (MemoryError, torch.cuda.OutOfMemoryError, torch.AcceleratorError)
+
 
 def is_fatal(error: BaseException) -> bool:
-    """An error the process cannot serve on after: out of device or host memory, a CUDA error (the
-    context is likely unusable). The rank exits on these (pd/rank/worker.py sends RankFatal)."""
-    if not isinstance(error, Exception) or isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
-        return True
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8: CUDA errors
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("CUDA error" in text or "CUBLAS_STATUS" in text or "CUDNN_STATUS" in text)
+    """An error the process cannot serve on after: out of device or host memory, an accelerator error
+    (the CUDA context is likely unusable), or no Exception at all (KeyboardInterrupt, SystemExit). The
+    rank exits on these (pd/rank/worker.py sends RankFatal)."""
+    return not isinstance(error, Exception) or isinstance(error, FATAL_TYPES)
 
 
 def raise_if_fatal(error: Exception) -> None:

@@ -101,10 +101,21 @@ class GrammarCompiler:
         import llguidance
 
         text = grammar_text(so)
+        param = "response_format" if so.kind in ("json_schema", "json_object") else "structured_outputs"
         error = llguidance.LLMatcher.validate_grammar(text, self._lltokenizer())
         if error:
-            param = "response_format" if so.kind in ("json_schema", "json_object") else "structured_outputs"
             raise InvalidRequestError(f"the {so.kind} cannot be compiled: {error.strip()}", param)
+        # NOTE: a grammar can compile and still allow no first token (an empty character class, a schema
+        # that only refers to itself): its first mask is computed here, once per grammar, so such a
+        # request is a 400 at admission rather than a failure in the middle of a batch
+        first = Matcher(llguidance.LLMatcher(self._lltokenizer(), text))
+        bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        try:
+            fill_masks([first], bitmask)
+        except RuntimeError:
+            raise InvalidRequestError(f"the {so.kind} allows no first token", param) from None
+        if not bitmask.any():
+            raise InvalidRequestError(f"the {so.kind} allows no first token", param)
         self._checked[so] = text
         if len(self._checked) > _NUM_CHECKED:
             self._checked.popitem(last=False)

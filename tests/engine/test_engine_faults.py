@@ -14,6 +14,7 @@ import torch
 import engine.engine as engine_module
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.faults import is_fatal
 from engine.request import MAX_SEED, RequestOutput, SamplingParams
 from tests.engine_utils import small_engine
 
@@ -175,6 +176,15 @@ def test_fatal_errors_still_propagate(eng: LLMEngine, monkeypatch: pytest.Monkey
     eng.abort("a")
     eng.step()
     eng.check_idle()
+
+
+def test_fatal_is_decided_by_type_never_by_message() -> None:
+    """A message a client can shape (a grammar library quotes the request's grammar) never makes an
+    error fatal; the device's own error types do, whatever they say."""
+    for text in ("CUDA error: an illegal memory access was encountered", "CUBLAS_STATUS_EXECUTION_FAILED", "CUDNN_STATUS_BAD_PARAM"):
+        assert not is_fatal(RuntimeError(f"the output's grammar failed: /{text}/"))
+    for error in (torch.AcceleratorError("x"), torch.cuda.OutOfMemoryError("x"), MemoryError(), KeyboardInterrupt()):
+        assert is_fatal(error), error
 
 
 def test_a_failing_prefill_only_request_frees_its_parked_memory(

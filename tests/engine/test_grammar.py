@@ -101,6 +101,39 @@ def test_a_spec_that_does_not_compile_is_refused(engine, so, param) -> None:
     engine.check_idle()
 
 
+# Specs that compile but allow no first token; their library error quotes the spec, "CUDA error" included,
+# which once ended the rank (issue 29): now a 400 at admission.
+NO_FIRST_TOKEN = [
+    (StructuredOutput("regex", "[^\\x00-\\U0010FFFF]CUDA error"), "structured_outputs"),
+    (
+        StructuredOutput("json_schema", json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a", "title": "CUDA error"})),
+        "response_format",
+    ),
+]
+
+
+MID_OUTPUT_FAILURE = 'start: "a" x\nx: /[^\\x00-\\U0010FFFF]CUDA error/'  # fails after its "a"
+
+
+@pytest.mark.parametrize("so, param", NO_FIRST_TOKEN)
+def test_a_spec_that_allows_no_first_token_is_refused_at_admission(engine, so, param) -> None:
+    with pytest.raises(InvalidRequestError, match="allows no first token") as e:
+        engine.add_request("empty", [1, 2, 3], SamplingParams(structured=so))
+    assert e.value.param == param
+    engine.check_idle()
+
+
+def test_a_grammar_failing_mid_output_fails_its_request_alone(engine) -> None:
+    """A grammar whose error (quoting "CUDA error" from the spec) comes after its first token: that
+    request ends with finish_reason "error", the one beside it completes, nothing is raised."""
+    ids = _prompt(engine, "Say a.")
+    bad = SamplingParams(max_tokens=8, structured=StructuredOutput("grammar", MID_OUTPUT_FAILURE))
+    good = SamplingParams(max_tokens=4, ignore_eos=True)
+    out = _run(engine, {"bad": (ids, bad), "good": (ids, good)})
+    assert out["bad"][1] == "error"
+    assert out["good"][1] == "length"
+
+
 def test_mask_allows_exactly_the_grammars_tokens(engine) -> None:
     compiler = GrammarCompiler(engine.tokenizer, engine.arch.vocab_size, engine.eos_token_ids)
     digits = compiler.matcher(StructuredOutput("regex", "[0-9]+"), [])

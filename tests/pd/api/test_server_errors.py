@@ -295,6 +295,22 @@ def test_tiny_temperature_is_greedy_not_a_crash(server):
     assert_serving(server)
 
 
+# Grammars whose library errors quote them, "CUDA error" included: such text once decided that the rank was
+# broken and ended it (issue 29). One allows no first token (a 400 at admission), one fails after its first.
+NO_FIRST_TOKEN = {"regex": "[^\\x00-\\U0010FFFF]CUDA error"}
+FAILS_AFTER_ONE = {"grammar": 'start: "a" x\nx: /[^\\x00-\\U0010FFFF]CUDA error/'}
+
+
+def test_a_grammar_quoting_a_cuda_error_leaves_the_rank_up(server):
+    pids = server.rank_pids()
+    base = {"model": MODEL, "messages": HI, "max_tokens": 8}
+    assert_error(*request(server, "/v1/chat/completions", {**base, "structured_outputs": NO_FIRST_TOKEN}), 400, "structured_outputs")
+    status, got = request(server, "/v1/chat/completions", {**base, "structured_outputs": FAILS_AFTER_ONE})
+    assert status >= 400 and "error" in got, got  # the request fails alone
+    assert server.rank_pids() == pids
+    assert_serving(server)
+
+
 def test_wrong_method_and_unknown_model_card(server):
     assert_error(*request(server, "/v1/chat/completions", method="GET"), 405)
     assert_error(*request(server, "/v1/models/nope", method="GET"), 404, "model", "model_not_found")

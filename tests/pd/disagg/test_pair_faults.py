@@ -509,6 +509,29 @@ def test_tiny_temperature_does_not_take_the_pe_down(cluster):
     idle(pair.ce.port, pair.pe.port)
 
 
+def test_a_grammar_quoting_a_cuda_error_leaves_both_sides_up(cluster):
+    """A grammar refused for allowing no first token, and one that fails on the CE a token after the
+    handoff: their library errors quote "CUDA error" from the grammar, which once ended the PE's or the
+    CE's rank (issue 29). Each request fails alone; neither side's ranks are restarted."""
+    pair = cluster[0]
+    pids = (pair.pe.rank_pids(), pair.ce.rank_pids())
+    client = openai_client(pair.url)
+    with pytest.raises(APIStatusError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=8,
+            extra_body={"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]CUDA error"}},
+        )
+    assert e.value.status_code == 400
+    with pytest.raises(APIStatusError):
+        client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=8,
+            extra_body={"structured_outputs": {"grammar": 'start: "a" x\nx: /[^\\x00-\\U0010FFFF]CUDA error/'}},
+        )
+    assert (pair.pe.rank_pids(), pair.ce.rank_pids()) == pids
+    ask(pair.url)
+    idle(pair.ce.port, pair.pe.port)
+
+
 async def test_pe_lease_expires_on_a_receiver_that_never_acks(cluster):
     pair = cluster[0]
     async with stalling_receiver(pair) as (r, stall):
