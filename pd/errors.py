@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pd.messages import RequestRejected
+
 from typing import Any
 
 
@@ -44,3 +49,8 @@ def unavailable(message: str) -> ApiError:
 
 def internal(message: str) -> ApiError:
     return ApiError(500, message, type="server_error", code="internal_error")
+
+
+def rejected(ev: RequestRejected) -> ApiError:
+    """The error a rank's refusal of a request answers with: a 400 for the request's fault, else a 500."""
+    return internal(ev.message) if ev.is_internal else bad_request(ev.message, ev.param)

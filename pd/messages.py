@@ -181,12 +181,15 @@ class StepOutputs:
 
 @dataclass(frozen=True)
 class RequestRejected:
-    """The engine refused an AddRequest (InvalidRequestError); `param` names the request field."""
+    """The engine refused an AddRequest: the request's fault (InvalidRequestError: a 400, `param` names the
+    request field), or is_internal: an unexpected error while admitting it (a 500 with a generic message;
+    the rank's log has the error under the request's id)."""
 
     TYPE: ClassVar[str] = "rejected"
     request_id: str
     message: str
     param: str | None = None
+    is_internal: bool = False
 
 
 @dataclass(frozen=True)

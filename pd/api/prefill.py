@@ -19,7 +19,7 @@ from aiohttp import web
 
 from engine.codec import WireError, from_wire, to_wire
 from pd.disagg.prefill_auth import AuthFailed, Verifier
-from pd.errors import ApiError, bad_request
+from pd.errors import ApiError, bad_request, rejected
 from pd.frontend.coordinator import Coordinator
 from pd.http.io import json_response, parse_json, read_body
 from pd.messages import Prefill, PrefillBody, PrefillReply, PrefillResult, RequestRejected
@@ -81,7 +81,7 @@ async def _prefill(co: Coordinator, msg: Prefill) -> web.Response:
     if isinstance(ev, RankDown):
         raise ApiError(503, ev.message, type="server_error", code="engine_down")
     if isinstance(ev, RequestRejected):
-        raise bad_request(ev.message, ev.param)
+        raise rejected(ev)
     if not isinstance(ev, PrefillResult):
         raise ApiError(500, f"unexpected rank event {type(ev).__name__}", type="server_error")
     transport = ev.transport or co.cfg.transfer.transport

@@ -25,7 +25,7 @@ from pd.config import ServerConfig
 from pd.disagg.metrics import ClusterMetrics
 from pd.disagg.prefill_client import PrefillFailed
 from pd.disagg.prefill_pool import PrefillPool
-from pd.errors import ApiError, bad_request, internal
+from pd.errors import ApiError, bad_request, internal, rejected
 from pd.messages import PrefillBody, PrefillReply, RequestRejected, Reserved
 from pd.rank.client import RankClient, RankDown, RankEvent
 from transfer.errors import MESSAGE_CHARS, printable
@@ -214,7 +214,7 @@ class DecodePath:
         if isinstance(ev, RankDown):
             raise ApiError(503, ev.message, type="server_error", code="engine_down")
         if isinstance(ev, RequestRejected):
-            raise bad_request(ev.message, ev.param)
+            raise rejected(ev)
         error = ev.error if isinstance(ev, RequestOutput) else None
         raise internal(error or f"unexpected event while reserving: {type(ev).__name__}")
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from pd.disagg.decode_path import DecodePath, PhaseError
-from pd.errors import ApiError, bad_request, internal
+from pd.errors import ApiError, internal, rejected
 from pd.frontend.metrics import ServerMetrics
 from pd.messages import RequestRejected
 from pd.rank.client import RankClient, RankDown, RankEvent
@@ -110,7 +110,7 @@ class Generation:
                 raise engine_down_error(event.message)
             if isinstance(event, RequestRejected):
                 self._open.discard(rid)
-                raise bad_request(event.message, event.param)
+                raise rejected(event)
             if not isinstance(event, RequestOutput):
                 continue
             if event.is_finished:

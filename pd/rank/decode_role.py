@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
-from engine.errors import InvalidRequestError
 from engine.handoff import SequenceExport
 from engine.handoff_ledger import Phase
 from engine.request import RequestOutput
 from pd.config import RoleConfig
-from pd.messages import AbortRequests, AddRequest, Message, RequestRejected, Reserve, Reserved, StepOutputs
+from pd.messages import AbortRequests, AddRequest, Message, Reserve, Reserved, StepOutputs
 from pd.rank.loop_thread import LoopThread
+from pd.rank.role import admission_error, rejection
 from transfer.auth import load_token
 from transfer.errors import UNEXPECTED, HandoffError
 from transfer.handoff import HandoffHeader, allocate_payload, model_fingerprint
@@ -84,16 +84,16 @@ class DecodeRole:
                 self.handoffs.enqueue(
                     msg.request_id, msg.num_tokens, msg.num_commit_tokens, msg.ttl_s, list(msg.token_ids) or None
                 )
-            except InvalidRequestError as e:
-                self.send(RequestRejected(msg.request_id, str(e), e.param))
+            except Exception as e:
+                self.send(rejection(msg.request_id, admission_error(self.engine, msg.request_id, e)))
                 return True
             self._grant()
             return True
         if isinstance(msg, AddRequest):  # local prefill (--fallback-local-prefill): the memory is its own now
             try:
                 self.engine.validate(msg.request_id, list(msg.prompt_token_ids), msg.params)
-            except InvalidRequestError as e:
-                self.send(RequestRejected(msg.request_id, str(e), e.param))
+            except Exception as e:
+                self.send(rejection(msg.request_id, admission_error(self.engine, msg.request_id, e)))
                 return True
             self.handoffs.take_over(msg.request_id, len(msg.prompt_token_ids) + msg.params.max_tokens)
             return False  # the loop adds it
@@ -109,7 +109,7 @@ class DecodeRole:
             if g.error is None:
                 self.send(Reserved(g.request_id, g.num_held_tokens))
             else:
-                self.send(RequestRejected(g.request_id, str(g.error), g.error.param))
+                self.send(rejection(g.request_id, g.error))
 
     def tick(self) -> None:
         for item in self.lt.drain():

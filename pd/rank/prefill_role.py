@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from engine.errors import InvalidRequestError
 from engine.handoff import SequenceExport
 from engine.request import RequestOutput
 from pd.config import RoleConfig
 from pd.messages import AbortRequests, Message, Prefill, PrefillResult
 from pd.rank.loop_thread import LoopThread
-from pd.rank.role import add_request
+from pd.rank.role import ADMISSION_FAILED, add_request
 from transfer.auth import load_token
 from transfer.errors import TRANSPORT, HandoffError
 from transfer.handoff import model_fingerprint
@@ -86,7 +87,9 @@ class PrefillRole:
             if error is None:
                 self.jobs[msg.request_id] = _Job(msg, time.monotonic())
             else:
-                self.send(PrefillResult(msg.request_id, False, code=REJECTED, message=str(error)))
+                code = REJECTED if isinstance(error, InvalidRequestError) else ENGINE_ERROR
+                message = str(error) if code == REJECTED else ADMISSION_FAILED
+                self.send(PrefillResult(msg.request_id, False, code=code, message=message))
             return True
         if isinstance(msg, AbortRequests):
             for rid in msg.request_ids:

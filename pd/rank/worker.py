@@ -48,13 +48,12 @@ from pd.messages import (
     RankFatal,
     RankReady,
     RankStats,
-    RequestRejected,
     Shutdown,
     StepOutputs,
     decode,
     encode,
 )
-from pd.rank.role import RankRole, add_request
+from pd.rank.role import RankRole, add_request, rejection
 
 if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed import is a RankFatal
     from engine.engine import LLMEngine
@@ -132,7 +131,7 @@ class RankWorker:
             if error is None:
                 self.added_s[msg.request_id] = time.monotonic()
             else:
-                self.send(RequestRejected(msg.request_id, str(error), error.param))
+                self.send(rejection(msg.request_id, error))
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
                 self.added_s.pop(rid, None)

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from engine.codec import to_wire
+from engine.errors import InvalidRequestError
 from engine.handoff_ledger import Phase
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from pd.api.prefill import parse_prefill
@@ -597,3 +598,48 @@ def test_an_engine_error_on_the_pe_answers_its_prefill_and_the_rank_serves_on(pd
     res = handoff(pe, ce, "ok", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert res.is_handed_off and len(decode_all([pe, ce], ce, "ok")) == 4
     idle(pe, ce)
+
+
+def test_an_unexpected_admission_error_fails_that_request_alone_on_either_side(pd, monkeypatch):
+    """An exception nobody planned for while admitting one request (llguidance 1.6.1 raised TypeError
+    building its tokenizer inside add_request, and the PE rank exited): that request gets a generic
+    internal error (the PE's engine_error, the CE's RequestRejected is_internal), the error is not
+    fatal, nothing is left in the pools, and the next request is served by the same engines."""
+    from pd.rank.role import ADMISSION_FAILED
+
+    pe, ce, _ = pd
+    prompt = list(range(3, 40))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def failing(real: Any, culprit: str) -> Any:
+        def call(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            if request_id == culprit:
+                raise TypeError("injected admission fault")
+            return real(request_id, *args, **kwargs)
+
+        return call
+
+    # PE: the engine's add_request raises
+    monkeypatch.setattr(pe.engine, "add_request", failing(pe.engine.add_request, "bad-pe"))
+    res = handoff(pe, ce, "bad-pe", prompt, params)
+    assert not res.is_handed_off and res.code == "engine_error" and res.message == ADMISSION_FAILED
+    ce.handle(AbortRequests(("bad-pe",)))
+    # CE: its reservation's admission raises
+    monkeypatch.setattr(ce.engine.handoffs, "enqueue", failing(ce.engine.handoffs.enqueue, "bad-ce"))
+    ce.handle(Reserve("bad-ce", len(prompt) + 1, len(prompt) + params.max_tokens, 30.0))
+    rejected = ce.take(RequestRejected, "bad-ce")
+    assert rejected is not None and rejected.is_internal and rejected.message == ADMISSION_FAILED
+    idle(pe, ce)
+    res = handoff(pe, ce, "ok", prompt, params)
+    assert res.is_handed_off and len(decode_all([pe, ce], ce, "ok")) == 4
+    idle(pe, ce)
+
+
+def test_a_rejection_is_a_400_for_the_requests_fault_and_a_generic_500_otherwise():
+    from pd.errors import rejected
+    from pd.rank.role import ADMISSION_FAILED, rejection
+
+    fault = rejected(rejection("r", InvalidRequestError("bad top_p", "top_p")))
+    assert (fault.status, fault.param) == (400, "top_p")
+    other = rejected(rejection("r", TypeError("'NoneType' object is not subscriptable")))
+    assert other.status == 500 and other.message == ADMISSION_FAILED  # the exception's text stays in the log
