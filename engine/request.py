@@ -12,6 +12,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 LOGIT_BIAS_RANGE = 100.0
 MAX_SEED = 2**63 - 1  # a seed fits a 64-bit generator (torch.Generator.manual_seed) with room for step_seed
+# below this a repetition penalty divides a logit past float32's range (1e-50 is even 0 in float32): inf and
+# NaN logits, and the sampler raised
+MIN_REPETITION_PENALTY = 1e-3
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy (as in vLLM): logits / 1e-40 overflow to inf
 
 
@@ -76,7 +79,7 @@ class SamplingParams:
     # Logit processors, with OpenAI's and vLLM's meanings (engine/sampler.py applies them, batched):
     presence_penalty: float = 0.0  # [-2, 2], subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # [-2, 2], times the token's count in the output
-    repetition_penalty: float = 1.0  # (0, 2]: a token in the prompt or output: logit / p if > 0, else * p
+    repetition_penalty: float = 1.0  # [MIN_REPETITION_PENALTY, 2]: a token in the prompt or output: logit / p if > 0, else * p
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
     min_p: float = 0.0  # [0, 1]: tokens less likely than min_p times the likeliest are dropped (sampling)
     min_tokens: int = 0  # EOS and stop_token_ids are barred until the output has this many tokens
@@ -107,8 +110,10 @@ class SamplingParams:
             if not _is_number(v) or not -2.0 <= v <= 2.0:
                 raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {v!r}", name)
         rp = self.repetition_penalty
-        if not _is_number(rp) or not 0.0 < rp <= 2.0:
-            raise InvalidRequestError(f"repetition_penalty must be a number in (0, 2], got {rp!r}", "repetition_penalty")
+        if not _is_number(rp) or not MIN_REPETITION_PENALTY <= rp <= 2.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY:g}, 2], got {rp!r}", "repetition_penalty"
+            )
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}", "min_p")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

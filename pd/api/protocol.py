@@ -23,6 +23,7 @@ from engine.request import (
     MAX_SEED,
     MAX_STRUCTURED_SPEC_CHARS,
     MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
     SamplingParams,
     StructuredOutput,
 )
@@ -329,7 +330,7 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         use_prefix_cache=_bool(body, "prefix_cache", True),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 2.0),
         logit_bias=_logit_bias(body),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         min_tokens=_int(body, "min_tokens", 0, lo=0),

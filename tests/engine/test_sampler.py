@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.request import RequestOutput, SamplingParams
+from engine.request import MIN_REPETITION_PENALTY, RequestOutput, SamplingParams
 from engine.sampler import process_logits, sample
 from tests.engine_utils import small_engine
 
@@ -88,6 +88,8 @@ def test_min_p_drops_the_unlikely_and_logprobs_stay_raw() -> None:
         {"presence_penalty": 2.5},
         {"frequency_penalty": float("nan")},
         {"repetition_penalty": 0.0},
+        {"repetition_penalty": 1e-50},  # 0 in float32
+        {"repetition_penalty": 1e-10},  # divides a logit past float32's range
         {"min_p": -0.1},
         {"min_tokens": 17},  # more than max_tokens (16)
         {"logit_bias": ((1, 101.0),)},
@@ -136,3 +138,13 @@ def test_through_the_engine(tiny_model_dir) -> None:
     # a token id past the vocabulary is refused by the engine
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         eng.validate("x", prompt, SamplingParams(logit_bias=((10**6, 1.0),)))
+
+
+def test_the_smallest_repetition_penalty_keeps_the_logits_finite() -> None:
+    """At MIN_REPETITION_PENALTY a seen token's logit of 100 becomes 1e5 (1e-50 made it inf, and the
+    sampler raised); a barred token stays -inf rather than becoming NaN."""
+    x = torch.tensor([[100.0, -100.0, 3.0, 0.0] + [0.0] * 8])
+    params = [SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY, max_tokens=8, min_tokens=2)]
+    y = process_logits(x, params, [[0, 1]], [[2]], EOS)
+    assert y[0, 0] == pytest.approx(1e5) and y[0, 1] == pytest.approx(-0.1) and y[0, 2] == pytest.approx(3000.0)
+    assert y[0, 11] == float("-inf") and torch.isfinite(y[0, :11]).all()

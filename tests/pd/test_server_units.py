@@ -199,6 +199,7 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
         ({"messages": USER, "frequency_penalty": "1"}, "frequency_penalty"),
         ({"messages": USER, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": USER, "repetition_penalty": 1e-50}, "repetition_penalty"),
         ({"messages": USER, "min_p": 1.5}, "min_p"),
         ({"messages": USER, "min_tokens": -1}, "min_tokens"),
         ({"messages": USER, "logit_bias": [1, 5]}, "logit_bias"),

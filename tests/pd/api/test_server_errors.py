@@ -261,6 +261,7 @@ CASES = [
         "invalid_json",
     ),
     ("seed-over-int64", "/v1/chat/completions", {"model": MODEL, "messages": HI, "seed": 2**63}, 400, "seed", None),
+    ("repetition-penalty-overflows-the-logits", "/v1/chat/completions", {"model": MODEL, "messages": HI, "repetition_penalty": 1e-10}, 400, "repetition_penalty", None),
     ("stop-token-negative", "/v1/chat/completions", {"model": MODEL, "messages": HI, "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
     ("stop-token-not-a-list", "/v1/completions", {"model": MODEL, "prompt": "a", "stop_token_ids": 5}, 400, "stop_token_ids", None),
     ("stop-token-out-of-vocab", "/v1/chat/completions", {"model": MODEL, "messages": HI, "stop_token_ids": [10**8]}, 400, "stop_token_ids", None),
