@@ -42,6 +42,11 @@ class ParsedOutput:
     tool_calls: tuple[ToolCall, ...]
 
 
+# what a parse of model output raises when it is no (JSON) call: nesting deeper than the decoder's
+# recursion limit is no call either, never a RecursionError that fails the request
+NOT_JSON = (ValueError, RecursionError)
+
+
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
@@ -54,7 +59,7 @@ def _call_from(obj: Any) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except NOT_JSON:
             return None
     if not isinstance(args, dict):
         return None
@@ -73,7 +78,7 @@ def _loads_lenient(text: str) -> Any:
     for candidate in (text, text + "}"):
         try:
             return dec.raw_decode(candidate)[0]
-        except ValueError:
+        except NOT_JSON:
             continue
     raise ValueError("no JSON object")
 
@@ -82,7 +87,7 @@ def parse_forced_arguments(name: str, text: str) -> ToolCall | None:
     """The call of a forced function whose prompt ended in `..."arguments": `: the answer starts with them."""
     try:
         args, _ = json.JSONDecoder().raw_decode(text.lstrip())
-    except ValueError:
+    except NOT_JSON:
         return None
     return (
         ToolCall(name, json.dumps(args, ensure_ascii=False), new_call_id())
@@ -109,7 +114,7 @@ class HermesParser:
         for m in self._block.finditer(text):
             try:
                 call = _call_from(_loads_lenient(m.group(1)))
-            except ValueError:
+            except NOT_JSON:
                 call = None
             if call is None:
                 continue  # not a call: its text stays in the content
@@ -135,7 +140,7 @@ class Llama3JsonParser:
         while pos < len(body):
             try:
                 obj, end = dec.raw_decode(body, pos)
-            except ValueError:
+            except NOT_JSON:
                 return ParsedOutput(_content(text), ())
             call = _call_from(obj)
             if call is None:
@@ -175,7 +180,7 @@ class MistralParser:
                     if call is None:
                         raise ValueError("bad call")
                     calls.append(call)
-        except ValueError:
+        except NOT_JSON:
             return ParsedOutput(_content(text), ())
         return ParsedOutput(_content(head), tuple(calls))
 

@@ -9,6 +9,7 @@ import pytest
 
 from pd.chat.renderer import FALLBACK_TOOLS_PROMPT, PromptRenderer
 from pd.chat.toolcalls import (
+    PARSERS,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
@@ -301,3 +302,13 @@ def test_forced_arguments():
     assert call is not None and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     assert parse_forced_arguments("f", "not json") is None
     assert parse_forced_arguments("f", "[1, 2]") is None
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_arguments_nested_past_the_recursion_limit_are_no_call(name):
+    """Nesting deeper than the JSON decoder's recursion limit raised RecursionError out of the parser
+    (a 500, issue 29): such an answer is text, in every format."""
+    deep = "[" * 100_000 + "]" * 100_000
+    text = f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>'
+    out = PARSERS[name]().parse(text)
+    assert out.tool_calls == () and out.content == text
