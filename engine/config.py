@@ -17,6 +17,8 @@ PREFILL_SDPA_PATHS = ("fresh", "off", "flash", "cudnn")
 GEMV_MAX_ROWS = 8  # pdkernels/gemv.py MAX_ROWS
 
 
+MAX_DEFAULT_MODEL_LEN = 32768  # the context without --max-model-len: the model's, at most this
+
 @dataclass(frozen=True)
 class ForwardConfig:
     """How a forward pass runs on CUDA (the CPU path ignores it). It travels in the step's forward

@@ -28,7 +28,7 @@ import torch
 
 from engine import expert_parallel
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, EngineStats
+from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig, EngineStats
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
@@ -53,7 +53,6 @@ from engine.sampler import process_logits, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
 
-MAX_DEFAULT_MODEL_LEN = 32768
 log = logging.getLogger(__name__)
 
 

@@ -17,7 +17,7 @@ import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from engine.config import EngineConfig
+from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig
 from pd.flags import add_config_flag, from_flags, parse_args, parser_for
 from transfer.config import TransferConfig
 
@@ -27,6 +27,7 @@ DEFAULT_KV_PORT_BASE = 8900
 ROUTING_POLICIES = ("affinity", "least-loaded")
 ROLES = ("single", "pe", "ce")
 API_KEY_ENV = "PDSERVE_API_KEY"
+PREFILL_ENVELOPE_BYTES = 64 * 1024  # a /prefill body's fields beside the prompt and the client's text
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the parsers pd/chat/reasoning.py implements (tested to agree)
 PE_ROUTING = ("affinity", "least-loaded", "round-robin")
 DNS_SCHEME = "dns+"
@@ -144,7 +145,13 @@ class ServerConfig:
             "choices": REASONING_PARSERS,
         },
     )
-    max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "larger request bodies get 413"})
+    max_body_bytes: int = field(
+        default=4 * 1024 * 1024,
+        metadata={
+            "help": "larger request bodies get 413; a prefill engine's /prefill takes what a decode engine "
+            "with the same flags may forward (twice this, plus the prompt as token ids)"
+        },
+    )
     rank_start_timeout_s: float = field(
         default=600.0, metadata={"help": "engine ranks must be up within this"}
     )
@@ -322,6 +329,17 @@ class ServerConfig:
         if self.port is not None:
             return self.port
         return DEFAULT_PE_PORT if self.role == "pe" else DEFAULT_PORT
+
+    @property
+    def prefill_max_body_bytes(self) -> int:
+        """The largest /prefill body: what a decode engine with these --max-body-bytes and
+        --max-model-len can make of a request it accepted, so the two sides' limits agree. The client's
+        text is re-encoded (a structured-output spec sent as a JSON object becomes a JSON string: every
+        quote and separator escaped or spaced, at most twice its bytes), the prompt travels as token ids
+        (at most 11 bytes each), and the envelope is small. A decode engine refuses with 413 what would
+        still be larger (pd/disagg/decode_path.py); a prefill engine takes up to this on /prefill."""
+        max_len = self.engine.max_model_len or MAX_DEFAULT_MODEL_LEN
+        return 2 * self.max_body_bytes + 11 * max_len + PREFILL_ENVELOPE_BYTES
 
     @property
     def model_name(self) -> str:

@@ -169,8 +169,8 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def _base_app(co: Coordinator) -> web.Application:
-    app = web.Application(client_max_size=co.cfg.max_body_bytes, middlewares=[guard])
+def _base_app(co: Coordinator, max_body_bytes: int) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[guard])
     app[COORDINATOR] = co
     app.on_response_prepare.append(_request_id_header)
     app.router.add_get("/v1/models", models)
@@ -182,7 +182,7 @@ def _base_app(co: Coordinator) -> web.Application:
 
 
 def make_app(co: Coordinator) -> web.Application:
-    app = _base_app(co)
+    app = _base_app(co, co.cfg.max_body_bytes)
     app.router.add_post("/v1/chat/completions", _handler(chat_completions))
     app.router.add_post("/v1/completions", _handler(completions))
     app.router.add_get("/v1/models/{model:.+}", models)  # served names may have a slash (org/name)
@@ -195,7 +195,7 @@ def make_app(co: Coordinator) -> web.Application:
 def make_prefill_app(co: Coordinator, token: bytes) -> web.Application:
     """The PE's app: /prefill (signed with the cluster token: pd/disagg/prefill_auth.py), /health*, /metrics,
     /v1/models."""
-    app = _base_app(co)
+    app = _base_app(co, co.cfg.prefill_max_body_bytes)  # what a decode engine may send (ServerConfig)
     app[VERIFIER] = Verifier(token, co.cfg.prefill_auth_window_s)
     app.router.add_post("/prefill", _handler(prefill))
     return app

@@ -56,7 +56,7 @@ def parse_prefill(body: Any, default_lease_s: float) -> Prefill:
 async def prefill(co: Coordinator, request: web.Request) -> web.Response:
     metrics = co.cluster_metrics
     assert metrics is not None
-    body = await read_body(request, co.cfg.max_body_bytes, co.cfg.body_timeout_s)
+    body = await read_body(request, co.cfg.prefill_max_body_bytes, co.cfg.body_timeout_s)
     try:
         check_signature(request, request.app[VERIFIER], body)
     except ApiError:

@@ -85,6 +85,8 @@ def _prefill_error(e: PrefillFailed) -> ApiError:
         return ApiError(503, msg, type="server_error", code="prefill_unavailable")
     if e.status == 400:
         return bad_request(e.message, code=e.code)
+    if e.status == 413:
+        return ApiError(413, e.message, code=e.code)
     return ApiError(
         502 if e.status < 500 or e.status == 502 else e.status, msg, type="server_error", code=e.code
     )
@@ -239,7 +241,7 @@ class DecodePath:
         client, reason = choice
         try:
             with self.pool.attempt(client, reason):
-                return await client.prefill(body)
+                return await client.prefill(body, self.cfg.prefill_max_body_bytes)
         except PrefillFailed as e:
             if not _may_fail_over(e) or progress.began:
                 raise
@@ -255,7 +257,7 @@ class DecodePath:
             )
             self.metrics.handoff_failures.labels(self.cfg.transfer.transport, e.code).inc()
         with self.pool.attempt(second[0], "failover"):
-            return await second[0].prefill(body)
+            return await second[0].prefill(body, self.cfg.prefill_max_body_bytes)
 
     async def _while_prefilling(
         self,

@@ -114,10 +114,18 @@ class PrefillClient:
             d["last_error"] = self.last_error
         return d
 
-    async def prefill(self, body: PrefillBody) -> PrefillReply:
-        """Raises PrefillFailed for anything but a completed handoff (or a request the PE finished)."""
+    async def prefill(self, body: PrefillBody, max_body_bytes: int | None = None) -> PrefillReply:
+        """Raises PrefillFailed for anything but a completed handoff (or a request the PE finished);
+        status 413, sending nothing, when the encoded body is over max_body_bytes."""
         assert self._session is not None
         data = orjson.dumps(to_wire(body))
+        if max_body_bytes is not None and len(data) > max_body_bytes:
+            raise PrefillFailed(
+                "request_too_large",
+                f"the request is {len(data)} bytes as a /prefill body, more than a prefill engine takes "
+                f"({max_body_bytes})",
+                status=413,
+            )
         for attempt in range(2):
             headers = {  # signed anew each attempt: a signature's nonce is good once
                 "Authorization": sign(self._token, "POST", "/prefill", data),

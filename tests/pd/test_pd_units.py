@@ -643,3 +643,42 @@ def test_a_rejection_is_a_400_for_the_requests_fault_and_a_generic_500_otherwise
     assert (fault.status, fault.param) == (400, "top_p")
     other = rejected(rejection("r", TypeError("'NoneType' object is not subscriptable")))
     assert other.status == 500 and other.message == ADMISSION_FAILED  # the exception's text stays in the log
+
+
+def test_what_a_decode_engine_forwards_fits_the_prefill_engines_limit():
+    """A body the CE took (at --max-body-bytes, a schema full of quotes, a prompt at the context's
+    length) grew past the PE's own --max-body-bytes as a /prefill body: 502 for a valid request
+    (issue 29). The PE's /prefill now takes ServerConfig.prefill_max_body_bytes, which holds it."""
+    import dataclasses as dc
+
+    import orjson
+
+    from pd.api.protocol import parse_chat_request
+
+    cfg = ServerConfig(max_body_bytes=65536)
+    cfg = dc.replace(cfg, engine=dc.replace(cfg.engine, max_model_len=2048))
+    quotes = '"' * 20_000
+    body = {"messages": [{"role": "user", "content": "Hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "q", "schema": {"type": "object", "description": quotes}}}}
+    raw = orjson.dumps(body)
+    assert len(raw) <= cfg.max_body_bytes
+    params = parse_chat_request(orjson.loads(raw)).sampling.params(16, None, 0)
+    prefill = PrefillBody("r" * 64, tuple([151_935] * 2047), params, "pe-host.example:8900", seed=2**63 - 1)
+    forwarded = len(orjson.dumps(to_wire(prefill)))
+    assert cfg.max_body_bytes < forwarded <= cfg.prefill_max_body_bytes
+
+
+async def test_a_prefill_body_over_the_limit_is_a_413_and_is_not_sent():
+    from pd.disagg.decode_path import _prefill_error
+    from pd.disagg.prefill_client import PrefillClient
+
+    client = PrefillClient("http://127.0.0.1:9", TOKEN.encode(), 10.0)  # nothing listens there
+    await client.start()
+    try:
+        with pytest.raises(PrefillFailed) as e:
+            await client.prefill(PrefillBody("r", tuple(range(1, 2000)), SamplingParams(max_tokens=2), "h:1"), 1024)
+    finally:
+        await client.stop()
+    assert e.value.status == 413 and e.value.code == "request_too_large"
+    error = _prefill_error(e.value)
+    assert (error.status, error.code) == (413, "request_too_large")

@@ -489,6 +489,8 @@ async def test_bad_prefill_body_is_a_400_naming_the_field(cluster):
             ({**good, "params": {"max_tokens": 8, "seed": 2**64 - 1}}, "params.seed"),
             ({**good, "params": {"max_tokens": 8, "stop_token_ids": [-5]}}, "params.stop_token_ids"),
             ({**good, "params": {"max_tokens": 8, "logprobs": 21}}, "params.top_logprobs"),
+            # past the PE's own --max-body-bytes (4 MiB) yet within what a CE may forward: read, not a 413
+            ({**good, "prompt_token_ids": "1 " * (5 << 19)}, "prompt_token_ids"),
         ):
             data = orjson.dumps(body)
             async with s.post(pair.pe.url + "/prefill", data=data, headers=signed_headers(pair.token, data)) as resp:
