@@ -411,7 +411,7 @@ class _PE:
 
         self.answer = asyncio.Event()
 
-    async def prefill(self, body: PrefillBody) -> PrefillReply:
+    async def prefill(self, body: PrefillBody, max_body_bytes: int | None = None) -> PrefillReply:
         await self.answer.wait()
         return PrefillReply(True, 3, 2, 0.1, 0.01, 1000, "tcp", None)
 
@@ -554,7 +554,7 @@ def test_unreadable_prefill_answer_fails_the_request_cleanly():
     from pd.disagg.metrics import ClusterMetrics
 
     class BadPE:
-        async def prefill(self, body: PrefillBody) -> PrefillReply:
+        async def prefill(self, body: PrefillBody, max_body_bytes: int | None = None) -> PrefillReply:
             raise PrefillFailed("bad_response", "the prefill engine's answer does not decode", 200)
 
     class Req:
