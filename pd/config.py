@@ -335,7 +335,7 @@ class ServerConfig:
         """The largest /prefill body: what a decode engine with these --max-body-bytes and
         --max-model-len can make of a request it accepted, so the two sides' limits agree. The client's
         text is re-encoded (a structured-output spec sent as a JSON object becomes a JSON string: every
-        quote and separator escaped or spaced, at most twice its bytes), the prompt travels as token ids
+        quote and backslash escaped, at most twice its bytes), the prompt travels as token ids
         (at most 11 bytes each), and the envelope is small. A decode engine refuses with 413 what would
         still be larger (pd/disagg/decode_path.py); a prefill engine takes up to this on /prefill."""
         max_len = self.engine.max_model_len or MAX_DEFAULT_MODEL_LEN

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pd.messages import RequestRejected
-
-from typing import Any
 
 
 class ApiError(Exception):

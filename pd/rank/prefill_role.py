@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from engine.errors import InvalidRequestError
 from engine.handoff import SequenceExport
 from engine.request import RequestOutput
 from pd.config import RoleConfig
 from pd.messages import AbortRequests, Message, Prefill, PrefillResult
 from pd.rank.loop_thread import LoopThread
-from pd.rank.role import ADMISSION_FAILED, add_request
+from pd.rank.role import add_request, rejection
 from transfer.auth import load_token
 from transfer.errors import TRANSPORT, HandoffError
 from transfer.handoff import model_fingerprint
@@ -87,9 +86,9 @@ class PrefillRole:
             if error is None:
                 self.jobs[msg.request_id] = _Job(msg, time.monotonic())
             else:
-                code = REJECTED if isinstance(error, InvalidRequestError) else ENGINE_ERROR
-                message = str(error) if code == REJECTED else ADMISSION_FAILED
-                self.send(PrefillResult(msg.request_id, False, code=code, message=message))
+                refusal = rejection(msg.request_id, error)  # a 400 for the request's fault, else a generic 500
+                code = ENGINE_ERROR if refusal.is_internal else REJECTED
+                self.send(PrefillResult(msg.request_id, False, code=code, message=refusal.message))
             return True
         if isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
