@@ -18,6 +18,7 @@ composed in, one job a module:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -383,14 +384,31 @@ class LLMEngine:
         return out
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        processed = process_logits(
+        """The logits each row draws from: processed (sampler.process_logits), then masked by its grammar.
+        Where a grammar allows only tokens that min_tokens bars (the end, or a stop id), the grammar wins:
+        that row is processed again without the bar, so the request ends there with "stop" rather than
+        drawing from nothing (all -inf: a sampled row's draw raises, a greedy one takes token 0)."""
+        processed = mask_logits(self._processed(logits, seqs), [s.matcher for s in seqs])
+        barred = [i for i, s in enumerate(seqs) if s.matcher is not None and len(s.output_token_ids) < s.params.min_tokens]
+        if barred:
+            empty = torch.isneginf(processed[barred]).all(-1).tolist()
+            stuck = [i for i, e in zip(barred, empty) if e]
+            if stuck:
+                rows = [seqs[i] for i in stuck]
+                lifted = [dataclasses.replace(s.params, min_tokens=0) for s in rows]
+                processed[stuck] = mask_logits(self._processed(logits[stuck], rows, lifted), [s.matcher for s in rows])
+        return processed
+
+    def _processed(
+        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams] | None = None
+    ) -> torch.Tensor:
+        return process_logits(
             logits,
-            [s.params for s in seqs],
+            [s.params for s in seqs] if params is None else params,
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             self.eos_token_ids,
         )
-        return mask_logits(processed, [s.matcher for s in seqs])
 
     def _admit(self, seq: Sequence) -> None:
         """The scheduler's on_admit: a failed prefix restore is remembered and fails seq in step()."""

@@ -134,6 +134,21 @@ def test_a_grammar_failing_mid_output_fails_its_request_alone(engine) -> None:
     assert out["good"][1] == "length"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_allowing_only_what_min_tokens_bars_ends_the_request(engine, temperature) -> None:
+    """The grammar allows one token, a stop id that min_tokens bars: every logit would be -inf (a greedy
+    row took token 0 and broke the grammar, a sampled row's draw raised). The grammar wins: the request
+    ends there with "stop", as it would without min_tokens, and the row beside it is untouched."""
+    (yes,) = engine.tokenizer.encode("yes", add_special_tokens=False)
+    ids = _prompt(engine, "Is water wet?")
+    only_yes = StructuredOutput("choice", '["yes"]')
+    base = dict(max_tokens=8, temperature=temperature, seed=3, stop_token_ids=(yes,), structured=only_yes)
+    free = SamplingParams(max_tokens=4, ignore_eos=True, temperature=temperature, seed=3)
+    out = _run(engine, {"barred": (ids, SamplingParams(min_tokens=3, **base)), "free": (ids, free)})
+    assert out["barred"] == ("yes", "stop") == _run(engine, {"plain": (ids, SamplingParams(**base))})["plain"]
+    assert out["free"] == _run(engine, {"free": (ids, free)})["free"] and out["free"][1] == "length"
+
+
 def test_mask_allows_exactly_the_grammars_tokens(engine) -> None:
     compiler = GrammarCompiler(engine.tokenizer, engine.arch.vocab_size, engine.eos_token_ids)
     digits = compiler.matcher(StructuredOutput("regex", "[0-9]+"), [])
