@@ -55,6 +55,8 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
+# what a client hears of a failure that is not its request's fault (the log has the exception)
+FAILED = "the engine failed while {phase} this request (the server's log has why, under the request's id)"
 
 
 class LLMEngine:
@@ -437,7 +439,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_prompt,
             num_output_tokens=len(seq.output_token_ids),
-            error=f"the engine failed while {phase} this request: {type(error).__name__}: {error}",
+            error=str(error) if isinstance(error, InvalidRequestError) else FAILED.format(phase=phase),
         )
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:

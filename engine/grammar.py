@@ -112,7 +112,7 @@ class GrammarCompiler:
         bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
         try:
             fill_masks([first], bitmask)
-        except RuntimeError:
+        except InvalidRequestError:
             raise InvalidRequestError(f"the {so.kind} allows no first token", param) from None
         if not bitmask.any():
             raise InvalidRequestError(f"the {so.kind} allows no first token", param)
@@ -162,8 +162,10 @@ def fill_masks(matchers: list[Matcher], bitmask: torch.Tensor) -> None:
 
     fill_next_token_bitmask_par(_executor(), [(m._m, r) for r, m in enumerate(matchers)], bitmask)
     for m in matchers:
-        if m._m.is_error():
-            raise RuntimeError(f"the output's grammar failed: {m._m.get_error()}")
+        if m._m.is_error():  # the request's grammar (too complex, a lexer that cannot go on): its fault
+            # the error's first line (the rest is the matcher's state and the whole grammar)
+            reason = (m._m.get_error() or "").strip().split("\n", 1)[0][:200]
+            raise InvalidRequestError(f"the output's grammar failed: {reason}")
 
 
 def _additive_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -49,6 +49,12 @@ def internal(message: str) -> ApiError:
     return ApiError(500, message, type="server_error", code="internal_error")
 
 
+def unexpected() -> ApiError:
+    """The answer to an exception the server did not expect: a 500 that says nothing of it (the caller
+    logs it, and the log line carries the request's id)."""
+    return internal("internal error (the server's log has it under the request's id)")
+
+
 def rejected(ev: RequestRejected) -> ApiError:
     """The error a rank's refusal of a request answers with: a 400 for the request's fault, else a 500."""
     return internal(ev.message) if ev.is_internal else bad_request(ev.message, ev.param)

@@ -30,7 +30,7 @@ from pd.api.prefill import VERIFIER, prefill
 from pd.api.tokenize import detokenize, tokenize, version
 from pd.config import ServerConfig
 from pd.disagg.prefill_auth import Verifier
-from pd.errors import ApiError, bad_request, internal
+from pd.errors import ApiError, bad_request, unexpected
 from pd.frontend.coordinator import Coordinator
 from pd.frontend.metrics import CONTENT_TYPE
 from pd.http.io import error_response, json_response
@@ -105,9 +105,9 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         err = _api_error_of(e)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception as e:
+    except Exception:
         log.exception("unexpected error in %s %s", request.method, request.path)
-        err = internal(f"internal error: {type(e).__name__}")
+        err = unexpected()
     finally:
         if admitted:
             co.admission.done()

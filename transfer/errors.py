@@ -13,7 +13,8 @@ TRANSPORT = "transport"  # the transport is not enabled here, or failed
 CHECKSUM = "checksum"  # the payload arrived but does not match its checksum
 INCOMPLETE = "incomplete"  # the connection closed before the payload was complete
 TIMEOUT = "timeout"
-REJECTED = "rejected"  # the receiver's on_complete refused the verified sequence (e.g. import failed)
+REJECTED = "rejected"  # the receiver's on_complete refused the verified sequence: the request's fault
+ENGINE_ERROR = "engine_error"  # an engine failed to export or import the sequence (its log says why)
 PROTOCOL = "protocol"  # an unexpected or malformed control message
 STALE = "stale"  # the receiver does not know the sender's NCCL communicator (it restarted): bootstrap again
 # the codes this side knows: a nack with another code is read as PROTOCOL (wire.py)
@@ -29,6 +30,7 @@ CODES = frozenset(
         INCOMPLETE,
         TIMEOUT,
         REJECTED,
+        ENGINE_ERROR,
         PROTOCOL,
         STALE,
     }

@@ -186,6 +186,7 @@ class Channel:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             self.shutdown()
+            fut.add_done_callback(_read_exception)  # what the thread raises then (a broken pipe) is moot
             with suppress(BaseException):
                 await asyncio.wait([fut], timeout=10.0)
             raise
@@ -197,6 +198,12 @@ class Channel:
     def close(self) -> None:
         self.shutdown()
         self.sock.close()
+
+
+def _read_exception(fut: asyncio.Future[Any]) -> None:
+    """Marks fut's exception as read (asyncio logs "Future exception was never retrieved" otherwise)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class _Blocking:

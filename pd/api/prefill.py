@@ -24,6 +24,7 @@ from pd.frontend.coordinator import Coordinator
 from pd.http.io import json_response, parse_json, read_body
 from pd.messages import Prefill, PrefillBody, PrefillReply, PrefillResult, RequestRejected
 from pd.rank.client import RankDown, RankEvent
+from transfer.errors import ENGINE_ERROR
 
 log = logging.getLogger(__name__)
 VERIFIER = web.AppKey("prefill_verifier", Verifier)
@@ -96,8 +97,8 @@ async def _prefill(co: Coordinator, msg: Prefill) -> web.Response:
         metrics.handoff_failures.labels(transport, ev.code or "unknown").inc()
         if ev.code == "rejected":
             raise bad_request(ev.message)
-        if ev.code == "engine_error":  # this request failed in the PE's engine; the rank serves on
-            raise ApiError(500, f"prefill failed: {ev.message}", type="server_error", code="engine_error")
+        if ev.code == ENGINE_ERROR:  # an engine (the PE's, or the CE's import) failed this request alone
+            raise ApiError(500, ev.message, type="server_error", code=ENGINE_ERROR)
         raise ApiError(502, f"handoff failed: {ev.message}", type="server_error", code=ev.code)
     reply = PrefillReply(
         ev.is_handed_off,

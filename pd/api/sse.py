@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
-from pd.errors import ApiError
+from pd.errors import ApiError, unexpected
 
 if TYPE_CHECKING:
     from pd.frontend.generation import ChoiceUpdate, Generation
 
+log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -56,6 +58,10 @@ async def stream_choices(
                 await resp.write(sse_event(c))
     except ApiError as e:
         await resp.write(sse_event(e.to_dict()))
+        return resp
+    except Exception:  # the response has begun: the error goes in-band, as the middleware would answer it
+        log.exception("unexpected error in the stream of %s %s", request.method, request.path)
+        await resp.write(sse_event(unexpected().to_dict()))
         return resp
     if usage is not None:
         await resp.write(sse_event({**head, "choices": [], "usage": usage()}))

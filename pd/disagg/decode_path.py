@@ -77,6 +77,13 @@ def _may_fail_over(e: PrefillFailed) -> bool:
     return e.status is None or (e.status >= 500 and e.status != 502)
 
 
+def _retrieved(task: asyncio.Task[PrefillReply]) -> None:
+    """Marks a finished prefill's exception as read: a request cancelled (the client went away) just as its
+    prefill failed leaves nobody to read it, and asyncio would log "Task exception was never retrieved"."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _prefill_error(e: PrefillFailed) -> ApiError:
     msg = f"prefill failed: {e.message}"
     if e.status is None:
@@ -124,6 +131,7 @@ class DecodePath:
             failure: PrefillFailed | None = None
             progress = _Progress()
             prefill = asyncio.create_task(self._prefill(rank, req, key, progress, held_tokens))
+            prefill.add_done_callback(_retrieved)  # its failure is read below, unless this task is cancelled
             try:
                 await self._while_prefilling(prefill, events, out, progress)
                 res = prefill.result()
@@ -274,7 +282,11 @@ class DecodePath:
         held = progress.held
         while not prefill.done():
             get = asyncio.ensure_future(events.get())
-            await asyncio.wait({prefill, get}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait({prefill, get}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the client left: no get may outlive this task, pending
+                get.cancel()
+                raise
             if not get.done():
                 get.cancel()  # a cancelled get takes nothing off the queue
                 continue

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
+from engine.errors import InvalidRequestError
+from engine.faults import raise_if_fatal
 from engine.handoff import SequenceExport
 from engine.handoff_ledger import Phase
 from engine.request import RequestOutput
@@ -32,7 +34,7 @@ from pd.messages import AbortRequests, AddRequest, Message, Reserve, Reserved, S
 from pd.rank.loop_thread import LoopThread
 from pd.rank.role import admission_error, rejection
 from transfer.auth import load_token
-from transfer.errors import UNEXPECTED, HandoffError
+from transfer.errors import ENGINE_ERROR, UNEXPECTED, HandoffError
 from transfer.handoff import HandoffHeader, allocate_payload, model_fingerprint
 from transfer.receiver import KVReceiver
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
+IMPORT_FAILED = "the decode engine failed to import it (its log has why, under the request's id)"
 TICK_S = 0.1  # how often reservations are checked for expiry while any is held
 
 
@@ -126,9 +129,14 @@ class DecodeRole:
             try:
                 self.engine.import_sequence(item.export)
             except Exception as e:  # refused: the PE hears it as a nack and the coordinator ends the request
-                log.warning("import of %r failed: %r", rid, e)
                 self.handoffs.refuse_import(rid)
-                error = e
+                if isinstance(e, InvalidRequestError):  # the request's fault: a 400, saying why
+                    log.warning("import of %r refused: %s", rid, e)
+                    error = e
+                else:
+                    raise_if_fatal(e)
+                    log.error("import of %r failed", rid, exc_info=e)
+                    error = HandoffError(ENGINE_ERROR, IMPORT_FAILED)
         self.lt.loop.call_soon_threadsafe(_resolve, item.done, error)
 
     def _expire(self) -> None:

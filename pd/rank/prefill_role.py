@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from engine.faults import raise_if_fatal
 from engine.handoff import SequenceExport
 from engine.request import RequestOutput
 from pd.config import RoleConfig
@@ -30,7 +31,7 @@ from pd.messages import AbortRequests, Message, Prefill, PrefillResult
 from pd.rank.loop_thread import LoopThread
 from pd.rank.role import add_request, rejection
 from transfer.auth import load_token
-from transfer.errors import TRANSPORT, HandoffError
+from transfer.errors import ENGINE_ERROR, TRANSPORT, HandoffError
 from transfer.handoff import model_fingerprint
 from transfer.sender import Ack, KVSender
 
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ABORTED = "aborted"
 REJECTED = "rejected"
-ENGINE_ERROR = "engine_error"  # the engine failed this request (finish_reason "error"); the rank goes on
+EXPORT_FAILED = "the prefill engine failed to export it (its log has why, under the request's id)"
 
 
 @dataclass
@@ -119,8 +120,9 @@ class PrefillRole:
                     )
                     job.skipped_tokens = skip * self.engine.layout.block_size
                 except Exception as e:
-                    log.exception("export of %r failed", o.request_id)
-                    self._fail(job, HandoffError(TRANSPORT, f"export failed: {e!r}"))
+                    raise_if_fatal(e)
+                    log.error("export of %r failed", o.request_id, exc_info=e)
+                    self._fail(job, HandoffError(ENGINE_ERROR, EXPORT_FAILED))
                     continue
                 job.sending = self.lt.submit(self._send_one(job.msg, export))
             elif o.is_finished:

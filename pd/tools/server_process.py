@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 
 def free_port() -> int:
@@ -44,6 +44,9 @@ def get_json(url: str, timeout_s: float = 10.0, context: ssl.SSLContext | None =
 
 
 class ServerProcess:
+    # every log file a server of this process wrote to (tests/conftest.py reads them after each test)
+    log_paths: ClassVar[set[Path]] = set()
+
     def __init__(
         self,
         *args: str,
@@ -84,6 +87,8 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         """Starts the process without waiting (start several, then wait_ready each: they load at once)."""
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        if self.log_path:
+            ServerProcess.log_paths.add(Path(self.log_path))
         self.proc = subprocess.Popen(
             [*self.command, *self.args],
             stdout=out,
