@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast lint models clean
+.PHONY: setup test test-fast test-lowest lint models clean
 
 STAMP := $(VENV)/.installed
 
@@ -32,7 +32,29 @@ lint: setup
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LOWEST_VENV)
+
+# ---- the lower bounds in pyproject.toml, installed and smoke-tested (CI runs it after `make test`) ----
+LOWEST_VENV ?= .venv-lowest
+# requires-python's floor; pyenv's build where there is one (uv does not look inside pyenv)
+LOWEST_PYTHON ?= $(or $(shell pyenv prefix 3.10 2>/dev/null),3.10)
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
+# Its own models, converted by these versions (a newer transformers' conversion may not load in an older one).
+LOWEST_RUN := PDSERVE_HOME=$(abspath $(LOWEST_VENV))/pdserve $(LOWEST_VENV)/bin/python
+
+# Every direct dependency (the test extra's too) at its lower bound, what they pull in at its newest.
+# torch comes from PyPI, its CUDA build (it runs on the CPU): CPU builds are only on download.pytorch.org,
+# which CI does not reach.
+# uv's cache (~/.cache/uv, about 7 GB) makes a rebuild seconds; --seed: engine.models installs with pip.
+$(LOWEST_STAMP): pyproject.toml $(STAMP)
+	rm -rf $(LOWEST_VENV)
+	$(BIN)/uv venv -q --seed --python $(LOWEST_PYTHON) $(LOWEST_VENV)
+	$(BIN)/uv pip install -q --python $(LOWEST_VENV)/bin/python --resolution lowest-direct -e '.[test]'
+	$(LOWEST_RUN) -m engine.models fetch smollm2-135m-instruct
+	touch $(LOWEST_STAMP)
+
+test-lowest: $(LOWEST_STAMP)
+	$(LOWEST_RUN) -m pytest -q -ra -m smoke
 
 # ---- demo (owned by the server work) ----
 .PHONY: demo

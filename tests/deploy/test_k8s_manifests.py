@@ -25,6 +25,8 @@ from pd.frontend.coordinator import Coordinator
 from pd.server import make_app, make_prefill_app
 from transfer.auth import load_token
 
+pytestmark = pytest.mark.smoke  # kubernetes-validate and pyyaml at their lower bounds
+
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 # The oldest Kubernetes the base is meant for (the preStop `sleep` action is on by default from 1.30)
 # and the newest whose schemas kubernetes-validate bundles.

@@ -16,6 +16,8 @@ from engine.models import resolve_model
 from engine.request import SamplingParams, StructuredOutput
 from tests.engine_utils import small_engine
 
+pytestmark = pytest.mark.smoke
+
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

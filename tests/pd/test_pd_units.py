@@ -272,6 +272,7 @@ def idle(*sides: Side) -> None:
         assert not getattr(s.role, "jobs", {})  # commits and reservations: check_idle (engine.handoffs)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize(
     "params",
     [

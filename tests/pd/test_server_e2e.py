@@ -64,12 +64,14 @@ def stream_text(client, **kw) -> tuple[str, str | None]:
     return text, finish
 
 
+@pytest.mark.smoke
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, body = get_json(server.url + "/health")
     assert status == 200 and body["status"] == "ok" and body["ranks"][0]["state"] == "up"
 
 
+@pytest.mark.smoke
 def test_chat_whole_then_streamed_with_usage(client):
     r = client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=8, temperature=0)
     c = r.choices[0]
@@ -354,6 +356,7 @@ def test_json_schema_parses_into_a_pydantic_model(client):
     assert finish == "stop" and Person.model_validate_json(text) == person
 
 
+@pytest.mark.smoke
 def test_json_object_regex_choice_and_grammar(client):
     def ask(content: str, max_tokens: int, **kw) -> tuple[str, str]:
         r = client.chat.completions.create(

@@ -303,6 +303,7 @@ async def test_runner_bounds_errors_and_cancellation(fake) -> None:
     assert [r.status for r in rate.requests] == ["ok"] * 5
 
 
+@pytest.mark.smoke  # matplotlib and pytest-asyncio at their lower bounds
 async def test_outputs_json_table_and_plots(fake, tmp_path: Path) -> None:
     runs = []
     for c in (1, 2):

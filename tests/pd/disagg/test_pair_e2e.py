@@ -37,6 +37,7 @@ LONG = "Background: " + " ".join(f"Fact {i}: the value of item {i} is {i * 7 % 1
 servers = module_ref_and_pair(*ARGS)
 
 
+@pytest.mark.smoke
 def test_roles_and_health(servers):
     _, pair = servers
     status, ce = get_json(pair.url + "/health")
@@ -82,6 +83,16 @@ def test_chat_matches_single_engine_with_usage_and_cached_tokens(servers):
     assert usage.prompt_tokens_details.cached_tokens == cached
     m = rank_metrics(pair.ce.port)
     assert m["pdserve_engine_handoffs_imported_total"] >= 3
+    wait_pair_idle(pair)
+
+
+@pytest.mark.smoke
+def test_check_pd_a_few_cases(servers, capsys):
+    """The smoke set's share of check_pd (all of it takes minutes): greedy, and a JSON schema (the CE
+    replays the PE's first token into the grammar)."""
+    ref, pair = servers
+    assert run_check_pd(ref, pair, "--concurrency", "1", "--only", "chat short greedy,chat json_schema") == 0
+    assert "2/2 cases identical" in capsys.readouterr().out
     wait_pair_idle(pair)
 
 
