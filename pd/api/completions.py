@@ -35,7 +35,12 @@ class _LogprobWriter:
             text = self.co.token_text(lp.token_id)
             tokens.append(text)
             token_lps.append(max(lp.logprob, _LOGPROB_FLOOR))
-            tops.append({self.co.token_text(t): max(x, _LOGPROB_FLOOR) for t, x in lp.top})
+            # the sampled token first, then the top `logprobs` (OpenAI's legacy API, vLLM: up to logprobs + 1)
+            top = {text: max(lp.logprob, _LOGPROB_FLOOR)}
+            for t, x in lp.top:
+                if t != lp.token_id:
+                    top.setdefault(self.co.token_text(t), max(x, _LOGPROB_FLOOR))
+            tops.append(top)
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
