@@ -82,7 +82,7 @@ def _tokenize(co: Coordinator, req: CompletionRequest) -> tuple[list[list[int]],
     prompt_ids: list[list[int]] = []
     prompt_texts: list[str] = []
     for p in req.prompts:
-        ids = co.renderer.encode(p) if isinstance(p, str) else list(p)
+        ids = co.renderer.encode(p, req.add_special_tokens) if isinstance(p, str) else list(p)
         if not ids:
             raise bad_request("the prompt is empty", "prompt")
         prompt_ids.append(ids)

@@ -35,7 +35,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_SUBREQUESTS = 256  # prompts x n in one request
 MAX_TOKEN_ID = 2**31 - 1  # token ids are 32-bit (the handoff packs them as int32)
 MAX_DEPTH = 32  # JSON nesting in a body, tool schemas and tool-call arguments included
-ROLES = ("system", "developer", "user", "assistant", "tool")
+MIN_SEED = -(2**63)  # vLLM's seed range, torch.long's; the engine's seed is seed mod 2^63 (MAX_SEED + 1)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the openai client's
 # The chat template renderer's own arguments (transformers' apply_chat_template and the variables it
 # sets): chat_template_kwargs may not name them.
@@ -114,6 +114,11 @@ class ChatRequest:
     # extra variables of the chat template: chat_template_kwargs, and reasoning_effort when given
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     include_reasoning: bool = True  # vLLM's: false drops reasoning_content (--reasoning-parser)
+    # vLLM's, passed to the template: the assistant header after the chat, or the last (assistant) message
+    # left open so the answer continues it ("response prefill"); at most one of them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's own (BOS) on top of what the template writes
 
     @property
     def uses_tools(self) -> bool:
@@ -127,6 +132,7 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None
     sampling: SamplingFields
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own (BOS) before a text prompt
 
 
 def _is_int(v: Any) -> bool:
@@ -141,11 +147,15 @@ def _int(body: dict[str, Any], key: str, default: Any, lo: int | None = None, hi
     v = body.get(key, _UNSET)
     if v is _UNSET or v is None:
         return default
+    rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+    if isinstance(v, float) and v.is_integer() and abs(v) >= 2**63:
+        # an integer literal past 64 bits, which the JSON parser gives as a float: outside any range here
+        limits = rng if hi is not None else f"{rng} and below 2^63"
+        raise bad_request(f"'{key}' must be an integer {limits}, got {v:.6g}", key)
     if not _is_int(v):
         raise bad_request(f"'{key}' must be an integer, got {type(v).__name__}", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise bad_request(f"'{key}' must be {rng}, got {v}", key)
+        raise bad_request(f"'{key}' must be an integer {rng}, got {v}", key)
     return v
 
 
@@ -314,13 +324,16 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         if not isinstance(so, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = _bool(so, "include_usage", False)
+        for key, value in so.items():  # vLLM's continuous_usage_stats, OpenAI's include_obfuscation, ...
+            if key != "include_usage" and value not in (None, False):
+                raise bad_request(f"'stream_options.{key}' is not supported", f"stream_options.{key}")
     top_k = _int(body, "top_k", 0, lo=-1)
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k < 0 else top_k,
-        seed=_int(body, "seed", None, lo=0, hi=MAX_SEED),
+        seed=_int(body, "seed", None, lo=MIN_SEED, hi=MAX_SEED),
         stop=stops,
         stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(body, "ignore_eos", False),
@@ -409,11 +422,13 @@ def _messages(v: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(m, dict):
             raise bad_request(f"'{p}' must be an object", p)
         role = m.get("role")
-        if role not in ROLES:
-            raise bad_request(f"'{p}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{p}.role")
+        if not isinstance(role, str) or not role:  # any role reaches the template, as in vLLM: it decides
+            raise bad_request(f"'{p}.role' must be a non-empty string, got {role!r}", f"{p}.role")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
         tool_calls = m.get("tool_calls")
-        if role == "assistant" and tool_calls is not None:
+        if tool_calls is not None:
+            if role != "assistant":
+                raise bad_request(f"'{p}.tool_calls' is taken on assistant messages only", f"{p}.tool_calls")
             msg["tool_calls"] = _tool_calls(tool_calls, f"{p}.tool_calls")
         msg["content"] = _content(m.get("content"), f"{p}.content", nullable=role == "assistant")
         for key in ("name", "tool_call_id"):
@@ -561,6 +576,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     tools, tool_choice = _tools(body)
     _refuse_media(body)
+    add_generation_prompt, continue_final_message = _generation_prompt(body, messages)
     return ChatRequest(
         model,
         messages,
@@ -570,7 +586,29 @@ def parse_chat_request(body: Any) -> ChatRequest:
         sampling,
         _template_kwargs(body),
         _bool(body, "include_reasoning", True),
+        add_generation_prompt,
+        continue_final_message,
+        _bool(body, "add_special_tokens", False),
     )
+
+
+def _generation_prompt(body: dict[str, Any], messages: tuple[dict[str, Any], ...]) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message), vLLM's: both true is a 400; continuing asks for the
+    last message to be the assistant's, and leaves out the generation prompt unless that is given too."""
+    is_continued = _bool(body, "continue_final_message", False)
+    add = _bool(body, "add_generation_prompt", not is_continued)
+    if is_continued and add:
+        raise bad_request(
+            "cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
+            "continue_final_message",
+        )
+    if is_continued and messages[-1]["role"] != "assistant":
+        raise bad_request(
+            "'continue_final_message' continues the last message, which must be from the assistant, "
+            f"not {messages[-1]['role']!r}",
+            "continue_final_message",
+        )
+    return add, is_continued
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -606,4 +644,5 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if len(prompts) * sampling.n > MAX_SUBREQUESTS:
         raise bad_request(f"prompts x n must be at most {MAX_SUBREQUESTS}", "n")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    return CompletionRequest(model, tuple(prompts), _bool(body, "echo", False), logprobs, sampling)
+    echo, special = _bool(body, "echo", False), _bool(body, "add_special_tokens", True)
+    return CompletionRequest(model, tuple(prompts), echo, logprobs, sampling, special)

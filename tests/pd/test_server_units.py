@@ -22,6 +22,7 @@ from pd.errors import ApiError
 from pd.flags import parser_for
 from pd.frontend.metrics import RankSnapshot, ServerMetrics
 from pd.frontend.router import AffinityRouter, LeastLoadedRouter, make_router
+from pd.http.io import parse_json
 from pd.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -42,6 +43,8 @@ from pd.rank.worker import read_configs
 from transfer.config import TransferConfig
 
 USER = [{"role": "user", "content": "hi"}]
+ASSISTANT_LAST = [*USER, {"role": "assistant", "content": "The answer is"}]
+CRITIC = [{"role": "critic", "content": "x"}]
 
 
 def _bad(fn, body, param):
@@ -151,7 +154,9 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ({}, "messages"),
         ({"messages": []}, "messages"),
         ({"messages": "hi"}, "messages"),
-        ({"messages": [{"role": "king", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
@@ -170,13 +175,26 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ({"messages": USER, "top_p": 0}, "top_p"),
         ({"messages": USER, "top_p": 1.5}, "top_p"),
         ({"messages": USER, "top_k": -2}, "top_k"),
-        ({"messages": USER, "seed": -1}, "seed"),
+        ({"messages": USER, "seed": 2**63}, "seed"),
+        ({"messages": USER, "seed": -(2**63) - 1}, "seed"),
+        ({"messages": USER, "seed": 1.5}, "seed"),
         ({"messages": USER, "seed": "1"}, "seed"),
         ({"messages": USER, "stop": 3}, "stop"),
         ({"messages": USER, "stop": ["a", 3]}, "stop"),
         ({"messages": USER, "stream": "yes"}, "stream"),
         ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": USER, "stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+        (
+            {"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
+        (
+            {"messages": ASSISTANT_LAST, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+        ),
+        ({"messages": USER, "add_generation_prompt": "no"}, "add_generation_prompt"),
+        ({"messages": USER, "add_special_tokens": 1}, "add_special_tokens"),
         ({"messages": USER, "logprobs": 1}, "logprobs"),
         ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -246,6 +264,27 @@ def test_assistant_tool_calls_and_tool_messages():
     assert r.uses_tools and r.tool_choice == {"type": "function", "function": {"name": "f"}}
 
 
+def test_generation_prompt_custom_roles_and_seed_range():
+    r = parse_chat_request({"messages": USER})
+    assert (r.add_generation_prompt, r.continue_final_message, r.add_special_tokens) == (True, False, False)
+    r = parse_chat_request({"messages": ASSISTANT_LAST, "continue_final_message": True})
+    assert (r.add_generation_prompt, r.continue_final_message) == (False, True)  # no generation prompt
+    r = parse_chat_request({"messages": USER, "add_generation_prompt": False, "add_special_tokens": True})
+    assert (r.add_generation_prompt, r.continue_final_message, r.add_special_tokens) == (False, False, True)
+    r = parse_chat_request({"messages": [*CRITIC, {"role": "developer", "content": ""}]})
+    assert [m["role"] for m in r.messages] == ["critic", "system"]  # any role reaches the template
+    for seed, engine_seed in ((-1, 2**63 - 1), (-(2**63), 0), (2**63 - 1, 2**63 - 1)):  # vLLM's int64 range
+        r = parse_chat_request({"messages": USER, "seed": seed})
+        assert r.sampling.params(1, None, 0).seed == engine_seed
+    for raw in (b"18446744073709551616", b"-9223372036854775809"):  # past 64 bits: the JSON parser's float
+        body = parse_json(b'{"messages": [{"role": "user", "content": ""}], "seed": %s}' % raw)
+        with pytest.raises(ApiError, match="'seed' must be an integer between") as e:
+            parse_chat_request(body)
+        assert e.value.param == "seed" and "float" not in str(e.value)
+    with pytest.raises(ApiError, match="'seed' must be an integer, got float"):
+        parse_chat_request({"messages": USER, "seed": 1.5})
+
+
 # ---- completion request checks ------------------------------------------------------------------------
 
 
@@ -255,7 +294,8 @@ def test_completion_prompts():
     assert parse_completion_request({"prompt": ["a", "b"], "n": 2}).prompts == ("a", "b")
     assert parse_completion_request({"prompt": [[1], [2, 3]]}).prompts == ((1,), (2, 3))
     r = parse_completion_request({"prompt": "a", "logprobs": 3, "echo": True, "max_tokens": 4})
-    assert (r.logprobs, r.echo, r.sampling.max_tokens) == (3, True, 4)
+    assert (r.logprobs, r.echo, r.sampling.max_tokens, r.add_special_tokens) == (3, True, 4, True)
+    assert not parse_completion_request({"prompt": "a", "add_special_tokens": False}).add_special_tokens
 
 
 @pytest.mark.parametrize(
