@@ -48,6 +48,34 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )  # fmt: skip
 _UNSET = object()
+# vLLM's request fields for features this server does not have, each with the values that ask for nothing
+# (vLLM's defaults; null always does): any other value is a 400 naming the field, never ignored.
+# prompt_logprobs is not here: it is answered or refused where prompt logprobs are.
+UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0, 1),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "priority": (0,),
+    "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "mm_processor_kwargs": ({},),
+    "prompt_embeds": (),  # completions
+    "echo": (False,),  # chat's (completions take echo)
+    "documents": (),  # chat's
+    "chat_template": (),  # chat's: this server renders with its own (--chat-template)
+}
 
 
 @dataclass(frozen=True)
@@ -542,6 +570,17 @@ def _refuse_media(body: dict[str, Any]) -> None:
         raise bad_request(f"'modalities' supports only \"text\", got {other}", "modalities")
 
 
+def _refuse_unsupported(body: dict[str, Any], taken: tuple[str, ...] = ()) -> None:
+    """A 400 for the first UNSUPPORTED_VLLM_FIELDS entry (other than those in `taken`) set to anything
+    but a value that asks for nothing."""
+    for key, neutral in UNSUPPORTED_VLLM_FIELDS.items():
+        v = body.get(key)
+        if v is None or key in taken or any(type(v) is type(n) and v == n for n in neutral):
+            continue
+        send = f" or send {orjson.dumps(neutral[0]).decode()}" if neutral else ""
+        raise bad_request(f"'{key}' is not supported by this server: leave it out{send}", key)
+
+
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """chat_template_kwargs (vLLM's), checked, with reasoning_effort (OpenAI's) added when given."""
     kw = body.get("chat_template_kwargs")
@@ -576,6 +615,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     tools, tool_choice = _tools(body)
     _refuse_media(body)
+    _refuse_unsupported(body)
     add_generation_prompt, continue_final_message = _generation_prompt(body, messages)
     return ChatRequest(
         model,
@@ -644,5 +684,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if len(prompts) * sampling.n > MAX_SUBREQUESTS:
         raise bad_request(f"prompts x n must be at most {MAX_SUBREQUESTS}", "n")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    _refuse_unsupported(body, taken=("echo",))
     echo, special = _bool(body, "echo", False), _bool(body, "add_special_tokens", True)
     return CompletionRequest(model, tuple(prompts), echo, logprobs, sampling, special)

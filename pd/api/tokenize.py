@@ -50,6 +50,7 @@ async def tokenize(co: Coordinator, request: web.Request) -> web.Response:
         keys = (
             "messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort",
             "add_generation_prompt", "continue_final_message", "add_special_tokens",
+            "chat_template", "documents", "mm_processor_kwargs",  # vLLM's, refused
         )  # fmt: skip
         req = parse_chat_request({k: body[k] for k in keys if k in body})
         ids = list((await render(co, req)).token_ids)

@@ -15,7 +15,7 @@ from engine.codec import WireError, to_wire
 from engine.config import ForwardConfig
 from engine.errors import InvalidRequestError
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
-from pd.api.protocol import parse_chat_request, parse_completion_request
+from pd.api.protocol import UNSUPPORTED_VLLM_FIELDS, parse_chat_request, parse_completion_request
 from pd.api.sse import DONE, sse_event
 from pd.config import ServerConfig
 from pd.errors import ApiError
@@ -195,6 +195,11 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ),
         ({"messages": USER, "add_generation_prompt": "no"}, "add_generation_prompt"),
         ({"messages": USER, "add_special_tokens": 1}, "add_special_tokens"),
+        ({"messages": USER, "use_beam_search": True}, "use_beam_search"),
+        ({"messages": USER, "skip_special_tokens": False}, "skip_special_tokens"),
+        ({"messages": USER, "length_penalty": True}, "length_penalty"),
+        ({"messages": USER, "echo": True}, "echo"),
+        ({"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
         ({"messages": USER, "logprobs": 1}, "logprobs"),
         ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -285,6 +290,13 @@ def test_generation_prompt_custom_roles_and_seed_range():
         parse_chat_request({"messages": USER, "seed": 1.5})
 
 
+def test_vllm_fields_that_ask_for_nothing_pass():
+    """UNSUPPORTED_VLLM_FIELDS at vLLM's defaults (or null), as clients written for vLLM send them."""
+    defaults = {key: neutral[0] if neutral else None for key, neutral in UNSUPPORTED_VLLM_FIELDS.items()}
+    parse_chat_request({"messages": USER, **defaults, "length_penalty": 1})
+    parse_completion_request({"prompt": "a", **defaults, "echo": True})
+
+
 # ---- completion request checks ------------------------------------------------------------------------
 
 
@@ -312,6 +324,9 @@ def test_completion_prompts():
         ({"prompt": "a", "echo": "yes"}, "echo"),
         ({"prompt": "a", "suffix": "b"}, "suffix"),
         ({"prompt": "a", "best_of": 3}, "best_of"),
+        ({"prompt": "a", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+        ({"prompt": "a", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"prompt": "a", "bad_words": ["b"]}, "bad_words"),
     ],
 )
 def test_completion_bad_input(body, param):
