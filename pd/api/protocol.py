@@ -459,11 +459,15 @@ def _messages(v: Any) -> tuple[dict[str, Any], ...]:
                 raise bad_request(f"'{p}.tool_calls' is taken on assistant messages only", f"{p}.tool_calls")
             msg["tool_calls"] = _tool_calls(tool_calls, f"{p}.tool_calls")
         msg["content"] = _content(m.get("content"), f"{p}.content", nullable=role == "assistant")
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise bad_request(f"'{p}.{key}' must be a string", f"{p}.{key}")
-                msg[key] = m[key]
+        for key in ("name", "tool_call_id", "reasoning", "reasoning_content"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise bad_request(f"'{p}.{key}' must be a string", f"{p}.{key}")
+        msg.update({key: m[key] for key in ("name", "tool_call_id") if m.get(key) is not None})
+        reasoning = m.get("reasoning") or m.get("reasoning_content")
+        if reasoning:  # an earlier answer's thinking, under vLLM's two names: the template shows it or not
+            if role != "assistant":
+                raise bad_request(f"'{p}.reasoning' is taken on assistant messages only", f"{p}.reasoning")
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
         out.append(msg)
     return tuple(out)
 

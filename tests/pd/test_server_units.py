@@ -157,6 +157,8 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+        ({"messages": [{"role": "user", "content": "x", "reasoning": "y"}]}, "messages[0].reasoning"),
+        ({"messages": [{"role": "assistant", "reasoning_content": 5}]}, "messages[0].reasoning_content"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
