@@ -60,7 +60,10 @@ def parse_tool_output(co: Coordinator, req: ChatRequest, prefix: str, text: str)
         call = parse_forced_arguments(req.tool_choice["function"]["name"], text)
         if call is not None:
             return ParsedOutput(None, (call,))
-    return co.renderer.tool_parser.parse(prefix + text)
+    parsed = co.renderer.tool_parser.parse(prefix + text)
+    if not req.parallel_tool_calls and len(parsed.tool_calls) > 1:  # at most one call: the first
+        return ParsedOutput(parsed.content, parsed.tool_calls[:1])
+    return parsed
 
 
 def reasoning_start(co: Coordinator, req: ChatRequest, rendered: RenderedPrompt) -> Start | None:

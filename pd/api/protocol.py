@@ -147,6 +147,7 @@ class ChatRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (BOS) on top of what the template writes
+    parallel_tool_calls: bool = True  # OpenAI's: false returns the answer's first tool call only
 
     @property
     def uses_tools(self) -> bool:
@@ -633,6 +634,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         add_generation_prompt,
         continue_final_message,
         _bool(body, "add_special_tokens", False),
+        _bool(body, "parallel_tool_calls", True),
     )
 
 

@@ -8,14 +8,17 @@ from __future__ import annotations
 import http.client
 import json
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import openai
 import pytest
 
+from pd.api.chat import parse_tool_output
 from pd.api.protocol import parse_chat_request
 from pd.chat.reasoning import Start, continued_start
 from pd.chat.renderer import PromptRenderer
+from pd.chat.toolcalls import HermesParser
 from pd.errors import ApiError
 from pd.frontend.coordinator import load_tokenizer
 from pd.tools.server_process import ServerProcess
@@ -235,6 +238,19 @@ def test_seed_takes_vllms_range(servers):
         assert "must be an integer between" in message
         assert "must be an integer" in refused(client.chat.completions.create, "seed", **kw, seed=1.5)
     assert answers[0] == answers[1]  # a negative seed draws the same tokens alone and across a handoff
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    co = SimpleNamespace(renderer=SimpleNamespace(tool_parser=HermesParser()))
+    text = "".join(
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>\n'
+        for city in ("Paris", "Lyon")
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    for parallel, cities in ((True, ["Paris", "Lyon"]), (False, ["Paris"])):
+        req = parse_chat_request({"messages": [QUESTION], "tools": tools, "parallel_tool_calls": parallel})
+        calls = parse_tool_output(co, req, "", text).tool_calls
+        assert [json.loads(c.arguments)["city"] for c in calls] == cities
 
 
 # ---- the audit: what is not supported is a 400, never ignored --------------------------------------------
