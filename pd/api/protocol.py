@@ -616,7 +616,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    if top is not None and not want_logprobs:
+    if top and not want_logprobs:  # 0 asks for nothing (vLLM's check)
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     tools, tool_choice = _tools(body)
     _refuse_media(body)

@@ -290,6 +290,7 @@ def test_generation_prompt_custom_roles_and_seed_range():
         assert e.value.param == "seed" and "float" not in str(e.value)
     with pytest.raises(ApiError, match="'seed' must be an integer, got float"):
         parse_chat_request({"messages": USER, "seed": 1.5})
+    assert parse_chat_request({"messages": USER, "top_logprobs": 0}).logprobs is None  # asks for nothing
 
 
 def test_vllm_fields_that_ask_for_nothing_pass():
