@@ -19,6 +19,7 @@ import logging
 import signal
 import ssl
 import sys
+import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -129,11 +130,38 @@ def _handler(fn: Callable[[Coordinator, web.Request], Awaitable[web.StreamRespon
     return handle
 
 
+def _permission(created: int) -> dict[str, object]:
+    """vLLM's model_permission object (OpenAI's older model object had it): what this server allows."""
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
 async def models(request: web.Request) -> web.Response:
+    """OpenAI's model object, with vLLM's root (the --model given), parent, max_model_len, permission."""
     co = request.app[COORDINATOR]
-    card = {"id": co.model_name, "object": "model", "created": co.created, "owned_by": "pdserve"}
+    card: dict[str, object] = {
+        "id": co.model_name,
+        "object": "model",
+        "created": co.created,
+        "owned_by": "pdserve",
+        "root": co.cfg.engine.model,
+        "parent": None,
+    }
     if any(r.info for r in co.ranks):
         card["max_model_len"] = co.max_model_len
+    card["permission"] = [_permission(co.created)]
     if request.match_info.get("model") is not None:
         if request.match_info["model"] != co.model_name:
             raise ApiError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -10,7 +11,13 @@ from aiohttp import web
 from engine.request import TokenLogprob
 from pd.api.protocol import ChatRequest, parse_chat_request
 from pd.api.sse import stream_choices
-from pd.chat.reasoning import ReasoningSplitter, Start, reasoning_parser, split_reasoning
+from pd.chat.reasoning import (
+    ReasoningSplitter,
+    Start,
+    continued_start,
+    reasoning_parser,
+    split_reasoning,
+)
 from pd.chat.renderer import RenderedPrompt
 from pd.chat.toolcalls import ParsedOutput, ToolStreamFilter, parse_forced_arguments
 from pd.frontend.coordinator import Coordinator
@@ -53,7 +60,10 @@ def parse_tool_output(co: Coordinator, req: ChatRequest, prefix: str, text: str)
         call = parse_forced_arguments(req.tool_choice["function"]["name"], text)
         if call is not None:
             return ParsedOutput(None, (call,))
-    return co.renderer.tool_parser.parse(prefix + text)
+    parsed = co.renderer.tool_parser.parse(prefix + text)
+    if not req.parallel_tool_calls and len(parsed.tool_calls) > 1:  # at most one call: the first
+        return ParsedOutput(parsed.content, parsed.tool_calls[:1])
+    return parsed
 
 
 def reasoning_start(co: Coordinator, req: ChatRequest, rendered: RenderedPrompt) -> Start | None:
@@ -61,16 +71,32 @@ def reasoning_start(co: Coordinator, req: ChatRequest, rendered: RenderedPrompt)
     parser = reasoning_parser(co.cfg.reasoning_parser)
     if parser is None or rendered.assistant_prefix:  # a forced tool call: the answer is the call
         return None
+    if req.continue_final_message:
+        return continued_start(req.messages[-1].get("content") or "")
     return parser.start(rendered.text, req.chat_template_kwargs)
+
+
+async def render(co: Coordinator, req: ChatRequest) -> RenderedPrompt:
+    """The request's prompt, rendered on the render threads."""
+    return await co.offload(
+        functools.partial(
+            co.renderer.render_chat,
+            req.messages,
+            req.tools,
+            req.tool_choice,
+            req.chat_template_kwargs,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            add_special_tokens=req.add_special_tokens,
+        )
+    )
 
 
 async def chat_completions(co: Coordinator, request: web.Request) -> web.StreamResponse:
     arrival_s = time.monotonic()
     req = parse_chat_request(await co.read_json(request))
     co.check_model(req.model)
-    rendered = await co.offload(
-        co.renderer.render_chat, req.messages, req.tools, req.tool_choice, req.chat_template_kwargs
-    )
+    rendered = await render(co, req)
     prompt = list(rendered.token_ids)
     max_tokens = co.max_tokens_for(len(prompt), req.sampling.max_tokens, "messages")
     rank = co.pick_rank(affinity_key(req))

@@ -35,7 +35,12 @@ class _LogprobWriter:
             text = self.co.token_text(lp.token_id)
             tokens.append(text)
             token_lps.append(max(lp.logprob, _LOGPROB_FLOOR))
-            tops.append({self.co.token_text(t): max(x, _LOGPROB_FLOOR) for t, x in lp.top})
+            # the sampled token first, then the top `logprobs` (OpenAI's legacy API, vLLM: up to logprobs + 1)
+            top = {text: max(lp.logprob, _LOGPROB_FLOOR)}
+            for t, x in lp.top:
+                if t != lp.token_id:
+                    top.setdefault(self.co.token_text(t), max(x, _LOGPROB_FLOOR))
+            tops.append(top)
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -77,7 +82,7 @@ def _tokenize(co: Coordinator, req: CompletionRequest) -> tuple[list[list[int]],
     prompt_ids: list[list[int]] = []
     prompt_texts: list[str] = []
     for p in req.prompts:
-        ids = co.renderer.encode(p) if isinstance(p, str) else list(p)
+        ids = co.renderer.encode(p, req.add_special_tokens) if isinstance(p, str) else list(p)
         if not ids:
             raise bad_request("the prompt is empty", "prompt")
         prompt_ids.append(ids)

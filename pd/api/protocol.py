@@ -35,7 +35,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_SUBREQUESTS = 256  # prompts x n in one request
 MAX_TOKEN_ID = 2**31 - 1  # token ids are 32-bit (the handoff packs them as int32)
 MAX_DEPTH = 32  # JSON nesting in a body, tool schemas and tool-call arguments included
-ROLES = ("system", "developer", "user", "assistant", "tool")
+MIN_SEED = -(2**63)  # vLLM's seed range, torch.long's; the engine's seed is seed mod 2^63 (MAX_SEED + 1)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the openai client's
 # The chat template renderer's own arguments (transformers' apply_chat_template and the variables it
 # sets): chat_template_kwargs may not name them.
@@ -48,6 +48,34 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )  # fmt: skip
 _UNSET = object()
+# vLLM's request fields for features this server does not have, each with the values that ask for nothing
+# (vLLM's defaults; null always does): any other value is a 400 naming the field, never ignored.
+# prompt_logprobs is not here: it is answered or refused where prompt logprobs are.
+UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0, 1),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "priority": (0,),
+    "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "mm_processor_kwargs": ({},),
+    "prompt_embeds": (),  # completions
+    "echo": (False,),  # chat's (completions take echo)
+    "documents": (),  # chat's
+    "chat_template": (),  # chat's: this server renders with its own (--chat-template)
+}
 
 
 @dataclass(frozen=True)
@@ -114,6 +142,12 @@ class ChatRequest:
     # extra variables of the chat template: chat_template_kwargs, and reasoning_effort when given
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     include_reasoning: bool = True  # vLLM's: false drops reasoning_content (--reasoning-parser)
+    # vLLM's, passed to the template: the assistant header after the chat, or the last (assistant) message
+    # left open so the answer continues it ("response prefill"); at most one of them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's own (BOS) on top of what the template writes
+    parallel_tool_calls: bool = True  # OpenAI's: false returns the answer's first tool call only
 
     @property
     def uses_tools(self) -> bool:
@@ -127,6 +161,7 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None
     sampling: SamplingFields
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own (BOS) before a text prompt
 
 
 def _is_int(v: Any) -> bool:
@@ -141,11 +176,15 @@ def _int(body: dict[str, Any], key: str, default: Any, lo: int | None = None, hi
     v = body.get(key, _UNSET)
     if v is _UNSET or v is None:
         return default
+    rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+    if isinstance(v, float) and v.is_integer() and abs(v) >= 2**63:
+        # an integer literal past 64 bits, which the JSON parser gives as a float: outside any range here
+        limits = rng if hi is not None else f"{rng} and below 2^63"
+        raise bad_request(f"'{key}' must be an integer {limits}, got {v:.6g}", key)
     if not _is_int(v):
         raise bad_request(f"'{key}' must be an integer, got {type(v).__name__}", key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise bad_request(f"'{key}' must be {rng}, got {v}", key)
+        raise bad_request(f"'{key}' must be an integer {rng}, got {v}", key)
     return v
 
 
@@ -314,13 +353,16 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         if not isinstance(so, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = _bool(so, "include_usage", False)
+        for key, value in so.items():  # vLLM's continuous_usage_stats, OpenAI's include_obfuscation, ...
+            if key != "include_usage" and value not in (None, False):
+                raise bad_request(f"'stream_options.{key}' is not supported", f"stream_options.{key}")
     top_k = _int(body, "top_k", 0, lo=-1)
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k < 0 else top_k,
-        seed=_int(body, "seed", None, lo=0, hi=MAX_SEED),
+        seed=_int(body, "seed", None, lo=MIN_SEED, hi=MAX_SEED),
         stop=stops,
         stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(body, "ignore_eos", False),
@@ -409,18 +451,24 @@ def _messages(v: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(m, dict):
             raise bad_request(f"'{p}' must be an object", p)
         role = m.get("role")
-        if role not in ROLES:
-            raise bad_request(f"'{p}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{p}.role")
+        if not isinstance(role, str) or not role:  # any role reaches the template, as in vLLM: it decides
+            raise bad_request(f"'{p}.role' must be a non-empty string, got {role!r}", f"{p}.role")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
         tool_calls = m.get("tool_calls")
-        if role == "assistant" and tool_calls is not None:
+        if tool_calls is not None:
+            if role != "assistant":
+                raise bad_request(f"'{p}.tool_calls' is taken on assistant messages only", f"{p}.tool_calls")
             msg["tool_calls"] = _tool_calls(tool_calls, f"{p}.tool_calls")
         msg["content"] = _content(m.get("content"), f"{p}.content", nullable=role == "assistant")
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise bad_request(f"'{p}.{key}' must be a string", f"{p}.{key}")
-                msg[key] = m[key]
+        for key in ("name", "tool_call_id", "reasoning", "reasoning_content"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise bad_request(f"'{p}.{key}' must be a string", f"{p}.{key}")
+        msg.update({key: m[key] for key in ("name", "tool_call_id") if m.get(key) is not None})
+        reasoning = m.get("reasoning") or m.get("reasoning_content")
+        if reasoning:  # an earlier answer's thinking, under vLLM's two names: the template shows it or not
+            if role != "assistant":
+                raise bad_request(f"'{p}.reasoning' is taken on assistant messages only", f"{p}.reasoning")
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
         out.append(msg)
     return tuple(out)
 
@@ -527,6 +575,17 @@ def _refuse_media(body: dict[str, Any]) -> None:
         raise bad_request(f"'modalities' supports only \"text\", got {other}", "modalities")
 
 
+def _refuse_unsupported(body: dict[str, Any], taken: tuple[str, ...] = ()) -> None:
+    """A 400 for the first UNSUPPORTED_VLLM_FIELDS entry (other than those in `taken`) set to anything
+    but a value that asks for nothing."""
+    for key, neutral in UNSUPPORTED_VLLM_FIELDS.items():
+        v = body.get(key)
+        if v is None or key in taken or any(type(v) is type(n) and v == n for n in neutral):
+            continue
+        send = f" or send {orjson.dumps(neutral[0]).decode()}" if neutral else ""
+        raise bad_request(f"'{key}' is not supported by this server: leave it out{send}", key)
+
+
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """chat_template_kwargs (vLLM's), checked, with reasoning_effort (OpenAI's) added when given."""
     kw = body.get("chat_template_kwargs")
@@ -557,10 +616,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
     sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
     want_logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    if top is not None and not want_logprobs:
+    if top and not want_logprobs:  # 0 asks for nothing (vLLM's check)
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     tools, tool_choice = _tools(body)
     _refuse_media(body)
+    _refuse_unsupported(body)
+    add_generation_prompt, continue_final_message = _generation_prompt(body, messages)
     return ChatRequest(
         model,
         messages,
@@ -570,7 +631,30 @@ def parse_chat_request(body: Any) -> ChatRequest:
         sampling,
         _template_kwargs(body),
         _bool(body, "include_reasoning", True),
+        add_generation_prompt,
+        continue_final_message,
+        _bool(body, "add_special_tokens", False),
+        _bool(body, "parallel_tool_calls", True),
     )
+
+
+def _generation_prompt(body: dict[str, Any], messages: tuple[dict[str, Any], ...]) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message), vLLM's: both true is a 400; continuing asks for the
+    last message to be the assistant's, and leaves out the generation prompt unless that is given too."""
+    is_continued = _bool(body, "continue_final_message", False)
+    add = _bool(body, "add_generation_prompt", not is_continued)
+    if is_continued and add:
+        raise bad_request(
+            "cannot set both 'continue_final_message' and 'add_generation_prompt' to true",
+            "continue_final_message",
+        )
+    if is_continued and messages[-1]["role"] != "assistant":
+        raise bad_request(
+            "'continue_final_message' continues the last message, which must be from the assistant, "
+            f"not {messages[-1]['role']!r}",
+            "continue_final_message",
+        )
+    return add, is_continued
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -606,4 +690,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if len(prompts) * sampling.n > MAX_SUBREQUESTS:
         raise bad_request(f"prompts x n must be at most {MAX_SUBREQUESTS}", "n")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    return CompletionRequest(model, tuple(prompts), _bool(body, "echo", False), logprobs, sampling)
+    _refuse_unsupported(body, taken=("echo",))
+    echo, special = _bool(body, "echo", False), _bool(body, "add_special_tokens", True)
+    return CompletionRequest(model, tuple(prompts), echo, logprobs, sampling, special)

@@ -2,7 +2,9 @@
 
     POST /tokenize   {"prompt": str, "add_special_tokens": bool (true)}
                      or {"messages": [...], "tools"?, "tool_choice"?, "chat_template_kwargs"?,
-                         "reasoning_effort"?} (rendered as chat requests are)
+                         "reasoning_effort"?, "add_generation_prompt"? (true),
+                         "continue_final_message"? (false), "add_special_tokens"? (false)}
+                     (rendered as chat requests are)
                      -> {"count", "max_model_len", "tokens": [int], "token_strs": [str] | null}
                         (token_strs with "return_token_strs": true)
     POST /detokenize {"tokens": [int]} -> {"prompt": str}
@@ -16,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pd.api.chat import render
 from pd.api.protocol import parse_chat_request, parse_model, parse_object, parse_token_ids
 from pd.errors import bad_request
 from pd.frontend.coordinator import Coordinator
@@ -44,12 +47,13 @@ async def tokenize(co: Coordinator, request: web.Request) -> web.Response:
     co.check_model(parse_model(body))
     with_strs = _flag(body, "return_token_strs", False)
     if "messages" in body:
-        keys = ("messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort")
+        keys = (
+            "messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort",
+            "add_generation_prompt", "continue_final_message", "add_special_tokens",
+            "chat_template", "documents", "mm_processor_kwargs",  # vLLM's, refused
+        )  # fmt: skip
         req = parse_chat_request({k: body[k] for k in keys if k in body})
-        rendered = await co.offload(
-            co.renderer.render_chat, req.messages, req.tools, req.tool_choice, req.chat_template_kwargs
-        )
-        ids = list(rendered.token_ids)
+        ids = list((await render(co, req)).token_ids)
     elif "prompt" in body:
         prompt = body["prompt"]
         if not isinstance(prompt, str):

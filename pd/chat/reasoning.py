@@ -51,6 +51,12 @@ class Qwen3Parser:
         return Start.IN_REASONING if prompt_text.rstrip().endswith(THINK_START) else Start.IF_TAG
 
 
+def continued_start(final_message: str) -> Start | None:
+    """How an answer that continues the client's final message (continue_final_message) starts: thinking
+    when that message left a <think> open, else all content, whatever the template does."""
+    return Start.IN_REASONING if final_message.rfind(THINK_START) > final_message.rfind(THINK_END) else None
+
+
 PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (DeepSeekR1Parser(), Qwen3Parser())}
 
 

@@ -67,9 +67,9 @@ class PromptRenderer:
     def has_chat_template(self) -> bool:
         return self.template is not None
 
-    def encode(self, text: str) -> list[int]:
-        """A raw completion prompt: the tokenizer's own special tokens (BOS) included."""
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A raw completion prompt: the tokenizer's own special tokens (BOS) included unless told not to."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def render_chat(
         self,
@@ -77,9 +77,14 @@ class PromptRenderer:
         tools: tuple[dict[str, Any], ...] = (),
         tool_choice: Any = "auto",
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> RenderedPrompt:
         """template_kwargs: more variables for the template (chat_template_kwargs; the caller keeps them
-        off the renderer's own arguments)."""
+        off the renderer's own arguments). continue_final_message: the prompt ends inside the last message,
+        where its content ends (transformers renders it closed and cuts what follows the content).
+        add_special_tokens: the tokenizer's own (BOS) on top of what the template writes."""
         if self.template is None:
             raise bad_request(
                 "this model has no chat template: use /v1/completions, or start the server with --chat-template FILE",
@@ -113,7 +118,8 @@ class PromptRenderer:
                 msgs,
                 tools=list(tools) if use_tools and self.supports_tools else None,
                 chat_template=self.template,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
                 **(template_kwargs or {}),
             )
@@ -121,7 +127,7 @@ class PromptRenderer:
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
         prefix = self._forced_call_prefix(tool_choice) if use_tools else ""
         text += prefix
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         return RenderedPrompt(text, tuple(ids), prefix, ("</tool_call>",) if prefix else ())
 
     def _with_fallback_tools(

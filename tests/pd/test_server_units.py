@@ -15,13 +15,14 @@ from engine.codec import WireError, to_wire
 from engine.config import ForwardConfig
 from engine.errors import InvalidRequestError
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
-from pd.api.protocol import parse_chat_request, parse_completion_request
+from pd.api.protocol import UNSUPPORTED_VLLM_FIELDS, parse_chat_request, parse_completion_request
 from pd.api.sse import DONE, sse_event
 from pd.config import ServerConfig
 from pd.errors import ApiError
 from pd.flags import parser_for
 from pd.frontend.metrics import RankSnapshot, ServerMetrics
 from pd.frontend.router import AffinityRouter, LeastLoadedRouter, make_router
+from pd.http.io import parse_json
 from pd.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -42,6 +43,8 @@ from pd.rank.worker import read_configs
 from transfer.config import TransferConfig
 
 USER = [{"role": "user", "content": "hi"}]
+ASSISTANT_LAST = [*USER, {"role": "assistant", "content": "The answer is"}]
+CRITIC = [{"role": "critic", "content": "x"}]
 
 
 def _bad(fn, body, param):
@@ -151,7 +154,11 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ({}, "messages"),
         ({"messages": []}, "messages"),
         ({"messages": "hi"}, "messages"),
-        ({"messages": [{"role": "king", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+        ({"messages": [{"role": "user", "content": "x", "reasoning": "y"}]}, "messages[0].reasoning"),
+        ({"messages": [{"role": "assistant", "reasoning_content": 5}]}, "messages[0].reasoning_content"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
@@ -170,13 +177,31 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ({"messages": USER, "top_p": 0}, "top_p"),
         ({"messages": USER, "top_p": 1.5}, "top_p"),
         ({"messages": USER, "top_k": -2}, "top_k"),
-        ({"messages": USER, "seed": -1}, "seed"),
+        ({"messages": USER, "seed": 2**63}, "seed"),
+        ({"messages": USER, "seed": -(2**63) - 1}, "seed"),
+        ({"messages": USER, "seed": 1.5}, "seed"),
         ({"messages": USER, "seed": "1"}, "seed"),
         ({"messages": USER, "stop": 3}, "stop"),
         ({"messages": USER, "stop": ["a", 3]}, "stop"),
         ({"messages": USER, "stream": "yes"}, "stream"),
         ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": USER, "stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+        (
+            {"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
+        (
+            {"messages": ASSISTANT_LAST, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+        ),
+        ({"messages": USER, "add_generation_prompt": "no"}, "add_generation_prompt"),
+        ({"messages": USER, "add_special_tokens": 1}, "add_special_tokens"),
+        ({"messages": USER, "use_beam_search": True}, "use_beam_search"),
+        ({"messages": USER, "skip_special_tokens": False}, "skip_special_tokens"),
+        ({"messages": USER, "length_penalty": True}, "length_penalty"),
+        ({"messages": USER, "echo": True}, "echo"),
+        ({"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
         ({"messages": USER, "logprobs": 1}, "logprobs"),
         ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -246,6 +271,35 @@ def test_assistant_tool_calls_and_tool_messages():
     assert r.uses_tools and r.tool_choice == {"type": "function", "function": {"name": "f"}}
 
 
+def test_generation_prompt_custom_roles_and_seed_range():
+    r = parse_chat_request({"messages": USER})
+    assert (r.add_generation_prompt, r.continue_final_message, r.add_special_tokens) == (True, False, False)
+    r = parse_chat_request({"messages": ASSISTANT_LAST, "continue_final_message": True})
+    assert (r.add_generation_prompt, r.continue_final_message) == (False, True)  # no generation prompt
+    r = parse_chat_request({"messages": USER, "add_generation_prompt": False, "add_special_tokens": True})
+    assert (r.add_generation_prompt, r.continue_final_message, r.add_special_tokens) == (False, False, True)
+    r = parse_chat_request({"messages": [*CRITIC, {"role": "developer", "content": ""}]})
+    assert [m["role"] for m in r.messages] == ["critic", "system"]  # any role reaches the template
+    for seed, engine_seed in ((-1, 2**63 - 1), (-(2**63), 0), (2**63 - 1, 2**63 - 1)):  # vLLM's int64 range
+        r = parse_chat_request({"messages": USER, "seed": seed})
+        assert r.sampling.params(1, None, 0).seed == engine_seed
+    for raw in (b"18446744073709551616", b"-9223372036854775809"):  # past 64 bits: the JSON parser's float
+        body = parse_json(b'{"messages": [{"role": "user", "content": ""}], "seed": %s}' % raw)
+        with pytest.raises(ApiError, match="'seed' must be an integer between") as e:
+            parse_chat_request(body)
+        assert e.value.param == "seed" and "float" not in str(e.value)
+    with pytest.raises(ApiError, match="'seed' must be an integer, got float"):
+        parse_chat_request({"messages": USER, "seed": 1.5})
+    assert parse_chat_request({"messages": USER, "top_logprobs": 0}).logprobs is None  # asks for nothing
+
+
+def test_vllm_fields_that_ask_for_nothing_pass():
+    """UNSUPPORTED_VLLM_FIELDS at vLLM's defaults (or null), as clients written for vLLM send them."""
+    defaults = {key: neutral[0] if neutral else None for key, neutral in UNSUPPORTED_VLLM_FIELDS.items()}
+    parse_chat_request({"messages": USER, **defaults, "length_penalty": 1})
+    parse_completion_request({"prompt": "a", **defaults, "echo": True})
+
+
 # ---- completion request checks ------------------------------------------------------------------------
 
 
@@ -255,7 +309,8 @@ def test_completion_prompts():
     assert parse_completion_request({"prompt": ["a", "b"], "n": 2}).prompts == ("a", "b")
     assert parse_completion_request({"prompt": [[1], [2, 3]]}).prompts == ((1,), (2, 3))
     r = parse_completion_request({"prompt": "a", "logprobs": 3, "echo": True, "max_tokens": 4})
-    assert (r.logprobs, r.echo, r.sampling.max_tokens) == (3, True, 4)
+    assert (r.logprobs, r.echo, r.sampling.max_tokens, r.add_special_tokens) == (3, True, 4, True)
+    assert not parse_completion_request({"prompt": "a", "add_special_tokens": False}).add_special_tokens
 
 
 @pytest.mark.parametrize(
@@ -272,6 +327,9 @@ def test_completion_prompts():
         ({"prompt": "a", "echo": "yes"}, "echo"),
         ({"prompt": "a", "suffix": "b"}, "suffix"),
         ({"prompt": "a", "best_of": 3}, "best_of"),
+        ({"prompt": "a", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+        ({"prompt": "a", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"prompt": "a", "bad_words": ["b"]}, "bad_words"),
     ],
 )
 def test_completion_bad_input(body, param):

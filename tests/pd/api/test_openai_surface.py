@@ -1,0 +1,271 @@
+"""Issue 30's parameters, through the official `openai` client against a single-engine server and a P/D pair
+(SmolLM2-135M, --deterministic): continue_final_message and add_generation_prompt (chat and /tokenize),
+vLLM's /v1/models fields, completions' logprobs 0, custom message roles, the seed range, and vLLM's
+fields this server does not have. Each is honoured as vLLM does, or a 400 naming it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import openai
+import pytest
+
+from pd.api.chat import parse_tool_output
+from pd.api.protocol import parse_chat_request
+from pd.chat.reasoning import Start, continued_start
+from pd.chat.renderer import PromptRenderer
+from pd.chat.toolcalls import HermesParser
+from pd.errors import ApiError
+from pd.frontend.coordinator import load_tokenizer
+from pd.tools.server_process import ServerProcess
+from tests.server_fixtures import SMALL_DETERMINISTIC, module_ref_and_pair, openai_client
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+QUESTION = {"role": "user", "content": "What is the capital of France?"}
+PARTIAL = "The capital of France is"
+PREFILLED = [QUESTION, {"role": "assistant", "content": PARTIAL}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+GENERATION_PROMPT = "<|im_start|>assistant\n"
+
+servers = module_ref_and_pair("--model", MODEL, *SMALL_DETERMINISTIC)
+
+
+def both(servers: tuple[ServerProcess, Any]) -> list[str]:
+    """The single server's URL and the pair's (its CE)."""
+    ref, pair = servers
+    return [ref.url, pair.url]
+
+
+def post_json(url: str, path: str, body: object) -> tuple[int, Any]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def tokenize_text(url: str, body: dict[str, Any]) -> tuple[list[int], str]:
+    status, t = post_json(url, "/tokenize", body)
+    assert status == 200, t
+    status, d = post_json(url, "/detokenize", {"tokens": t["tokens"]})
+    assert status == 200, d
+    return t["tokens"], d["prompt"]
+
+
+def refused(create: Callable[..., Any], param: str, **kw: Any) -> str:
+    """create(**kw) is a 400 naming `param`: its message."""
+    with pytest.raises(openai.BadRequestError) as e:
+        create(**kw)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    return str(e.value.body["message"])
+
+
+# ---- 1. continue_final_message and add_generation_prompt -------------------------------------------------
+
+
+def test_tokenize_honours_the_generation_prompt_flags(servers):
+    for url in both(servers):
+        _, default = tokenize_text(url, {"messages": [QUESTION]})
+        _, without = tokenize_text(url, {"messages": [QUESTION], "add_generation_prompt": False})
+        assert default.endswith(GENERATION_PROMPT) and default == without + GENERATION_PROMPT
+        _, continued = tokenize_text(url, {"messages": PREFILLED, **CONTINUE})
+        _, closed = tokenize_text(url, {"messages": PREFILLED})
+        assert continued.endswith(PARTIAL) and closed.endswith(PARTIAL + "<|im_end|>\n" + GENERATION_PROMPT)
+        assert continued == tokenize_text(url, {"messages": PREFILLED, "continue_final_message": True})[1]
+        status, e = post_json(url, "/tokenize", {"messages": [QUESTION], "continue_final_message": True})
+        assert status == 400 and e["error"]["param"] == "continue_final_message", e
+
+
+def test_chat_continues_the_final_message(servers):
+    answers = []
+    kw: dict[str, Any] = dict(model=MODEL, messages=PREFILLED, max_tokens=4, temperature=0)
+    for url in both(servers):
+        client = openai_client(url)
+        r = client.chat.completions.create(**kw, extra_body=CONTINUE)
+        content = r.choices[0].message.content
+        assert content and not content.startswith(PARTIAL)  # the continuation only, as vLLM answers
+        ids, _ = tokenize_text(url, {"messages": PREFILLED, **CONTINUE})
+        assert r.usage is not None and r.usage.prompt_tokens == len(ids)
+        only_continue = {"continue_final_message": True}  # no generation prompt unless asked for
+        stream = client.chat.completions.create(**kw, stream=True, extra_body=only_continue)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == content
+        answers.append(content)
+    assert answers[0] == answers[1]
+    # the same as completing the rendered prompt: the answer goes on from PARTIAL
+    ref_client = openai_client(servers[0].url)
+    plain = ref_client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert plain.choices[0].text == answers[0]
+
+
+def test_generation_prompt_refusals(servers):
+    for url in both(servers):
+        create = openai_client(url).chat.completions.create
+        kw: dict[str, Any] = dict(model=MODEL, max_tokens=1)
+        both_true = {**CONTINUE, "add_generation_prompt": True}
+        message = refused(create, "continue_final_message", **kw, messages=PREFILLED, extra_body=both_true)
+        assert "cannot set both" in message
+        user_last = {"continue_final_message": True}
+        message = refused(create, "continue_final_message", **kw, messages=[QUESTION], extra_body=user_last)
+        assert "assistant" in message
+        not_bool = {"add_generation_prompt": "yes"}
+        refused(create, "add_generation_prompt", **kw, messages=[QUESTION], extra_body=not_bool)
+
+
+def test_a_continued_message_decides_the_reasoning():
+    assert continued_start("The answer is") is None
+    assert continued_start("<think>Let me see") is Start.IN_REASONING
+    assert continued_start("<think>Done.</think>The answer is") is None
+
+
+# ---- 5. /v1/models ---------------------------------------------------------------------------------------
+
+
+def test_models_have_vllms_fields(servers):
+    _, pair = servers
+    for url in [*both(servers), pair.pe.url]:
+        cards = [m.model_dump() for m in openai_client(url).models.list().data]
+        if url != pair.pe.url:  # the PE lists its model; retrieving one is the CE's
+            cards.append(openai_client(url).models.retrieve(MODEL).model_dump())
+        for card in cards:
+            assert (card["id"], card["object"], card["owned_by"], card["root"], card["parent"]) == (
+                MODEL,
+                "model",
+                "pdserve",
+                MODEL,
+                None,
+            )
+            assert card["max_model_len"] == 2048
+            (perm,) = card["permission"]
+            assert perm["id"].startswith("modelperm-") and perm["created"] == card["created"]
+            assert {k: v for k, v in perm.items() if k not in ("id", "created")} == {
+                "object": "model_permission",
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+
+
+# ---- 6. logprobs 0 ---------------------------------------------------------------------------------------
+
+
+def test_completions_logprobs_always_have_the_sampled_token(servers):
+    kw: dict[str, Any] = dict(model=MODEL, prompt="The capital of France is", max_tokens=4)
+    for url, stream in zip(both(servers), (False, True), strict=True):  # whole, then streamed
+        r = openai_client(url).completions.create(**kw, temperature=0, logprobs=0, stream=stream)
+        chunks = list(r) if stream else [r]
+        lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for lp in lps for t in lp.tokens]
+        token_lps = [x for lp in lps for x in lp.token_logprobs]
+        tops = [t for lp in lps for t in lp.top_logprobs]
+        assert len(tokens) == 4 and tops == [{t: x} for t, x in zip(tokens, token_lps, strict=True)]
+    # sampled, not greedy: the sampled token is there with the top 2 (so 2 or 3 entries)
+    r = openai_client(servers[1].url).completions.create(**kw, temperature=1.5, seed=7, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None
+    for token, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == x and 2 <= len(top) <= 3
+
+
+def test_chat_top_logprobs_zero_is_an_empty_list(servers):
+    for url in both(servers):
+        r = openai_client(url).chat.completions.create(
+            model=MODEL, messages=[QUESTION], max_tokens=3, temperature=0, logprobs=True, top_logprobs=0
+        )
+        content = r.choices[0].logprobs.content
+        assert content and len(content) == 3 and all(c.top_logprobs == [] for c in content)
+
+
+# ---- 7. custom roles -------------------------------------------------------------------------------------
+
+
+def test_custom_roles_reach_the_template(servers):
+    messages = [{"role": "critic", "content": "Be brief."}, {"role": "function", "content": "42"}, QUESTION]
+    answers = []
+    for url in both(servers):
+        _, text = tokenize_text(url, {"messages": messages})
+        assert "<|im_start|>critic\nBe brief.<|im_end|>" in text and "<|im_start|>function\n42" in text
+        r = openai_client(url).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0
+        )
+        assert r.choices[0].message.content
+        answers.append(r.choices[0].message.content)
+        create = openai_client(url).chat.completions.create
+        no_role = [{"role": "", "content": "x"}]
+        refused(create, "messages[0].role", model=MODEL, messages=no_role, max_tokens=1)
+    assert answers[0] == answers[1]
+
+
+def test_a_template_that_refuses_a_role_is_a_400():
+    template = (
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+        "{{ raise_exception('no role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    renderer = PromptRenderer(load_tokenizer(MODEL), template)
+    req = parse_chat_request({"messages": [{"role": "critic", "content": "x"}]})
+    with pytest.raises(ApiError, match="no role critic") as e:
+        renderer.render_chat(req.messages)
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
+# ---- 8. seed ---------------------------------------------------------------------------------------------
+
+
+def test_seed_takes_vllms_range(servers):
+    answers = []
+    kw: dict[str, Any] = dict(model=MODEL, messages=[QUESTION], max_tokens=4, temperature=1.5)
+    for url in both(servers):
+        client = openai_client(url)
+        answers.append(client.chat.completions.create(**kw, seed=-5).choices[0].message.content)
+        for seed in (2**64, 2**63, -(2**64)):  # past 64 bits, the JSON parser gives a float
+            message = refused(client.chat.completions.create, "seed", **kw, seed=seed)
+            assert "must be an integer between" in message and "float" not in message
+        message = refused(client.completions.create, "seed", model=MODEL, prompt="x", seed=2**64)
+        assert "must be an integer between" in message
+        assert "must be an integer" in refused(client.chat.completions.create, "seed", **kw, seed=1.5)
+    assert answers[0] == answers[1]  # a negative seed draws the same tokens alone and across a handoff
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    co = SimpleNamespace(renderer=SimpleNamespace(tool_parser=HermesParser()))
+    text = "".join(
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>\n'
+        for city in ("Paris", "Lyon")
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    for parallel, cities in ((True, ["Paris", "Lyon"]), (False, ["Paris"])):
+        req = parse_chat_request({"messages": [QUESTION], "tools": tools, "parallel_tool_calls": parallel})
+        calls = parse_tool_output(co, req, "", text).tool_calls
+        assert [json.loads(c.arguments)["city"] for c in calls] == cities
+
+
+# ---- the audit: what is not supported is a 400, never ignored --------------------------------------------
+
+
+def test_unsupported_fields_are_refused(servers):
+    for url in both(servers):
+        client = openai_client(url)
+        kw: dict[str, Any] = dict(model=MODEL, messages=[QUESTION], max_tokens=1)
+        usage_each_chunk = {"include_usage": True, "continuous_usage_stats": True}
+        param = "stream_options.continuous_usage_stats"
+        refused(client.chat.completions.create, param, **kw, stream=True, stream_options=usage_each_chunk)
+        refused(client.chat.completions.create, "use_beam_search", **kw, extra_body={"use_beam_search": True})
+        keep = {"prompt": "x", "extra_body": {"skip_special_tokens": False}}
+        message = refused(client.completions.create, "skip_special_tokens", model=MODEL, **keep)
+        assert "leave it out or send true" in message
+        status, e = post_json(url, "/tokenize", {"messages": [QUESTION], "chat_template": "{{ messages }}"})
+        assert status == 400 and e["error"]["param"] == "chat_template", e
