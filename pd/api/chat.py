@@ -19,7 +19,8 @@ from pd.chat.reasoning import (
     split_reasoning,
 )
 from pd.chat.renderer import RenderedPrompt
-from pd.chat.toolcalls import ParsedOutput, ToolStreamFilter, parse_forced_arguments
+from pd.chat.tool_choice import RequiredCalls, forced_name, is_forced, named_call, required_calls
+from pd.chat.toolcalls import ParsedOutput, ToolStreamFilter, new_call_id
 from pd.frontend.coordinator import Coordinator
 from pd.frontend.generation import ChoiceUpdate, Generation, SubRequest
 from pd.http.io import json_response, usage
@@ -54,13 +55,9 @@ def chat_logprobs(co: Coordinator, lps: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def parse_tool_output(co: Coordinator, req: ChatRequest, prefix: str, text: str) -> ParsedOutput:
-    """Tool calls in an answer; `prefix` is what the prompt already put at the answer's start."""
-    if isinstance(req.tool_choice, dict) and prefix:
-        call = parse_forced_arguments(req.tool_choice["function"]["name"], text)
-        if call is not None:
-            return ParsedOutput(None, (call,))
-    parsed = co.renderer.tool_parser.parse(prefix + text)
+def parse_tool_output(co: Coordinator, req: ChatRequest, text: str) -> ParsedOutput:
+    """Tool calls in an "auto" answer, in the format the chat template teaches."""
+    parsed = co.renderer.tool_parser.parse(text)
     if not req.parallel_tool_calls and len(parsed.tool_calls) > 1:  # at most one call: the first
         return ParsedOutput(parsed.content, parsed.tool_calls[:1])
     return parsed
@@ -69,7 +66,7 @@ def parse_tool_output(co: Coordinator, req: ChatRequest, prefix: str, text: str)
 def reasoning_start(co: Coordinator, req: ChatRequest, rendered: RenderedPrompt) -> Start | None:
     """How the answer starts for --reasoning-parser; None: no reasoning split off."""
     parser = reasoning_parser(co.cfg.reasoning_parser)
-    if parser is None or rendered.assistant_prefix:  # a forced tool call: the answer is the call
+    if parser is None or is_forced(req.tool_choice):  # the grammar holds from the first token: no reasoning
         return None
     if req.continue_final_message:
         return continued_start(req.messages[-1].get("content") or "")
@@ -121,7 +118,7 @@ async def _generate(
             f"{rid}-{i}",
             i,
             prompt,
-            req.sampling.params(max_tokens, req.logprobs, i, rendered.extra_stop),
+            req.sampling.params(max_tokens, req.logprobs, i),
             req.sampling.use_prefix_cache,
         )
         for i in range(req.sampling.n)
@@ -131,8 +128,8 @@ async def _generate(
     async with Generation(rank, co.metrics, arrival_s, co.pd, affinity_key(req)) as gen:
         await gen.submit(subs)
         if req.sampling.stream:
-            return await _stream(co, request, req, gen, head, len(prompt), rendered.assistant_prefix, start)
-        return await _whole(co, req, gen, head, len(prompt), rendered.assistant_prefix, start)
+            return await _stream(co, request, req, gen, head, len(prompt), start)
+        return await _whole(co, req, gen, head, len(prompt), start)
 
 
 async def _whole(
@@ -141,7 +138,6 @@ async def _whole(
     gen: Generation,
     head: dict[str, Any],
     num_prompt: int,
-    prefix: str,
     start: Start | None,
 ) -> web.Response:
     n = req.sampling.n
@@ -159,16 +155,17 @@ async def _whole(
     choices = []
     for i in range(n):
         reasoning, answer = split_reasoning(start, texts[i]) if start is not None else (None, texts[i])
-        content = prefix + answer
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": content if reasoning is None else content or None,  # vLLM's: null after reasoning
+            "content": answer if reasoning is None else answer or None,  # vLLM's: null after reasoning
         }
         if co.cfg.reasoning_parser is not None:
             message["reasoning_content"] = reasoning if req.include_reasoning else None
         reason = finish[i]
-        if req.uses_tools:  # tool calls are in the answer, never in the reasoning
-            parsed = parse_tool_output(co, req, prefix, answer)
+        if is_forced(req.tool_choice):
+            message, reason = _forced_message(req, message, answer, reason)
+        elif req.uses_tools:  # tool calls are in the answer, never in the reasoning
+            parsed = parse_tool_output(co, req, answer)
             if parsed.tool_calls:
                 message = {
                     **message,
@@ -194,6 +191,21 @@ async def _whole(
     return json_response(body)
 
 
+def _forced_message(
+    req: ChatRequest, message: dict[str, Any], text: str, reason: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """A forced call's message (vLLM's): the constrained text read back as calls, content "";
+    "required" finishes with "tool_calls" where it stopped, a named function with what it finished with."""
+    name = forced_name(req.tool_choice)
+    if name is not None:
+        return {**message, "content": "", "tool_calls": [named_call(name, text).to_openai()]}, reason
+    calls = required_calls(text)
+    if not calls:  # cut short before its first call closed (max_tokens): the text, as it came
+        return message, reason
+    calls_message = {**message, "content": "", "tool_calls": [c.to_openai() for c in calls]}
+    return calls_message, "tool_calls" if reason == "stop" else reason
+
+
 async def _stream(
     co: Coordinator,
     request: web.Request,
@@ -201,18 +213,15 @@ async def _stream(
     gen: Generation,
     head: dict[str, Any],
     num_prompt: int,
-    prefix: str,
     start: Start | None,
 ) -> web.StreamResponse:
     n = req.sampling.n
     head = {**head, "object": "chat.completion.chunk"}
     filters = None
-    if req.uses_tools:
-        parse = lambda full: parse_tool_output(co, req, prefix, full[len(prefix) :])  # noqa: E731
+    if req.uses_tools and not is_forced(req.tool_choice):
+        parse = lambda full: parse_tool_output(co, req, full)  # noqa: E731
         filters = [ToolStreamFilter(co.renderer.tool_parser, parse) for _ in range(n)]
-    if filters:
-        for f in filters:
-            f.feed(prefix)
+    forced = [_ForcedStream(req.tool_choice) for _ in range(n)] if is_forced(req.tool_choice) else None
     splitters = [ReasoningSplitter(start) for _ in range(n)] if start is not None else None
     is_started = [False] * n
     num_out = [0] * n
@@ -231,6 +240,12 @@ async def _stream(
             more_reasoning, more_answer = splitters[i].finish()
             reasoning, answer = reasoning + more_reasoning, answer + more_answer
         text = filters[i].feed(answer) if filters else answer
+        if forced:  # the answer is the call: tool_calls deltas, no content
+            calls = forced[i].feed(answer)
+            if calls:
+                delta["tool_calls"] = calls
+            text = ""
+            reason = forced[i].finish_reason(reason)
         if reasoning and req.include_reasoning:
             delta["reasoning_content"] = reasoning
         if reason is not None:
@@ -255,3 +270,30 @@ async def _stream(
     return await stream_choices(
         request, gen, head, choice, final_usage if req.sampling.include_usage else None
     )
+
+
+class _ForcedStream:
+    """One choice's forced call as tool_calls deltas (vLLM's): a named function's arguments as they are
+    generated (the first delta has the call's id, type and name); a "required" call whole, once its array
+    element closes."""
+
+    def __init__(self, tool_choice: Any) -> None:
+        self.name = forced_name(tool_choice)
+        self.required = RequiredCalls() if self.name is None else None
+        self.call_id = new_call_id()
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if self.required is not None:
+            out = [c.to_openai(index=self.num_calls + k) for k, c in enumerate(self.required.feed(text))]
+            self.num_calls += len(out)
+            return out
+        if not text:
+            return []
+        if self.num_calls:
+            return [{"index": 0, "function": {"arguments": text}}]
+        self.num_calls = 1
+        return [{"index": 0, "id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": text}}]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.required is not None and self.num_calls else reason

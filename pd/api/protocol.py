@@ -13,7 +13,7 @@ request. The engine compiles the constraint: one it cannot compile is a 400 from
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -27,6 +27,7 @@ from engine.request import (
     SamplingParams,
     StructuredOutput,
 )
+from pd.chat.tool_choice import forced_schema
 from pd.errors import bad_request
 
 MAX_N = 16
@@ -102,9 +103,7 @@ class SamplingFields:
     min_tokens: int = 0
     structured: StructuredOutput | None = None
 
-    def params(
-        self, max_tokens: int, logprobs: int | None, choice: int, extra_stop: tuple[str, ...] = ()
-    ) -> SamplingParams:
+    def params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """Engine parameters of choice number `choice` (seeded choices get seed + choice, so n > 1 differs)."""
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return SamplingParams(
@@ -113,7 +112,7 @@ class SamplingFields:
             top_p=self.top_p,
             top_k=self.top_k,
             seed=seed,
-            stop=self.stop + tuple(s for s in extra_stop if s not in self.stop),
+            stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -619,6 +618,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if top and not want_logprobs:  # 0 asks for nothing (vLLM's check)
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     tools, tool_choice = _tools(body)
+    parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
+    sampling = _with_tool_constraint(sampling, tools, tool_choice, parallel_tool_calls)
     _refuse_media(body)
     _refuse_unsupported(body)
     add_generation_prompt, continue_final_message = _generation_prompt(body, messages)
@@ -634,8 +635,25 @@ def parse_chat_request(body: Any) -> ChatRequest:
         add_generation_prompt,
         continue_final_message,
         _bool(body, "add_special_tokens", False),
-        _bool(body, "parallel_tool_calls", True),
+        parallel_tool_calls,
     )
+
+
+def _with_tool_constraint(
+    sampling: SamplingFields, tools: tuple[dict[str, Any], ...], tool_choice: Any, parallel_tool_calls: bool
+) -> SamplingFields:
+    """A forced tool_choice constrains the output to its tools' schema (pd/chat/tool_choice.py), as vLLM
+    does; a request that also gives its own structured output is refused (one constraint per answer)."""
+    schema = forced_schema(tools, tool_choice, parallel_tool_calls)
+    if schema is None:
+        return sampling
+    if sampling.structured is not None:
+        raise bad_request(
+            "a forced 'tool_choice' (\"required\" or a named function) constrains the answer to the tools' "
+            "schema: it cannot be combined with response_format or structured_outputs",
+            "tool_choice",
+        )
+    return replace(sampling, structured=_structured("json_schema", orjson.dumps(schema).decode(), "tools"))
 
 
 def _generation_prompt(body: dict[str, Any], messages: tuple[dict[str, Any], ...]) -> tuple[bool, bool]:

@@ -6,9 +6,8 @@ calls asked for as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. I
 assistant tool calls are written back in the same format and tool results become user turns in
 <tool_response> tags, so any template can render the whole conversation.
 
-When the client forces a call (tool_choice "required" or a named function) and the format is Hermes-style,
-the assistant turn is started with the opening of the call, so even a small model emits a parseable one,
-and generation stops at the call's closing tag (a forced call is a single call).
+A forced call (tool_choice "required" or a named function) renders the same prompt as "auto": the answer is
+constrained to the tools' JSON schema instead (pd/chat/tool_choice.py), as vLLM does.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pd.chat.toolcalls import HermesParser, ToolParser, parser_for_template
+from pd.chat.toolcalls import ToolParser, parser_for_template
 from pd.errors import bad_request
 
 FALLBACK_TOOLS_PROMPT = """# Tools
@@ -39,8 +38,6 @@ For each function call, return a json object with function name and arguments wi
 class RenderedPrompt:
     text: str
     token_ids: tuple[int, ...]
-    assistant_prefix: str = ""  # text the prompt already put in the model's mouth (part of its answer)
-    extra_stop: tuple[str, ...] = ()  # stop strings the rendering needs (the end of a forced call)
 
 
 def _arguments_as_object(args: Any) -> Any:
@@ -108,8 +105,6 @@ class PromptRenderer:
                         }
                         for c in m["tool_calls"]
                     ]
-        if use_tools:
-            msgs = self._with_choice_instruction(msgs, tool_choice)
         for m in msgs:
             if m.get("content") is None:
                 m["content"] = ""
@@ -125,10 +120,8 @@ class PromptRenderer:
             )
         except Exception as e:  # jinja raises TemplateError (and the template's own raise_exception)
             raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
-        prefix = self._forced_call_prefix(tool_choice) if use_tools else ""
-        text += prefix
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        return RenderedPrompt(text, tuple(ids), prefix, ("</tool_call>",) if prefix else ())
+        return RenderedPrompt(text, tuple(ids))
 
     def _with_fallback_tools(
         self, msgs: list[dict[str, Any]], tools: tuple[dict[str, Any], ...]
@@ -166,23 +159,3 @@ class PromptRenderer:
         else:
             out.insert(0, {"role": "system", "content": block})
         return out
-
-    def _with_choice_instruction(self, msgs: list[dict[str, Any]], tool_choice: Any) -> list[dict[str, Any]]:
-        if tool_choice == "required":
-            note = "You must call at least one of the functions."
-        elif isinstance(tool_choice, dict):
-            note = f"You must call the function {tool_choice['function']['name']}."
-        else:
-            return msgs
-        if msgs and msgs[0]["role"] == "system":
-            return [{**msgs[0], "content": f"{msgs[0]['content']}\n\n{note}"}, *msgs[1:]]
-        return [{"role": "system", "content": note}, *msgs]
-
-    def _forced_call_prefix(self, tool_choice: Any) -> str:
-        if not isinstance(self.tool_parser, HermesParser):
-            return ""
-        if isinstance(tool_choice, dict):
-            return '<tool_call>\n{"name": ' + json.dumps(tool_choice["function"]["name"]) + ', "arguments": '
-        if tool_choice == "required":
-            return '<tool_call>\n{"name": "'
-        return ""

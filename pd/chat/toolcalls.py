@@ -83,19 +83,6 @@ def _loads_lenient(text: str) -> Any:
     raise ValueError("no JSON object")
 
 
-def parse_forced_arguments(name: str, text: str) -> ToolCall | None:
-    """The call of a forced function whose prompt ended in `..."arguments": `: the answer starts with them."""
-    try:
-        args, _ = json.JSONDecoder().raw_decode(text.lstrip())
-    except NOT_JSON:
-        return None
-    return (
-        ToolCall(name, json.dumps(args, ensure_ascii=False), new_call_id())
-        if isinstance(args, dict)
-        else None
-    )
-
-
 def _content(text: str) -> str | None:
     text = text.strip()
     return text or None

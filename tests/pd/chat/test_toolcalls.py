@@ -263,15 +263,13 @@ def test_native_template_renders_tools(tokenizer):
     assert p.text.endswith("<|im_start|>assistant\n")
 
 
-def test_forced_call_starts_the_answer(tokenizer):
+def test_forced_call_renders_the_auto_prompt(tokenizer):
+    """A forced call is constrained by its schema (pd/chat/tool_choice.py), not by the prompt: vLLM's."""
     r = PromptRenderer(tokenizer)
     msgs = ({"role": "user", "content": "Weather in Paris?"},)
-    named = r.render_chat(msgs, (WEATHER,), {"type": "function", "function": {"name": "get_weather"}})
-    assert named.assistant_prefix == '<tool_call>\n{"name": "get_weather", "arguments": '
-    assert named.text.endswith(named.assistant_prefix)
-    out = r.tool_parser.parse(named.assistant_prefix + '{"city": "Paris"}}\n</tool_call>')
-    assert out.tool_calls[0].name == "get_weather"
-    assert r.render_chat(msgs, (WEATHER,), "required").assistant_prefix == '<tool_call>\n{"name": "'
+    auto = r.render_chat(msgs, (WEATHER,), "auto")
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        assert r.render_chat(msgs, (WEATHER,), choice) == auto
 
 
 def test_no_chat_template_is_a_400(tokenizer):
@@ -293,15 +291,6 @@ def test_hermes_lenient_small_model_output():
     assert out.tool_calls[0].name == "get_weather" and json.loads(out.tool_calls[0].arguments) == {
         "city": "Paris"
     }
-
-
-def test_forced_arguments():
-    from pd.chat.toolcalls import parse_forced_arguments
-
-    call = parse_forced_arguments("get_weather", ' {"city": "Paris"}}\n</tool_call> trailing')
-    assert call is not None and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
-    assert parse_forced_arguments("f", "not json") is None
-    assert parse_forced_arguments("f", "[1, 2]") is None
 
 
 @pytest.mark.parametrize("name", sorted(PARSERS))
