@@ -227,7 +227,7 @@ def test_tool_call_comes_back_as_tool_calls(client, tokenizer):
         model=MODEL, messages=msgs, tools=[WEATHER], tool_choice=choice, max_tokens=40, temperature=0
     )
     c = r.choices[0]
-    assert c.finish_reason == "tool_calls"
+    assert c.finish_reason == "stop" and not c.message.content  # vLLM's for a named function
     (call,) = c.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
     assert isinstance(json.loads(call.function.arguments), dict)
@@ -237,7 +237,8 @@ def test_tool_call_comes_back_as_tool_calls(client, tokenizer):
     assert r.usage.prompt_tokens == len(rendered.token_ids)
     plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
     assert plain.usage.prompt_tokens < r.usage.prompt_tokens
-    # streamed: the call arrives as a tool_calls delta (cache off: the same prefill as above, same numerics)
+    # streamed: the call arrives as tool_calls deltas, the first naming it (cache off: the same prefill as
+    # above, same numerics)
     calls, finish = [], None
     for ch in client.chat.completions.create(
         model=MODEL,
@@ -252,8 +253,9 @@ def test_tool_call_comes_back_as_tool_calls(client, tokenizer):
         if ch.choices:
             calls += ch.choices[0].delta.tool_calls or []
             finish = ch.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and [t.function.name for t in calls] == ["get_weather"]
-    assert calls[0].function.arguments == call.function.arguments
+    assert finish == "stop" and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert {t.index for t in calls} == {0} and all(t.function.name is None for t in calls[1:])
+    assert "".join(t.function.arguments for t in calls) == call.function.arguments
 
 
 def test_client_disconnect_aborts_and_frees(server):

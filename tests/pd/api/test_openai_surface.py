@@ -1,7 +1,8 @@
 """Issue 30's parameters, through the official `openai` client against a single-engine server and a P/D pair
 (SmolLM2-135M, --deterministic): continue_final_message and add_generation_prompt (chat and /tokenize),
-vLLM's /v1/models fields, completions' logprobs 0, custom message roles, the seed range, and vLLM's
-fields this server does not have. Each is honoured as vLLM does, or a 400 naming it."""
+vLLM's /v1/models fields, completions' logprobs 0, custom message roles, the seed range, a forced
+tool_choice (named or "required": the answer constrained to the tools' schema), and vLLM's fields this
+server does not have. Each is honoured as vLLM does, or a 400 naming it."""
 
 from __future__ import annotations
 
@@ -249,8 +250,113 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     tools = [{"type": "function", "function": {"name": "get_weather"}}]
     for parallel, cities in ((True, ["Paris", "Lyon"]), (False, ["Paris"])):
         req = parse_chat_request({"messages": [QUESTION], "tools": tools, "parallel_tool_calls": parallel})
-        calls = parse_tool_output(co, req, "", text).tool_calls
+        calls = parse_tool_output(co, req, text).tool_calls
         assert [json.loads(c.arguments)["city"] for c in calls] == cities
+
+
+# ---- 9. a forced tool_choice: the answer constrained to the tools' JSON schema ------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def valid_arguments(name: str, arguments: str) -> bool:
+    """The arguments parse and follow the tool's schema (by hand: required keys, string types, enums,
+    nothing else)."""
+    (schema,) = [t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name]
+    args = json.loads(arguments)
+    props = schema["properties"]
+    return (
+        isinstance(args, dict)
+        and set(schema["required"]) <= set(args) <= set(props)
+        and all(isinstance(v, str) and v in props[k].get("enum", [v]) for k, v in args.items())
+    )
+
+
+def forced(
+    url: str, choice: Any, stream: bool, **extra: Any
+) -> tuple[list[tuple[str, str]], str | None, str | None]:
+    """(calls as (name, arguments), content, finish_reason), whole or put together from the stream."""
+    kw: dict[str, Any] = dict(
+        model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS, tool_choice=choice, temperature=0, **extra
+    )
+    client = openai_client(url)
+    if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        calls = c.message.tool_calls or []
+        assert all(t.type == "function" and t.id.startswith("call_") for t in calls)
+        return [(t.function.name, t.function.arguments) for t in calls], c.message.content, c.finish_reason
+    parts: dict[int, list[str]] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for t in delta.tool_calls or []:
+            if t.index not in parts:  # a call's first delta names it
+                assert t.id and t.id.startswith("call_") and t.type == "function" and t.function.name
+                parts[t.index] = [t.function.name, ""]
+            parts[t.index][1] += t.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [(name, args) for name, args in (parts[k] for k in sorted(parts))], content, finish
+
+
+def test_named_tool_choice_is_a_call_that_follows_the_schema(servers):
+    answers = []
+    for url in both(servers):
+        for stream in (False, True):
+            calls, content, finish = forced(url, NAMED, stream, max_tokens=60)
+            ((name, arguments),) = calls
+            assert name == "get_weather" and valid_arguments(name, arguments), arguments
+            assert not content and finish == "stop"  # vLLM's (and OpenAI's) for a named function
+            answers.append(calls)
+    assert all(a == answers[0] for a in answers)  # whole == streamed, single == pair
+
+
+def test_required_tool_choice_calls_tools_that_exist(servers):
+    answers, firsts = [], []
+    for url in both(servers):
+        for stream in (False, True):
+            # SmolLM2 calls both tools (about 100 tokens with the grammar's whitespace)
+            calls, content, finish = forced(url, "required", stream, max_tokens=200)
+            assert calls and all(valid_arguments(name, args) for name, args in calls), calls
+            assert not content and finish == "tool_calls"
+            answers.append(calls)
+            # parallel_tool_calls false: an array of one (maxItems 1), so the answer stops after one call
+            one, content, finish = forced(url, "required", stream, max_tokens=200, parallel_tool_calls=False)
+            assert len(one) == 1 and valid_arguments(*one[0]) and not content and finish == "tool_calls"
+            firsts.append(one)
+    assert all(a == answers[0] for a in answers) and all(f == firsts[0] for f in firsts)
+
+
+def test_forced_tool_choice_with_a_response_format_is_a_400(servers):
+    for url in both(servers):
+        kw: dict[str, Any] = dict(model=MODEL, messages=WEATHER_QUESTION, tools=TOOLS, max_tokens=4)
+        for choice in (NAMED, "required"):
+            create = openai_client(url).chat.completions.create
+            refused(create, "tool_choice", **kw, tool_choice=choice, response_format={"type": "json_object"})
 
 
 # ---- the audit: what is not supported is a 400, never ignored --------------------------------------------
