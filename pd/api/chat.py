@@ -241,9 +241,9 @@ async def _stream(
             reasoning, answer = reasoning + more_reasoning, answer + more_answer
         text = filters[i].feed(answer) if filters else answer
         if forced:  # the answer is the call: tool_calls deltas, no content
-            calls = forced[i].feed(answer)
-            if calls:
-                delta["tool_calls"] = calls
+            call_deltas = forced[i].feed(answer)
+            if call_deltas:
+                delta["tool_calls"] = call_deltas
             text = ""
             reason = forced[i].finish_reason(reason)
         if reasoning and req.include_reasoning:
