@@ -440,6 +440,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_prompt,
             num_output_tokens=len(seq.output_token_ids),
             error=str(error) if isinstance(error, InvalidRequestError) else FAILED.format(phase=phase),
+            is_request_fault=isinstance(error, InvalidRequestError),
         )
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:

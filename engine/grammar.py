@@ -139,7 +139,10 @@ class Matcher:
 
     def accept(self, token: int) -> None:
         if not self._m.consume_token(token):
-            raise RuntimeError(f"token {token} breaks the output's grammar: {self._m.get_error()}")
+            # the mask allowed it: text the grammar demands that the model cannot spell (a special token's,
+            # bytes its vocabulary lacks), which is the request's to fix
+            reason = (self._m.get_error() or "").strip().split("\n", 1)[0][:200]
+            raise InvalidRequestError(f"the output's grammar cannot be followed by this model: {reason}")
 
     @property
     def is_finished(self) -> bool:

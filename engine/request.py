@@ -175,4 +175,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    is_request_fault: bool = False  # finish_reason "error" for the request's own fault (a 400 where it can be)
     is_handoff_ready: bool = False  # prefill-only request: prefilled, first token sampled, KV parked for export

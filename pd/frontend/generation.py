@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from pd.disagg.decode_path import DecodePath, PhaseError
-from pd.errors import ApiError, internal, rejected
+from pd.errors import ApiError, bad_request, internal, rejected
 from pd.frontend.metrics import ServerMetrics
 from pd.messages import RequestRejected
 from pd.rank.client import RankClient, RankDown, RankEvent
@@ -115,6 +115,8 @@ class Generation:
                 continue
             if event.is_finished:
                 self._open.discard(rid)
+                if event.finish_reason == "error" and event.is_request_fault:
+                    raise bad_request(event.error or "the request cannot be served")
                 if event.finish_reason in ("abort", "error"):
                     raise internal(event.error or f"the engine ended the request ({event.finish_reason})")
             self._observe(rid, event)

@@ -130,7 +130,8 @@ class PrefillRole:
                 if o.finish_reason == "abort":
                     self.send(PrefillResult(o.request_id, False, code=ABORTED, message=o.error or "aborted"))
                 elif o.finish_reason == "error":
-                    self.send(PrefillResult(o.request_id, False, code=ENGINE_ERROR, message=o.error or "engine error"))
+                    code = REJECTED if o.is_request_fault else ENGINE_ERROR  # a 400, or a 500
+                    self.send(PrefillResult(o.request_id, False, code=code, message=o.error or "engine error"))
                 else:  # the first token ended it: no handoff, the output itself goes back
                     self.send(
                         PrefillResult(
