@@ -425,7 +425,10 @@ class LLMEngine:
         """Ends seq, in whatever state the failure left it (running, parked for export, imported,
         already finished), with finish_reason "error"; frees its memory and its P/D entry."""
         rid = seq.request_id
-        log.error("request %r failed while %s; the engine goes on", rid, phase, exc_info=error)
+        if isinstance(error, InvalidRequestError):  # the request's own fault: no traceback
+            log.warning("request %r failed while %s: %s", rid, phase, error)
+        else:
+            log.error("request %r failed while %s; the engine goes on", rid, phase, exc_info=error)
         self.handoffs.abort(rid)  # parked/exported: freed here; imported/local: its commit ends
         if seq.status is not SeqStatus.FINISHED:
             self.scheduler.finish(seq, "error")

@@ -271,6 +271,8 @@ class KVReceiver:
                 timeout = self.config.keepalive_s
         except HandoffError as e:
             await ch.nack(e)
+        except ConnectionError as e:  # the peer reset the connection (a PE dropping an aborted send)
+            log.warning("KV connection from %s lost: %s", peer, printable(repr(e), MESSAGE_CHARS))
         except Exception:
             log.exception("KV connection from %s failed", peer)
             await ch.nack(HandoffError(PROTOCOL, "internal error on the receiver"))

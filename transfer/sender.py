@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,9 +79,9 @@ class Ack:
         return {n.removesuffix("_s"): getattr(self, n) for n in names}
 
 
-def _retrieved(fut: asyncio.Future[int]) -> None:
-    """Reads a finished checksum future's exception, so that one nobody awaited (its send failed
-    first) is not reported as never retrieved."""
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Reads a finished future's exception, so that one nobody awaited (a checksum whose send failed
+    first, a send's inner task whose caller was cancelled) is not reported as never retrieved."""
     if not fut.cancelled():
         fut.exception()
 
@@ -145,8 +146,13 @@ class KVSender:
         timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
         if output_logprobs is None:
             output_logprobs = export.output_logprobs
+        inner = asyncio.ensure_future(self._send(addr, export, tuple(output_logprobs or ()), t0))
+        # NOTE: a send cancelled (its request aborted) as its inner task fails (the receiver refusing
+        # that request) can leave the task's error unread: wait_for (Python < 3.12) may lose the
+        # cancellation, the task then ends with the error, and nobody awaits it any more
+        inner.add_done_callback(_retrieved)
         try:
-            return await asyncio.wait_for(self._send(addr, export, tuple(output_logprobs or ()), t0), timeout)
+            return await asyncio.wait_for(inner, timeout)
         except asyncio.TimeoutError:
             raise HandoffError(
                 TIMEOUT, f"no ack from {addr} for {export.request_id!r} within {timeout:.1f} s"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import socket
@@ -370,3 +371,57 @@ async def test_stalled_sender_fails_after_the_idle_timeout() -> None:
         ch.close()
     assert isinstance(reply, Nack) and reply.code == INCOMPLETE and "no payload bytes" in reply.reason
     assert sink.delivered == {} and [e.code for e in sink.errors] == [INCOMPLETE]
+
+
+# ---- peers that go away (found by tests/pd/api/test_fuzz_requests.py: a P/D pair whose client hung up)
+
+
+async def test_a_peer_resetting_before_it_authenticates_is_no_error(caplog: pytest.LogCaptureFixture) -> None:
+    """A PE that drops a send (its request was aborted) resets the connection, here before it
+    authenticates: the receiver logged that as its own failure, a traceback at ERROR. It is the peer's
+    doing: one warning line, and the receiver serves on."""
+    caplog.set_level(logging.DEBUG, logger="transfer.receiver")
+    sink = Sink("req-1")
+    async with receiver(sink) as r:
+        sock = socket.create_connection(("127.0.0.1", r.port))
+        await Channel(sock, r.address).recv()  # the hello; the receiver now waits for the auth
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+        sock.close()
+        for _ in range(500):
+            if "reset" in caplog.text or r.num_connections == 0:
+                break
+            await asyncio.sleep(0.01)
+        await KVSender(TOKEN, LAYOUT_SWA, config=FAST).send(r.address, make_export())
+    assert "req-1" in sink.delivered
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR or rec.exc_info], caplog.text
+
+
+async def test_a_send_cancelled_as_it_fails_leaves_no_unread_error(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The PE cancels the send of a request its CE aborted, and the CE's refusal ends the send at the
+    same moment: Python 3.11's wait_for can lose such a cancellation, the send's inner task then ends
+    with the refusal, and nobody read it: asyncio logged "Task exception was never retrieved" and a
+    traceback. Here the inner task ignores its cancellation and fails, as it does in that race."""
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+    started = asyncio.Event()
+
+    async def fails_after_its_cancellation(*args: Any) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # the lost cancellation
+        raise HandoffError(UNEXPECTED, "request 'req-1' is not expected here")
+
+    monkeypatch.setattr(sender, "_send", fails_after_its_cancellation)
+    task = asyncio.create_task(sender.send("127.0.0.1:1", make_export(), timeout_s=10.0))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    del task
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text, caplog.text

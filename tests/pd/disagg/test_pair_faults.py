@@ -322,6 +322,27 @@ def test_abort_while_the_pe_prefills(cluster):
     assert ask(pair.url)
 
 
+def test_aborts_while_the_pe_prefills_leave_no_task_pending(cluster):
+    """Found by tests/pd/api/test_fuzz_requests.py: a request cancelled while the CE waits for the PE's
+    answer (DecodePath._while_prefilling) left that wait's events.get() task pending, and asyncio logged
+    "Task was destroyed but it is pending!" when the garbage collector found it (now cancelled with it). Several aborts, then
+    requests that let the collector run."""
+    pair = cluster[0]
+    assert pair.ce.log_path is not None
+    offset = pair.ce.log_path.stat().st_size
+    for i in range(3):  # a prompt of its own each: no prefix cache shortens the PE's prefill
+        s = RawStream(pair.url, [{"role": "user", "content": f"Run {i}. {LONG}"}], 8, temperature=0)
+        wait_for(lambda: pe_has_it(pair), 60, "the PE to take the request")
+        s.close()
+        idle(pair.ce.port, pair.pe.port)
+    for _ in range(3):
+        assert ask(pair.url)
+    with open(pair.ce.log_path, "rb") as f:
+        f.seek(offset)
+        log = f.read().decode(errors="replace")
+    assert "was destroyed but it is pending" not in log and "Traceback" not in log, log
+
+
 def test_abort_while_decoding(cluster):
     pair = cluster[0]
     s = RawStream(pair.url, HI, 1000, temperature=0, ignore_eos=True)
