@@ -135,7 +135,9 @@ def main() -> int:
                 load_format="dummy",
                 max_num_seqs=max(batches),
                 max_model_len=max_len,
-                kv_cache_gb=max(batches) * (max_len / 128 + 2) * eng_page_gib(folder),
+                # every row's pages, plus one SWA state slot a sequence (and a spare) for a hybrid model
+                kv_cache_gb=kv_gib(folder, max(batches), max_len),
+                num_swa_slots=max(batches) + 1 if has_sliding(folder) else None,
                 hicache_gb=0,
                 is_deterministic=args.deterministic,
                 forward=from_flags(ForwardConfig, args),
@@ -233,11 +235,23 @@ def profile_prefill(folder: Path, tokens: int, forward: ForwardConfig, report: d
     report["prefill"] = {"tokens": tokens, "wall_ms": wall, "kernel_ms": total, "kernels": rows[:40]}
 
 
-def eng_page_gib(folder: Path) -> float:
+def has_sliding(folder: Path) -> bool:
+    from engine.model_config import arch_from_hf, load_hf_config
+
+    return arch_from_hf(load_hf_config(folder)).has_sliding
+
+
+def kv_gib(folder: Path, batch: int, max_len: int, dtype: torch.dtype = torch.bfloat16) -> float:
+    """KV memory for `batch` sequences of max_len tokens: their pages (two spare each) and, for a hybrid
+    model, one SWA state slot each and a spare (the engine gives slots their share first)."""
     from engine.kv_cache import layout_of
     from engine.model_config import arch_from_hf, load_hf_config
 
-    return layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.bfloat16).page_bytes / 2**30
+    arch = arch_from_hf(load_hf_config(folder))
+    layout = layout_of(arch, 128, dtype)
+    pages = batch * (max_len / 128 + 2) * layout.page_bytes if arch.has_full else 0
+    slots = (batch + 1) * layout.state_bytes if arch.has_sliding else 0
+    return (pages + slots) / 2**30
 
 
 if __name__ == "__main__":
