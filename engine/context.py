@@ -58,6 +58,11 @@ def get_context() -> ForwardContext:
     return _CONTEXT
 
 
+def current_context() -> ForwardContext | None:
+    """The forward pass's context, or None outside one (a model function called on its own)."""
+    return _CONTEXT
+
+
 def _kv_slots(chunks: list[SeqChunk], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Page id and offset of every new token of the chunks (empty without full-attention layers),
     built a page at a time (list repeats and ranges run in C), not a Python step per token."""

@@ -36,7 +36,7 @@ from torch import nn
 
 from engine import expert_parallel
 from engine.attention import AttnSpec, paged_attention
-from engine.context import get_context
+from engine.context import current_context, get_context
 from engine.model_config import SLIDING, ModelArch
 from engine.moe import SparseMoE
 from engine.numerics import Numerics, run_rows
@@ -73,11 +73,12 @@ def _gemv_kernels() -> ModuleType | None:
 
 def _gemv_for(x: torch.Tensor) -> ModuleType | None:
     """pdkernels.gemv for a decode-sized x: CUDA, default numerics (deterministic mode's products stay
-    batch-invariant), at most ForwardConfig.gemv_rows rows; else None (cuBLAS through F.linear)."""
+    batch-invariant), at most ForwardConfig.gemv_rows rows; else None (cuBLAS through F.linear), also
+    outside a forward pass (a row function called on its own takes the products every mode shares)."""
     if not x.is_cuda or x.dim() != 2:
         return None
-    ctx = get_context()
-    if x.shape[0] > ctx.config.gemv_rows or ctx.numerics is not Numerics.DEFAULT:
+    ctx = current_context()
+    if ctx is None or x.shape[0] > ctx.config.gemv_rows or ctx.numerics is not Numerics.DEFAULT:
         return None
     return _gemv_kernels()
 
