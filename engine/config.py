@@ -52,15 +52,16 @@ class ForwardConfig:
         default=True,
         metadata={"help": "decode rows' q/k norms and rotary inside the attention kernel (one launch fewer per layer)"},
     )
-    # NOTE: gemv_rows and pdl stay off until measured on the GPU (bench/device/decode_modes_check.sh; bench/RESULTS.md)
+    # NOTE: gemv_rows, pdl and EngineConfig.launch_ahead are on by default: measured on the H200 (issue 31,
+    # bench/RESULTS.md), each made the decode step faster at batch 1 and 64 with the same tokens
     gemv_rows: int = field(
-        default=0,
+        default=1,
         metadata={"help": "default mode: a projection of at most this many rows (a decode step's) runs as one "
                   "Triton matrix-vector kernel (the down projection with its activation fused) instead of "
                   "cuBLAS; 0: always cuBLAS"},
     )
     pdl: bool = field(
-        default=False,
+        default=True,
         metadata={"help": "Triton kernels start while the kernel before them ends (programmatic dependent launch, "
                   "Hopper and later; same numbers): hides a launch and a tail per kernel"},
     )
@@ -140,7 +141,7 @@ class EngineConfig:
         },
     )
     launch_ahead: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "steady decode: launch the next step's forward before this step's outputs are built and "
             "sent, so the device works while the host does (same tokens; a request arriving meanwhile "

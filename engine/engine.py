@@ -264,13 +264,20 @@ class LLMEngine:
             if launched is None:
                 return outputs
         if self.ahead.feeds(launched):
-            tokens = self.ahead.feed(launched)  # launches the next batch itself if it can
+            try:
+                tokens = self.ahead.feed(launched)  # launches the next batch itself if it can
+            except Exception as e:  # the batch's tokens are lost: its sequences fail, the rest goes on
+                raise_if_fatal(e)
+                outputs += [self._fail(seq, e, "taking its token on the device") for seq in launched.seqs]
+                return outputs
             emit = self._append_tokens(launched.seqs, [(token, None) for token in tokens], outputs)
         else:
             emit = self._complete(launched, outputs)
         if self.ahead.launched is None and self.ahead.launches():
             self.ahead.hold(self._launch(outputs))
         for seq in emit:
+            if seq.finish_reason == "error":  # its next batch, launched ahead, failed: its error is out
+                continue
             try:
                 outputs.append(self._output(seq, is_final=seq.status is SeqStatus.FINISHED))
             except Exception as e:

@@ -4,9 +4,9 @@
 #     when this was written; if they fail or time out, the PDL modes below are dropped;
 #  2. the GPU tests of the kernels and decode paths this work touches;
 #  3. the small-batch GEMV against cuBLAS (bench/micro/gemv.py --quick);
-#  4. engine_speed's decode rows (and an 8k prefill) per mode: default (the decode rows' q/k norms and rotary inside the
-#     attention kernel), default-ahead (--launch-ahead), default-gemv, default-pdl, default-fast (all three),
-#     default-norope (the rotary before the attention kernel, as before), deterministic (and deterministic-pdl);
+#  4. engine_speed's decode rows (and an 8k prefill) per mode: default (the small-batch GEMV, PDL, launch-ahead and
+#     the decode rows' q/k norms and rotary inside the attention kernel), each of them switched off alone
+#     (default-nogemv, -nopdl, -noahead, -norope), all of the first three off (default-plain), deterministic;
 #  5. a per-kernel profile of the decode step and of one 8k prefill (bench/micro/profile_decode.py).
 # Every step has its own time limit (timeout -k: a hung GPU call cannot hold the rest). Logs under
 # $OUT, the summary last.
@@ -24,11 +24,11 @@ $T 75 $PY -m pytest -q -p no:cacheprovider tests/pdkernels/test_kernels_gemv.py 
     tests/engine/test_engine_cuda_decode.py::test_pdl_changes_no_number > "$OUT/smoke.log" 2>&1
 rc=$?
 say "smoke (PDL): rc $rc $(( $(date +%s) - t0 )) s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/smoke.log" | tail -1)"
-MODES=default,default-ahead,default-gemv,default-norope,deterministic
-FAST=--no-pdl
-if [ $rc -eq 0 ]; then
-    MODES=default,default-ahead,default-gemv,default-pdl,default-fast,default-norope,deterministic,deterministic-pdl
-    FAST="--pdl --gemv-rows 1"
+MODES=default,default-nogemv,default-noahead,default-plain,default-norope,deterministic,default-nopdl
+FAST=
+if [ $rc -ne 0 ]; then  # PDL failed: every mode without it
+    MODES=default-nopdl,default-plain,deterministic-nopdl
+    FAST=--no-pdl
 fi
 t0=$(date +%s)
 $T 150 $PY -m pytest -q -p no:cacheprovider tests/pdkernels/test_kernels_gemv.py tests/pdkernels/test_kernels_fused_gpu.py \
@@ -50,7 +50,7 @@ for m in ${PROFILE//,/ }; do
     t0=$(date +%s)
     $T 100 $PY bench/micro/profile_decode.py --model "$m" --batches "$BATCHES" --context 1024 --out "$OUT" --prefill 8192 \
         $FAST > "$OUT/profile_$m.log" 2>&1
-    say "profile $m ($FAST): rc $? $(( $(date +%s) - t0 )) s"
+    say "profile $m (${FAST:-default flags}): rc $? $(( $(date +%s) - t0 )) s"
 done
 sed -n '/^ceilings/,$p' "$OUT/bench.log" | tail -30 | tee -a "$SUMMARY"
 for m in ${PROFILE//,/ }; do grep -E -A14 "^b=|^prefill" "$OUT/profile_$m.log" | cut -c1-140 | tee -a "$SUMMARY"; done

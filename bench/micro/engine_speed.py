@@ -81,22 +81,23 @@ TINY_DIMS: dict[str, Any] = dict(
 
 
 # mode -> (deterministic numerics, what its rows change in the engine's ForwardConfig (launch_ahead: in
-# its EngineConfig); the rest as the flags say): the prefill paths, and the decode step's kernels (gemv:
-# the small-batch GEMV instead of cuBLAS; pdl: programmatic dependent launch; norope: the decode rows'
-# q/k norms and rotary in a kernel of their own before the attention kernel, fused_ops.qk_rope_), and
-# ahead: the next decode step launched before the step before it returns; fast: gemv, pdl and ahead
+# its EngineConfig); the rest as the flags say): the prefill paths, and each of the decode step's
+# defaults switched off alone: nogemv (cuBLAS instead of the small-batch GEMV), nopdl (no programmatic
+# dependent launch), noahead (no launch-ahead), norope (the decode rows' q/k norms and rotary in a
+# kernel of their own before the attention kernel, fused_ops.qk_rope_); plain: gemv, pdl and
+# launch-ahead all off (the defaults before issue 31)
 ENGINE_MODES: dict[str, tuple[bool, dict[str, Any]]] = {
     "default": (False, {}),
     "deterministic": (True, {}),
     "default-triton": (False, {"prefill_sdpa": "off"}),
     "default-sdpa": (False, {"prefill_sdpa": "flash"}),
     "default-cudnn": (False, {"prefill_sdpa": "cudnn"}),
-    "default-gemv": (False, {"gemv_rows": 1}),
-    "default-pdl": (False, {"pdl": True}),
-    "default-ahead": (False, {"launch_ahead": True}),
-    "default-fast": (False, {"gemv_rows": 1, "pdl": True, "launch_ahead": True}),
-    "default-norope": (False, {"decode_rope": False, "gemv_rows": 0, "pdl": False}),
-    "deterministic-pdl": (True, {"pdl": True}),
+    "default-nogemv": (False, {"gemv_rows": 0}),
+    "default-nopdl": (False, {"pdl": False}),
+    "default-noahead": (False, {"launch_ahead": False}),
+    "default-plain": (False, {"gemv_rows": 0, "pdl": False, "launch_ahead": False}),
+    "default-norope": (False, {"decode_rope": False}),
+    "deterministic-nopdl": (True, {"pdl": False}),
 }
 
 

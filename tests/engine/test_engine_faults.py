@@ -159,10 +159,17 @@ def test_a_failing_model_run_fails_its_batch_and_the_engine_goes_on(
 
     monkeypatch.setattr(eng.runner, "run", faulty)
     outs = run(eng, {"a": (PROMPTS["a"], GREEDY), "c": (PROMPTS["c"], SAMPLED)})
-    assert_failed(outs["a"])
+    assert_failed(outs["a"])  # one final output each: the error (launch-ahead: the batch launched ahead)
     assert_failed(outs["c"])
     monkeypatch.setattr(eng.runner, "run", real)
     assert _clean(eng) == want
+
+
+def test_a_failing_model_run_without_launch_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.tiny_models import make_tiny
+
+    eng = small_engine(make_tiny("llama", tmp_path), max_model_len=128, launch_ahead=False)
+    test_a_failing_model_run_fails_its_batch_and_the_engine_goes_on(eng, monkeypatch)
 
 
 def test_fatal_errors_still_propagate(eng: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:

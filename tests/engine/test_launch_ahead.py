@@ -106,9 +106,12 @@ def test_aborting_the_whole_launched_batch_leaves_nothing_behind(tiny_model_dir)
     eng.check_idle()
 
 
-def test_off_by_default_and_never_while_a_prompt_is_computed(tiny_model_dir) -> None:
+def test_on_by_default_off_by_flag_and_never_while_a_prompt_is_computed(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama")
     eng = small_engine(folder)
+    eng.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert eng.ahead.enabled and eng.ahead.num_launched_ahead > 0
+    eng = small_engine(folder, launch_ahead=False)
     eng.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert not eng.ahead.enabled and eng.ahead.num_launched_ahead == 0
     eng = small_engine(folder, launch_ahead=True, max_num_batched_tokens=8)  # prompts take several chunks

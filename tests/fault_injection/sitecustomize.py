@@ -5,7 +5,7 @@ processes (they inherit the environment). It wraps one function per stage of a r
 InjectedFault, an exception the code does not expect, for a request whose id names that stage:
 `X-Request-Id: fault-<stage>-<n>` gives engine request ids `chatcmpl-fault-<stage>-<n>-<choice>` on the
 HTTP process, the PE and the CE alike. Stages (STAGES): where the request is admitted, where a token is
-processed and masked, sampled, detokenized, where a PE exports the KV and a CE imports it, where the HTTP
+processed and masked, sampled (or fed on the device by launch-ahead), detokenized, where a PE exports the KV and a CE imports it, where the HTTP
 process parses tool calls. A stage that comes for every token takes `first` (the first token: on a pair,
 the PE's) or `later` (a later one: on a pair, the CE's), e.g. `fault-sample-later-3`.
 
@@ -29,6 +29,7 @@ STAGES = (
     "mask-later",
     "sample-first",  # the draw (engine.engine.sample) of the request's row
     "sample-later",
+    "feed-later",  # LaunchAhead.feed: a greedy batch's tokens taken on the device (launch-ahead's fed path)
     "detok-first",  # LLMEngine._append_token: the token detokenized and checked for stops
     "detok-later",
     "export",  # LLMEngine.export_sequence (the PE)
@@ -108,6 +109,18 @@ def _patch_engine(mod: ModuleType) -> None:
     cls.export_sequence, cls.import_sequence, cls._sample, mod.sample = export_, import__, sample_rows_, sample_
 
 
+def _patch_launch_ahead(mod: ModuleType) -> None:
+    feed = mod.LaunchAhead.feed
+
+    def feed_(self: Any, launched: Any) -> Any:
+        for s in launched.seqs:
+            if _token_stage(s, "feed"):
+                _raise("feeding", s.request_id)
+        return feed(self, launched)
+
+    mod.LaunchAhead.feed = feed_
+
+
 def _patch_ledger(mod: ModuleType) -> None:
     enqueue = mod.HandoffLedger.enqueue
 
@@ -134,6 +147,7 @@ def _patch_chat(mod: ModuleType) -> None:
 
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "engine.engine": _patch_engine,
+    "engine.launch_ahead": _patch_launch_ahead,
     "engine.handoff_ledger": _patch_ledger,
     "pd.api.chat": _patch_chat,
 }

@@ -35,7 +35,10 @@ TOOLS = [
         },
     }
 ]
-SINGLE_STAGES = ("admission", "mask-first", "mask-later", "sample-first", "sample-later", "detok-first", "detok-later", "toolparse")
+SINGLE_STAGES = (
+    "admission", "mask-first", "mask-later", "sample-first", "sample-later", "feed-later", "detok-first", "detok-later",
+    "toolparse",
+)
 PAIR_STAGES = (*SINGLE_STAGES, "reserve", "export", "import")
 _ids = itertools.count()
 
@@ -61,12 +64,14 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         single.stop()
 
 
-def _call(url: str, request_id: str, stream: bool, tools: bool) -> tuple[int, str]:
+def _call(url: str, request_id: str, stream: bool, tools: bool, logprobs: bool = False) -> tuple[int, str]:
     """(status, text): the HTTP status, or 200 and the error of a stream that failed in-band."""
     client = openai_client(url, timeout_s=120)
     kw = dict(model="smollm2-135m-instruct", messages=ASK, max_tokens=4, temperature=0, extra_headers={"X-Request-Id": request_id})
     if tools:
         kw["tools"] = TOOLS
+    if logprobs:
+        kw["logprobs"] = True
     try:
         if not stream:
             r = client.chat.completions.create(**kw)
@@ -98,7 +103,10 @@ def test_an_unexpected_exception_fails_its_request_alone(servers, where: str, st
     url = servers[names[-1]].url
     before = _pids(servers, names)
     rid = f"fault-{stage}-{next(_ids)}"
-    status, text = _call(url, rid, stream, tools=stage == "toolparse")
+    # NOTE: a greedy request's later tokens are fed on the device by launch-ahead (the default), which
+    # neither processes nor draws them on the host: asking for logprobs keeps them on the host's path
+    host_path = stage in ("mask-later", "sample-later")
+    status, text = _call(url, rid, stream, tools=stage == "toolparse", logprobs=host_path)
     assert (status, text.startswith("in-band")) in ((500, False), (200, True)), (status, text)
     assert "injected" not in text.lower()  # a generic message: nothing of the exception
     assert _pids(servers, names) == before  # no rank restarted
