@@ -205,7 +205,7 @@ def profile_prefill(folder: Path, tokens: int, forward: ForwardConfig, report: d
 
     be = _bench_engine()
     eng = LLMEngine(EngineConfig(model=str(folder), load_format="dummy", max_num_seqs=2, max_model_len=tokens + 64,
-                                 max_num_batched_tokens=tokens, kv_cache_gb=(tokens / 128 + 4) * eng_page_gib(folder),
+                                 max_num_batched_tokens=tokens, kv_cache_gb=kv_gib(folder, 2, tokens + 64),
                                  hicache_gb=0, enforce_eager=True, forward=forward))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     prompts = be.random_prompts(5, tokens, eng.arch.vocab_size, 7)
