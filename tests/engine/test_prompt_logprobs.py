@@ -141,3 +141,32 @@ def test_prompt_logprobs_are_checked() -> None:
         PromptLogprobs(0, (0.5,), (1,))  # a logprob above 0
     with pytest.raises(InvalidRequestError):
         PromptLogprobs(0, (-0.5,), (0,))  # rank 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3_hybrid"])
+def test_on_cuda_beside_decode_rows_and_graphs(tiny_model_dir, family: str) -> None:
+    """CUDA: the prompt's chunks share steps with rows on the paged decode kernel (and graph replays
+    between them), in bf16 deterministic: the alone values, bit for bit; float32: transformers'."""
+    folder = tiny_model_dir(family)
+    prompt, *others = random_prompts([61, 9, 40], seed=13)
+    kw = dict(device="cuda", is_deterministic=True, hicache_gb=0.1)
+    alone = small_engine(folder, max_num_batched_tokens=256, **kw)
+    ref = first_prompt_logprobs(outputs(alone, "r", prompt, WITH_TOP))
+    busy = small_engine(folder, max_num_batched_tokens=24, **kw)
+    assert busy.graph_stats is not None
+    for i, p in enumerate(others):
+        busy.add_request(f"n{i}", p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # the neighbours prefilled and decoding when the prompt comes
+        busy.step()
+    assert first_prompt_logprobs(outputs(busy, "r", prompt, WITH_TOP)) == ref
+    again = outputs(busy, "again", prompt, WITH_TOP)  # its pages were stored: nothing restored for it
+    assert again[-1].num_cached_tokens == 0 and first_prompt_logprobs(again) == ref
+    for eng in (alone, busy):
+        eng.check_idle()
+    f32 = small_engine(folder, device="cuda", dtype="float32", hicache_gb=0.1)
+    plp = first_prompt_logprobs(outputs(f32, "r", prompt, WITH_TOP))
+    want = hf_prompt_logprobs(folder, prompt).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(plp.logprobs), want, rtol=1e-4, atol=1e-4)
+    f32.check_idle()
