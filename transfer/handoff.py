@@ -27,7 +27,11 @@ The checksum may follow the offer (checksum_follows; the header's checksum field
 sender offers as soon as its export's gather is queued, and sends the checksum in a `sum` message
 once the gather's sums are read (wire.py), so the receiver's copy launch overlaps the gather's end.
 
-Header version 5 (4 had no checksum_follows, 3 no first_page).
+A request that asks for prompt logprobs (params.prompt_logprobs) has them in the header too, computed
+by the sender's prefill (the receiver reports them with its first output): prompt_logprobs, the
+codec's map of PromptLogprobs, null otherwise.
+
+Header version 6 (5 had no prompt_logprobs, 4 no checksum_follows, 3 no first_page).
 """
 
 from __future__ import annotations
@@ -47,12 +51,21 @@ import msgpack
 import numpy as np
 import torch
 
-from engine.handoff import DTYPES, KVLayout, SamplingParams, SequenceExport, TokenLogprob, from_wire, to_wire
+from engine.handoff import (
+    DTYPES,
+    KVLayout,
+    PromptLogprobs,
+    SamplingParams,
+    SequenceExport,
+    TokenLogprob,
+    from_wire,
+    to_wire,
+)
 from pdkernels.checksum import MASK64, as_words, fold
 from transfer.checksum import segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
-HEADER_VERSION = 5
+HEADER_VERSION = 6
 IDS_INLINE_MAX = 1024  # prompts longer than this send their token ids after the offer
 
 
@@ -84,6 +97,7 @@ class HandoffHeader:
     first_page: int = 0  # the payload's pages start at this page of the sequence (see the module's doc)
     output_logprobs: tuple[TokenLogprob, ...] = ()
     checksum_follows: bool = False  # a `sum` message after the offer carries the checksum
+    prompt_logprobs: PromptLogprobs | None = None  # exactly when params.prompt_logprobs asks for them
     version: int = HEADER_VERSION
 
     def __post_init__(self) -> None:
@@ -128,6 +142,11 @@ class HandoffHeader:
             raise bad("inconsistent sizes: " + ", ".join(wrong))
         if not 0 <= self.checksum < 1 << 64 or (self.checksum_follows and self.checksum):
             raise bad("checksum out of range (or given although it follows)")
+        plp, k = self.prompt_logprobs, self.params.prompt_logprobs
+        if (plp is None) != (k is None) or (
+            plp is not None and (plp.num_top, plp.num_positions) != (k, len(self.prompt_token_ids) - 1)
+        ):
+            raise bad("prompt_logprobs do not match params.prompt_logprobs and the prompt's length")
 
     @property
     def layout(self) -> KVLayout:
@@ -179,6 +198,7 @@ class HandoffHeader:
         d["output_logprobs"] = [
             [lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.output_logprobs
         ]
+        d["prompt_logprobs"] = None if self.prompt_logprobs is None else to_wire(self.prompt_logprobs)
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
@@ -215,6 +235,8 @@ class HandoffHeader:
                 TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
                 for t, lp, top in d["output_logprobs"]
             )
+            if d["prompt_logprobs"] is not None:
+                kw["prompt_logprobs"] = from_wire(PromptLogprobs, d["prompt_logprobs"], "prompt_logprobs")
             for k in ("request_id", "model", "dtype"):
                 if not isinstance(d[k], str):
                     raise TypeError(f"{k} must be a string")
@@ -424,6 +446,7 @@ def make_header(
         first_page=first_page,
         output_logprobs=tuple(output_logprobs),
         checksum_follows=checksum_follows,
+        prompt_logprobs=export.prompt_logprobs,
         **lo,
     )
 
@@ -461,6 +484,7 @@ def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceEx
         state=segments[1] if header.has_state else None,
         output_logprobs=list(header.output_logprobs),
         first_page=header.first_page,
+        prompt_logprobs=header.prompt_logprobs,
     )
 
 
