@@ -132,19 +132,20 @@ def _decode_split_kernel(
         j_new = ctx - 1  # the new token's key index
         if WINDOW > 0:
             j_new = j_new % UNIT_TOKENS
-        if HAS_NEW:  # [1, BLOCK_D] each
-            k_ptrs = K_NEW + b * stride_kb + kvh * stride_kh + offs_d[None, :]
+        if HAS_NEW:  # [BLOCK_D] each, broadcast per tile below
+            k_ptrs = K_NEW + b * stride_kb + kvh * stride_kh + offs_d
             if ROPE:
-                k_new = rope_rows(k_ptrs, offs_d[None, :], mask_d[None, :], COS + b * stride_c, SIN + b * stride_c,
-                                  KW, eps, HEAD_DIM, QK_NORM, IS_GEMMA, K_NEW.dtype.element_ty)
+                k_new = tl.reshape(rope_rows(k_ptrs[None, :], offs_d[None, :], mask_d[None, :], COS + b * stride_c,
+                                             SIN + b * stride_c, KW, eps, HEAD_DIM, QK_NORM, IS_GEMMA,
+                                             K_NEW.dtype.element_ty), (BLOCK_D,))
             else:
-                k_new = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
-            v_new = tl.load(V_NEW + b * stride_vb + kvh * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+                k_new = tl.load(k_ptrs, mask=mask_d, other=0.0)
+            v_new = tl.load(V_NEW + b * stride_vb + kvh * stride_vh + offs_d, mask=mask_d, other=0.0)
             if (start <= j_new) & (j_new < end):  # this program owns the new key: it stores it
                 unit_new = tl.load(row + j_new // UNIT_TOKENS)  # a ring's j_new < window: its slot
                 dst = KV + unit_new.to(tl.int64) * stride_unit + (j_new % UNIT_TOKENS) * stride_tok + kvh * stride_head
-                tl.store(dst + offs_d[None, :], k_new, mask=mask_d[None, :])
-                tl.store(dst + stride_kv + offs_d[None, :], v_new, mask=mask_d[None, :])
+                tl.store(dst + offs_d, k_new, mask=mask_d)
+                tl.store(dst + stride_kv + offs_d, v_new, mask=mask_d)
         for j0 in range(start, end, BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
@@ -164,7 +165,7 @@ def _decode_split_kernel(
                 kv_mask = mask_n[:, None] & mask_d[None, :]
                 k = tl.load(KV + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             if HAS_NEW:
-                k = tl.where((offs_n == j_new)[:, None], k_new, k)
+                k = tl.where((offs_n == j_new)[:, None], k_new[None, :], k)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -176,7 +177,7 @@ def _decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(tile + stride_kv + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             if HAS_NEW:
-                v = tl.where((offs_n == j_new)[:, None], v_new, v)
+                v = tl.where((offs_n == j_new)[:, None], v_new[None, :], v)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
