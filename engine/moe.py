@@ -6,11 +6,11 @@ per token.
               sum to 1 when norm_topk_prob; weights cast back to the model dtype.
               "topk_softmax" (gpt-oss): top-k of the logits; softmax over those k in the logits' dtype
               (as transformers does; torch's softmax accumulates a bf16 input in float32 anyway)
-              "sigmoid_group_topk" (DeepSeek-V3, `route_sigmoid_group_topk`): logits in float32 from a
-              float32 gate, sigmoid scores; the choice adds e_score_correction_bias and keeps the
-              topk_groups groups of experts whose two best biased scores sum highest; the weights are
-              the unbiased scores of the chosen k, renormalized when norm_topk_prob, times
-              routed_scaling_factor, left in float32
+              "sigmoid_group_topk" (DeepSeek-V3, `route_group_topk`): sigmoid scores of float32 logits
+              from a float32 gate (ScoreGate: the sigmoid inside the row-local part, see there); the
+              choice adds e_score_correction_bias and keeps the topk_groups groups of experts whose two
+              best biased scores sum highest; the weights are the unbiased scores of the chosen k (in
+              expert id order), renormalized when norm_topk_prob, times routed_scaling_factor, in float32
     shared    DeepSeek-V3's shared experts: one dense SwiGLU MLP every token runs, added to the routed
               experts' sum (computed on every expert-parallel rank for its own tokens)
     dispatch  the T*k (token, slot) assignments, flattened slot-major per token, sorted (stably) by
@@ -78,16 +78,16 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -
     return torch.softmax(values, dim=-1, dtype=values.dtype), experts
 
 
-def route_sigmoid_group_topk(
-    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, score_bias: torch.Tensor, num_groups: int,
+def route_group_topk(
+    scores: torch.Tensor, top_k: int, norm_topk_prob: bool, score_bias: torch.Tensor, num_groups: int,
     topk_groups: int, scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 (transformers' DeepseekV3TopkRouter): sigmoid scores of float32 logits; score_bias
-    ([experts], e_score_correction_bias) shifts the choice only: experts of the topk_groups groups whose
-    two best shifted scores sum highest, their top-k by shifted score; weights are the unshifted scores
-    (renormalized when norm_topk_prob) times scaling, in float32."""
-    num_tokens, num_experts = logits.shape
-    scores = logits.float().sigmoid()
+    """DeepSeek-V3 (transformers' DeepseekV3TopkRouter) from the sigmoid scores [tokens, experts] (float32):
+    score_bias ([experts], e_score_correction_bias) shifts the choice only: experts of the topk_groups
+    groups whose two best shifted scores sum highest, their top-k by shifted score (in expert id order);
+    weights are the unshifted scores (renormalized when norm_topk_prob) times scaling, in float32.
+    Every operation is exact or elementwise, so a token's result does not depend on the other rows."""
+    num_tokens, num_experts = scores.shape
     choice = scores + score_bias.float()
     if topk_groups < num_groups:
         per_group = choice.view(num_tokens, num_groups, num_experts // num_groups)
@@ -96,15 +96,21 @@ def route_sigmoid_group_topk(
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
         keep = keep.unsqueeze(-1).expand_as(per_group).reshape(num_tokens, num_experts)
         choice = choice.masked_fill(~keep, float("-inf"))
-    experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    # NOTE: the chosen experts in id order: torch's unsorted top-k order varies with the number of rows,
+    # and the slots' order is the order their weights and outputs are added in
+    experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1].sort(dim=-1).values
     weights = scores.gather(1, experts)
     if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        # NOTE: added slot by slot: torch's sum over a small last axis may order its adds by the row count
+        total = weights[:, 0]
+        for slot in range(1, top_k):
+            total = total + weights[:, slot]
+        weights = weights / (total[:, None] + 1e-20)
     return weights * scaling, experts
 
 
 # ModelArch.routing -> (router logits [tokens, experts], k, norm_topk_prob) -> (weights, expert ids) [tokens, k];
-# "sigmoid_group_topk" takes the gate's bias and the groups too (route_sigmoid_group_topk, through ScoreGate)
+# "sigmoid_group_topk" takes the gate's bias and the groups too (route_group_topk, through ScoreGate)
 ROUTERS: dict[str, Router] = {"softmax_topk": route_softmax_topk, "topk_softmax": route_topk_softmax}
 ROUTING_KINDS = (*ROUTERS, "sigmoid_group_topk")
 # ModelArch.expert_activation, pdkernels/moe_gemm.py's names: "swiglu" is act(gate) * up (act: the
@@ -198,7 +204,10 @@ class ExpertWeights(nn.Module):
 class ScoreGate(nn.Linear):
     """DeepSeek-V3's router (Hugging Face's `mlp.gate`): a linear without bias, kept in float32 as
     transformers keeps it (the loader casts it back after the model's dtype), plus
-    e_score_correction_bias [experts], which shifts the expert choice only."""
+    e_score_correction_bias [experts], which shifts the expert choice only. Its forward gives the sigmoid
+    scores, not the logits: a row-local function runs in fixed-shape tiles in deterministic mode, and
+    torch's vectorized sigmoid rounds differently from its scalar tail on the CPU (a token's scores
+    changed in the last bit with the batch's size when the sigmoid ran over the whole batch)."""
 
     def __init__(self, hidden_size: int, num_experts: int, num_groups: int, topk_groups: int, scaling: float) -> None:
         super().__init__(hidden_size, num_experts, bias=False)
@@ -206,12 +215,12 @@ class ScoreGate(nn.Linear):
         self.num_groups, self.topk_groups, self.scaling = num_groups, topk_groups, scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Row-local: float32 logits [tokens, experts]."""
-        return F.linear(x.float(), self.weight.float())
+        """Row-local: float32 sigmoid scores [tokens, experts]."""
+        return F.linear(x.float(), self.weight.float()).sigmoid()
 
-    def route(self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return route_sigmoid_group_topk(
-            logits, top_k, norm_topk_prob, self.e_score_correction_bias, self.num_groups, self.topk_groups, self.scaling
+    def route(self, scores: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_group_topk(
+            scores, top_k, norm_topk_prob, self.e_score_correction_bias, self.num_groups, self.topk_groups, self.scaling
         )
 
 
@@ -311,7 +320,8 @@ class SparseMoE(nn.Module):
         return linear
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Row-local: [tokens, hidden] -> [tokens, num_experts], in the model dtype (a ScoreGate's: float32)."""
+        """Row-local: [tokens, hidden] -> [tokens, num_experts], in the model dtype (a ScoreGate's: its float32
+        sigmoid scores, which its route() takes)."""
         linear = self.router_linear
         if isinstance(linear, ScoreGate):
             return linear(x)

@@ -23,10 +23,17 @@ from engine.loader import build_model
 from engine.mla import LatentAttention
 from engine.model import RMSNorm
 from engine.model_config import arch_from_hf, load_hf_config
-from engine.moe import ScoreGate, route_sigmoid_group_topk
+from engine.moe import ScoreGate, route_group_topk
 from engine.numerics import Numerics
 from engine.request import SamplingParams
-from tests.engine_utils import compare_greedy, hf_greedy, prompt_logits, random_prompts, small_engine
+from tests.engine_utils import (
+    compare_greedy,
+    decode_logits,
+    hf_greedy,
+    prompt_logits,
+    random_prompts,
+    small_engine,
+)
 
 NEW_TOKENS = 64
 NAMES = ["deepseek_v3", "deepseek_v3_plain_q"]
@@ -139,7 +146,8 @@ def test_absorb_rule_at_deepseek_v3_shape() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_deterministic_logits_batch_and_chunk_invariant(tiny_model_dir, name: str) -> None:
     """Deterministic mode: a prompt's logits are bit-identical alone, in a batch, and however chunked (every
-    chunk attends in latent space, whatever its size), and so are its decode steps."""
+    chunk attends in latent space, whatever its size), and so are its decode steps (the router's sigmoid
+    once made them differ in the last bit with the batch's size)."""
     eng = small_engine(tiny_model_dir(name), is_deterministic=True)
     assert eng.numerics is not Numerics.DEFAULT
     target, *others = random_prompts([77, 5, 130, 33], seed=3)
@@ -149,13 +157,20 @@ def test_deterministic_logits_batch_and_chunk_invariant(tiny_model_dir, name: st
     for other in (batched, chunked):
         assert torch.equal(alone, other), (alone - other).abs().max()
     eng.check_idle()
+    # decode steps alone and beside other sequences' prefill chunks and decode rows (fresh engines: no
+    # prefix-cache hit; the capture wraps runner.run, which launch-ahead would call with fed ids)
+    kw = dict(is_deterministic=True, hicache_gb=0, launch_ahead=False)
+    alone_steps = decode_logits(small_engine(tiny_model_dir(name), **kw), [target], 8)["r0"]
+    batched_steps = decode_logits(small_engine(tiny_model_dir(name), **kw), [others[0], others[1], target, others[2]], 8)
+    for i, (a, b) in enumerate(zip(alone_steps, batched_steps["r2"], strict=True)):
+        assert torch.equal(a, b), (i, (a - b).abs().max())
 
 
 # ---- the router -------------------------------------------------------------------------------------
 
 
 def test_router_matches_transformers() -> None:
-    """route_sigmoid_group_topk against DeepseekV3TopkRouter: the same experts and weights; the group limit
+    """route_group_topk against DeepseekV3TopkRouter: the same experts and weights; the group limit
     and the correction bias each change some tokens' choices (so the test sees either go missing)."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -170,7 +185,7 @@ def test_router_matches_transformers() -> None:
     x = torch.randn(200, 32, generator=gen)
     logits, want_weights, want_experts = router(x)
     bias = router.e_score_correction_bias
-    weights, experts = route_sigmoid_group_topk(logits, 4, True, bias, 4, 2, 2.5)
+    weights, experts = route_group_topk(logits.sigmoid(), 4, True, bias, 4, 2, 2.5)
     order, want_order = experts.sort(dim=1), want_experts.sort(dim=1)
     assert torch.equal(order.values, want_order.values)
     torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices))
@@ -178,7 +193,7 @@ def test_router_matches_transformers() -> None:
     torch.testing.assert_close(weights.sum(1), torch.full((200,), 2.5))  # renormalized, then scaled
 
     def chosen(score_bias: torch.Tensor, topk_groups: int) -> torch.Tensor:
-        return route_sigmoid_group_topk(logits, 4, True, score_bias, 4, topk_groups, 2.5)[1].sort(dim=1).values
+        return route_group_topk(logits.sigmoid(), 4, True, score_bias, 4, topk_groups, 2.5)[1].sort(dim=1).values
 
     assert not torch.equal(chosen(bias, 4), order.values)  # no group limit
     assert not torch.equal(chosen(torch.zeros(16), 2), order.values)  # no correction bias
