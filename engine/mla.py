@@ -196,15 +196,35 @@ class LatentAttention(nn.Module):
         q_latent = run_rows(self.absorb_query, (q[..., :dn].flatten(1),), ctx.numerics).view(-1, num_heads, rank)
         queries = torch.cat([q_latent, q[..., dn:]], dim=-1)  # [n, H, R + Dr]
         o_latent = queries.new_empty(q.shape[0], num_heads, rank)
-        attend = tiled_attend if ctx.numerics.is_deterministic else sdpa_attend
         first = 0
         for c in chunks:
             rows = slice(first, first + c.num_tokens)
-            keys = _latents(ctx, spec.cache_index, c)[:, None]  # [L, 1, R + Dr]: one key for every head
-            o_latent[rows] = attend(queries[rows], keys, keys[..., :rank], c.start_pos, 0, None, self.scale,
-                                    ctx.kv.block_size)
+            keys = _latents(ctx, spec.cache_index, c)  # [L, R + Dr]: one key for every head
+            if ctx.numerics.is_deterministic:  # one kv head: its tiles hold every head's rows, keys not repeated
+                o_latent[rows] = tiled_attend(queries[rows], keys[:, None], keys[:, None, :rank], c.start_pos, 0,
+                                              None, self.scale, ctx.kv.block_size)
+            else:
+                o_latent[rows] = latent_sdpa(queries[rows], keys, rank, c.start_pos, self.scale)
             first += c.num_tokens
         return run_rows(self.expand_output, (o_latent.flatten(1),), ctx.numerics).view(-1, num_heads, self.v_head_dim)
+
+
+def latent_sdpa(queries: torch.Tensor, latents: torch.Tensor, rank: int, q_pos0: int, scale: float) -> torch.Tensor:
+    """Causal attention of queries [n, H, R + Dr] at positions q_pos0.. over latents [L, R + Dr] at positions
+    0..L-1, values their first R columns -> [n, H, R]. The heads fold into the query rows (row token * H +
+    head) of one attention head: every head shares the keys, which are never repeated per head."""
+    n, num_heads, width = queries.shape
+    num_keys = latents.shape[0]
+    q_pos = torch.arange(q_pos0, q_pos0 + n, device=queries.device).repeat_interleave(num_heads)
+    mask = torch.arange(num_keys, device=queries.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        queries.reshape(1, 1, n * num_heads, width),
+        latents[None, None],
+        latents[None, None, :, :rank],
+        attn_mask=None if q_pos0 + 1 >= num_keys else mask,  # every row sees every key: no mask
+        scale=scale,
+    )
+    return out.view(n, num_heads, rank)
 
 
 def _store_latents(ctx: ForwardContext, layer: int, latents: torch.Tensor) -> None:
