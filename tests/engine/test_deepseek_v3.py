@@ -244,6 +244,24 @@ def test_nextn_layers_are_skipped_with_one_log_line(tiny_model_dir, tmp_path: Pa
         build_model(arch_from_hf(hf0), hf0, undeclared, torch.float32, cpu, 64)
 
 
+def test_legacy_rope_scaling_reads_as_rope_parameters(tiny_model_dir, tmp_path: Path) -> None:
+    """DeepSeek-V3's config.json ships `rope_scaling` ({"type": "yarn", ...}) and `rope_theta`, not transformers
+    5's `rope_parameters`: the same arch (softmax scale included) and rope tables."""
+    from engine.model_config import rope_inv_freq
+
+    folder = tiny_model_dir("deepseek_v3")
+    config = json.loads((folder / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    legacy = {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")} | {"type": "yarn"}
+    old = _copy_checkpoint(folder, tmp_path / "legacy", {})
+    (old / "config.json").write_text(json.dumps(config | {"rope_scaling": legacy, "rope_theta": params["rope_theta"]}))
+    new_hf, old_hf = load_hf_config(folder), load_hf_config(old)
+    assert "rope_parameters" not in json.loads((old / "config.json").read_text())
+    assert arch_from_hf(old_hf) == arch_from_hf(new_hf)
+    (inv_new, scale_new), (inv_old, scale_old) = (rope_inv_freq(h, "full_attention", 8) for h in (new_hf, old_hf))
+    assert torch.equal(inv_new, inv_old) and scale_new == scale_old != 1.0
+
+
 def test_fp8_checkpoint_is_refused_naming_quantization_config(tiny_model_dir, tmp_path: Path) -> None:
     """DeepSeek-V3's release is FP8 (block-scaled e4m3): refused until FP8 weights are supported."""
     fp8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
