@@ -7,7 +7,9 @@ count). Cases: short and long prompts, stop strings, penalties, logit_bias, min_
 seeded sampling, n > 1, max_tokens 1 (the PE's
 first token ends it), completions, streaming, multi-turn conversations (each turn carries the
 reference's previous answer to both, so a difference shows at the turn it happens), and
---concurrency conversations at once. A model without a chat template gets the completions cases only.
+--concurrency conversations at once. The prompt-logprob cases (vLLM's prompt_logprobs, completions' echo
+with logprobs, as lm-evaluation-harness's loglikelihood sends it) compare the values too, bit for bit:
+the PE computes them, the CE returns them. A model without a chat template gets the completions cases only.
 Prints one line per case and a summary; exits 1 on any difference or failed request. `--pd` may
 list several CEs of one cluster (comma-separated): the cases take them in turn.
 
@@ -43,10 +45,12 @@ FOLLOW_UPS = ["Tell me more.", "Summarise that in one line.", "Why?"]
 
 @dataclass(frozen=True)
 class Output:
-    """What must match: per choice, the text, finish reason and tokens (bytes), plus usage counts."""
+    """What must match: per choice, the text, finish reason and tokens (bytes), plus usage counts; and for
+    the cases that compare values, the logprob values (prompt_logprobs, token_logprobs, top_logprobs)."""
 
     choices: tuple[tuple[str, str | None, tuple[bytes, ...] | None], ...]
     completion_tokens: int | None
+    values: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -81,7 +85,10 @@ def _tokens(logprobs: Any) -> tuple[bytes, ...] | None:
 def _extra(kw: dict[str, Any]) -> dict[str, Any]:
     """Parameters the openai client does not know travel in extra_body."""
     kw = dict(kw)
-    for k in ("top_k", "ignore_eos", "prefix_cache", "repetition_penalty", "min_p", "min_tokens", "structured_outputs"):
+    for k in (
+        "top_k", "ignore_eos", "prefix_cache", "repetition_penalty", "min_p", "min_tokens", "structured_outputs",
+        "prompt_logprobs",
+    ):  # fmt: skip
         if k in kw:
             kw.setdefault("extra_body", {})[k] = kw.pop(k)
     return kw
@@ -97,6 +104,7 @@ def chat(client: Any, model: str, stream: bool, **kw: Any) -> Output:
                 for c in sorted(r.choices, key=lambda c: c.index)
             ),
             r.usage.completion_tokens if r.usage else None,
+            (getattr(r, "prompt_logprobs", None),),
         )
     chunks = client.chat.completions.create(
         model=model, stream=True, stream_options={"include_usage": True}, **kw
@@ -108,21 +116,28 @@ def complete(client: Any, model: str, stream: bool, **kw: Any) -> Output:
     kw = _extra(kw)
     if not stream:
         r = client.completions.create(model=model, **kw)
+        choices = sorted(r.choices, key=lambda c: c.index)
         return Output(
-            tuple(
-                (c.text, c.finish_reason, _tokens(c.logprobs))
-                for c in sorted(r.choices, key=lambda c: c.index)
-            ),
+            tuple((c.text, c.finish_reason, _tokens(c.logprobs)) for c in choices),
             r.usage.completion_tokens if r.usage else None,
+            tuple((getattr(c, "prompt_logprobs", None), _values(c.logprobs)) for c in choices),
         )
     chunks = client.completions.create(model=model, stream=True, stream_options={"include_usage": True}, **kw)
     return _streamed(chunks, kw.get("n", 1), kw.get("logprobs") is not None, lambda c: c.text or "")
+
+
+def _values(logprobs: Any) -> tuple[Any, ...] | None:
+    """A completions choice's logprob values (token_logprobs, top_logprobs), None for chat's or none."""
+    if logprobs is None or getattr(logprobs, "token_logprobs", None) is None:
+        return None
+    return (list(logprobs.token_logprobs), list(logprobs.top_logprobs or []))
 
 
 def _streamed(chunks: Any, n: int, with_tokens: bool, text_of: Callable[[Any], str]) -> Output:
     """An Output from a stream of chunks (chat or completions: `text_of` reads a choice's new text)."""
     texts, finish = [""] * n, [None] * n
     toks: list[list[bytes] | None] = [[] if with_tokens else None for _ in range(n)]
+    values: list[list[Any]] = [[[], []] for _ in range(n)]
     usage = None
     for ch in chunks:
         if ch.usage is not None:
@@ -133,16 +148,23 @@ def _streamed(chunks: Any, n: int, with_tokens: bool, text_of: Callable[[Any], s
             got = _tokens(c.logprobs)
             if got is not None and toks[c.index] is not None:
                 toks[c.index] += list(got)  # type: ignore[operator]
+            v = _values(c.logprobs)
+            if v is not None:
+                values[c.index][0] += v[0]
+                values[c.index][1] += v[1]
     return Output(
         tuple((texts[i], finish[i], tuple(toks[i]) if toks[i] is not None else None) for i in range(n)),
         usage,
+        tuple((None, tuple(v)) for v in values),
     )
 
 
-def compare(turn: str, ref: Output, pd: Output) -> list[str]:
+def compare(turn: str, ref: Output, pd: Output, values: bool = False) -> list[str]:
     diffs = []
     if len(ref.choices) != len(pd.choices):
         return [f"{turn}: {len(ref.choices)} choices (ref) vs {len(pd.choices)} (pd)"]
+    if values:
+        diffs += _compare_values(turn, ref.values, pd.values)
     for i, ((rt, rf, rtok), (pt, pf, ptok)) in enumerate(zip(ref.choices, pd.choices)):
         if rtok is not None and ptok is not None and rtok != ptok:
             k = next((j for j, (a, b) in enumerate(zip(rtok, ptok)) if a != b), min(len(rtok), len(ptok)))
@@ -164,6 +186,32 @@ def compare(turn: str, ref: Output, pd: Output) -> list[str]:
     return diffs
 
 
+def _compare_values(turn: str, ref: tuple[Any, ...], pd: tuple[Any, ...]) -> list[str]:
+    """The logprob values, exactly (floats as JSON gives them: the same bits or not)."""
+    if not any(_has_values(v) for v in ref):
+        return [f"{turn}: the reference returned no logprob values to compare"]
+    if len(ref) != len(pd):
+        return [f"{turn}: {len(ref)} value sets (ref) vs {len(pd)} (pd)"]
+    return [f"{turn} value set {i}: differ{_first_difference(a, b)}" for i, (a, b) in enumerate(zip(ref, pd)) if a != b]
+
+
+def _has_values(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return any(_has_values(x) for x in v)
+    return v is not None
+
+
+def _first_difference(x: Any, y: Any) -> str:
+    """Where two nested lists (or tuples) of values first differ."""
+    path = ""
+    while isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        k = next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None)
+        if k is None:
+            return f"{path}: {len(x)} vs {len(y)} entries"
+        path, x, y = f"{path}[{k}]", x[k], y[k]
+    return f" at {path}: ref {str(x)[:80]} vs pd {str(y)[:80]}"
+
+
 # A case: name -> function(ref_client, pd_client, model) -> CaseResult.
 Case = Callable[[Any, Any, str], CaseResult]
 
@@ -176,13 +224,14 @@ def both(on_ref: Callable[[], Output], on_pd: Callable[[], Output]) -> tuple[Out
         return on_ref(), pd.result()
 
 
-def single(name: str, kind: str, stream: bool = False, **kw: Any) -> tuple[str, Case]:
+def single(name: str, kind: str, stream: bool = False, values: bool = False, **kw: Any) -> tuple[str, Case]:
+    """One request to both sides; values: its logprob values must match too, bit for bit."""
     call = chat if kind == "chat" else complete
 
     def run(ref: Any, pd: Any, model: str) -> CaseResult:
         res = CaseResult(name, num_requests=1)
         res.diffs = compare(
-            "", *both(lambda: call(ref, model, stream, **kw), lambda: call(pd, model, stream, **kw))
+            "", *both(lambda: call(ref, model, stream, **kw), lambda: call(pd, model, stream, **kw)), values=values
         )
         return res
 
@@ -370,6 +419,16 @@ def chat_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]]:
             logprobs=True,
             top_logprobs=3,
         ),
+        single(
+            "chat prompt_logprobs",
+            "chat",
+            values=True,
+            messages=user(QUESTIONS[5]),
+            max_tokens=m,
+            temperature=0,
+            logprobs=True,
+            prompt_logprobs=3,
+        ),
         conversation("conversation greedy 3 turns", QUESTIONS[6], 3, False, max_tokens=m, temperature=0),
         conversation(
             "conversation seeded stream 3 turns",
@@ -459,6 +518,58 @@ def completion_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]
         ),
         single(
             "completion max_tokens 1", "completions", prompt="Hello", max_tokens=1, temperature=0, logprobs=0
+        ),
+        single(
+            "completion prompt_logprobs n=2",
+            "completions",
+            values=True,
+            prompt="The three primary colours are",
+            max_tokens=m,
+            temperature=0.8,
+            seed=3,
+            n=2,
+            prompt_logprobs=5,
+        ),
+        single(
+            "completion long prompt_logprobs",
+            "completions",
+            values=True,
+            prompt=LONG_CONTEXT[: len(LONG_CONTEXT) // 3] + "\nThe slowest host was",  # 3 pages of 128
+            max_tokens=m,
+            temperature=0,
+            logprobs=1,
+            prompt_logprobs=2,
+        ),
+        # lm-evaluation-harness's loglikelihood: the prompt's logprobs through echo
+        single(
+            "completion echo logprobs",
+            "completions",
+            values=True,
+            prompt=["Question: What is 2 + 2?\nAnswer: 4", "Question: Which city is the capital of Italy?\nAnswer: Rome"],
+            max_tokens=1,
+            temperature=0,
+            echo=True,
+            logprobs=1,
+        ),
+        single(
+            "completion echo logprobs max_tokens 0",
+            "completions",
+            values=True,
+            prompt="The capital of France is Paris",
+            max_tokens=0,
+            echo=True,
+            logprobs=3,
+        ),
+        single(
+            "completion echo logprobs stream",
+            "completions",
+            True,
+            values=True,
+            prompt="Once upon a time there was",
+            max_tokens=m,
+            temperature=0,
+            echo=True,
+            logprobs=2,
         ),
         text_conversation(
             "completion multi-turn",

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def pack(commits: list[str], out: Path) -> list[Path]:
                                      check=True, capture_output=True, text=True).stdout.split()
             subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar.gz", "-o", str(path), sha,
                             *[p for p in TREE_PATHS if p in present], ":(exclude)bench/results"], check=True)
-        print(f"{c}: {path.relative_to(REPO)} ({path.stat().st_size / 2**20:.1f} MiB)")
+        print(f"{c}: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
         paths.append(path)
     return paths
 
@@ -67,13 +68,13 @@ def pack(commits: list[str], out: Path) -> list[Path]:
 # ---- on the device: one timing -------------------------------------------------------------------
 
 
-def tree_root(commit: str, scratch: Path) -> Path:
+def tree_root(commit: str, scratch: Path, trees: Path = TREES) -> Path:
     """This tree for HEAD; else the packed commit (a prefix of its sha will do), unpacked once."""
     if commit == HEAD:
         return REPO
-    found = sorted(TREES.glob(f"{commit}*.tar.gz"))
+    found = sorted(trees.glob(f"{commit}*.tar.gz"))
     if len(found) != 1:
-        raise SystemExit(f"{commit}: {len(found)} packed trees match in {TREES} (run `pack {commit}` here first)")
+        raise SystemExit(f"{commit}: {len(found)} packed trees match in {trees} (run `pack {commit}` here first)")
     root = scratch / found[0].name.removesuffix(".tar.gz")
     if not root.exists():
         tmp = root.with_suffix(".part")
@@ -94,7 +95,7 @@ def bench_script(root: Path) -> Path:
 def time_rows(commit: str, model: str, batches: list[int], prefill: list[int], args: argparse.Namespace,
               scratch: Path, tag: str) -> dict[str, dict[str, Any]]:
     """One benchmark process of `commit` for one model: {row name: {"ms", "frac"}} (missing rows: absent)."""
-    root = tree_root(commit, scratch)
+    root = tree_root(commit, scratch, args.trees)
     out = scratch / "runs" / tag
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -158,33 +159,66 @@ def compare(args: argparse.Namespace, scratch: Path) -> int:
                     seen[side].setdefault(name, []).append(r["ms"])
                     if name not in best[side] or r["ms"] < best[side][name]["ms"]:
                         best[side][name] = r
-    names = list(dict.fromkeys([*best[base], *best[HEAD]]))
-    lines = [f"speed guard: HEAD vs {base[:12]}, {args.rounds} interleaved rounds, best of each; "
-             f"a row fails when HEAD is > {args.tolerance:.0%} slower",
-             f"{'row':28s} | {'baseline ms':>11s} | {'HEAD ms':>9s} | {'HEAD/base':>9s} | {'HEAD of ceiling':>15s} | "
-             f"{'all HEAD ms':>20s} | verdict"]
-    failed = 0
-    for name in names:
-        b, h = best[base].get(name), best[HEAD].get(name)
-        if b is None or h is None:
-            verdict = "FAIL (no HEAD time)" if h is None else "no baseline time"
-            failed += h is None
-            ratio = "-"
-        else:
-            r = h["ms"] / b["ms"]
-            ratio = f"{r:.3f}"
-            verdict = "FAIL" if r > 1 + args.tolerance else "ok"
-            failed += verdict == "FAIL"
-        frac = f"{h['frac']:.1%}" if h and h.get("frac") else "-"
-        runs = ",".join(f"{x:.2f}" for x in seen[HEAD].get(name, []))
-        lines.append(f"{name:28s} | {b['ms'] if b else float('nan'):11.2f} | {h['ms'] if h else float('nan'):9.2f} | "
-                     f"{ratio:>9s} | {frac:>15s} | {runs:>20s} | {verdict}")
-    lines.append(f"{'FAILED' if failed else 'passed'}: {failed} of {len(names)} rows")
+    lines, failed = verdicts(best[base], best[HEAD], seen[HEAD], args.tolerance)
+    lines.insert(0, f"speed guard: HEAD vs {base[:12]}, {args.rounds} interleaved rounds, best of each; "
+                    f"a row fails when HEAD is > {args.tolerance:.0%} slower")
     report(lines, args)
     return 1 if failed else 0
 
 
+def verdicts(base: dict[str, dict[str, Any]], head: dict[str, dict[str, Any]], head_runs: dict[str, list[float]],
+             tolerance: float) -> tuple[list[str], int]:
+    """The table of rows (best ms each side) and how many fail: HEAD more than `tolerance` slower than
+    the baseline, or no HEAD time where the baseline has one."""
+    lines = [f"{'row':28s} | {'baseline ms':>11s} | {'HEAD ms':>9s} | {'HEAD/base':>9s} | {'HEAD of ceiling':>15s} | "
+             f"{'all HEAD ms':>20s} | verdict"]
+    failed = 0
+    names = list(dict.fromkeys([*base, *head]))
+    for name in names:
+        b, h = base.get(name), head.get(name)
+        ratio = "-"
+        if b is None or h is None:
+            verdict = "FAIL (no HEAD time)" if h is None else "no baseline time"
+            failed += h is None
+        else:
+            r = h["ms"] / b["ms"]
+            ratio = f"{r:.3f}"
+            verdict = "FAIL" if r > 1 + tolerance else "ok"
+            failed += verdict == "FAIL"
+        frac = f"{h['frac']:.1%}" if h and h.get("frac") else "-"
+        runs = ",".join(f"{x:.2f}" for x in head_runs.get(name, []))
+        lines.append(f"{name:28s} | {b['ms'] if b else float('nan'):11.2f} | {h['ms'] if h else float('nan'):9.2f} | "
+                     f"{ratio:>9s} | {frac:>15s} | {runs:>20s} | {verdict}")
+    lines.append(f"{'FAILED' if failed else 'passed'}: {failed} of {len(names)} rows")
+    return lines, failed
+
+
 # ---- bisect --------------------------------------------------------------------------------------
+
+
+def first_slow(n: int, timed: Callable[[int], float], names: list[str]) -> tuple[int, int]:
+    """(last fast, first slow): indices into n commits in order, the first fast and the last slow: both
+    ends timed, then halving against the midpoint of their times (a commit that does not run, NaN, is
+    left out); the first slow one and the one before it are timed once more (their figures in the table)."""
+    fast, slow = timed(0), timed(n - 1)
+    mid = (fast + slow) / 2
+    print(f"{names[0][:12]} {fast:.2f} ms, {names[n - 1][:12]} {slow:.2f} ms: threshold {mid:.2f} ms", flush=True)
+    lo, hi = 0, n - 1  # lo is fast, hi is slow
+    skipped: set[int] = set()
+    while True:
+        between = [i for i in range(lo + 1, hi) if i not in skipped]
+        if not between:
+            break
+        m = between[len(between) // 2]
+        ms = timed(m)
+        if ms != ms:  # NaN: the commit did not run
+            print(f"  {names[m][:12]} did not run; left out", flush=True)
+            skipped.add(m)
+            continue
+        lo, hi = (m, hi) if ms < mid else (lo, m)
+    timed(lo)
+    timed(hi)
+    return lo, hi
 
 
 def bisect(args: argparse.Namespace, scratch: Path) -> int:
@@ -199,22 +233,9 @@ def bisect(args: argparse.Namespace, scratch: Path) -> int:
         times.setdefault(i, []).append(ms)
         return ms
 
-    fast, slow = timed(0), timed(len(commits) - 1)
-    mid = (fast + slow) / 2
-    print(f"{commits[0][:12]} {fast:.2f} ms, {commits[-1][:12]} {slow:.2f} ms: threshold {mid:.2f} ms", flush=True)
-    lo, hi = 0, len(commits) - 1  # lo is fast, hi is slow
-    while hi - lo > 1:
-        m = (lo + hi) // 2
-        ms = timed(m)
-        if ms != ms:  # the commit did not run: narrow from the other side
-            print(f"  {commits[m][:12]} did not run; dropped")
-            commits.pop(m)
-            hi -= 1
-            continue
-        lo, hi = (m, hi) if ms < mid else (lo, m)
-    timed(lo)
-    timed(hi)
-    lines = [f"bisect {name}: the first slow commit is {commits[hi]} (parent in the list: {commits[lo][:12]})",
+    lo, hi = first_slow(len(commits), timed, commits)
+    lines = [f"bisect {name}: the first slow commit is {commits[hi]} (the last fast one: "
+             f"{commits[lo][:12]})",
              f"{'commit':12s} | ms per step (each run)"]
     for i in sorted(times):
         mark = "  <- first slow" if i == hi else ""
@@ -236,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     pk = sub.add_parser("pack", help="here: commits' trees as .trees/<sha>.tar.gz for the device")
     pk.add_argument("commits", nargs="+")
+    pk.add_argument("--trees", type=Path, default=TREES, help="where the tarballs go")
     for name, help_ in (("compare", "HEAD against --baseline, interleaved; exit 1 on a row > --tolerance slower"),
                         ("bisect", "the first slow commit of COMMITS (oldest first; the first fast, the last slow)")):
         s = sub.add_parser(name, help=help_)
@@ -245,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--tiny", action="store_true", help="toy dims on the CPU: a rehearsal of the call")
         s.add_argument("--out", default=os.environ.get("OUT"))
         s.add_argument("--scratch", default="/tmp/speed_guard", help="unpacked trees and each run's output")
+        s.add_argument("--trees", type=Path, default=TREES, help="where `pack` put the commits' tarballs")
     cmp_ = sub.choices["compare"]
     cmp_.add_argument("--baseline", required=True, help="a packed commit (a prefix of its sha)")
     cmp_.add_argument("--rows", nargs="+", default=["llama8b:1,64:8192", "hybrid8b:1,64"],
@@ -257,14 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     bis.add_argument("--row", default="llama8b:64", help="MODEL:batch, the decode row to bisect")
     args = p.parse_args(argv)
     if args.command == "pack":
-        pack(args.commits, TREES)
+        pack(args.commits, args.trees)
         return 0
     scratch = Path(args.scratch)
     scratch.mkdir(parents=True, exist_ok=True)
     if args.command == "compare":
-        args.baseline = tree_root(args.baseline, scratch).name if args.baseline != HEAD else HEAD
+        args.baseline = tree_root(args.baseline, scratch, args.trees).name if args.baseline != HEAD else HEAD
         return compare(args, scratch)
-    args.commits = [c if c == HEAD else tree_root(c, scratch).name for c in args.commits]
+    args.commits = [c if c == HEAD else tree_root(c, scratch, args.trees).name for c in args.commits]
     return bisect(args, scratch)
 
 

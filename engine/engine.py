@@ -48,6 +48,7 @@ from engine.loader import build_model
 from engine.memory_plan import plan_memory
 from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
 from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
+from engine.prompt_logprobs import PromptLogprobsCollector
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
 from engine.runner import ModelRunner
 from engine.sampler import process_logits, sample
@@ -205,6 +206,8 @@ class LLMEngine:
         seq.is_retained_at_end = self.decode_cache is not None and self.handoffs.phase(request_id) is Phase.LOCAL
         if params.structured is not None:
             seq.matcher = self.grammars.matcher(params.structured, [])
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = PromptLogprobsCollector(len(prompt_token_ids), params.prompt_logprobs)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(seq)
 
@@ -495,6 +498,9 @@ class LLMEngine:
         detok = self._detok[seq.request_id]
         new = seq.output_token_ids[seq.num_emitted_tokens :]
         new_lps = seq.output_logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else []
+        # the prompt's logprobs go with the first token (vLLM's: with the first output after the prefill)
+        is_first = seq.num_emitted_tokens == 0 and bool(new)
+        prompt_lps = seq.prompt_logprobs.result() if is_first and seq.prompt_logprobs is not None else None
         seq.num_emitted_tokens = len(seq.output_token_ids)
         out = RequestOutput(
             request_id=seq.request_id,
@@ -507,6 +513,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_prompt,
             num_output_tokens=len(seq.output_token_ids),
             is_handoff_ready=seq.status is SeqStatus.PARKED,
+            prompt_logprobs=prompt_lps,
         )
         if is_final:
             del self._detok[seq.request_id]

@@ -28,12 +28,13 @@ import torch
 
 from engine.codec import WireError, from_wire, to_wire
 from engine.errors import InvalidRequestError
-from engine.request import SamplingParams, TokenLogprob
+from engine.request import PromptLogprobs, SamplingParams, TokenLogprob
 
 __all__ = [
     "DTYPES",
     "InvalidRequestError",
     "KVLayout",
+    "PromptLogprobs",
     "SamplingParams",
     "SequenceExport",
     "TokenLogprob",
@@ -178,3 +179,4 @@ class SequenceExport:
     # whoever changes pages after the export must set it to None.
     pages_sum: torch.Tensor | None = None
     first_page: int = 0  # pages [0, first_page) are not carried: the receiver's decode cache holds them
+    prompt_logprobs: PromptLogprobs | None = None  # params.prompt_logprobs set: the exporter computed them

@@ -21,6 +21,7 @@ from engine.grammar import GrammarCompiler
 from engine.handoff import SequenceExport
 from engine.handoff_ledger import HandoffLedger
 from engine.kv_cache import KVCache
+from engine.prompt_logprobs import PromptLogprobsCollector
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
 
@@ -75,6 +76,7 @@ class HandoffIO:
             request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.num_computed,
             seq.params, seq.seed, pages, state, list(seq.output_logprobs), seq.num_cached_prompt, pages_sum,
             first_page=skip_pages,
+            prompt_logprobs=seq.prompt_logprobs.result() if seq.prompt_logprobs is not None else None,
         )
 
     def import_(self, exp: SequenceExport) -> Sequence:
@@ -98,6 +100,11 @@ class HandoffIO:
         seq = Sequence(exp.request_id, list(exp.prompt_token_ids), exp.params, exp.seed, time.monotonic())
         seq.output_token_ids = list(exp.output_token_ids)
         seq.output_logprobs = list(exp.output_logprobs)
+        if exp.params.prompt_logprobs is not None:  # the exporter's, reported with the first output here
+            plp, want = exp.prompt_logprobs, (len(exp.prompt_token_ids) - 1, exp.params.prompt_logprobs)
+            if plp is None or (plp.num_positions, plp.num_top) != want:
+                raise InvalidRequestError("the handoff lacks the prompt logprobs its parameters ask for")
+            seq.prompt_logprobs = PromptLogprobsCollector.of(plp)
         seq.num_computed = exp.num_computed
         seq.num_cached_prompt = exp.num_cached_tokens
         seq.is_retained_at_end = self.retains_at_end

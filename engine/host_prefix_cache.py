@@ -54,9 +54,18 @@ class HostPrefixCache:
 
     def restore(self, seq: Sequence, kv: KVCache) -> None:
         """On admission: copy the longest cached prefix of the prompt into seq's fresh memory in kv,
-        and mark the prompt's last page boundary for store() when pages past the prefix end there."""
+        and mark the prompt's last page boundary for store() when pages past the prefix end there. A
+        sequence that asks for prompt logprobs computes its whole prompt (as vLLM, it reads nothing from
+        the cache), and its pages are stored all the same."""
         if not seq.use_prefix_cache or seq.num_computed:
             return
+        if seq.prompt_logprobs is None:
+            self._restore(seq, kv)
+        block_size = kv.layout.block_size
+        boundary = seq.num_prompt_tokens // block_size * block_size
+        seq.cache_store_upto = boundary if boundary > seq.num_computed else 0
+
+    def _restore(self, seq: Sequence, kv: KVCache) -> None:
         index, host = self.index, self.host
         match = index.match(seq.prompt_token_ids)
         try:
@@ -68,9 +77,6 @@ class HostPrefixCache:
                 seq.num_computed = seq.num_cached_prompt = match.num_tokens
         finally:
             index.release(match)
-        block_size = kv.layout.block_size
-        boundary = seq.num_prompt_tokens // block_size * block_size
-        seq.cache_store_upto = boundary if boundary > seq.num_computed else 0
 
     def store(self, seq: Sequence, kv: KVCache) -> None:
         """Write-through of the prompt's full pages and the SWA state at its last page boundary."""

@@ -76,6 +76,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: chosen token's logprob plus the top N
+    # None: none; N >= 0: each prompt token's logprob plus the top N there (vLLM's prompt_logprobs: the
+    # prompt is computed whole, its cached prefix not restored; engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     # Logit processors, with OpenAI's and vLLM's meanings (engine/sampler.py applies them, batched):
     presence_penalty: float = 0.0  # [-2, 2], subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # [-2, 2], times the token's count in the output
@@ -104,6 +107,11 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}", "top_logprobs"
+            )
+        pl = self.prompt_logprobs
+        if pl is not None and not (_is_int(pl) and 0 <= pl <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(
+                f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {pl!r}", "prompt_logprobs"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -157,6 +165,40 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """vLLM's prompt_logprobs of a prompt of n tokens, for its tokens 1..n-1 in order (token 0 has none):
+    each one's logprob given the tokens before it and its rank there (1: the likeliest), and the
+    `num_top` likeliest tokens there, best first, flat (position i's are [i * num_top, (i + 1) * num_top)
+    of top_ids and top_logprobs). Logprobs are the model's (no processors), float32 values."""
+
+    num_top: int
+    logprobs: tuple[float, ...] = ()
+    ranks: tuple[int, ...] = ()
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        n, k = len(self.logprobs), self.num_top
+        if not (_is_int(k) and 0 <= k <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"num_top must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+        if len(self.ranks) != n or len(self.top_ids) != n * k or len(self.top_logprobs) != n * k:
+            raise InvalidRequestError(f"prompt logprobs of {n} positions need {n} ranks and {n} x {k} top entries")
+        if any(not _is_int(r) or r < 1 for r in self.ranks) or any(not _is_int(t) or t < 0 for t in self.top_ids):
+            raise InvalidRequestError("prompt logprobs' ranks are integers >= 1 and their token ids integers >= 0")
+        if any(math.isnan(x) or x > 0 for x in (*self.logprobs, *self.top_logprobs)):
+            raise InvalidRequestError("logprobs are numbers <= 0")
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.logprobs)
+
+    def top(self, i: int) -> tuple[tuple[int, float], ...]:
+        """The top entries at position i (prompt token i + 1), best first."""
+        k = self.num_top
+        return tuple(zip(self.top_ids[i * k : (i + 1) * k], self.top_logprobs[i * k : (i + 1) * k]))
+
+
 @dataclass
 class RequestOutput:
     """One step's news for one request: tokens sampled since the last output.
@@ -177,3 +219,5 @@ class RequestOutput:
     error: str | None = None
     is_request_fault: bool = False  # finish_reason "error" for the request's own fault (a 400 where it can be)
     is_handoff_ready: bool = False  # prefill-only request: prefilled, first token sampled, KV parked for export
+    # params.prompt_logprobs set: on the first output with tokens (a CE's too: they came with the handoff)
+    prompt_logprobs: PromptLogprobs | None = None

@@ -1,5 +1,8 @@
 """Runs the model on a scheduled batch: flattens the sequences' new tokens, sets the forward
-context, returns the float32 logits of every sequence whose chunk reaches its last token.
+context, returns the float32 logits of every sequence whose chunk reaches its last token. A sequence
+that asks for prompt logprobs also gets those of its chunk's prompt positions, added to its collector
+(engine/prompt_logprobs.py) in a separate pass over the LM head, so the sampled rows' logits are the
+same whether any sequence asks or not.
 
 On CUDA, decode rows (engine/decode.py) go last in the flattened batch and attend through the paged
 decode kernel; a step made only of decode rows replays a CUDA graph (engine/cuda_graphs.py) when one
@@ -18,7 +21,10 @@ from engine.decode import DecodeInputs, is_decode_row
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.numerics import Numerics
+from engine.prompt_logprobs import PromptLogprobsCollector
 from engine.sequence import Sequence
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head pass: [rows, vocab] float32 at a time
 
 
 class ModelRunner:
@@ -75,11 +81,16 @@ class ModelRunner:
         chunks: list[SeqChunk] = []
         last_rows: list[int] = []
         sampled: list[int] = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # (seq, first row, positions [lo, hi))
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             if i in is_decode:
                 continue
             start = seq.num_computed
             tokens = seq.token_ids(start, start + n)
+            if seq.prompt_logprobs is not None:
+                lo, hi = seq.prompt_logprobs.wanted(start, n)
+                if lo < hi:
+                    prompt_rows.append((seq, len(input_ids) + lo - start, lo, hi))
             chunks.append(SeqChunk(len(input_ids), n, start, seq.block_ids, seq.state_slot))
             input_ids += tokens
             positions += range(start, start + n)
@@ -102,8 +113,31 @@ class ModelRunner:
             last_rows += range(len(input_ids), len(input_ids) + len(decode))
         with forward_context(chunks, self.kv, self.numerics, decode=meta, config=self.forward_config):
             hidden = self.model(ids_t, pos_t)
+            for seq, row, lo, hi in prompt_rows:
+                assert seq.prompt_logprobs is not None
+                targets = seq.prompt_token_ids[lo + 1 : hi + 1]
+                self._prompt_logprobs(hidden[row : row + hi - lo], targets, seq.prompt_logprobs)
             if not sampled:
                 return [], None
             rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
             logits = self.model.logits(hidden[rows])
         return sampled, logits
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], out: PromptLogprobsCollector) -> None:
+        """The logprobs of `targets` (the prompt tokens after the positions of `hidden`'s rows), their
+        ranks and the top out.num_top, added to `out`. NOTE: each row's values depend on that row alone
+        (the LM head under the step's numerics, log_softmax and topk are row-local), so a P/D pair's PE
+        gives a single engine's bits whatever the chunking or the batch."""
+        k = out.num_top
+        for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            b = min(a + PROMPT_LOGPROB_ROWS, len(targets))
+            lp = torch.log_softmax(self.model.logits(hidden[a:b]), dim=-1)
+            tgt = torch.tensor(targets[a:b], dtype=torch.long, device=lp.device).unsqueeze(1)
+            chosen = lp.gather(1, tgt)
+            ranks = (lp > chosen).sum(-1) + 1  # vLLM's rank: 1 + how many tokens are likelier
+            top_ids: list[int] = []
+            top_lps: list[float] = []
+            if k:
+                vals, ids = torch.topk(lp, k, dim=-1)
+                top_ids, top_lps = ids.flatten().tolist(), vals.flatten().tolist()
+            out.add(chosen.squeeze(1).tolist(), ranks.tolist(), top_ids, top_lps)

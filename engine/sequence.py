@@ -10,6 +10,7 @@ from engine.request import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.grammar import Matcher
+    from engine.prompt_logprobs import PromptLogprobsCollector
 
 
 class SeqStatus(enum.Enum):
@@ -40,6 +41,7 @@ class Sequence:
     is_retained_at_end: bool = False  # CE of P/D: at its end its full computed pages go to the decode cache
     cache_store_upto: int = 0  # prefill pauses at this page boundary so the cache can store it; 0: none
     matcher: Matcher | None = None  # structured output: the grammar's state after the output so far
+    prompt_logprobs: PromptLogprobsCollector | None = None  # params.prompt_logprobs set: filled by the prefill
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output (without building the whole list every step)."""

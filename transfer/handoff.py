@@ -28,7 +28,11 @@ The checksum may follow the offer (checksum_follows; the header's checksum field
 sender offers as soon as its export's gather is queued, and sends the checksum in a `sum` message
 once the gather's sums are read (wire.py), so the receiver's copy launch overlaps the gather's end.
 
-Header version 6 (5 had no page_kind, 4 no checksum_follows, 3 no first_page).
+A request that asks for prompt logprobs (params.prompt_logprobs) has them in the header too, computed
+by the sender's prefill (the receiver reports them with its first output): prompt_logprobs, the
+codec's map of PromptLogprobs, null otherwise.
+
+Header version 7 (6 had no page_kind, 5 no prompt_logprobs, 4 no checksum_follows, 3 no first_page).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from engine.handoff import (
     DTYPES,
     PAGE_KINDS,
     KVLayout,
+    PromptLogprobs,
     SamplingParams,
     SequenceExport,
     TokenLogprob,
@@ -62,7 +67,7 @@ from pdkernels.checksum import MASK64, as_words, fold
 from transfer.checksum import segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
-HEADER_VERSION = 6
+HEADER_VERSION = 7
 IDS_INLINE_MAX = 1024  # prompts longer than this send their token ids after the offer
 
 
@@ -95,6 +100,7 @@ class HandoffHeader:
     first_page: int = 0  # the payload's pages start at this page of the sequence (see the module's doc)
     output_logprobs: tuple[TokenLogprob, ...] = ()
     checksum_follows: bool = False  # a `sum` message after the offer carries the checksum
+    prompt_logprobs: PromptLogprobs | None = None  # exactly when params.prompt_logprobs asks for them
     version: int = HEADER_VERSION
 
     def __post_init__(self) -> None:
@@ -144,6 +150,11 @@ class HandoffHeader:
             raise bad("inconsistent sizes: " + ", ".join(wrong))
         if not 0 <= self.checksum < 1 << 64 or (self.checksum_follows and self.checksum):
             raise bad("checksum out of range (or given although it follows)")
+        plp, k = self.prompt_logprobs, self.params.prompt_logprobs
+        if (plp is None) != (k is None) or (
+            plp is not None and (plp.num_top, plp.num_positions) != (k, len(self.prompt_token_ids) - 1)
+        ):
+            raise bad("prompt_logprobs do not match params.prompt_logprobs and the prompt's length")
 
     @property
     def layout(self) -> KVLayout:
@@ -195,6 +206,7 @@ class HandoffHeader:
         d["output_logprobs"] = [
             [lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in self.output_logprobs
         ]
+        d["prompt_logprobs"] = None if self.prompt_logprobs is None else to_wire(self.prompt_logprobs)
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
@@ -231,6 +243,8 @@ class HandoffHeader:
                 TokenLogprob(int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
                 for t, lp, top in d["output_logprobs"]
             )
+            if d["prompt_logprobs"] is not None:
+                kw["prompt_logprobs"] = from_wire(PromptLogprobs, d["prompt_logprobs"], "prompt_logprobs")
             for k in ("request_id", "model", "page_kind", "dtype"):
                 if not isinstance(d[k], str):
                     raise TypeError(f"{k} must be a string")
@@ -440,6 +454,7 @@ def make_header(
         first_page=first_page,
         output_logprobs=tuple(output_logprobs),
         checksum_follows=checksum_follows,
+        prompt_logprobs=export.prompt_logprobs,
         **lo,
     )
 
@@ -477,6 +492,7 @@ def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceEx
         state=segments[1] if header.has_state else None,
         output_logprobs=list(header.output_logprobs),
         first_page=header.first_page,
+        prompt_logprobs=header.prompt_logprobs,
     )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.request import TokenLogprob
+from pd.api.prompt_logprobs import LOGPROB_FLOOR, prompt_logprobs_json
 from pd.api.protocol import ChatRequest, parse_chat_request
 from pd.api.sse import stream_choices
 from pd.chat.reasoning import (
@@ -27,8 +28,6 @@ from pd.http.io import json_response, usage
 from pd.http.request_log import REQUEST_ID
 from pd.rank.client import RankClient
 
-_LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinities)
-
 
 def affinity_key(req: ChatRequest) -> str | None:
     """A conversation's first user message: the same for every turn of it."""
@@ -40,7 +39,7 @@ def affinity_key(req: ChatRequest) -> str | None:
 
 def _logprob_entry(co: Coordinator, token_id: int, logprob: float) -> dict[str, Any]:
     text = co.token_text(token_id)
-    return {"token": text, "logprob": max(logprob, _LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(co: Coordinator, lps: list[TokenLogprob]) -> dict[str, Any]:
@@ -129,7 +128,7 @@ async def _generate(
         await gen.submit(subs)
         if req.sampling.stream:
             return await _stream(co, request, req, gen, head, len(prompt), start)
-        return await _whole(co, req, gen, head, len(prompt), start)
+        return await _whole(co, req, gen, head, prompt, start)
 
 
 async def _whole(
@@ -137,10 +136,11 @@ async def _whole(
     req: ChatRequest,
     gen: Generation,
     head: dict[str, Any],
-    num_prompt: int,
+    prompt: list[int],
     start: Start | None,
 ) -> web.Response:
     n = req.sampling.n
+    prompt_lps: list[Any] | None = None
     texts = [""] * n
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
@@ -149,6 +149,8 @@ async def _whole(
     async for u in gen.updates():
         texts[u.choice] += u.text
         lps[u.choice] += u.logprobs
+        if u.prompt_logprobs is not None and prompt_lps is None:  # every choice's are the prompt's
+            prompt_lps = prompt_logprobs_json(co, prompt, u.prompt_logprobs)
         if u.finish_reason is not None:
             finish[u.choice], num_out[u.choice] = u.finish_reason, u.num_output_tokens
             num_cached = max(num_cached, u.num_cached_tokens)
@@ -185,8 +187,9 @@ async def _whole(
         **head,
         "object": "chat.completion",
         "choices": choices,
-        "usage": usage(num_prompt, sum(num_out), num_cached),
+        "usage": usage(len(prompt), sum(num_out), num_cached),
         "system_fingerprint": None,
+        "prompt_logprobs": prompt_lps,  # vLLM's (null unless asked for)
     }
     return json_response(body)
 

@@ -1,16 +1,24 @@
-"""POST /v1/completions: raw prompts (text or token ids, one or a batch), whole or streamed."""
+"""POST /v1/completions: raw prompts (text or token ids, one or a batch), whole or streamed.
+
+`echo` with `logprobs` gives the prompt's tokens' logprobs in the echoed part (its first token's null), then
+the generated tokens', as vLLM does (lm-evaluation-harness's loglikelihood relies on it); `max_tokens: 0`
+with `echo` answers with the prompt alone (the engine still samples one token, which is counted in
+`usage` and not shown, as in vLLM). vLLM's `prompt_logprobs` come on each choice (pd/api/prompt_logprobs.py).
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from engine.request import TokenLogprob
+from engine.request import PromptLogprobs, TokenLogprob
+from pd.api.prompt_logprobs import LOGPROB_FLOOR, candidates, prompt_logprobs_json
 from pd.api.protocol import CompletionRequest, parse_completion_request
 from pd.api.sse import stream_choices
-from pd.errors import bad_request
+from pd.errors import bad_request, internal
 from pd.frontend.coordinator import Coordinator
 from pd.frontend.generation import ChoiceUpdate, Generation, SubRequest
 from pd.http.io import json_response, usage
@@ -18,7 +26,6 @@ from pd.http.request_log import REQUEST_ID
 from pd.rank.client import RankClient
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_LOGPROB_FLOOR = -9999.0
 _AFFINITY_CHARS = 1024
 
 
@@ -34,15 +41,38 @@ class _LogprobWriter:
         for lp in lps:
             text = self.co.token_text(lp.token_id)
             tokens.append(text)
-            token_lps.append(max(lp.logprob, _LOGPROB_FLOOR))
+            token_lps.append(max(lp.logprob, LOGPROB_FLOOR))
             # the sampled token first, then the top `logprobs` (OpenAI's legacy API, vLLM: up to logprobs + 1)
-            top = {text: max(lp.logprob, _LOGPROB_FLOOR)}
+            top = {text: max(lp.logprob, LOGPROB_FLOOR)}
             for t, x in lp.top:
                 if t != lp.token_id:
-                    top.setdefault(self.co.token_text(t), max(x, _LOGPROB_FLOOR))
+                    top.setdefault(self.co.token_text(t), max(x, LOGPROB_FLOOR))
             tops.append(top)
             offsets.append(self.offset)
             self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_block(self, prompt_ids: list[int], plp: PromptLogprobs, num_top: int) -> dict[str, Any]:
+        """The echoed prompt's part (vLLM's): its first token's logprob and top_logprobs null, then each
+        token's with up to num_top + 1 entries (the prompt's token, then the top ones)."""
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        for j, t in enumerate(prompt_ids):
+            text = self.co.token_text(t)
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+            if j == 0:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(max(plp.logprobs[j - 1], LOGPROB_FLOOR))
+            top: dict[str, float] = {}
+            for c, x, _ in candidates(prompt_ids, plp, j - 1)[: num_top + 1]:
+                top.setdefault(self.co.token_text(c), max(x, LOGPROB_FLOOR))
+            tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -54,14 +84,14 @@ async def completions(co: Coordinator, request: web.Request) -> web.StreamRespon
     arrival_s = time.monotonic()
     req = parse_completion_request(await co.read_json(request))
     co.check_model(req.model)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported (no prompt logprobs)", "echo")
     n = req.sampling.n
     prompt_ids, prompt_texts = await co.offload(_tokenize, co, req)
     subs: list[SubRequest] = []
     rid = f"cmpl-{REQUEST_ID.get()}"
+    # max_tokens 0 (echo only): the engine samples one token nobody sees, as vLLM's does
+    requested = 1 if req.sampling.max_tokens == 0 else req.sampling.max_tokens
     for j, ids in enumerate(prompt_ids):
-        max_tokens = co.max_tokens_for(len(ids), req.sampling.max_tokens, "prompt", DEFAULT_MAX_TOKENS)
+        max_tokens = co.max_tokens_for(len(ids), requested, "prompt", DEFAULT_MAX_TOKENS)
         for i in range(n):
             params = req.sampling.params(max_tokens, req.logprobs, i)
             subs.append(
@@ -71,10 +101,31 @@ async def completions(co: Coordinator, request: web.Request) -> web.StreamRespon
     key = first[:_AFFINITY_CHARS] if isinstance(first, str) else ",".join(map(str, first[:256]))
     rank = co.pick_rank(key)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": co.model_name}
-    echo = [prompt_texts[k // n] if req.echo else "" for k in range(len(subs))]
+    echo = [
+        _Echo(prompt_texts[k // n] if req.echo else "", prompt_ids[k // n]) for k in range(len(subs))
+    ]
     num_prompt = sum(len(ids) for ids in prompt_ids)
     with co.claim(rid):
         return await _generate(co, request, req, rank, key, subs, arrival_s, head, echo, num_prompt)
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """One choice's prompt: the text it echoes ("" without echo) and its token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+def _prompt_part(
+    req: CompletionRequest, e: _Echo, u: ChoiceUpdate, writer: _LogprobWriter
+) -> tuple[str, dict[str, Any] | None]:
+    """A choice's echoed part (its first update): the prompt's text and, with logprobs, its block."""
+    if not (req.echo and req.logprobs is not None):
+        return e.text, None
+    if u.prompt_logprobs is None:
+        raise internal("the engine's first output lacks the prompt logprobs the request asked for")
+    return e.text, writer.prompt_block(e.token_ids, u.prompt_logprobs, req.logprobs)
 
 
 def _tokenize(co: Coordinator, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
@@ -100,7 +151,7 @@ async def _generate(
     subs: list[SubRequest],
     arrival_s: float,
     head: dict[str, Any],
-    echo: list[str],
+    echo: list[_Echo],
     num_prompt: int,
 ) -> web.StreamResponse:
     async with Generation(rank, co.metrics, arrival_s, co.pd, key) as gen:
@@ -115,23 +166,34 @@ async def _whole(
     req: CompletionRequest,
     gen: Generation,
     head: dict[str, Any],
-    echo: list[str],
+    echo: list[_Echo],
     num_prompt: int,
 ) -> web.Response:
     k = len(echo)
-    texts = list(echo)
-    writers = [_LogprobWriter(co, len(e)) for e in echo]
+    is_echo_only = req.sampling.max_tokens == 0
+    texts = [""] * k
+    writers = [_LogprobWriter(co, 0 if req.logprobs is not None and req.echo else len(e.text)) for e in echo]
     lps: list[dict[str, Any] | None] = [None] * k
+    prompt_lps: list[list[Any] | None] = [None] * k
+    is_started = [False] * k
     finish: list[str | None] = [None] * k
     num_out = [0] * k
     cached: dict[int, int] = {}
     async for u in gen.updates():
-        texts[u.choice] += u.text
-        if req.logprobs is not None:
-            lps[u.choice] = _merge(lps[u.choice], writers[u.choice].block(u.logprobs))
+        i = u.choice
+        if not is_started[i]:
+            is_started[i] = True
+            texts[i], block = _prompt_part(req, echo[i], u, writers[i])
+            lps[i] = block
+            if u.prompt_logprobs is not None:
+                prompt_lps[i] = prompt_logprobs_json(co, echo[i].token_ids, u.prompt_logprobs)
+        if not is_echo_only:
+            texts[i] += u.text
+            if req.logprobs is not None:
+                lps[i] = _merge(lps[i], writers[i].block(u.logprobs))
         if u.finish_reason is not None:
-            finish[u.choice], num_out[u.choice] = u.finish_reason, u.num_output_tokens
-            p = u.choice // req.sampling.n
+            finish[i], num_out[i] = u.finish_reason, u.num_output_tokens
+            p = i // req.sampling.n
             cached[p] = max(cached.get(p, 0), u.num_cached_tokens)
     empty: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     choices = [
@@ -140,6 +202,7 @@ async def _whole(
             "text": texts[i],
             "logprobs": (lps[i] or empty) if req.logprobs is not None else None,
             "finish_reason": finish[i],
+            "prompt_logprobs": prompt_lps[i],  # vLLM's (null unless computed: prompt_logprobs, or echo's)
         }
         for i in range(k)
     ]
@@ -154,26 +217,33 @@ async def _stream(
     req: CompletionRequest,
     gen: Generation,
     head: dict[str, Any],
-    echo: list[str],
+    echo: list[_Echo],
     num_prompt: int,
 ) -> web.StreamResponse:
     k = len(echo)
+    is_echo_only = req.sampling.max_tokens == 0
     is_started = [False] * k
-    writers = [_LogprobWriter(co, len(e)) for e in echo]
+    writers = [_LogprobWriter(co, 0 if req.logprobs is not None and req.echo else len(e.text)) for e in echo]
     num_out = [0] * k
     cached: dict[int, int] = {}
 
     def choice(u: ChoiceUpdate) -> dict[str, Any] | None:
         i = u.choice
-        text = u.text
+        text, logprobs = ("", None) if is_echo_only else (u.text, None)
+        prompt_block = None
         if not is_started[i]:
-            text, is_started[i] = echo[i] + text, True
+            is_started[i] = True
+            echoed, prompt_block = _prompt_part(req, echo[i], u, writers[i])
+            text = echoed + text
         if u.finish_reason is not None:
             num_out[i] = u.num_output_tokens
             p = i // req.sampling.n
             cached[p] = max(cached.get(p, 0), u.num_cached_tokens)
-        logprobs = writers[i].block(u.logprobs) if req.logprobs is not None else None
-        if not text and u.finish_reason is None and not u.logprobs:
+        if req.logprobs is not None:
+            logprobs = prompt_block
+            if not is_echo_only:
+                logprobs = _merge(logprobs, writers[i].block(u.logprobs))
+        if not text and u.finish_reason is None and not (logprobs and logprobs["tokens"]):
             return None
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}
 

@@ -51,7 +51,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 _UNSET = object()
 # vLLM's request fields for features this server does not have, each with the values that ask for nothing
 # (vLLM's defaults; null always does): any other value is a 400 naming the field, never ignored.
-# prompt_logprobs is not here: it is answered or refused where prompt logprobs are.
 UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0, 1),
@@ -102,6 +101,7 @@ class SamplingFields:
     min_p: float = 0.0
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob plus the top N
 
     def params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """Engine parameters of choice number `choice` (seeded choices get seed + choice, so n > 1 differs)."""
@@ -123,6 +123,7 @@ class SamplingFields:
             min_p=self.min_p,
             min_tokens=self.min_tokens,
             structured=self.structured,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -317,10 +318,10 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> SamplingFields:
+def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...], min_max_tokens: int = 1) -> SamplingFields:
     max_tokens = None
     for key in max_tokens_keys:  # later keys win: max_completion_tokens over the deprecated max_tokens
-        max_tokens = _int(body, key, max_tokens, lo=1)
+        max_tokens = _int(body, key, max_tokens, lo=min_max_tokens)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -376,7 +377,25 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samplin
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         min_tokens=_int(body, "min_tokens", 0, lo=0),
         structured=_structured_output(body),
+        prompt_logprobs=_prompt_logprobs(body, stream),
     )
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: N in [0, MAX_TOP_LOGPROBS], whole answers only (vLLM refuses it streamed;
+    0 too here, which vLLM takes and returns nothing for)."""
+    v = body.get("prompt_logprobs")
+    if v is None:
+        return None
+    if _is_int(v) and v == -1:  # vLLM's "the whole vocabulary": past its --max-logprobs (20), a 400 there too
+        raise bad_request(
+            f"'prompt_logprobs' -1 asks for the whole vocabulary: this server gives at most {MAX_TOP_LOGPROBS}",
+            "prompt_logprobs",
+        )
+    n = _int(body, "prompt_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if stream:
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", "prompt_logprobs")
+    return int(n)
 
 
 def _model(body: dict[str, Any]) -> str | None:
@@ -701,13 +720,22 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             raise bad_request(f"'prompt' token ids must be in [0, {MAX_TOKEN_ID}]", "prompt")
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported", "suffix")
-    sampling = _sampling(body, ("max_tokens",))
+    echo = _bool(body, "echo", False)
+    sampling = _sampling(body, ("max_tokens",), min_max_tokens=0)
+    if sampling.max_tokens == 0 and not echo:
+        raise bad_request(
+            "'max_tokens' must be an integer >= 1 (0 only with 'echo': the prompt alone, with its logprobs)",
+            "max_tokens",
+        )
     best_of = _int(body, "best_of", sampling.n, lo=1)
     if best_of != sampling.n:
         raise bad_request("'best_of' is not supported (only equal to 'n')", "best_of")
     if len(prompts) * sampling.n > MAX_SUBREQUESTS:
         raise bad_request(f"prompts x n must be at most {MAX_SUBREQUESTS}", "n")
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if echo and logprobs is not None and sampling.prompt_logprobs is None:
+        # vLLM's: the echoed prompt's logprobs are its prompt logprobs, with the top `logprobs`
+        sampling = replace(sampling, prompt_logprobs=logprobs)
     _refuse_unsupported(body, taken=("echo",))
-    echo, special = _bool(body, "echo", False), _bool(body, "add_special_tokens", True)
+    special = _bool(body, "add_special_tokens", True)
     return CompletionRequest(model, tuple(prompts), echo, logprobs, sampling, special)

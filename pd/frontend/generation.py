@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engine.request import PromptLogprobs, RequestOutput, SamplingParams, TokenLogprob
 from pd.disagg.decode_path import DecodePath, PhaseError
 from pd.errors import ApiError, bad_request, internal, rejected
 from pd.frontend.metrics import ServerMetrics
@@ -48,6 +48,7 @@ class ChoiceUpdate:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    prompt_logprobs: PromptLogprobs | None = None  # asked for: on the choice's first update
 
 
 def engine_down_error(message: str) -> ApiError:
@@ -129,6 +130,7 @@ class Generation:
                 event.num_prompt_tokens,
                 event.num_cached_tokens,
                 event.num_output_tokens,
+                event.prompt_logprobs,
             )
 
     def _observe(self, rid: str, o: RequestOutput) -> None:

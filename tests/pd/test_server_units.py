@@ -313,6 +313,19 @@ def test_completion_prompts():
     assert not parse_completion_request({"prompt": "a", "add_special_tokens": False}).add_special_tokens
 
 
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
+    """vLLM's: echo with logprobs N computes prompt logprobs N (unless prompt_logprobs says otherwise);
+    max_tokens 0 is taken with echo alone."""
+    parse = lambda **kw: parse_completion_request({"prompt": "a", **kw}).sampling  # noqa: E731
+    assert parse(echo=True, logprobs=2).prompt_logprobs == 2
+    assert parse(echo=True, logprobs=2, prompt_logprobs=5).prompt_logprobs == 5
+    assert parse(logprobs=2).prompt_logprobs is None and parse(echo=True).prompt_logprobs is None
+    assert parse(echo=True, logprobs=1, stream=True).prompt_logprobs == 1  # streamed in the echo
+    assert parse(echo=True, max_tokens=0).max_tokens == 0
+    chat = parse_chat_request({"messages": USER, "prompt_logprobs": 3})
+    assert chat.sampling.params(4, None, 0).prompt_logprobs == 3
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
@@ -330,6 +343,10 @@ def test_completion_prompts():
         ({"prompt": "a", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
         ({"prompt": "a", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"prompt": "a", "bad_words": ["b"]}, "bad_words"),
+        ({"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+        ({"prompt": "a", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
     ],
 )
 def test_completion_bad_input(body, param):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.handoff import KVLayout
-from engine.request import SamplingParams, TokenLogprob
+from engine.request import PromptLogprobs, SamplingParams, TokenLogprob
 from pdkernels import checksum as ck
 from tests.transfer.support import LAYOUT_LATENT, LAYOUT_SWA, make_export
 from transfer import auth
@@ -136,6 +136,48 @@ def test_header_round_trip() -> None:
     out = to_export(back, segs)
     assert out.prompt_token_ids == exp.prompt_token_ids and out.output_token_ids == [42] and out.seed == 1234
     assert torch.equal(out.pages, exp.pages) and out.state is not None and torch.equal(out.state, exp.state)
+
+
+def _with_prompt_logprobs(num_top: int = 2):
+    """make_export() asking for prompt logprobs (37 prompt tokens: 36 positions), with made-up values."""
+    exp = make_export()
+    n = len(exp.prompt_token_ids) - 1
+    plp = PromptLogprobs(
+        num_top,
+        tuple(-0.5 - i / 7 for i in range(n)),
+        tuple(1 + i % 3 for i in range(n)),
+        tuple(range(n * num_top)),
+        tuple(-0.25 - i / 3 for i in range(n * num_top)),
+    )
+    params = dataclasses.replace(exp.params, prompt_logprobs=num_top)
+    return dataclasses.replace(exp, params=params, prompt_logprobs=plp)
+
+
+def test_a_header_carries_the_prompt_logprobs() -> None:
+    exp = _with_prompt_logprobs()
+    h = make_header(exp, LAYOUT_SWA)
+    back = HandoffHeader.decode(h.encode())
+    assert back == h and back.prompt_logprobs == exp.prompt_logprobs  # the float values bit for bit
+    assert to_export(back, allocate_payload(back)).prompt_logprobs == exp.prompt_logprobs
+    assert HandoffHeader.decode(make_header(make_export(), LAYOUT_SWA).encode()).prompt_logprobs is None
+    # they must be there exactly when the params ask for them, for every position of the prompt
+    plp = exp.prompt_logprobs
+    assert plp is not None
+    to_wire_plp = dataclasses.asdict(plp)
+    short = {**to_wire_plp, "logprobs": list(plp.logprobs[:-1]), "ranks": list(plp.ranks[:-1])}
+    short["top_ids"], short["top_logprobs"] = list(plp.top_ids[:-2]), list(plp.top_logprobs[:-2])
+    for changes in (
+        dict(prompt_logprobs=None),
+        dict(prompt_logprobs=short),
+        dict(prompt_logprobs={**to_wire_plp, "num_top": 3}),
+        dict(prompt_logprobs={**to_wire_plp, "ranks": [0] * plp.num_positions}),
+        dict(prompt_logprobs={**to_wire_plp, "logprobs": ["x"] * plp.num_positions}),
+    ):
+        with pytest.raises(HandoffError) as e:
+            HandoffHeader.decode(_tamper(h, **changes))
+        assert e.value.code == BAD_HEADER, changes
+    with pytest.raises(HandoffError):  # none asked for: none may come
+        make_header(dataclasses.replace(exp, params=make_export().params), LAYOUT_SWA)
 
 
 def test_a_header_whose_checksum_follows() -> None:

@@ -348,6 +348,8 @@ def valid_chat_body(draw: st.DrawFn, model: str) -> dict[str, Any]:
         top = draw(st.none() | st.integers(0, 20))
         if top is not None:
             body["top_logprobs"] = top
+    if not body.get("stream") and draw(st.integers(0, 3)) == 0:
+        body["prompt_logprobs"] = draw(st.integers(0, 20))
     optional = st.fixed_dictionaries(
         {},
         optional={
@@ -378,6 +380,7 @@ BAD_COMMON: dict[str, st.SearchStrategy[Any]] = {
         [[-1], [VOCAB_SIZE], [2**31], [2**31 - 1], [2**63], ["1"], [1.0], list(range(65)), 3, {"1": 1}]
     ),
     "n": st.sampled_from([0, -1, 17, 2**63, 1.0, "2", True]),
+    "prompt_logprobs": st.sampled_from([-1, -2, 21, 2**63, 1.5, "3", True, [1]]),
     "presence_penalty": st.sampled_from([-2.01, 2.01, 1e308, "0"]),
     "frequency_penalty": st.sampled_from([-2.01, 2.01, -1e308, [0]]),
     "repetition_penalty": st.sampled_from([0, -1, 1e-10, 2.01, 1e308, "1"]),
@@ -604,11 +607,16 @@ def valid_completion_body(draw: st.DrawFn, model: str) -> dict[str, Any]:
     body.update(draw(stream_fields()))
     if draw(st.integers(0, 2)) == 0:
         body.update(draw(structured_outputs()))
-    what = draw(st.sampled_from(["plain", "echo", "logprobs"]))
-    if what == "echo":
+    what = draw(st.sampled_from(["plain", "echo", "logprobs", "echo and logprobs"]))
+    if what.startswith("echo"):
         body["echo"] = True
-    elif what == "logprobs":
+        if draw(st.integers(0, 3)) == 0:
+            body["max_tokens"] = 0  # the prompt alone
+            body.pop("min_tokens", None)
+    if what.endswith("logprobs"):
         body["logprobs"] = draw(st.integers(0, 20))
+    if not body.get("stream") and draw(st.integers(0, 3)) == 0:
+        body["prompt_logprobs"] = draw(st.integers(0, 20))
     if draw(st.integers(0, 3)) == 0:
         body["best_of"] = body.get("n", 1)
     return body

@@ -305,10 +305,25 @@ def check_chat(body: dict[str, Any], answer: Answer) -> None:
         else:
             assert c["logprobs"] is None, c
     u = r["usage"]
+    check_prompt_logprobs(r["prompt_logprobs"], body.get("prompt_logprobs"), u["prompt_tokens"])
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"], u
     assert max_tokens is None or u["completion_tokens"] <= n * max_tokens, r
     if body.get("logprobs"):
         assert num_lps == u["completion_tokens"], r
+
+
+def check_prompt_logprobs(plp: Any, num_top: int | None, num_prompt_tokens: int | None) -> None:
+    """vLLM's prompt_logprobs: null unless asked for; else null, then {token id: {logprob, rank,
+    decoded_token}} per prompt token, the prompt's token first, with the top num_top."""
+    if num_top is None:
+        assert plp is None, plp
+        return
+    assert isinstance(plp, list) and plp[0] is None, plp
+    assert num_prompt_tokens is None or len(plp) == num_prompt_tokens, (len(plp), num_prompt_tokens)
+    for entry in plp[1:]:
+        assert len(entry) in (num_top, num_top + 1) and all(k.isdigit() for k in entry), entry
+        for v in entry.values():
+            assert set(v) == {"logprob", "rank", "decoded_token"} and v["logprob"] <= 0.0 and v["rank"] >= 1, entry
 
 
 def check_chat_stream(body: dict[str, Any], events: list[Any]) -> None:
@@ -366,21 +381,34 @@ def check_completion(body: dict[str, Any], answer: Answer) -> None:
     r = json.loads(answer.data)
     assert r["object"] == "text_completion" and r["model"] == MODEL, r
     assert [c["index"] for c in r["choices"]] == list(range(k)), r
+    echo_lps = body.get("echo") and top is not None
+    # vLLM's: echo with logprobs computes the prompt's (with `logprobs` unless prompt_logprobs is given)
+    num_prompt_top = body.get("prompt_logprobs", top if echo_lps else None)
     for c in r["choices"]:
         assert c["finish_reason"] in ("stop", "length") and isinstance(c["text"], str), c
         if body.get("echo") and isinstance(body["prompt"], str):
             assert c["text"].startswith(body["prompt"]), c
+            if body.get("max_tokens") == 0:
+                assert c["text"] == body["prompt"], c
         if not body.get("echo"):
             check_constrained(body, c["text"], c["finish_reason"])
+        check_prompt_logprobs(c["prompt_logprobs"], num_prompt_top, None)
         lp = c["logprobs"]
         if top is None:
             assert lp is None, c
             continue
         num = len(lp["tokens"])
-        assert num <= max_tokens and [len(lp[key]) for key in lp] == [num] * 4, c
+        assert [len(lp[key]) for key in lp] == [num] * 4, c
+        tops, tokens = lp["top_logprobs"], lp["tokens"]
+        if echo_lps:  # the prompt's tokens first (the first one's logprob and top_logprobs null)
+            num_prompt = len(c["prompt_logprobs"])
+            assert num - num_prompt <= max_tokens and lp["token_logprobs"][0] is None and tops[0] is None, c
+            tops, tokens = tops[1:], tokens[1:]
+        else:
+            assert num <= max_tokens, c
         # the sampled token's entry, then the top `logprobs` (OpenAI's legacy API and vLLM): one fewer where
         # the sampled token is among them
-        assert all(len(t) <= top + 1 and tok in t for t, tok in zip(lp["top_logprobs"], lp["tokens"])), c
+        assert all(len(t) <= top + 1 and tok in t for t, tok in zip(tops, tokens)), c
     u = r["usage"]
     assert u["completion_tokens"] <= k * max_tokens, r
 

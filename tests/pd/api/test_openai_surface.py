@@ -1,8 +1,9 @@
 """Issue 30's parameters, through the official `openai` client against a single-engine server and a P/D pair
 (SmolLM2-135M, --deterministic): continue_final_message and add_generation_prompt (chat and /tokenize),
 vLLM's /v1/models fields, completions' logprobs 0, custom message roles, the seed range, a forced
-tool_choice (named or "required": the answer constrained to the tools' schema), and vLLM's fields this
-server does not have. Each is honoured as vLLM does, or a 400 naming it."""
+tool_choice (named or "required": the answer constrained to the tools' schema), prompt_logprobs and
+completions' echo with logprobs (max_tokens 0 too), and vLLM's fields this server does not have. Each is
+honoured as vLLM does, or a 400 naming it."""
 
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ from pd.chat.renderer import PromptRenderer
 from pd.chat.toolcalls import HermesParser
 from pd.errors import ApiError
 from pd.frontend.coordinator import load_tokenizer
-from pd.tools.server_process import ServerProcess
-from tests.server_fixtures import SMALL_DETERMINISTIC, module_ref_and_pair, openai_client
+from pd.tools.server_process import ServerProcess, wait_idle
+from tests.server_fixtures import (
+    SMALL_DETERMINISTIC,
+    module_ref_and_pair,
+    openai_client,
+    run_check_pd,
+    wait_pair_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -375,3 +382,159 @@ def test_unsupported_fields_are_refused(servers):
         assert "leave it out or send true" in message
         status, e = post_json(url, "/tokenize", {"messages": [QUESTION], "chat_template": "{{ messages }}"})
         assert status == 400 and e["error"]["param"] == "chat_template", e
+
+
+# ---- 2. prompt_logprobs, and completions' echo with logprobs ------------------------------------------------
+
+PROMPT = "The capital of France is"
+
+
+def check_prompt_logprobs(plp: Any, prompt_ids: list[int], num_top: int) -> None:
+    """vLLM's shape: null, then per prompt token {id: {logprob, rank, decoded_token}}: the prompt's token
+    first, then the top num_top (ranks 1..num_top; the prompt's token once when it is among them)."""
+    assert isinstance(plp, list) and len(plp) == len(prompt_ids) and plp[0] is None, plp
+    for token, entry in zip(prompt_ids[1:], plp[1:], strict=True):
+        keys = list(entry)
+        assert keys[0] == str(token) and len(keys) in (num_top, num_top + 1), entry
+        for value in entry.values():
+            assert set(value) == {"logprob", "rank", "decoded_token"} and value["logprob"] <= 0.0, entry
+            assert isinstance(value["rank"], int) and value["rank"] >= 1 and isinstance(value["decoded_token"], str)
+        ranks = [v["rank"] for v in entry.values()]
+        assert sorted(ranks[-num_top:] if num_top else []) == list(range(1, num_top + 1)), entry
+        by_rank = [v["logprob"] for v in sorted(entry.values(), key=lambda v: v["rank"])]
+        assert by_rank == sorted(by_rank, reverse=True), entry  # rank 1 is the likeliest
+
+
+def prompt_ids_of(url: str, prompt: str) -> list[int]:
+    status, t = post_json(url, "/tokenize", {"prompt": prompt})
+    assert status == 200, t
+    return list(t["tokens"])
+
+
+def test_completions_prompt_logprobs(servers):
+    ref, pair = servers
+    ids = prompt_ids_of(ref.url, PROMPT)
+    answers = []
+    for url in both(servers):
+        client = openai_client(url)
+        kw: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, n=2)
+        r = client.completions.create(**kw, extra_body={"prompt_logprobs": 3})
+        plps = [c.prompt_logprobs for c in r.choices]  # type: ignore[attr-defined]
+        check_prompt_logprobs(plps[0], ids, 3)
+        assert plps[1] == plps[0]
+        # again: the prompt is computed whole (nothing from the prefix cache), to the same values
+        again = client.completions.create(**kw, extra_body={"prompt_logprobs": 3})
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+        assert [c.prompt_logprobs for c in again.choices] == plps  # type: ignore[attr-defined]
+        assert [c.text for c in again.choices] == [c.text for c in r.choices]
+        zero = client.completions.create(**kw, extra_body={"prompt_logprobs": 0}).choices[0]
+        check_prompt_logprobs(zero.prompt_logprobs, ids, 0)  # type: ignore[attr-defined]
+        assert [{k: e[k] for k in list(e)[:1]} for e in plps[0][1:]] == zero.prompt_logprobs[1:]  # type: ignore[attr-defined]
+        plain = client.completions.create(**kw).choices[0]
+        assert plain.prompt_logprobs is None and plain.text == r.choices[0].text  # type: ignore[attr-defined]
+        answers.append(plps[0])
+    assert answers[0] == answers[1]  # the PE's prefill gives the single engine's bits
+    wait_idle(ref.port)
+    wait_pair_idle(pair)
+
+
+def test_chat_prompt_logprobs_at_the_top_level(servers):
+    answers = []
+    for url in both(servers):
+        client = openai_client(url)
+        r = client.chat.completions.create(
+            model=MODEL, messages=[QUESTION], max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+        )
+        ids, _ = tokenize_text(url, {"messages": [QUESTION]})
+        assert r.usage is not None and r.usage.prompt_tokens == len(ids)
+        check_prompt_logprobs(r.prompt_logprobs, ids, 2)  # type: ignore[attr-defined]
+        answers.append(r.prompt_logprobs)  # type: ignore[attr-defined]
+        plain = client.chat.completions.create(model=MODEL, messages=[QUESTION], max_tokens=1)
+        assert plain.prompt_logprobs is None  # type: ignore[attr-defined]
+    assert answers[0] == answers[1]
+
+
+def echoed(url: str, stream: bool, **kw: Any) -> tuple[str, dict[str, list[Any]], str | None, int | None]:
+    """(text, logprobs as one object, finish_reason, completion_tokens), whole or put together."""
+    client = openai_client(url)
+    if not stream:
+        r = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, temperature=0, **kw)
+        c = r.choices[0]
+        assert c.logprobs is not None and r.usage is not None
+        return c.text, c.logprobs.model_dump(), c.finish_reason, r.usage.completion_tokens
+    text, finish, usage = "", None, None
+    lps: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    chunks = client.completions.create(
+        model=MODEL, prompt=PROMPT, echo=True, temperature=0, stream=True,
+        stream_options={"include_usage": True}, **kw,
+    )  # fmt: skip
+    for ch in chunks:
+        usage = ch.usage.completion_tokens if ch.usage else usage
+        for c in ch.choices:
+            text += c.text
+            finish = c.finish_reason or finish
+            for key, values in (c.logprobs.model_dump() if c.logprobs else {}).items():
+                lps[key] += values
+    return text, lps, finish, usage
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs(servers):
+    """lm-evaluation-harness's loglikelihood: echo, logprobs, max_tokens 1 (or 0)."""
+    ref, pair = servers
+    ids = prompt_ids_of(ref.url, PROMPT)
+    r = openai_client(ref.url).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    plp = r.choices[0].prompt_logprobs  # type: ignore[attr-defined]
+    prompt_lps = [None] + [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], plp[1:], strict=True)]
+    answers = []
+    for url in both(servers):
+        for stream in (False, True):
+            text, lp, finish, num_out = echoed(url, stream, max_tokens=1, logprobs=1)
+            assert text.startswith(PROMPT) and len(text) > len(PROMPT) and finish == "length" and num_out == 1
+            assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][: len(ids)] == prompt_lps
+            assert lp["top_logprobs"][0] is None and all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
+            assert all(lp["top_logprobs"][j][lp["tokens"][j]] == lp["token_logprobs"][j] for j in range(1, len(ids)))
+            offsets = lp["text_offset"]
+            assert offsets[0] == 0 and offsets == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(offsets))]
+            answers.append((text, lp))
+            # max_tokens 0: the prompt alone, with its logprobs (vLLM samples one token it counts, unshown)
+            text0, lp0, finish0, num_out0 = echoed(url, stream, max_tokens=0, logprobs=1)
+            assert (text0, finish0, num_out0) == (PROMPT, "length", 1)
+            assert lp0 == {k: v[: len(ids)] for k, v in lp.items()}
+        whole = openai_client(url).completions.create(
+            model=MODEL, prompt=PROMPT, echo=True, max_tokens=1, temperature=0, logprobs=1
+        )
+        check_prompt_logprobs(whole.choices[0].prompt_logprobs, ids, 1)  # type: ignore[attr-defined]
+    assert all(a == answers[0] for a in answers)  # whole == streamed, single == pair
+    wait_idle(ref.port)
+    wait_pair_idle(pair)
+
+
+def test_check_pd_prompt_logprob_cases(servers, capsys):
+    """bench/check_pd.py's prompt-logprob cases (but the long prompt's, whose prefill takes a while on the
+    CPU): the values bit for bit, single engine against the pair."""
+    ref, pair = servers
+    only = "chat prompt_logprobs,prompt_logprobs n=2,echo logprobs"
+    assert run_check_pd(ref, pair, "--only", only, "--concurrency", "1") == 0
+    out = capsys.readouterr().out
+    assert "5/5 cases identical" in out, out
+
+
+def test_prompt_logprobs_refusals(servers):
+    for url in both(servers):
+        client = openai_client(url)
+        create = client.completions.create
+        kw: dict[str, Any] = dict(model=MODEL, prompt="x", max_tokens=1)
+        message = refused(create, "prompt_logprobs", **kw, extra_body={"prompt_logprobs": -1})
+        assert "whole vocabulary" in message
+        for bad in (-2, 21, "3", 1.5, True):
+            refused(create, "prompt_logprobs", **kw, extra_body={"prompt_logprobs": bad})
+        for k in (0, 2):  # vLLM: not available when streamed
+            refused(create, "prompt_logprobs", **kw, stream=True, extra_body={"prompt_logprobs": k})
+        chat = client.chat.completions.create
+        refused(chat, "prompt_logprobs", model=MODEL, messages=[QUESTION], extra_body={"prompt_logprobs": -1})
+        refused(chat, "max_tokens", model=MODEL, messages=[QUESTION], max_tokens=0)
+        message = refused(create, "max_tokens", model=MODEL, prompt="x", max_tokens=0)
+        assert "echo" in message
