@@ -332,8 +332,9 @@ def sdpa_attend(
     key_tile: int,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain masked attention. q: [n, heads, dim]; keys/values: [L, kv_heads, dim] at positions k_pos0..;
-    sinks: [heads] or None."""
+    """Plain masked attention. q: [n, heads, dim]; keys: [L, kv_heads, dim], values: [L, kv_heads, value dim]
+    (MLA: the values' width may differ) at positions k_pos0..; sinks: [heads] or None. Returns [n, heads,
+    value dim]."""
     n, L = q.shape[0], keys.shape[0]
     q_pos = torch.arange(q_pos0, q_pos0 + n, device=q.device)
     k_pos = torch.arange(k_pos0, k_pos0 + L, device=q.device)
@@ -341,8 +342,8 @@ def sdpa_attend(
     attn_mask: torch.Tensor | None = None if bool(mask.all()) else mask
     if sinks is not None:
         # the sink as one more key: zero key and value, its score (0) plus its mask entry is the sink logit
-        zero = keys.new_zeros(1, *keys.shape[1:])
-        keys, values = torch.cat([keys, zero]), torch.cat([values, zero])
+        keys = torch.cat([keys, keys.new_zeros(1, *keys.shape[1:])])
+        values = torch.cat([values, values.new_zeros(1, *values.shape[1:])])
         attn_mask = torch.zeros(q.shape[1], n, L + 1, dtype=q.dtype, device=q.device)
         attn_mask[:, :, :L].masked_fill_(~mask, float("-inf"))
         attn_mask[:, :, L] = sinks.to(q.dtype)[:, None]
@@ -369,9 +370,9 @@ def tiled_attend(
     key_tile: int,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Batch-invariant attention (see the module docstring). Same arguments as sdpa_attend."""
+    """Batch-invariant attention (see the module docstring). Same arguments and result as sdpa_attend."""
     n, num_heads, dim = q.shape
-    num_kv = keys.shape[1]
+    num_kv, vdim = keys.shape[1], values.shape[2]
     group = num_heads // num_kv
     tq, tk = QUERY_TILE, key_tile
     dev = q.device
@@ -382,7 +383,7 @@ def tiled_attend(
     pad_back = num_kt * tk - pad_front - keys.shape[0]
     # NOTE: float32 throughout: bf16 scores (values ~10-30) would be rounded by ~0.1 before softmax.
     kt = F.pad(keys.float(), (0, 0, 0, 0, pad_front, pad_back)).view(num_kt, tk, num_kv, dim).permute(0, 2, 3, 1)
-    vt = F.pad(values.float(), (0, 0, 0, 0, pad_front, pad_back)).view(num_kt, tk, num_kv, dim).transpose(1, 2)
+    vt = F.pad(values.float(), (0, 0, 0, 0, pad_front, pad_back)).view(num_kt, tk, num_kv, vdim).transpose(1, 2)
     k_pos = torch.arange(a0, a0 + num_kt * tk, device=dev)
     k_pos = torch.where((k_pos >= k_pos0) & (k_pos < k_pos0 + keys.shape[0]), k_pos, torch.iinfo(torch.long).max)
     k_pos = k_pos.view(num_kt, tk)
@@ -391,7 +392,7 @@ def tiled_attend(
     # [tiles, tq, kv_heads, group, dim] -> [tiles, kv_heads, group * tq, dim]; row = g * tq + t
     qt = F.pad(q.float(), (0, 0, 0, 0, 0, num_qt * tq - n)).view(num_qt, tq, num_kv, group, dim).permute(0, 2, 3, 1, 4)
     qt = qt.reshape(num_qt, num_kv, group * tq, dim)
-    out = torch.empty((num_qt, num_kv, group * tq, dim), dtype=q.dtype, device=dev)
+    out = torch.empty((num_qt, num_kv, group * tq, vdim), dtype=q.dtype, device=dev)
     neg_inf = torch.tensor(float("-inf"), device=dev)
     # the online softmax starts empty, or from the sink: running max = sink, denominator exp(0) = 1
     m0 = torch.full((num_kv, group * tq), float("-inf"), device=dev)
@@ -404,7 +405,7 @@ def tiled_attend(
         lo = q_pos0 + qi * tq - (window or 10**18)
         hi = q_pos0 + qi * tq + tq - 1
         m, denom = m0, denom0
-        acc = torch.zeros((num_kv, group * tq, dim), device=dev)
+        acc = torch.zeros((num_kv, group * tq, vdim), device=dev)
         for ki in range(num_kt):
             first, last = a0 + ki * tk, a0 + ki * tk + tk - 1
             if first > hi or last <= lo:  # invisible to every row of this query tile: an exact no-op
@@ -420,5 +421,5 @@ def tiled_attend(
             m = m_new
         out[qi] = (acc / denom[..., None]).to(q.dtype)
     # back to [n, heads, dim]
-    out = out.view(num_qt, num_kv, group, tq, dim).permute(0, 3, 1, 2, 4).reshape(num_qt * tq, num_heads, dim)
+    out = out.view(num_qt, num_kv, group, tq, vdim).permute(0, 3, 1, 2, 4).reshape(num_qt * tq, num_heads, vdim)
     return out[:n]

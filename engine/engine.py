@@ -104,12 +104,15 @@ class LLMEngine:
             on_admit=self._admit,
         )
         self.prefix_cache = HostPrefixCache.sized(config, self.arch, self.kv)  # None: --hicache-gb 0
+        # NOTE: latent attention (engine/mla.py) has no decode kernel yet: its decode rows take the chunked
+        # path in torch, which reads block tables on the host, so no CUDA graphs either
+        has_decode_kernel = not self.arch.is_mla
         self.runner = ModelRunner(
             self.model,
             self.kv,
             self.numerics,
             config.forward,
-            max_decode_rows=config.max_num_seqs,
+            max_decode_rows=config.max_num_seqs if has_decode_kernel else 0,
             max_model_len=self.max_model_len,
         )
         # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges)
@@ -119,7 +122,8 @@ class LLMEngine:
         self.num_ep_steps = 0
         self.eplb = RebalanceStats()
         self.graph_stats: GraphCaptureStats | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.ep is None:  # no collectives in graphs
+        if self.device.type == "cuda" and not config.enforce_eager and self.ep is None and has_decode_kernel:
+            # (no collectives in graphs)
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step

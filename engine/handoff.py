@@ -6,8 +6,16 @@ sequence a handoff carries; and, re-exported so that the transfer layer needs no
 the engine, the request types a handoff carries (SamplingParams, TokenLogprob) and the one strict
 codec every message uses (engine/codec.py).
 
-    pages: [num_pages, num_full_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
-    state: [num_swa_layers, 2 (k, v), window, num_kv_heads, head_dim]  ring: position p at p % window
+    pages: [num_pages, num_full_layers, planes, block_size, num_kv_heads, head_dim]
+    state: [num_swa_layers, planes, window, num_kv_heads, head_dim]  ring: position p at p % window
+
+A page kind says what a token keeps per layer (KVLayout.page_kind):
+
+    "kv"      planes = 2 (k, v), num_kv_heads heads of head_dim each
+    "latent"  planes = 1, one "head" of head_dim = kv_lora_rank + qk_rope_head_dim: multi-head latent
+              attention's compressed KV (after its norm) then its rotary key (engine/mla.py); DeepSeek-V3:
+              (512 + 64) x 2 bytes = 1,152 B per token and layer in bf16, where a llama-8B's K and V
+              take 2 x 8 x 128 x 2 = 4,096 B
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ __all__ = [
     "SequenceExport",
     "TokenLogprob",
     "WireError",
+    "PAGE_KINDS",
     "dtype_name",
     "from_wire",
     "to_wire",
@@ -43,6 +52,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
+PAGE_KINDS = ("kv", "latent")  # KVLayout.page_kind (the module docstring)
 _ELEM_BYTES = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPES.values()}
 
 
@@ -61,9 +71,23 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    page_kind: str = "kv"  # PAGE_KINDS
 
     # The fields that must be equal on both sides of a handoff, in the order a mismatch is reported.
-    FIELDS = ("dtype", "block_size", "num_full_layers", "num_swa_layers", "num_kv_heads", "head_dim", "window")
+    FIELDS = (
+        "page_kind", "dtype", "block_size", "num_full_layers", "num_swa_layers", "num_kv_heads", "head_dim", "window",
+    )
+
+    def __post_init__(self) -> None:
+        if self.page_kind not in PAGE_KINDS:
+            raise ValueError(f"page_kind {self.page_kind!r}: one of {PAGE_KINDS}")
+        if self.page_kind == "latent" and (self.num_kv_heads != 1 or self.num_swa_layers):
+            raise ValueError("a latent layout has one latent per token (num_kv_heads 1) and no sliding layers")
+
+    @property
+    def planes(self) -> int:
+        """Tensors a token keeps per layer: k and v, or the one latent."""
+        return 1 if self.page_kind == "latent" else 2
 
     @property
     def has_pages(self) -> bool:
@@ -82,11 +106,11 @@ class KVLayout:
         return math.ceil(num_tokens / self.block_size) if self.has_pages else 0
 
     def page_shape(self, num_pages: int) -> tuple[int, ...]:
-        return (num_pages, self.num_full_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (num_pages, self.num_full_layers, self.planes, self.block_size, self.num_kv_heads, self.head_dim)
 
     def state_shape(self, num_slots: int | None = None) -> tuple[int, ...]:
-        """One ring ([num_swa_layers, 2, window, kv_heads, head_dim]), or num_slots of them."""
-        one = (self.num_swa_layers, 2, self.window, self.num_kv_heads, self.head_dim)
+        """One ring ([num_swa_layers, planes, window, kv_heads, head_dim]), or num_slots of them."""
+        one = (self.num_swa_layers, self.planes, self.window, self.num_kv_heads, self.head_dim)
         return one if num_slots is None else (num_slots, *one)
 
     @property
@@ -97,6 +121,11 @@ class KVLayout:
     def state_bytes(self) -> int:
         return math.prod(self.state_shape()) * self.elem_bytes if self.has_state else 0
 
+    @property
+    def token_bytes(self) -> int:
+        """What one token keeps in one full-attention layer's pages (a page holds block_size of them per layer)."""
+        return self.planes * self.num_kv_heads * self.head_dim * self.elem_bytes
+
     def payload_bytes(self, num_tokens: int) -> int:
         """What a handoff of a sequence with num_tokens computed tokens carries."""
         return self.num_pages(num_tokens) * self.page_bytes + self.state_bytes
@@ -104,6 +133,7 @@ class KVLayout:
     def fields(self) -> dict[str, Any]:
         """The layout as plain values (a handoff header's and a receiver's auth_ok's)."""
         return {
+            "page_kind": self.page_kind,
             "dtype": dtype_name(self.dtype),
             "block_size": self.block_size,
             "num_full_layers": self.num_full_layers,
@@ -118,10 +148,12 @@ class KVLayout:
         """fields()' inverse; raises ValueError for anything else."""
         if not isinstance(d, dict) or set(d) != set(cls.FIELDS):
             raise ValueError(f"a layout has exactly the fields {cls.FIELDS}")
-        ints = [k for k in cls.FIELDS if k != "dtype"]
+        ints = [k for k in cls.FIELDS if k not in ("dtype", "page_kind")]
         if any(type(d[k]) is not int or d[k] < 0 for k in ints) or d["dtype"] not in DTYPES:
             raise ValueError(f"unreadable layout {d!r}")
-        return cls(**{k: d[k] for k in ints}, dtype=DTYPES[d["dtype"]])
+        if d["page_kind"] not in PAGE_KINDS:
+            raise ValueError(f"unknown page kind {d['page_kind']!r}")
+        return cls(**{k: d[k] for k in ints}, dtype=DTYPES[d["dtype"]], page_kind=d["page_kind"])
 
 
 @dataclass

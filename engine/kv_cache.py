@@ -6,6 +6,10 @@ prefix cache and the P/D handoff copy):
     pages: [num_blocks, num_full_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
     swa:   [num_slots,  num_swa_layers,  2 (k, v), window,     num_kv_heads, head_dim]
 
+A multi-head latent attention model (DeepSeek-V3) keeps one latent per token and layer instead of K and V
+(KVLayout.page_kind "latent", engine/mla.py): pages [num_blocks, num_full_layers, 1, block_size, 1,
+kv_lora_rank + qk_rope_head_dim], in the same pool, block tables and copies as any other page.
+
 A sliding layer's state is a ring buffer: position p lives at index p % window, and after n tokens
 it holds positions [max(0, n - window), n).
 """
@@ -19,6 +23,17 @@ from engine.model_config import ModelArch
 
 
 def layout_of(arch: ModelArch, block_size: int, dtype: torch.dtype) -> KVLayout:
+    if arch.is_mla:
+        return KVLayout(
+            num_full_layers=len(arch.full_layers),
+            num_swa_layers=0,
+            block_size=block_size,
+            window=0,
+            num_kv_heads=1,
+            head_dim=arch.kv_lora_rank + arch.qk_rope_head_dim,
+            dtype=dtype,
+            page_kind="latent",
+        )
     return KVLayout(
         num_full_layers=len(arch.full_layers),
         num_swa_layers=len(arch.sliding_layers),
@@ -65,7 +80,7 @@ class KVCache:
     def read_pages(
         self, block_ids: list[int], out: torch.Tensor | None = None, with_checksum: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Copies of the given pages, [n, num_full_layers, 2, block_size, kv_heads, head_dim], into out
+        """Copies of the given pages, [n, *layout.page_shape(1)[1:]], into out
         if given (else new memory), and, if with_checksum and the one-pass kernel runs here (CUDA),
         the handoff checksum's sum of their bytes (pdkernels/checksum.py's S of the pages segment, a
         0-dim int64 device tensor, queued: no sync) computed in the same pass; else None."""

@@ -12,11 +12,16 @@ layout (ModelArch.expert_layout "interleaved"), which `to_model_layout` converts
     model       gate_up_proj [E, 2I, H], rows [0, I) gate, [I, 2I) up; its bias [E, 2I] alike;
                 down_proj [E, H, I]
 
-An expert-parallel rank reads only its experts' rows of every stacked tensor (biases included)."""
+An expert-parallel rank reads only its experts' rows of every stacked tensor (biases included).
+
+A DeepSeek-V3 checkpoint's multi-token-prediction layers (`model.layers.{num_layers + i}.*`, i below
+num_nextn_predict_layers) are for speculative decoding, which the engine does not do: skipped, with one log
+line. Its router (`mlp.gate`, a ScoreGate) stays in float32 whatever the model's dtype, as in transformers."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import zlib
 from collections.abc import Mapping
@@ -27,10 +32,19 @@ import torch
 
 from engine.model import CausalLM
 from engine.model_config import ModelArch, rope_inv_freq
-from engine.moe import SparseMoE
+from engine.moe import ScoreGate, SparseMoE
+
+log = logging.getLogger(__name__)
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 PER_EXPERT_KEY = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def is_nextn_layer(arch: ModelArch, name: str) -> bool:
+    """Whether a checkpoint tensor belongs to a multi-token-prediction layer (the module docstring)."""
+    match = LAYER_KEY.match(name)
+    return match is not None and 0 <= int(match.group(1)) - arch.num_layers < arch.num_nextn_predict_layers
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -104,6 +118,9 @@ def build_model(
         model = CausalLM(arch, inv_freqs)
     model.to_empty(device=device)
     model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, ScoreGate):
+            module.float()
     if is_dummy:
         _init_random(model, arch, seed)
     else:
@@ -158,12 +175,17 @@ def _load_safetensors(model: CausalLM, folder: Path) -> None:
     loaded: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}  # stacked parameter -> (expert, projection) loaded
     experts = held_experts(model)
-    layout = model.arch.expert_layout
+    arch = model.arch
+    layout = arch.expert_layout
+    num_nextn = 0  # tensors of multi-token-prediction layers skipped
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for key in st.keys():
                 name = key.removeprefix("language_model.")
                 if name.endswith(SKIPPED_SUFFIXES):
+                    continue
+                if is_nextn_layer(arch, name):
+                    num_nextn += 1
                     continue
                 if name == "lm_head.weight" and "lm_head.weight" not in params:
                     continue  # tied embeddings saved twice
@@ -193,6 +215,11 @@ def _load_safetensors(model: CausalLM, folder: Path) -> None:
         per_expert = 1 if target.endswith(".down_proj") else 2  # gate_up_proj: gate and up
         if len(pieces) == params[target].shape[0] * per_expert:
             loaded.add(target)
+    if num_nextn:
+        log.info(
+            "skipped %d tensors of the checkpoint's %d next-token-prediction layer(s) (model.layers.%d and on): "
+            "the engine does not do speculative decoding", num_nextn, arch.num_nextn_predict_layers, arch.num_layers,
+        )  # fmt: skip
     missing = set(params) - loaded
     if missing:
         raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")

@@ -1,5 +1,5 @@
-"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss and Gemma 3 text
-checkpoints.
+"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss, Gemma 3 text and
+DeepSeek-V3 checkpoints.
 
 Parameter names follow Hugging Face's, so loading is a direct mapping. forward(input_ids, positions)
 reads the step's sequence layout from the forward context (engine/context.py).
@@ -21,6 +21,11 @@ matmuls.
 
 gpt-oss's attention sinks (`self_attn.sinks`, one logit per query head) travel to every attention path
 with the layer's q, k, v (engine/attention.py); None for the other families.
+
+A layer's attention is `Attention` (per-head K and V in the pages) or, for DeepSeek-V3, engine/mla.py's
+`LatentAttention` (one latent per token in the pages); both give the layer `qkv` (row-local: everything
+attention needs from the normed hidden state, packed in one tensor), `attend` (stores the step's tokens'
+KV and attends: [tokens, out_width]) and `o_proj`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch import nn
 from engine import expert_parallel
 from engine.attention import AttnSpec, paged_attention
 from engine.context import current_context, get_context
+from engine.mla import LatentAttention
 from engine.model_config import SLIDING, ModelArch
 from engine.moe import SparseMoE
 from engine.numerics import Numerics, run_rows
@@ -165,6 +171,23 @@ class Attention(nn.Module):
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
+    @property
+    def out_width(self) -> int:
+        """o_proj's input: every head's value."""
+        return self.num_heads * self.head_dim
+
+    def row_functions(self) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
+        """Row-local functions attend() runs besides qkv(): none."""
+        return []
+
+    def attend(
+        self, qkv: torch.Tensor, spec: AttnSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """qkv()'s output -> [tokens, heads * head_dim]: stores the new K/V and attends (paged_attention); x,
+        cos, sin: the layer's input and rotary rows, for the decode rows qkv() left raw (decode_rope)."""
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        return paged_attention(q, k, v, spec, self.sinks, self.decode_rope(x, cos, sin)).flatten(1)
+
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Row-local: normed hidden -> q, k, v with rotary applied, packed along the head axis."""
         if self.qkv_proj is not None:
@@ -251,7 +274,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, spec: AttnSpec, is_sparse: bool = False) -> None:
         super().__init__()
         self.spec = spec
-        self.self_attn = Attention(arch)
+        self.self_attn: Attention | LatentAttention
+        if arch.is_mla:
+            self.self_attn = LatentAttention(arch, lambda width: RMSNorm(width, arch.rms_norm_eps, False))
+        else:
+            self.self_attn = Attention(arch)
         self.is_sparse = is_sparse
         self.mlp: MLP | SparseMoE
         if is_sparse:
@@ -268,6 +295,10 @@ class DecoderLayer(nn.Module):
                 has_bias=arch.has_expert_bias,
                 alpha=arch.swiglu_alpha,
                 limit=arch.swiglu_limit,
+                num_groups=arch.num_expert_groups,
+                topk_groups=arch.topk_groups,
+                scaling=arch.routed_scaling_factor,
+                shared_intermediate_size=arch.shared_intermediate_size,
             )
         else:
             self.mlp = MLP(arch)
@@ -307,13 +338,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed, get_context().numerics)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        a = self.self_attn
         qkv = rowwise(self._pre, x, cos, sin)
-        q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
-        attn = paged_attention(q, k, v, self.spec, a.sinks, a.decode_rope(x, cos, sin))
+        attn = self.self_attn.attend(qkv, self.spec, x, cos, sin)
         if not self.is_sparse:
-            return rowwise(self._post, x, attn.flatten(1))
-        x, normed = rowwise(self._post_sparse, x, attn.flatten(1)).chunk(2, dim=1)
+            return rowwise(self._post, x, attn)
+        x, normed = rowwise(self._post_sparse, x, attn).chunk(2, dim=1)
         return x + self._sparse_mlp(normed)
 
     def forward_chained(
@@ -331,9 +360,8 @@ class DecoderLayer(nn.Module):
         else:
             x, normed = pending.add_norm(ops, x, norm)
         qkv = rowwise(a.qkv, normed, cos, sin)
-        q, k, v = qkv.split([a.num_heads, a.num_kv_heads, a.num_kv_heads], dim=1)
-        attn = paged_attention(q, k, v, self.spec, a.sinks, a.decode_rope(x, cos, sin))
-        h = rowwise(lambda t: linear(a.o_proj, t), attn.flatten(1))
+        attn = a.attend(qkv, self.spec, x, cos, sin)
+        h = rowwise(lambda t: linear(a.o_proj, t), attn)
         if self.is_sandwich:
             x, normed = ops.add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, norm.eps, norm.is_gemma,
                                          h_weight=self.post_attention_layernorm.weight)
@@ -461,11 +489,13 @@ class CausalLM(nn.Module):
         for i in sorted(kinds.values()):
             layer = cast(DecoderLayer, self.model.layers[i])
             fns.append((lambda x, c, s, lyr=layer: lyr._pre(x, c, s).flatten(1), [a.hidden_size, a.head_dim, a.head_dim]))
+            fns += layer.self_attn.row_functions()
+            width = layer.self_attn.out_width
             if isinstance(layer.mlp, SparseMoE):
-                fns.append((layer._post_sparse, [a.hidden_size, a.num_heads * a.head_dim]))
+                fns.append((layer._post_sparse, [a.hidden_size, width]))
                 fns += layer.mlp.row_functions()
             else:
-                fns.append((layer._post, [a.hidden_size, a.num_heads * a.head_dim]))
+                fns.append((layer._post, [a.hidden_size, width]))
         head = self.lm_head_weight[:PROBE_VOCAB_ROWS]  # a slice keeps the probe cheap for 262k vocabularies
         fns.append((self.model.norm, [a.hidden_size]))
         fns.append((lambda h: F.linear(h, head).float(), [a.hidden_size]))

@@ -1,10 +1,18 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE, gpt-oss): a router picks top-k SwiGLU experts per token.
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, gpt-oss, DeepSeek-V3): a router picks top-k SwiGLU experts
+per token.
 
     route     router logits = gate(x) (+ bias) in the model dtype, then a family's ROUTERS entry:
               "softmax_topk" (Qwen3-MoE): softmax over the experts in float32; top-k; renormalized to
               sum to 1 when norm_topk_prob; weights cast back to the model dtype.
               "topk_softmax" (gpt-oss): top-k of the logits; softmax over those k in the logits' dtype
               (as transformers does; torch's softmax accumulates a bf16 input in float32 anyway)
+              "sigmoid_group_topk" (DeepSeek-V3, `route_group_topk`): sigmoid scores of float32 logits
+              from a float32 gate (ScoreGate: the sigmoid inside the row-local part, see there); the
+              choice adds e_score_correction_bias and keeps the topk_groups groups of experts whose two
+              best biased scores sum highest; the weights are the unbiased scores of the chosen k (in
+              expert id order), renormalized when norm_topk_prob, times routed_scaling_factor, in float32
+    shared    DeepSeek-V3's shared experts: one dense SwiGLU MLP every token runs, added to the routed
+              experts' sum (computed on every expert-parallel rank for its own tokens)
     dispatch  the T*k (token, slot) assignments, flattened slot-major per token, sorted (stably) by
               expert id, so each expert's rows are one contiguous slice of the gathered tokens
     experts   one grouped matmul per projection over those slices (gate and up fused)
@@ -40,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import cache, partial
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,8 +78,41 @@ def route_topk_softmax(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -
     return torch.softmax(values, dim=-1, dtype=values.dtype), experts
 
 
-# ModelArch.routing -> (router logits [tokens, experts], k, norm_topk_prob) -> (weights, expert ids) [tokens, k]
+def route_group_topk(
+    scores: torch.Tensor, top_k: int, norm_topk_prob: bool, score_bias: torch.Tensor, num_groups: int,
+    topk_groups: int, scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 (transformers' DeepseekV3TopkRouter) from the sigmoid scores [tokens, experts] (float32):
+    score_bias ([experts], e_score_correction_bias) shifts the choice only: experts of the topk_groups
+    groups whose two best shifted scores sum highest, their top-k by shifted score (in expert id order);
+    weights are the unshifted scores (renormalized when norm_topk_prob) times scaling, in float32.
+    Every operation is exact or elementwise, so a token's result does not depend on the other rows."""
+    num_tokens, num_experts = scores.shape
+    choice = scores + score_bias.float()
+    if topk_groups < num_groups:
+        per_group = choice.view(num_tokens, num_groups, num_experts // num_groups)
+        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        keep = keep.unsqueeze(-1).expand_as(per_group).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    # NOTE: the chosen experts in id order: torch's unsorted top-k order varies with the number of rows,
+    # and the slots' order is the order their weights and outputs are added in
+    experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1].sort(dim=-1).values
+    weights = scores.gather(1, experts)
+    if norm_topk_prob:
+        # NOTE: added slot by slot: torch's sum over a small last axis may order its adds by the row count
+        total = weights[:, 0]
+        for slot in range(1, top_k):
+            total = total + weights[:, slot]
+        weights = weights / (total[:, None] + 1e-20)
+    return weights * scaling, experts
+
+
+# ModelArch.routing -> (router logits [tokens, experts], k, norm_topk_prob) -> (weights, expert ids) [tokens, k];
+# "sigmoid_group_topk" takes the gate's bias and the groups too (route_group_topk, through ScoreGate)
 ROUTERS: dict[str, Router] = {"softmax_topk": route_softmax_topk, "topk_softmax": route_topk_softmax}
+ROUTING_KINDS = (*ROUTERS, "sigmoid_group_topk")
 # ModelArch.expert_activation, pdkernels/moe_gemm.py's names: "swiglu" is act(gate) * up (act: the
 # config's hidden_act; the Triton path fuses SiLU only), "swiglu_oai" gpt-oss's clamped one (swiglu_oai)
 EXPERT_ACTIVATIONS = ("swiglu", "swiglu_oai")
@@ -160,11 +201,50 @@ class ExpertWeights(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
 
+class ScoreGate(nn.Linear):
+    """DeepSeek-V3's router (Hugging Face's `mlp.gate`): a linear without bias, kept in float32 as
+    transformers keeps it (the loader casts it back after the model's dtype), plus
+    e_score_correction_bias [experts], which shifts the expert choice only. Its forward gives the sigmoid
+    scores, not the logits: a row-local function runs in fixed-shape tiles in deterministic mode, and
+    torch's vectorized sigmoid rounds differently from its scalar tail on the CPU (a token's scores
+    changed in the last bit with the batch's size when the sigmoid ran over the whole batch)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, num_groups: int, topk_groups: int, scaling: float) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
+        self.num_groups, self.topk_groups, self.scaling = num_groups, topk_groups, scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-local: float32 sigmoid scores [tokens, experts]."""
+        return F.linear(x.float(), self.weight.float()).sigmoid()
+
+    def route(self, scores: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_group_topk(
+            scores, top_k, norm_topk_prob, self.e_score_correction_bias, self.num_groups, self.topk_groups, self.scaling
+        )
+
+
+class SharedExperts(nn.Module):
+    """DeepSeek-V3's shared experts, Hugging Face's `mlp.shared_experts`: one dense SwiGLU MLP (the experts'
+    widths side by side) that every token runs."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
 class SparseMoE(nn.Module):
-    """Top-k routed SwiGLU experts, no shared expert (Qwen3-MoE's and gpt-oss's sparse blocks; see the
-    module docstring). routing: a ROUTERS name; activation: "swiglu" (act(gate) * up) or "swiglu_oai"
+    """Top-k routed SwiGLU experts (Qwen3-MoE's, gpt-oss's and DeepSeek-V3's sparse blocks; see the module
+    docstring). routing: a ROUTING_KINDS name; activation: "swiglu" (act(gate) * up) or "swiglu_oai"
     (alpha, limit); has_bias: the router and the experts have biases, and the router is Hugging Face's
-    `mlp.router` (gpt-oss) instead of `mlp.gate`.
+    `mlp.router` (gpt-oss) instead of `mlp.gate`. "sigmoid_group_topk" (DeepSeek-V3): the gate is a
+    ScoreGate (num_groups, topk_groups, scaling), and shared_intermediate_size > 0 adds SharedExperts.
 
     In an expert-parallel group (engine/expert_parallel.py) the module holds only its rank's slots,
     `experts` [num_local, ...], and forward() exchanges rows with the other ranks; `placement` maps
@@ -188,17 +268,21 @@ class SparseMoE(nn.Module):
         has_bias: bool = False,
         alpha: float = 1.702,
         limit: float = 7.0,
+        num_groups: int = 1,
+        topk_groups: int = 1,
+        scaling: float = 1.0,
+        shared_intermediate_size: int = 0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-        if routing not in ROUTERS or activation not in EXPERT_ACTIVATIONS:
-            raise ValueError(f"routing {routing!r}, activation {activation!r}: one of {sorted(ROUTERS)}, "
+        if routing not in ROUTING_KINDS or activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"routing {routing!r}, activation {activation!r}: one of {ROUTING_KINDS}, "
                              f"{EXPERT_ACTIVATIONS}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.router_fn = ROUTERS[routing]
+        self.router_fn: Router | None = ROUTERS.get(routing)  # None: the gate routes (ScoreGate)
         self.act = act
         self.activation = activation
         self.alpha, self.limit = alpha, limit
@@ -210,8 +294,15 @@ class SparseMoE(nn.Module):
         )
         # Hugging Face's name: Qwen3-MoE's `mlp.gate`, gpt-oss's `mlp.router` (with a bias)
         self.router_name = "router" if has_bias else "gate"
-        self.add_module(self.router_name, nn.Linear(hidden_size, num_experts, bias=has_bias))
+        gate = (
+            nn.Linear(hidden_size, num_experts, bias=has_bias) if self.router_fn is not None
+            else ScoreGate(hidden_size, num_experts, num_groups, topk_groups, scaling)
+        )  # fmt: skip
+        self.add_module(self.router_name, gate)
         self.experts = ExpertWeights(self.num_local, hidden_size, intermediate_size, has_bias)
+        self.shared_experts: SharedExperts | None = None
+        if shared_intermediate_size:
+            self.shared_experts = SharedExperts(hidden_size, shared_intermediate_size, act)
         # made on first use, on the activations' device (meta-device construction leaves buffers empty)
         self.placement: torch.Tensor | None = None  # [num_experts] logical expert -> physical slot
         self.tokens_per_expert: torch.Tensor | None = None  # [num_experts] int64, since the start
@@ -229,12 +320,17 @@ class SparseMoE(nn.Module):
         return linear
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Row-local: [tokens, hidden] -> [tokens, num_experts], in the model dtype."""
+        """Row-local: [tokens, hidden] -> [tokens, num_experts], in the model dtype (a ScoreGate's: its float32
+        sigmoid scores, which its route() takes)."""
         linear = self.router_linear
+        if isinstance(linear, ScoreGate):
+            return linear(x)
         return F.linear(x, linear.weight, linear.bias)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits -> (weights [tokens, k] in the logits' dtype, expert ids [tokens, k])."""
+        if self.router_fn is None:
+            return cast(ScoreGate, self.router_linear).route(logits, self.top_k, self.norm_topk_prob)
         return self.router_fn(logits, self.top_k, self.norm_topk_prob)
 
     def counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +364,17 @@ class SparseMoE(nn.Module):
     ) -> torch.Tensor:
         """[tokens, hidden] -> [tokens, hidden]. Without a group: the share of experts [first_expert,
         first_expert + num_local_experts) (default: all of them) in each token's MLP output. In a
-        group: the whole output (every rank must call it, in the same layer order)."""
+        group: the whole output (every rank must call it, in the same layer order). Shared experts, if
+        any, are added to the routed experts' sum (to every share of it: a share is then not a part of
+        a partition)."""
+        routed = self._forward_routed(x, numerics, first_expert, num_local_experts)
+        if self.shared_experts is None:
+            return routed
+        return routed + run_rows(self.shared_experts, (x,), numerics)
+
+    def _forward_routed(
+        self, x: torch.Tensor, numerics: Numerics, first_expert: int, num_local_experts: int | None
+    ) -> torch.Tensor:
         if self.ep is not None:
             return self._forward_ep(x, numerics)
         num_local = self.num_experts - first_expert if num_local_experts is None else num_local_experts
@@ -384,8 +490,11 @@ class SparseMoE(nn.Module):
         """The row-local matmuls forward() runs under the step's numerics, with their input widths (for
         the deterministic-mode probe); every expert has the shapes of expert 0."""
         gate_up, down = self.experts.gate_up_proj[0], self.experts.down_proj[0]
-        return [
+        fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = [
             (self.router_logits, [self.router_linear.in_features]),
             (partial(F.linear, weight=gate_up), [gate_up.shape[1]]),
             (partial(F.linear, weight=down), [down.shape[1]]),
         ]
+        if self.shared_experts is not None:
+            fns.append((self.shared_experts, [self.router_linear.in_features]))
+        return fns

@@ -2,7 +2,8 @@
 
 Weights are drawn with a wide init (std 0.25) so greedy decoding has clear winners: near-uniform
 logits would make every step a tie and the golden comparison meaningless. Attention sinks (gpt-oss)
-get std 1, so that they weigh against the scores."""
+get std 1, so that they weigh against the scores; DeepSeek-V3's e_score_correction_bias (a buffer) std
+0.1, so that it moves expert choices (sigmoid scores lie in (0, 1))."""
 
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ def _save_random(spec: dict[str, Any], folder: Path, seed: int) -> None:
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.25 if p.dim() > 1 else 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(str(folder))
 
 
@@ -94,6 +98,26 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
         layer_types=["sliding_attention", "full_attention"] * 2,
         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
                              truncate=False, original_max_position_embeddings=32),
+    ),
+    # DeepSeek-V3 at toy size (its config's every field, transformers' defaults replaced): latent attention
+    # (q_lora_rank 24, kv_lora_rank 32, nope 16 + rope 8 per head, values 16; rope pairs interleaved) with
+    # YaRN (factor 4, mscale_all_dim in the softmax scale); layer 0 dense, then top-2 of 8 experts chosen
+    # within the 2 best of 4 groups, renormalized, times 2.5, plus one shared expert
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+        num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, rope_interleave=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=0.8,
+                             original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0),
+    ),
+    # the other branches: a plain q_proj (q_lora_rank null), rotary halves, one group (no group limit), top-3
+    # not renormalized, two shared experts, two dense layers first, default rope; values wider than q_nope
+    "deepseek_v3_plain_q": dict(
+        model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, n_shared_experts=2, moe_intermediate_size=16,
+        num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5,
+        first_k_dense_replace=2, rope_interleave=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
     ),
 }  # fmt: skip
 

@@ -7,8 +7,9 @@ such, see checksum.py):
       f = first_page: the receiver's decode cache holds the sequence's pages [0, f) already (its
           reservation said so), so they are not sent; 0 for a full handoff
       page i: tokens [i*block_size, (i+1)*block_size) of every full-attention layer,
-              [num_full_layers, 2 (k, v), block_size, kv_heads, head_dim], C order, `dtype`
-      state:  [num_swa_layers, 2, window, kv_heads, head_dim] ring: position p at row p % window;
+              [num_full_layers, planes, block_size, kv_heads, head_dim], C order, `dtype`; planes:
+              2 (k, v) for page_kind "kv", 1 for "latent" (MLA: one latent of head_dim per token)
+      state:  [num_swa_layers, planes, window, kv_heads, head_dim] ring: position p at row p % window;
               rows of positions [num_computed - swa_fill, num_computed) are live
 
 num_pages = ceil(num_computed / block_size) - first_page (0 for a model without full-attention layers); the last
@@ -31,7 +32,7 @@ A request that asks for prompt logprobs (params.prompt_logprobs) has them in the
 by the sender's prefill (the receiver reports them with its first output): prompt_logprobs, the
 codec's map of PromptLogprobs, null otherwise.
 
-Header version 6 (5 had no prompt_logprobs, 4 no checksum_follows, 3 no first_page).
+Header version 7 (6 had no page_kind, 5 no prompt_logprobs, 4 no checksum_follows, 3 no first_page).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import torch
 
 from engine.handoff import (
     DTYPES,
+    PAGE_KINDS,
     KVLayout,
     PromptLogprobs,
     SamplingParams,
@@ -65,7 +67,7 @@ from pdkernels.checksum import MASK64, as_words, fold
 from transfer.checksum import segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
-HEADER_VERSION = 6
+HEADER_VERSION = 7
 IDS_INLINE_MAX = 1024  # prompts longer than this send their token ids after the offer
 
 
@@ -81,6 +83,7 @@ class HandoffHeader:
     params: SamplingParams
     seed: int
     model: str  # the model's identity (model_fingerprint); "" to skip that check
+    page_kind: str  # engine.handoff.PAGE_KINDS: what a page holds per token and layer
     dtype: str
     block_size: int
     num_full_layers: int
@@ -108,6 +111,8 @@ class HandoffHeader:
             raise HandoffError(VERSION, f"header version {self.version}, this side reads {HEADER_VERSION}")
         if self.dtype not in DTYPES:
             raise bad(f"unknown dtype {self.dtype!r}")
+        if self.page_kind not in PAGE_KINDS:
+            raise bad(f"unknown page kind {self.page_kind!r}")
         ints = (
             "num_computed",
             "block_size",
@@ -123,10 +128,13 @@ class HandoffHeader:
             raise bad("num_computed must be every token but the last")
         if (self.num_swa_layers > 0) != (self.window > 0):
             raise bad("window and num_swa_layers must be both zero or both positive")
-        lo = KVLayout(
-            self.num_full_layers, self.num_swa_layers, self.block_size, self.window, self.num_kv_heads,
-            self.head_dim, DTYPES[self.dtype],
-        )  # fmt: skip
+        try:
+            lo = KVLayout(
+                self.num_full_layers, self.num_swa_layers, self.block_size, self.window, self.num_kv_heads,
+                self.head_dim, DTYPES[self.dtype], self.page_kind,
+            )  # fmt: skip
+        except ValueError as e:
+            raise bad(str(e)) from None
         object.__setattr__(self, "_layout", lo)  # derived once: the shapes below come from it
         if not 0 <= self.first_page <= lo.num_pages(self.num_computed):
             raise bad(f"first_page {self.first_page} is not a page of {self.num_computed} tokens")
@@ -237,7 +245,7 @@ class HandoffHeader:
             )
             if d["prompt_logprobs"] is not None:
                 kw["prompt_logprobs"] = from_wire(PromptLogprobs, d["prompt_logprobs"], "prompt_logprobs")
-            for k in ("request_id", "model", "dtype"):
+            for k in ("request_id", "model", "page_kind", "dtype"):
                 if not isinstance(d[k], str):
                     raise TypeError(f"{k} must be a string")
             for name in _INT_FIELDS:

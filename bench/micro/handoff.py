@@ -51,6 +51,8 @@ from engine.handoff import (
     SequenceExport,  # noqa: E402
 )
 from engine.kv_cache import KVCache  # noqa: E402
+from engine.kv_cache import layout_of as engine_layout_of  # noqa: E402
+from engine.model_config import arch_from_hf  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from pdkernels.checksum import as_words, fold, torch_segment_sum
 from transfer.checksum import payload_checksum  # noqa: E402
@@ -71,20 +73,12 @@ GB = 1e9
 
 
 def layout_of(name: str, block_size: int = 128, dtype: torch.dtype = torch.bfloat16) -> KVLayout:
-    """The KV layout of bench/configs/<name>.json."""
+    """The KV layout an engine gives bench/configs/<name>.json (engine/kv_cache.py's layout_of: K/V pages,
+    or deepseek_v3's latent pages)."""
+    from transformers import AutoConfig
+
     cfg = json.loads((CONFIGS / f"{name}.json").read_text())
-    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
-    num_swa = sum(t == "sliding_attention" for t in types)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return KVLayout(
-        num_full_layers=len(types) - num_swa,
-        num_swa_layers=num_swa,
-        block_size=block_size,
-        window=(cfg.get("sliding_window") or 0) if num_swa else 0,
-        num_kv_heads=cfg["num_key_value_heads"],
-        head_dim=head_dim,
-        dtype=dtype,
-    )
+    return engine_layout_of(arch_from_hf(AutoConfig.for_model(cfg.pop("model_type"), **cfg)), block_size, dtype)
 
 
 class SyntheticPool:
@@ -232,7 +226,7 @@ def best(fn: Any, repeats: int) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layout", default="llama8b", help="a config in bench/configs (llama8b | hybrid8b)")
+    ap.add_argument("--layout", default="llama8b", help="a config in bench/configs (llama8b | hybrid8b | deepseek_v3)")
     ap.add_argument("--tokens", default="1024,4096,8192", help="comma-separated sequence lengths")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")

@@ -258,7 +258,7 @@ def _evict_everything(ce: LLMEngine) -> None:
     ce.abort("filler")
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "deepseek_v3"])
 def test_multi_turn_handoffs_send_only_the_missing_pages(tiny_model_dir, family: str) -> None:
     folder = tiny_model_dir(family)
     kw = dict(is_deterministic=True, hicache_gb=0)

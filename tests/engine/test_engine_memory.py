@@ -152,7 +152,7 @@ def test_bad_requests_leave_nothing_allocated(tiny_model_dir) -> None:
     eng.check_idle()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "mistral", "deepseek_v3"])
 @pytest.mark.parametrize("is_deterministic", [False, True], ids=["default", "deterministic"])
 def test_export_import_round_trip(tiny_model_dir, family: str, is_deterministic: bool) -> None:
     """A sequence exported mid-generation and imported into a fresh engine continues identically."""
@@ -220,7 +220,7 @@ def test_logprobs_and_stop_token_ids(tiny_model_dir) -> None:
     eng.check_idle()
 
 
-@pytest.mark.parametrize("family", ["gemma3_hybrid", "llama"])
+@pytest.mark.parametrize("family", ["gemma3_hybrid", "llama", "deepseek_v3"])
 def test_prefill_only_handoff_to_a_reserved_decoder(tiny_model_dir, family: str) -> None:
     """PE engine parks after the first token; the CE engine reserves memory first, imports, and
     decodes: the tokens equal a single engine's, seeded sampling included."""

@@ -91,7 +91,7 @@ def _conversation(eng, turns: int, use_cache: bool, user_len: int, seed: int = 0
     return outputs, cached
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "qwen3_hybrid", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "qwen3_hybrid", "mistral", "deepseek_v3"])
 def test_multi_turn_identical_with_and_without_cache(tiny_model_dir, family: str) -> None:
     eng = small_engine(tiny_model_dir(family), is_deterministic=True, hicache_gb=0.01, max_model_len=1024)
     without, cached0 = _conversation(eng, 4, use_cache=False, user_len=37)

@@ -43,7 +43,7 @@ def hf_prompt_logprobs(folder, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "deepseek_v3"])  # MLA: chunks expanded and absorbed
 def test_prompt_logprobs_are_transformers_values(tiny_model_dir, family: str) -> None:
     folder = tiny_model_dir(family)
     (prompt,) = random_prompts([70], seed=3)

@@ -1,5 +1,5 @@
-"""What the transfer tests share: a small hybrid KV layout, a synthetic export of it, the cluster
-token, and a KVReceiver around a recording sink (a CE stand-in)."""
+"""What the transfer tests share: a small hybrid KV layout and a latent (MLA) one, a synthetic export of
+either, the cluster token, and a KVReceiver around a recording sink (a CE stand-in)."""
 
 from __future__ import annotations
 
@@ -26,18 +26,23 @@ LAYOUT_SWA = KVLayout(
 )
 
 
+# DeepSeek-V3's kind of pages at toy size: one latent of kv_lora_rank 32 + rotary 8 per token and layer
+LAYOUT_LATENT = KVLayout(
+    num_full_layers=3,
+    num_swa_layers=0,
+    block_size=16,
+    window=0,
+    num_kv_heads=1,
+    head_dim=40,
+    dtype=torch.float32,
+    page_kind="latent",
+)
+
+
 def make_export(layout: KVLayout = LAYOUT_SWA, num_prompt: int = 37, seed: int = 0) -> SequenceExport:
     g = torch.Generator().manual_seed(seed)
-    n_pages = -(-num_prompt // layout.block_size) if layout.num_full_layers else 0
-    pages = torch.randn(
-        (n_pages, layout.num_full_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim),
-        generator=g,
-    )
-    state = None
-    if layout.num_swa_layers:
-        state = torch.randn(
-            (layout.num_swa_layers, 2, layout.window, layout.num_kv_heads, layout.head_dim), generator=g
-        )
+    pages = torch.randn(layout.page_shape(layout.num_pages(num_prompt)), generator=g)
+    state = torch.randn(layout.state_shape(), generator=g) if layout.num_swa_layers else None
     params = SamplingParams(
         max_tokens=9,
         temperature=0.7,

@@ -15,7 +15,7 @@ import torch
 from engine.handoff import KVLayout
 from engine.request import PromptLogprobs, SamplingParams, TokenLogprob
 from pdkernels import checksum as ck
-from tests.transfer.support import LAYOUT_SWA, make_export
+from tests.transfer.support import LAYOUT_LATENT, LAYOUT_SWA, make_export
 from transfer import auth
 from transfer import checksum as tc
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
@@ -280,6 +280,10 @@ def _tamper(h: HandoffHeader, **changes) -> bytes:
         (dict(num_prompt_tokens=KeyError), BAD_HEADER),
         (dict(window=KeyError), BAD_HEADER),
         (dict(dtype="int4"), BAD_HEADER),
+        (dict(page_kind="mla"), BAD_HEADER),
+        (dict(page_kind=KeyError), BAD_HEADER),
+        (dict(page_kind=2), BAD_HEADER),
+        (dict(page_kind="latent"), BAD_HEADER),  # a latent layout has one head and no sliding layers
         (dict(params={"max_tokens": 1, "top_n": 2}), BAD_HEADER),  # an unknown field
         (dict(params={"max_tokens": True}), BAD_HEADER),  # a bool for an int
         (dict(params={"stop": "x"}), BAD_HEADER),  # a string for a list
@@ -327,6 +331,30 @@ def test_check_layout() -> None:
     with pytest.raises(HandoffError) as e:
         check_layout(h, LAYOUT_SWA, "model-b")
     assert e.value.code == LAYOUT and "model" in e.value.message
+
+
+def test_latent_pages_travel_as_one_plane_per_layer() -> None:
+    """A latent (MLA) layout: a page holds one latent per token and layer, the header says so, and a
+    receiver whose pages are K and V refuses it even where the byte sizes agree."""
+    lo = LAYOUT_LATENT
+    assert lo.page_shape(2) == (2, 3, 1, 16, 1, 40) and lo.planes == 1 and lo.token_bytes == 40 * 4
+    assert lo.page_bytes == 3 * 16 * lo.token_bytes and LAYOUT_SWA.token_bytes == 2 * 2 * 8 * 4
+    exp = make_export(lo, num_prompt=37)
+    h = make_header(exp, lo, model="m")
+    back = HandoffHeader.decode(h.encode())
+    assert back == h and back.page_kind == "latent" and back.layout == lo
+    assert back.payload_bytes == 3 * lo.page_bytes and back.page_shape == exp.pages.shape
+    check_layout(back, lo, "m")
+    assert torch.equal(to_export(back, payload_segments(exp, lo)).pages, exp.pages)
+    same_bytes = dataclasses.replace(lo, page_kind="kv", head_dim=20)
+    assert same_bytes.page_bytes == lo.page_bytes
+    with pytest.raises(HandoffError) as e:
+        check_layout(back, same_bytes, "m")
+    assert e.value.code == LAYOUT and "page_kind" in e.value.message
+    assert KVLayout.from_fields(lo.fields()) == lo
+    for bad in ({**lo.fields(), "page_kind": "mla"}, {**lo.fields(), "num_kv_heads": 2}):
+        with pytest.raises(ValueError):
+            KVLayout.from_fields(bad)
 
 
 def test_make_header_refuses_tensors_of_another_layout() -> None:

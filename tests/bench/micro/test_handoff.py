@@ -1,4 +1,4 @@
-"""bench/micro/handoff.py's pieces that run anywhere: its 8B-shaped layouts, a receiver that dies."""
+"""bench/micro/handoff.py's pieces that run anywhere: its 8B-shaped and DeepSeek-V3 layouts, a receiver that dies."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ def test_layouts_are_8b_shaped() -> None:
     assert hybrid.num_full_layers + hybrid.num_swa_layers == 32 and hybrid.window == 1024
     exp = handoff.synthetic_export(hybrid, 200, handoff.torch.device("cpu"))
     assert exp.pages.shape[0] == 2 and exp.state is not None and exp.num_computed == 200
+    # DeepSeek-V3's latent pages: 61 layers x 128 tokens x (512 + 64) x 2 bytes, 1,152 B a token and layer
+    ds = handoff.layout_of("deepseek_v3")
+    assert (ds.page_kind, ds.token_bytes, ds.page_bytes) == ("latent", 1152, 61 * 128 * 1152)
+    exp = handoff.synthetic_export(ds, 200, handoff.torch.device("cpu"))
+    assert tuple(exp.pages.shape) == (2, 61, 1, 128, 1, 576) and exp.state is None
 
 
 def test_handoff_fails_fast_when_its_receiver_dies() -> None:
