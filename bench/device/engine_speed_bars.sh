@@ -4,7 +4,7 @@
 # llama8b and hybrid8b, each against transformers in the same run (compiled where its budget allows),
 # then the ipc control plane's GPU tests and the 16k-token ipc handoff (bench/micro/handoff.py) against
 # the device copy. Every step under timeout -k; logs under $OUT, the summary last.
-#   OUT=... bash bench/device/engine_speed_bars.sh ["engine flags", e.g. "--pdl --gemv-rows 1 --launch-ahead"] [bench budget s]
+#   OUT=... bash bench/device/engine_speed_bars.sh ["engine flags", e.g. "--no-pdl --gemv-rows 0 --no-launch-ahead"] [bench budget s]
 set -u
 OUT=${OUT:-/tmp/engine_speed_bars}
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
