@@ -59,6 +59,8 @@ async def stream_choices(
     except ApiError as e:
         await resp.write(sse_event(e.to_dict()))
         return resp
+    except ConnectionResetError:  # the client went away mid-stream: nothing to answer (the caller aborts)
+        raise
     except Exception:  # the response has begun: the error goes in-band, as the middleware would answer it
         log.exception("unexpected error in the stream of %s %s", request.method, request.path)
         await resp.write(sse_event(unexpected().to_dict()))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import time
 
 import pytest
 
@@ -269,6 +270,7 @@ def test_client_disconnect_aborts_and_frees(server):
             "temperature": 0,
         }
     )
+    log_start = server.log_path.stat().st_size
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -280,6 +282,9 @@ def test_client_disconnect_aborts_and_frees(server):
     conn.close()
     m = wait_idle(server)
     assert m["pdserve_kv_cache_usage_ratio"] == 0.0
+    time.sleep(0.5)  # the stream's next write has met the closed connection
+    log = server.log_path.read_bytes()[log_start:].decode(errors="replace")
+    assert "Traceback" not in log and "unexpected error" not in log, log  # a client gone is no server error
 
 
 def test_metrics_cover_the_requests(server):
