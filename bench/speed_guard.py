@@ -189,7 +189,7 @@ def verdicts(base: dict[str, dict[str, Any]], head: dict[str, dict[str, Any]], h
         runs = ",".join(f"{x:.2f}" for x in head_runs.get(name, []))
         lines.append(f"{name:28s} | {b['ms'] if b else float('nan'):11.2f} | {h['ms'] if h else float('nan'):9.2f} | "
                      f"{ratio:>9s} | {frac:>15s} | {runs:>20s} | {verdict}")
-    lines.append(f"{'FAILED' if failed else 'passed'}: {failed} of {len(names)} rows")
+    lines.append(f"FAILED: {failed} of {len(names)} rows" if failed else f"passed: all {len(names)} rows")
     return lines, failed
 
 

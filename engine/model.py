@@ -205,9 +205,9 @@ class Attention(nn.Module):
     def _decode_rows_raw(self, x: torch.Tensor) -> int:
         """How many rows (the step's last) leave qkv() unnormed and unrotated, for the decode kernel to do
         (CUDA with fused projections: every decode row; 0 elsewhere)."""
-        ctx = get_context()
-        dec = ctx.decode
-        if dec is None or not ctx.config.decode_rope or self.qkv_proj is None or fused_ops_for(x) is None:
+        ctx = current_context()
+        dec = ctx.decode if ctx is not None else None
+        if ctx is None or dec is None or not ctx.config.decode_rope or self.qkv_proj is None or fused_ops_for(x) is None:
             return 0
         return dec.num_rows
 

@@ -86,8 +86,8 @@ def decode_logits(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     captured: dict[str, list[torch.Tensor]] = {}
     run = eng.runner.run
 
-    def recording_run(seqs, num_new):  # type: ignore[no-untyped-def]
-        sampled, logits = run(seqs, num_new)
+    def recording_run(seqs, num_new, **kw):  # type: ignore[no-untyped-def]
+        sampled, logits = run(seqs, num_new, **kw)
         for j, i in enumerate(sampled):
             captured.setdefault(seqs[i].request_id, []).append(logits[j].float().cpu().clone())
         return sampled, logits
@@ -101,4 +101,6 @@ def decode_logits(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     finally:
         eng.runner.run = run  # type: ignore[method-assign]
     eng.check_idle()
-    return captured
+    # a sequence fed ahead (engine/launch_ahead.py) has one more row computed after its last token, which
+    # the engine drops: so are its logits here
+    return {rid: rows[:max_tokens] for rid, rows in captured.items()}

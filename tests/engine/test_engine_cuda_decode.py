@@ -39,6 +39,7 @@ def test_graph_and_eager_decode_match_chunked_path(tiny_model_dir, family: str, 
     chunked = small_engine(folder, enforce_eager=True, **kw)
     # no decode rows: the CPU's path
     chunked.runner = ModelRunner(chunked.model, chunked.kv, chunked.numerics, chunked.runner.forward_config)
+    chunked.ahead.runner = chunked.runner  # batches launched ahead too
     for batch in (prompts, prompts[1:2]):
         results = [decode_logits(e, batch, 40) for e in (graphs, eager, chunked)]
         for rid in results[2]:
