@@ -360,7 +360,7 @@ def test_cuda_engine_matches(folder: Path, reference: tuple, dtype: str) -> None
     """The CUDA forward (the Triton prefill and decode kernels with sinks, SDPA kept away from sink
     layers, fused q/k/v with biases, Triton experts with biases and the clamped SwiGLU), eager and
     from CUDA graphs: batched chunked prompt logits against the CPU engine (float32 within float32
-    tolerance; bf16 on average within a tenth of the logits' spread), and in float32 transformers'
+    tolerance; bf16 on average within 0.15 of the logits' spread), and in float32 transformers'
     greedy tokens for the 90-token prompt."""
     pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(2)
@@ -373,7 +373,10 @@ def test_cuda_engine_matches(folder: Path, reference: tuple, dtype: str) -> None
             if dtype == "float32":
                 torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
             else:
-                assert (a.float().cpu() - b).abs().mean() < 0.1 * b.std()
+                # bf16's own error on this random model: 0.03-0.11 of the spread per prompt through every
+                # CUDA path alike (fused kernels on or off, graphs or eager; H100, 2026-12-05), 0.03-0.09 on
+                # the CPU engine in bf16, 0.02-0.07 for transformers in bf16
+                assert (a.float().cpu() - b).abs().mean() < 0.15 * b.std()
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
         (seq,) = eng.generate([prompt], params)
         if dtype == "float32":
