@@ -14,7 +14,12 @@ import orjson
 import pytest
 
 from pd.tools.server_process import PDPair, get_json, rank_metrics, signed_headers
-from tests.deploy.test_grafana_dashboard import exposition_labels, load_dashboard, metric_names, missing_metrics
+from tests.deploy.test_grafana_dashboard import (
+    exposition_labels,
+    load_dashboard,
+    metric_names,
+    missing_metrics,
+)
 from tests.deploy.test_k8s_monitoring import scaling_queries
 from tests.server_fixtures import (
     SMALL_DETERMINISTIC,
