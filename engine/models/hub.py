@@ -139,10 +139,12 @@ def download(model: HubModel, cache_dir: str | None = None) -> Path:
             )
         else:
             why = f"{constants.ENDPOINT} is out of reach ({type(e.__cause__ or e).__name__}): check the network or HF_ENDPOINT"
-        raise ModelNotFoundError(f"{model} is not in the cache {cache} and {why}") from None
+        raise ModelNotFoundError(f"{model} is not (fully) in the cache {cache} and {why}") from None
     except HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else "no answer"
         raise ModelNotFoundError(f"{model}: {constants.ENDPOINT} answered {status} ({str(e).splitlines()[0]})") from None
+    except OSError as e:  # the cache's disk (full, not writable)
+        raise ModelNotFoundError(f"{model}: the download into {cache} failed: {e}") from None
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(f"{model} has no config.json: not a transformers checkpoint ({folder})")
     if not any(folder.glob("*.safetensors")):
