@@ -79,7 +79,19 @@ class ForwardConfig:
 class EngineConfig:
     model: str = field(
         default=DEFAULT_MODEL,
-        metadata={"help": "catalogue name (python -m engine.models list) or a local Hugging Face folder"},
+        metadata={
+            "help": "a local Hugging Face folder, a catalogue name (python -m engine.models list) or a Hugging "
+            "Face hub id ORG/NAME[@REVISION] (downloaded once into huggingface_hub's cache: $HF_HOME, "
+            "$HF_HUB_CACHE; $HF_TOKEN for gated models, $HF_HUB_OFFLINE=1 for the cache alone)"
+        },
+    )
+    revision: str | None = field(
+        default=None,
+        metadata={"help": "hub ids: the branch, tag or commit to serve (as ORG/NAME@REVISION); default: main"},
+    )
+    download_dir: str | None = field(
+        default=None,
+        metadata={"help": "hub ids: the huggingface_hub cache to download into and read from; default: $HF_HUB_CACHE"},
     )
     device: str = field(
         default="auto", metadata={"help": "auto | cpu | cuda | cuda:N (a server gives each rank its own GPU)"}

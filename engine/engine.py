@@ -66,7 +66,7 @@ class LLMEngine:
 
         self.config = config
         self.model_name = config.model
-        folder = resolve_model(config.model)
+        folder = resolve_model(config.model, config.revision, config.download_dir)
         self.folder: Path = folder
         hf = load_hf_config(folder)
         self.arch: ModelArch = arch_from_hf(hf)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import signal
@@ -315,6 +316,26 @@ async def _drain(co: Coordinator, timeout_s: float, stop: asyncio.Event) -> None
         log.warning("stopping with %d request(s) still in flight", co.admission.num_inflight)
 
 
+def pin_hub_model(cfg: ServerConfig) -> ServerConfig:
+    """cfg with a hub id (--model ORG/NAME[@REVISION]) replaced by its snapshot folder, downloaded here
+    first if missing: the ranks (restarts included) and the tokenizer then read that one snapshot and call
+    the hub no more. Clients keep the name: --served-model-name, else ORG/NAME. A local folder or a
+    catalogue name is left to the ranks, as before. Raises ModelNotFoundError (one line: what to do)."""
+    from engine.models import download, hub_model_of
+
+    engine = cfg.engine
+    hub = hub_model_of(engine.model, engine.revision, engine.download_dir)
+    if hub is None:
+        return cfg
+    for name in ("httpx", "httpx2"):  # huggingface_hub's HTTP clients log every request at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
+    log.info("model %s: the snapshot in huggingface_hub's cache (downloading what is missing)", hub)
+    folder = download(hub, engine.download_dir)
+    log.info("model %s: %s", hub, folder)
+    pinned = dataclasses.replace(engine, model=str(folder), revision=None, download_dir=None)
+    return dataclasses.replace(cfg, engine=pinned, served_model_name=cfg.served_model_name or hub.repo_id)
+
+
 def main(
     argv: list[str] | None = None, prog: str = "python -m pd.server", is_model_positional: bool = False
 ) -> int:
@@ -325,6 +346,11 @@ def main(
         print(f"pd.server: {e}", file=sys.stderr)
         return 2
     install_logging(cfg.log_level)
+    try:
+        cfg = pin_hub_model(cfg)
+    except ModelNotFoundError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
     return asyncio.run(serve(cfg))
 
 

@@ -1,11 +1,13 @@
-"""`python -m engine.models fetch NAME [NAME...] | list | path NAME`."""
+"""`python -m engine.models fetch NAME [NAME...] | list | path NAME | download MODEL [--revision R]
+[--download-dir DIR]`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from engine.models import CATALOG, fetch, models_home
+from engine.errors import ModelNotFoundError
+from engine.models import CATALOG, fetch, models_home, resolve_model
 from engine.models.store import is_converted
 
 
@@ -18,8 +20,25 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("list", help="catalogue models, and whether each is converted")
     path_cmd = commands.add_parser("path", help="print a model's folder, converting it first if needed")
     path_cmd.add_argument("name", metavar="NAME")
+    download_cmd = commands.add_parser(
+        "download",
+        help="a hub model (ORG/NAME[@REVISION]) into huggingface_hub's cache, only the files the engine reads, "
+        "then its folder on stdout (a catalogue name is fetched, a local folder printed)",
+    )
+    download_cmd.add_argument("model", metavar="MODEL")
+    download_cmd.add_argument("--revision", default=None, help="a branch, tag or commit; default: main")
+    download_cmd.add_argument(
+        "--download-dir", default=None, help="the huggingface_hub cache to use; default: $HF_HUB_CACHE"
+    )
     args = parser.parse_args(argv)
 
+    if args.command == "download":
+        try:
+            print(resolve_model(args.model, args.revision, args.download_dir))
+        except ModelNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "list":
         for spec in CATALOG.values():
             state = "converted" if is_converted(models_home() / spec.name) else "not fetched"

@@ -1,4 +1,5 @@
-"""Where converted models live, and getting one there once: `fetch` and `resolve_model`."""
+"""Where converted models live, and getting one there once: `fetch` and `resolve_model` (which also
+takes hub ids: engine/models/hub.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from engine.errors import ModelNotFoundError
 from engine.models.catalog import CATALOG
+from engine.models.hub import HubModel, download, parse_hub_model
 
 
 def models_home() -> Path:
@@ -19,8 +21,8 @@ def models_home() -> Path:
 
 def _unknown(name: str) -> ModelNotFoundError:
     return ModelNotFoundError(
-        f"unknown model {name!r}: not a local Hugging Face folder (one with config.json) "
-        f"nor a catalogue model ({', '.join(CATALOG)})"
+        f"unknown model {name!r}: not a local Hugging Face folder (one with config.json), a catalogue "
+        f"model ({', '.join(CATALOG)}) nor a Hugging Face hub id (ORG/NAME)"
     )
 
 
@@ -67,11 +69,35 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
     return folder
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """A local Hugging Face folder as is, else a catalogue model fetched on first use."""
+def hub_model_of(name_or_path: str, revision: str | None = None, download_dir: str | None = None) -> HubModel | None:
+    """The hub model `name_or_path` names, or None for a local folder (one with config.json, which wins)
+    or a catalogue name. ModelNotFoundError: a folder without config.json, a name that is none of the
+    three, a bad `@REVISION`; `revision` or `download_dir` given for a folder or a catalogue name (they
+    apply to hub ids only: an error, never ignored)."""
     path = Path(name_or_path).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    if name_or_path in CATALOG:
-        return fetch(name_or_path)
-    raise _unknown(name_or_path)
+    if (path / "config.json").is_file() or name_or_path in CATALOG:
+        if revision is not None or download_dir is not None:
+            raise ModelNotFoundError(
+                f"{name_or_path!r} is a local folder or a catalogue model: --revision and --download-dir "
+                "apply to hub ids (ORG/NAME) only"
+            )
+        return None
+    if path.is_dir():
+        raise ModelNotFoundError(f"{name_or_path!r} is a folder without config.json: not a Hugging Face checkpoint")
+    try:
+        model = parse_hub_model(name_or_path, revision)
+    except ValueError as e:
+        raise ModelNotFoundError(str(e)) from None
+    if model is None:
+        raise _unknown(name_or_path)
+    return model
+
+
+def resolve_model(name_or_path: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """A local Hugging Face folder as is, else a catalogue model fetched on first use, else a hub id
+    (`ORG/NAME[@REVISION]`) from huggingface_hub's cache (or `download_dir`), downloaded on first use."""
+    model = hub_model_of(name_or_path, revision, download_dir)
+    if model is not None:
+        return download(model, download_dir)
+    path = Path(name_or_path).expanduser()
+    return path if (path / "config.json").is_file() else fetch(name_or_path)

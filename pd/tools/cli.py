@@ -2,6 +2,7 @@
 
     pdserve serve MODEL [server flags] [--config FILE.yaml]   python -m pd.server --model MODEL ...
     pdserve pd start|stop|status ...                         deploy/pd_run.sh start|stop|status ...
+    pdserve download MODEL [--revision R] [--download-dir D]  python -m engine.models download MODEL ...
     pdserve models fetch|list|path ...                       python -m engine.models ...
     pdserve bench load|compare ...                           bench/load/replay.py, bench/load/compare.py
 
@@ -20,6 +21,8 @@ from pathlib import Path
 COMMANDS = {
     "serve": "the OpenAI-compatible server (python -m pd.server; `pdserve serve --help`: its flags)",
     "pd": "a P/D cluster across hosts: start|stop|status (deploy/pd_run.sh)",
+    "download": "a Hugging Face hub model (ORG/NAME[@REVISION]) into the cache, ahead of `serve` "
+    "(python -m engine.models download)",
     "models": "the model catalogue: fetch|list|path (python -m engine.models)",
     "bench": "benchmarks against running endpoints: load|compare (bench/load/replay.py, bench/load/compare.py)",
 }
@@ -64,10 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         os.execv(script, [str(script), *rest])
-    if command == "models":
+    if command in ("models", "download"):
         from engine.models.__main__ import main as models_main
 
-        return models_main(rest)
+        return models_main(rest if command == "models" else ["download", *rest])
     if not rest or rest[0] not in BENCHES:
         is_help = rest[:1] in (["-h"], ["--help"])
         print(

@@ -2,12 +2,15 @@
 (kubernetes-validate's bundled ones, strict: an unknown or misspelled field fails), and against the
 servers themselves: each container's args parse as `pd.server` flags, its probes ask routes the server
 serves on the port it listens on, the Services reach those ports, the CE finds the PEs through the
-headless Service, and a pod's grace period covers the drain."""
+headless Service, a pod's grace period covers the drain, and the init container fills the model cache the
+server then reads offline. Containers run the image of deploy/Dockerfile: its entrypoint is read from
+there."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shutil
 import subprocess
@@ -30,14 +33,21 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 pytestmark = pytest.mark.smoke  # kubernetes-validate and pyyaml at their lower bounds
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-# The oldest Kubernetes the base is meant for (the preStop `sleep` action is on by default from 1.30)
-# and the newest whose schemas kubernetes-validate bundles.
-SCHEMA_VERSIONS = ("1.30", ".".join(kubernetes_validate.latest_version().split(".")[:2]))
+DOCKERFILE = K8S_DIR.parent / "Dockerfile"
+# The oldest Kubernetes the base is meant for (README says so; its preStop is an exec of `sleep`, since
+# the `sleep` action is 1.30's), one between, and the newest whose schemas kubernetes-validate bundles.
+SCHEMA_VERSIONS = ("1.28", "1.30", ".".join(kubernetes_validate.latest_version().split(".")[:2]))
 POD_IP = "10.1.2.3"  # stands for the downward API's status.podIP
 # The server stops its ranks after the drain; deploy/*.sh allow 15 s for that (45 s in all).
 RANK_STOP_S = 15
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def image_entrypoint() -> list[str]:
+    """The ENTRYPOINT of deploy/Dockerfile (exec form): what runs a container that sets no command."""
+    (line,) = [line for line in DOCKERFILE.read_text().splitlines() if line.startswith("ENTRYPOINT ")]
+    return list(json.loads(line.removeprefix("ENTRYPOINT ")))
 
 
 def _kustomization() -> dict[str, Any]:
@@ -75,7 +85,8 @@ class Server:
 
     workload: dict[str, Any]
     container: dict[str, Any]
-    argv: list[str]  # the pd.server flags, $(VAR) references expanded
+    argv: list[str]  # the server's flags, $(VAR) references expanded
+    is_model_positional: bool  # `pdserve serve [MODEL]` rather than `python -m pd.server`
 
     @property
     def name(self) -> str:
@@ -89,11 +100,11 @@ class Server:
         stderr = io.StringIO()
         try:
             with contextlib.redirect_stderr(stderr):
-                return ServerConfig.from_argv(self.argv)
+                return ServerConfig.from_argv(self.argv, is_model_positional=self.is_model_positional)
         except SystemExit:  # argparse: an unknown or misspelled flag, or a bad choice
             pass
         error = stderr.getvalue().strip().splitlines()[-1:]
-        pytest.fail(f"{self.name}: `python -m pd.server` refuses its flags {self.argv}: {error}")
+        pytest.fail(f"{self.name}: the server refuses its flags {self.argv}: {error}")
 
     def port_number(self, port: int | str) -> int:
         """A probe's or Service's port: a number, or the name of one of the container's ports."""
@@ -128,21 +139,35 @@ def _expand(arg: str, values: dict[str, str]) -> str:
     return ENV_REF.sub(lambda m: values[m.group(1)], arg)
 
 
+def command_of(container: dict[str, Any]) -> list[str]:
+    """What the container runs: its command (else the image's entrypoint) and args."""
+    return list(container.get("command") or image_entrypoint()) + list(container.get("args", []))
+
+
+def expanded_command(container: dict[str, Any]) -> list[str]:
+    """command_of(container) with its $(VAR) references expanded from its env."""
+    values = _env_values(container)
+    command = command_of(container)
+    unknown = {m for arg in command for m in ENV_REF.findall(arg)} - set(values)
+    # Kubernetes leaves an undefined $(VAR) as it is: the server would get it literally.
+    assert not unknown, f"{container['name']}: args refer to undefined env {sorted(unknown)}"
+    return [_expand(arg, values) for arg in command]
+
+
+SERVER_COMMANDS = (["pdserve", "serve"], ["python", "-m", "pd.server"])
+
+
 def _servers() -> list[Server]:
     servers = []
     for kind in WORKLOAD_KINDS:
         for workload in _of_kind(kind):
             for container in workload["spec"]["template"]["spec"]["containers"]:
-                command = container.get("command", []) + container.get("args", [])
-                if "pd.server" not in command:
+                command = expanded_command(container)
+                head = [c for c in SERVER_COMMANDS if command[: len(c)] == c]
+                if not head:
                     continue
-                assert command[:3] == ["python", "-m", "pd.server"], command
-                values = _env_values(container)
-                unknown = {m for arg in command for m in ENV_REF.findall(arg)} - set(values)
-                # Kubernetes leaves an undefined $(VAR) as it is: the server would get it literally.
-                assert not unknown, f"{container['name']}: args refer to undefined env {sorted(unknown)}"
-                argv = [_expand(arg, values) for arg in command[3:]]
-                servers.append(Server(workload, container, argv))
+                argv = command[len(head[0]) :]
+                servers.append(Server(workload, container, argv, head[0][0] == "pdserve"))
     return servers
 
 
@@ -278,8 +303,6 @@ def test_container_ports_and_gpus_match_the_flags() -> None:
         mounts = {m["mountPath"]: m["name"] for m in server.container["volumeMounts"]}
         volumes = {v["name"]: v for v in server.pod["spec"]["volumes"]}
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-        home = next(v["value"] for v in server.container["env"] if v["name"] == "PDSERVE_HOME")
-        assert home in mounts, f"{server.name}: PDSERVE_HOME {home} is not a mounted volume"
 
 
 def test_the_ce_advertises_its_pod_ip_for_kv() -> None:
@@ -320,10 +343,22 @@ def test_the_ce_finds_the_pes_through_the_headless_service() -> None:
         assert url.port == port["port"], url.geturl()
 
 
+def _pre_stop_s(container: dict[str, Any]) -> int:
+    """How long the container's preStop hook sleeps: `exec: sleep N` (any Kubernetes) or the `sleep`
+    action (1.30+)."""
+    hook = container.get("lifecycle", {}).get("preStop", {})
+    if "exec" in hook:
+        command = hook["exec"]["command"]
+        assert command[0] == "sleep" and len(command) == 2, command
+        return int(command[1])
+    return int(hook.get("sleep", {}).get("seconds", 0))
+
+
 def test_the_grace_period_covers_the_drain() -> None:
     for server, cfg in _by_role().values():
         pod = server.pod["spec"]
-        pre_stop = server.container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        pre_stop = _pre_stop_s(server.container)
+        assert pre_stop > 0, f"{server.name}: a preStop pause lets Services and DNS drop the pod first"
         needed = pre_stop + cfg.shutdown_timeout_s + RANK_STOP_S
         assert pod["terminationGracePeriodSeconds"] >= needed, f"{server.name}: grace < {needed} s"
 
@@ -339,3 +374,98 @@ def test_the_token_comes_from_the_secret_and_its_placeholder_is_refused() -> Non
     for value in secret.get("stringData", {}).values():
         with pytest.raises(ValueError):
             load_token(value)
+
+
+# ---- the model cache, the image's user, disruptions -----------------------------------------------
+
+
+def _plain_env(container: dict[str, Any]) -> dict[str, str]:
+    return {v["name"]: v["value"] for v in container.get("env", []) if "value" in v}
+
+
+def _fetcher(server: Server) -> dict[str, Any]:
+    """The server pod's init container that runs `pdserve download MODEL`."""
+    found = [c for c in server.pod["spec"].get("initContainers", []) if command_of(c)[:2] == ["pdserve", "download"]]
+    assert len(found) == 1, f"{server.name}: one init container must run `pdserve download`"
+    return found[0]
+
+
+def test_the_init_container_fills_the_cache_the_server_reads_offline() -> None:
+    from engine.models.hub import parse_hub_model
+    from pd.tools.cli import COMMANDS
+
+    assert "download" in COMMANDS and image_entrypoint() == ["pdserve"]
+    claims = {c["metadata"]["name"]: c for c in _of_kind("PersistentVolumeClaim")}
+    for server, cfg in _by_role().values():
+        fetch = _fetcher(server)
+        assert fetch["image"] == server.container["image"]
+        assert expanded_command(fetch) == ["pdserve", "download", cfg.engine.model], "the server's model"
+        volumes = {v["name"]: v for v in server.pod["spec"]["volumes"]}
+        fetch_mounts = {m["name"]: m for m in fetch["volumeMounts"]}
+        server_mounts = {m["name"]: m for m in server.container["volumeMounts"]}
+        (name,) = [n for n in fetch_mounts if "persistentVolumeClaim" in volumes[n]]
+        claim = claims[volumes[name]["persistentVolumeClaim"]["claimName"]]
+        assert "ReadWriteMany" in claim["spec"]["accessModes"], "every PE and CE pod mounts the one cache"
+        path = fetch_mounts[name]["mountPath"]
+        assert server_mounts[name]["mountPath"] == path and not fetch_mounts[name].get("readOnly")
+        fetch_env, server_env = _plain_env(fetch), _plain_env(server.container)
+        for var in ("HF_HOME", "PDSERVE_HOME"):  # the same cache on both sides, on the volume
+            assert fetch_env[var] == server_env[var] and fetch_env[var].startswith(path + "/"), var
+        assert server_env.get("HF_HUB_OFFLINE") == "1", f"{server.name}: the server reads the filled cache only"
+    assert parse_hub_model(cfg.engine.model) is not None, "the base serves a model from the hub"
+
+
+def test_init_container_then_server_on_a_fake_hub(tmp_path: Path) -> None:
+    """The init container's command and env, then the server's resolution with its env (offline), run for
+    real against a fake hub serving the base's model id, the volume a temporary folder: the second finds
+    what the first downloaded, without the hub."""
+    import os
+    import sys
+
+    from engine.models import models_home
+    from tests.fake_hub import FakeHub, Repo, commit_of, files_of
+    from tests.tiny_models import make_servable
+
+    server, cfg = _by_role()["ce"]
+    fetch = _fetcher(server)
+    (mount,) = [m["mountPath"] for m in fetch["volumeMounts"]]
+    volume = tmp_path / "volume"
+
+    def env_of(container: dict[str, Any], endpoint: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PDSERVE_HOME"))}
+        for var, value in _plain_env(container).items():
+            env[var] = value.replace(mount, str(volume), 1) if value.startswith(mount) else value
+        return {**env, "HF_ENDPOINT": endpoint}
+
+    checkpoint = make_servable("qwen3", tmp_path / "checkpoint", models_home() / "smollm2-135m-instruct")
+    files = files_of(checkpoint)
+    with FakeHub({cfg.engine.model: Repo(files, commit_of(files))}) as hub:
+        cli = [sys.executable, "-m", "pd.tools.cli", *expanded_command(fetch)[1:]]
+        first = subprocess.run(cli, env=env_of(fetch, hub.url), capture_output=True, text=True, timeout=120)
+        assert first.returncode == 0, first.stderr
+        asked = len(hub.requests)
+        resolve = [sys.executable, "-m", "pd.tools.cli", "download", cfg.engine.model]
+        second = subprocess.run(resolve, env=env_of(server.container, hub.url), capture_output=True, text=True, timeout=120)
+        assert second.returncode == 0, second.stderr
+        assert len(hub.requests) == asked, "the server's side asked the hub"
+    folder = Path(second.stdout.strip())
+    assert folder == Path(first.stdout.strip()) and folder.is_relative_to(volume)
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def test_pods_run_as_the_images_user() -> None:
+    (user,) = [line.split()[1] for line in DOCKERFILE.read_text().splitlines() if line.startswith("USER ")]
+    uid, gid = (int(x) for x in user.split(":"))
+    for server, _ in _by_role().values():
+        security = server.pod["spec"]["securityContext"]
+        assert security["runAsNonRoot"] is True and (security["runAsUser"], security["runAsGroup"]) == (uid, gid)
+        assert security["fsGroup"] == gid, f"{server.name}: the user must be able to write the model volume"
+
+
+def test_a_disruption_budget_covers_each_role() -> None:
+    budgets = _of_kind("PodDisruptionBudget")
+    for server, _ in _by_role().values():
+        labels = server.pod["metadata"]["labels"]
+        matching = [b for b in budgets if all(labels.get(k) == v for k, v in b["spec"]["selector"]["matchLabels"].items())]
+        assert len(matching) == 1, f"{server.name}: {len(matching)} PodDisruptionBudgets select it"
+        assert matching[0]["spec"].get("maxUnavailable") == 1

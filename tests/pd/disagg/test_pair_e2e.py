@@ -14,7 +14,13 @@ import orjson
 import pytest
 
 from pd.tools.server_process import PDPair, get_json, rank_metrics, signed_headers
-from tests.deploy.test_grafana_dashboard import exposition_labels, load_dashboard, missing_metrics
+from tests.deploy.test_grafana_dashboard import (
+    exposition_labels,
+    load_dashboard,
+    metric_names,
+    missing_metrics,
+)
+from tests.deploy.test_k8s_monitoring import scaling_queries
 from tests.server_fixtures import (
     SMALL_DETERMINISTIC,
     module_ref_and_pair,
@@ -180,7 +186,8 @@ async def test_cluster_token_required(servers):
 
 
 def test_every_dashboard_metric_is_exported(servers):
-    """Every series deploy/grafana/pdserve.json queries is exported by these servers."""
+    """Every series deploy/grafana/pdserve.json queries is exported by these servers, and every series
+    the autoscaling examples (deploy/k8s/monitoring/scaledobject.yaml) scale on."""
     ref, pair = servers
     for url in (ref.url, pair.url):
         # two tokens at least: an inter-token latency, and on the pair a handoff (not a PE-only answer)
@@ -201,6 +208,8 @@ def test_every_dashboard_metric_is_exported(servers):
             for name, labels in exposition_labels(r.read().decode()).items():
                 exported.setdefault(name, set()).update(labels)
     assert missing_metrics(load_dashboard(), exported) == []
+    for query in scaling_queries():
+        assert metric_names(query) <= set(exported), query
 
 
 def _cluster_counters(url: str) -> dict[str, float]:

@@ -1,0 +1,113 @@
+"""deploy/k8s/monitoring/ (a ServiceMonitor and KEDA ScaledObjects: custom resources, which the bundled
+Kubernetes schemas do not cover), checked against the base and the servers: the ServiceMonitor selects
+the PE and CE Services by their labels and scrapes a port they name and a route the servers serve; each
+ScaledObject scales a workload of the base, on a PromQL query over series the servers export (their names
+are checked against live servers in tests/pd/disagg/test_pair_e2e.py, with the dashboard's) and the
+`service` label the ServiceMonitor gives them."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pd.config import ServerConfig
+from pd.frontend.coordinator import Coordinator
+from pd.server import make_app, make_prefill_app
+from tests.deploy.test_grafana_dashboard import metric_names
+
+K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+MONITORING_DIR = K8S_DIR / "monitoring"
+_SERVICE_MATCHER = re.compile(r'\bservice="([^"]+)"')
+
+
+def _documents(folder: Path) -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    docs = []
+    for name in kustomization["resources"]:
+        docs.extend(doc for doc in yaml.safe_load_all((folder / name).read_text()) if doc)
+    return docs
+
+
+BASE = _documents(K8S_DIR)
+MONITORING = _documents(MONITORING_DIR)
+
+
+def _base(kind: str) -> list[dict[str, Any]]:
+    return [d for d in BASE if d["kind"] == kind]
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def scaling_queries() -> list[str]:
+    """The PromQL query of every ScaledObject trigger in deploy/k8s/monitoring/."""
+    return [
+        t["metadata"]["query"]
+        for d in MONITORING
+        if d["kind"] == "ScaledObject"
+        for t in d["spec"]["triggers"]
+        if t["type"] == "prometheus"
+    ]
+
+
+def test_every_file_is_listed_and_only_custom_resources_are_here() -> None:
+    listed = set(yaml.safe_load((MONITORING_DIR / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in MONITORING_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    assert {(d["apiVersion"], d["kind"]) for d in MONITORING} == {
+        ("monitoring.coreos.com/v1", "ServiceMonitor"),
+        ("keda.sh/v1alpha1", "ScaledObject"),
+    }
+
+
+def test_the_service_monitor_scrapes_every_server() -> None:
+    (monitor,) = [d for d in MONITORING if d["kind"] == "ServiceMonitor"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    selected = [s for s in _base("Service") if _selects(selector, s["metadata"]["labels"])]
+    assert {s["metadata"]["name"] for s in selected} == {"pdserve-pe", "pdserve-ce"}
+    for endpoint in monitor["spec"]["endpoints"]:
+        for service in selected:
+            assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}, service["metadata"]["name"]
+        for role in ("pe", "ce"):
+            co = Coordinator(ServerConfig(role=role))
+            app = make_prefill_app(co, b"0" * 32) if role == "pe" else make_app(co)
+            routes = {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}
+            assert endpoint["path"] in routes, (role, endpoint["path"])
+
+
+@pytest.mark.parametrize("scaled", [d for d in MONITORING if d["kind"] == "ScaledObject"], ids=lambda d: d["metadata"]["name"])
+def test_a_scaled_object_scales_a_workload_on_its_own_queue(scaled: dict[str, Any]) -> None:
+    target = scaled["spec"]["scaleTargetRef"]
+    workloads = [d for d in BASE if d["kind"] == target.get("kind", "Deployment") and d["metadata"]["name"] == target["name"]]
+    assert len(workloads) == 1, f"no {target} in the base"
+    pod_labels = workloads[0]["spec"]["template"]["metadata"]["labels"]
+    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+    for trigger in scaled["spec"]["triggers"]:
+        assert trigger["type"] == "prometheus"
+        meta = trigger["metadata"]
+        assert meta["serverAddress"].startswith("http") and float(meta["threshold"]) > 0
+        assert metric_names(meta["query"]), meta["query"]  # PromQL that names a series
+        # the series of this workload's pods: the ServiceMonitor labels them with their Service
+        (service_name,) = _SERVICE_MATCHER.findall(meta["query"])
+        (service,) = [s for s in _base("Service") if s["metadata"]["name"] == service_name]
+        assert _selects(service["spec"]["selector"], pod_labels), (service_name, target)
+
+
+def test_kustomize_builds_the_monitoring_folder() -> None:
+    if shutil.which("kustomize"):
+        cmd = ["kustomize", "build", str(MONITORING_DIR)]
+    elif shutil.which("kubectl"):
+        cmd = ["kubectl", "kustomize", str(MONITORING_DIR)]
+    else:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert len(docs) == len(MONITORING)
+    assert all(d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve" for d in docs)
