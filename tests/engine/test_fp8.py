@@ -1,0 +1,271 @@
+"""FP8 weights (engine/fp8.py): block-scaled FP8 checkpoints as the releases ship them load as FP8 and give
+transformers' tokens and logits on the same checkpoint; `--quantization fp8` gives what the pre-quantized
+checkpoint gives; everything else in a quantization_config is refused, naming the field.
+
+The checkpoints are tiny random models saved by transformers' save_pretrained, then rewritten as FP8
+releases by tests/tiny_models.py's own block quantizer (a loop over 128x128 blocks, independent of the
+engine's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import fp8
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.loader import fp8_candidates
+from engine.model_config import arch_from_hf, load_hf_config
+from engine.request import SamplingParams
+from tests.engine_utils import compare_greedy, hf_greedy, prompt_logits, random_prompts, small_engine
+from tests.tiny_models import (
+    COMMON,
+    FP8_FAMILIES,
+    _save_random,
+    dequantize_reference,
+    make_tiny_fp8,
+    quantize_reference,
+    to_fp8_checkpoint,
+)
+
+NEW_TOKENS = 64
+GOLDEN_FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
+# kept in their float dtype by the qwen3_moe checkpoint's modules_to_not_convert (besides lm_head, routers)
+KEEP_FLOAT = ("model.layers.0.self_attn.o_proj", "model.layers.2.mlp.experts")
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory: pytest.TempPathFactory):
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            keep = KEEP_FLOAT if family == "qwen3_moe" else ()
+            made[family] = make_tiny_fp8(family, tmp_path_factory.mktemp(f"fp8-{family}"), keep_float=keep)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_fp8_reference(fp8_dir):
+    """family -> (prompt, transformers' greedy tokens, their logits, the prompt's last logits), transformers
+    loading the FP8 checkpoint itself (its fine-grained FP8 loader dequantizes it on a machine without a GPU)."""
+    made: dict[str, tuple] = {}
+
+    def get(family: str) -> tuple:
+        if family not in made:
+            (prompt,) = random_prompts([90], seed=1)
+            made[family] = (prompt, *hf_greedy(fp8_dir(family), prompt, NEW_TOKENS))
+        return made[family]
+
+    return get
+
+
+# ---- the format ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(128, 256), (200, 300), (3, 130, 70)])
+def test_quantize_and_dequantize_match_the_block_reference(shape: tuple[int, ...]) -> None:
+    """Partial blocks and stacked (expert) weights included: the engine's vectorized block quantizer gives the
+    reference loop's bits, and dequantizing gives float32(value) * scale_inv, within e4m3's rounding of w."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.3
+    w[..., :5, :7] = 0.0  # a zero corner; and one all-zero block where the shape has a second block row
+    q, scale_inv = fp8.quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == fp8.scale_shape(shape)
+    for i, part in enumerate(w.reshape(-1, *shape[-2:])):
+        ref_q, ref_scale = quantize_reference(part)
+        assert torch.equal(q.reshape(-1, *shape[-2:])[i].view(torch.uint8), ref_q.view(torch.uint8))
+        assert torch.equal(scale_inv.reshape(-1, *ref_scale.shape)[i], ref_scale)
+        back = fp8.dequantize(q.reshape(-1, *shape[-2:])[i], ref_scale, torch.float32)
+        assert torch.equal(back, dequantize_reference(ref_q, ref_scale))
+        # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormals below 2^-6 spaced 2^-9 (times the scale)
+        scale = dequantize_reference(torch.ones_like(ref_q), ref_scale)
+        assert ((back - part).abs() <= part.abs() * 2**-4 + scale * 2**-10).all()
+
+
+# ---- goldens ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", GOLDEN_FAMILIES)
+@pytest.mark.parametrize("is_deterministic", [False, True], ids=["default", "deterministic"])
+def test_fp8_checkpoint_matches_transformers(fp8_dir, hf_fp8_reference, family: str, is_deterministic: bool) -> None:
+    """The engine on an FP8 checkpoint against transformers on the same checkpoint: 64 greedy tokens
+    identical, the prompt's last logits within rtol = atol = 1e-4. Why that tolerance: both dequantize to the
+    same float32 weights, bit for bit (asserted below; float32(e4m3) * float32 scale is one rounding), so
+    what remains is float32 summation order in the matmuls and attention, as in the float goldens
+    (test_engine_golden.py uses the same bound); FP8 rounding itself cancels out of this comparison."""
+    folder = fp8_dir(family)
+    prompt, ref_tokens, ref_logits, ref_first = hf_fp8_reference(family)
+    eng = small_engine(folder, is_deterministic=is_deterministic, max_num_batched_tokens=40)
+
+    (first,) = prompt_logits(eng, [prompt])
+    torch.testing.assert_close(first, ref_first, rtol=1e-4, atol=1e-4)
+    (seq,) = eng.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    note = compare_greedy(seq.output_token_ids, ref_tokens, ref_logits, tie_gap=1e-3)
+    assert note == "", note
+    eng.check_idle()
+
+
+def test_weights_stay_fp8_and_equal_transformers_dequantized(fp8_dir) -> None:
+    """Every projection the checkpoint quantized is held in FP8 with its scales (1 byte a weight), the
+    modules_to_not_convert ones (lm_head, routers, KEEP_FLOAT) in float32; each FP8 weight dequantizes to
+    the bits transformers' FP8 loader gives for it."""
+    from transformers import AutoModelForCausalLM
+
+    folder = fp8_dir("qwen3_moe")
+    eng = small_engine(folder)
+    model = eng.model
+    candidates = fp8_candidates(model)
+    layer = model.model.layers
+    assert layer[0].self_attn.o_proj.weight.dtype == torch.float32  # KEEP_FLOAT
+    assert layer[2].mlp.experts.gate_up_proj.dtype == torch.float32  # KEEP_FLOAT
+    assert model.lm_head.weight.dtype == torch.float32 and layer[0].mlp.gate.weight.dtype == torch.float32
+    is_kept = {"model.layers.0.self_attn.o_proj", "model.layers.2.mlp.experts", "lm_head"}
+    for name, module in candidates.items():
+        weights = [p for n, p in module.named_parameters() if not n.endswith(("bias", fp8.SCALE_SUFFIX))]
+        want = torch.float32 if name in is_kept else torch.float8_e4m3fn
+        assert all(w.dtype == want for w in weights), name
+    fp8_bytes = sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
+    assert fp8_bytes > 0.5 * sum(p.numel() for p in model.parameters())  # most weights, at 1 byte each
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    ours = layer[0].self_attn.q_proj
+    assert isinstance(ours, fp8.Fp8Linear)
+    assert torch.equal(ours.dense_weight(torch.float32), hf.model.layers[0].self_attn.q_proj.weight)
+    experts = layer[3].mlp.experts
+    theirs = hf.model.layers[3].mlp.experts
+    assert torch.equal(experts.dense("gate_up_proj", 0, 8, torch.float32), theirs.gate_up_proj)
+    assert torch.equal(experts.dense("down_proj", 0, 8, torch.float32), theirs.down_proj)
+
+
+def test_partial_blocks_equal_the_dequantized_float_checkpoint(tmp_path: Path) -> None:
+    """Widths that end in partial blocks (192 = 128 + 64, 320): the engine on the FP8 checkpoint gives the
+    logits, bit for bit, of the engine on a float32 checkpoint of the reference-dequantized weights, in both
+    numerics modes (same float32 weights, same matmuls)."""
+    folder = make_tiny_fp8("llama_partial", tmp_path / "fp8")
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    tensors = load_file(folder / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = tensors.get(name + "_scale_inv")
+        out[name] = dequantize_reference(t, scale) if scale is not None else t
+    save_file(out, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (dense / "config.json").write_text(json.dumps(config))
+    prompts = random_prompts([37, 90], seed=3)
+    for is_deterministic in (False, True):
+        a = small_engine(folder, is_deterministic=is_deterministic)
+        b = small_engine(dense, is_deterministic=is_deterministic)
+        assert isinstance(a.model.model.layers[0].mlp.down_proj, fp8.Fp8Linear)
+        for x, y in zip(prompt_logits(a, prompts), prompt_logits(b, prompts)):
+            assert torch.equal(x, y)
+
+
+# ---- --quantization fp8 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_quantization_flag_equals_the_prequantized_checkpoint(tmp_path: Path, family: str) -> None:
+    """A bf16 checkpoint with --quantization fp8 holds the FP8 weights and scales the pre-quantized release of
+    the same weights ships (bit for bit), and gives its logits and 64 greedy tokens exactly."""
+    bf16 = tmp_path / "bf16"
+    _save_random({**COMMON, **FP8_FAMILIES[family]}, bf16, seed=5, dtype=torch.bfloat16)
+    released = to_fp8_checkpoint(bf16, tmp_path / "fp8")
+    quantized = small_engine(bf16, quantization="fp8")
+    shipped = small_engine(released)
+    ours = dict(quantized.model.named_parameters())
+    theirs = dict(shipped.model.named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert sum(p.dtype == torch.float8_e4m3fn for p in ours.values()) > 0
+    for name, p in ours.items():
+        assert p.dtype == theirs[name].dtype, name
+        assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+                           theirs[name].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else theirs[name]), name
+
+    (prompt,) = random_prompts([50], seed=2)
+    assert torch.equal(prompt_logits(quantized, [prompt])[0], prompt_logits(shipped, [prompt])[0])
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    (a,) = quantized.generate([prompt], params)
+    (b,) = shipped.generate([prompt], params)
+    assert a.output_token_ids == b.output_token_ids
+    # and the FP8 model is not the bf16 one: FP8 rounding moved its logits
+    plain = small_engine(bf16)
+    assert not torch.equal(prompt_logits(plain, [prompt])[0], prompt_logits(quantized, [prompt])[0])
+
+
+def test_dummy_fp8_weights_generate() -> None:
+    """--load-format dummy with --quantization fp8 (benchmarks' FP8 models of real shapes): FP8 weights drawn
+    and quantized, no NaN, tokens generated; the experts of a MoE too."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        folder = Path(d)
+        _save_random({**COMMON, **FP8_FAMILIES["qwen3_moe"]}, folder, seed=0)
+        eng = small_engine(folder, load_format="dummy", quantization="fp8")
+        assert eng.model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        assert all(torch.isfinite(s).all() and (s > 0).all() for n, s in eng.model.named_parameters()
+                   if n.endswith(fp8.SCALE_SUFFIX))  # fmt: skip
+        (seq,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(seq.output_token_ids) == 4
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"quant_method": "gptq"}, "quant_method"),
+        ({"quant_method": "compressed-tensors"}, "quant_method"),
+        ({"weight_block_size": [64, 64]}, "weight_block_size"),
+        ({"weight_block_size": [128, 64]}, "weight_block_size"),
+        ({"weight_block_size": None}, "weight_block_size"),
+        ({"activation_scheme": "static"}, "activation_scheme"),
+        ({"fmt": "e5m2"}, "fmt"),
+        ({"scale_fmt": "ue8m0"}, "scale_fmt"),
+        ({"kv_cache_scheme": {"type": "float"}}, "kv_cache_scheme"),
+        ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
+    ],
+)
+def test_unsupported_quantization_config_is_refused(fp8_dir, tmp_path: Path, change: dict, field: str) -> None:
+    config = json.loads((fp8_dir("llama") / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidRequestError, match=f"quantization_config.{field}"):
+        arch_from_hf(load_hf_config(tmp_path))
+
+
+def test_bad_fp8_tensors_and_flag_are_refused(fp8_dir, tmp_path: Path) -> None:
+    """FP8 values without their scales; scales for a module the engine keeps float; an unknown
+    --quantization; FP8 experts whose width is not whole blocks."""
+    folder = fp8_dir("llama")
+    config = (folder / "config.json").read_text()
+    tensors = load_file(folder / "model.safetensors")
+
+    def engine_with(changed: dict[str, torch.Tensor], **kw):  # type: ignore[no-untyped-def]
+        (tmp_path / "config.json").write_text(config)
+        save_file(changed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        return small_engine(tmp_path, **kw)
+
+    no_scale = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight_scale_inv"}
+    with pytest.raises(ValueError, match="FP8 values without their model.layers.1.mlp.up_proj.weight_scale_inv"):
+        engine_with(no_scale)
+    scaled_norm = {**tensors, "model.norm.weight_scale_inv": torch.ones(1, 1)}
+    with pytest.raises(InvalidRequestError, match="model.norm.weight_scale_inv"):
+        engine_with(scaled_norm)
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model=str(folder), quantization="int8")
+
+    narrow = tmp_path / "narrow"  # experts 32 wide: gate and up blocks would not stack
+    _save_random({**COMMON, **FP8_FAMILIES["qwen3_moe"], "moe_intermediate_size": 32}, narrow, seed=0)
+    with pytest.raises(InvalidRequestError, match="multiple of 128"):
+        small_engine(narrow, quantization="fp8")
