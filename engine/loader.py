@@ -134,7 +134,12 @@ def build_model(
             module.float()
     if fp8_format is not None:  # NOTE: after model.to(dtype), which would cast FP8 weights
         keys = None if is_dummy or not fp8_format.is_prequantized else checkpoint_keys(cast(Path, folder), arch)
-        to_fp8(model, fp8_modules(model, fp8_format, keys))
+        names = fp8_modules(model, fp8_format, keys)
+        to_fp8(model, names)
+        log.info(
+            "FP8 weights (128x128 blocks, %s): %d modules, dequantized at each matmul",
+            "as the checkpoint ships them" if keys is not None else "quantized at load", len(names),
+        )  # fmt: skip
     if is_dummy:
         _init_random(model, arch, seed)
     else:

@@ -123,14 +123,17 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def make_servable(family: str, folder: Path, tokenizer_from: Path, seed: int = 0) -> Path:
-    """A tiny random model of `family` (FAMILIES or MOE_FAMILIES) that a server can load: the vocabulary,
-    special ids and tokenizer files (chat template included) of the checkpoint at tokenizer_from."""
+def make_servable(
+    family: str, folder: Path, tokenizer_from: Path, seed: int = 0, families: dict[str, dict[str, Any]] | None = None
+) -> Path:
+    """A tiny random model of `family` (FAMILIES or MOE_FAMILIES, or the given families) that a server can
+    load: the vocabulary, special ids and tokenizer files (chat template included) of the checkpoint at
+    tokenizer_from."""
     import json
     import shutil
 
     small = json.loads((tokenizer_from / "config.json").read_text())
-    spec = {**COMMON, **(FAMILIES.get(family) or MOE_FAMILIES[family])}
+    spec = {**COMMON, **(families[family] if families else FAMILIES.get(family) or MOE_FAMILIES[family])}
     for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
         if small.get(key) is not None:
             spec[key] = small[key]
