@@ -200,11 +200,14 @@ def is_fp8_weight(name: str, t: torch.Tensor, keep_float: tuple[str, ...]) -> bo
     return name.startswith("model.layers.") and name.endswith(".weight") and t.dim() == 2 and not (is_router or kept)
 
 
-def to_fp8_checkpoint(folder: Path, dest: Path, keep_float: tuple[str, ...] = ()) -> Path:
+def to_fp8_checkpoint(
+    folder: Path, dest: Path, keep_float: tuple[str, ...] = (), also: tuple[str, ...] = ()
+) -> Path:
     """The checkpoint at folder (save_pretrained's) rewritten into dest as an FP8 release: quantize_reference
     on every is_fp8_weight tensor (`<name>` float8_e4m3fn + `<name>_scale_inv` float32), the rest as saved,
     and config.json's quantization_config in the releases' form (lm_head, the routers and keep_float listed
-    in modules_to_not_convert). Other files are copied."""
+    in modules_to_not_convert; `also`: tensors quantized besides, e.g. "lm_head.weight", which leaves lm_head off
+    that list). Other files are copied."""
     import json
     import shutil
 
@@ -219,7 +222,7 @@ def to_fp8_checkpoint(folder: Path, dest: Path, keep_float: tuple[str, ...] = ()
     for name, t in load_file(folder / "model.safetensors").items():
         if name.endswith((".mlp.gate.weight", ".mlp.router.weight")):
             routers.append(name.removesuffix(".weight"))
-        if is_fp8_weight(name, t, keep_float):
+        if is_fp8_weight(name, t, keep_float) or name in also:
             out[name], out[name + "_scale_inv"] = quantize_reference(t)
         else:
             out[name] = t
@@ -227,15 +230,18 @@ def to_fp8_checkpoint(folder: Path, dest: Path, keep_float: tuple[str, ...] = ()
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
-        "modules_to_not_convert": ["lm_head", *sorted(routers), *keep_float],
+        "modules_to_not_convert": [*(["lm_head"] if "lm_head.weight" not in also else []), *sorted(routers),
+                                   *keep_float],
     }  # fmt: skip
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
 
 
-def make_tiny_fp8(family: str, folder: Path, seed: int = 0, keep_float: tuple[str, ...] = ()) -> Path:
+def make_tiny_fp8(
+    family: str, folder: Path, seed: int = 0, keep_float: tuple[str, ...] = (), also: tuple[str, ...] = ()
+) -> Path:
     """A random tiny model of FP8_FAMILIES[family] saved as an FP8 release (to_fp8_checkpoint) in folder; its
     float32 original in folder/"float"."""
     original = folder / "float"
     _save_random({**COMMON, **FP8_FAMILIES[family]}, original, seed)
-    return to_fp8_checkpoint(original, folder, keep_float)
+    return to_fp8_checkpoint(original, folder, keep_float, also)

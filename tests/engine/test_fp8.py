@@ -144,10 +144,10 @@ def test_weights_stay_fp8_and_equal_transformers_dequantized(fp8_dir) -> None:
 
 
 def test_partial_blocks_equal_the_dequantized_float_checkpoint(tmp_path: Path) -> None:
-    """Widths that end in partial blocks (192 = 128 + 64, 320): the engine on the FP8 checkpoint gives the
-    logits, bit for bit, of the engine on a float32 checkpoint of the reference-dequantized weights, in both
-    numerics modes (same float32 weights, same matmuls)."""
-    folder = make_tiny_fp8("llama_partial", tmp_path / "fp8")
+    """Widths that end in partial blocks (192 = 128 + 64, 320), lm_head in FP8 too: the engine on the FP8
+    checkpoint gives the logits, bit for bit, of the engine on a float32 checkpoint of the
+    reference-dequantized weights, in both numerics modes (same float32 weights, same matmuls)."""
+    folder = make_tiny_fp8("llama_partial", tmp_path / "fp8", also=("lm_head.weight",))
     dense = tmp_path / "dense"
     dense.mkdir()
     tensors = load_file(folder / "model.safetensors")
@@ -166,6 +166,7 @@ def test_partial_blocks_equal_the_dequantized_float_checkpoint(tmp_path: Path) -
         a = small_engine(folder, is_deterministic=is_deterministic)
         b = small_engine(dense, is_deterministic=is_deterministic)
         assert isinstance(a.model.model.layers[0].mlp.down_proj, fp8.Fp8Linear)
+        assert isinstance(a.model.lm_head, fp8.Fp8Linear)
         for x, y in zip(prompt_logits(a, prompts), prompt_logits(b, prompts)):
             assert torch.equal(x, y)
 
@@ -197,7 +198,10 @@ def test_quantization_flag_equals_the_prequantized_checkpoint(tmp_path: Path, fa
     (a,) = quantized.generate([prompt], params)
     (b,) = shipped.generate([prompt], params)
     assert a.output_token_ids == b.output_token_ids
-    # and the FP8 model is not the bf16 one: FP8 rounding moved its logits
+    # the flag on the FP8 checkpoint changes nothing; the FP8 model is not the bf16 one (FP8 rounding moved
+    # its logits)
+    again = small_engine(released, quantization="fp8")
+    assert torch.equal(prompt_logits(again, [prompt])[0], prompt_logits(shipped, [prompt])[0])
     plain = small_engine(bf16)
     assert not torch.equal(prompt_logits(plain, [prompt])[0], prompt_logits(quantized, [prompt])[0])
 
@@ -269,3 +273,99 @@ def test_bad_fp8_tensors_and_flag_are_refused(fp8_dir, tmp_path: Path) -> None:
     _save_random({**COMMON, **FP8_FAMILIES["qwen3_moe"], "moe_intermediate_size": 32}, narrow, seed=0)
     with pytest.raises(InvalidRequestError, match="multiple of 128"):
         small_engine(narrow, quantization="fp8")
+
+
+# ---- expert parallelism --------------------------------------------------------------------------
+
+
+def _fp8_moe(ep=None, seed: int = 0):  # type: ignore[no-untyped-def]
+    """A gpt-oss-style MoE layer (8 experts 128 wide, biases) whose experts hold FP8 weights: random float
+    weights quantized, the router's bias pushing tokens to experts 0-3."""
+    import torch.nn.functional as F
+
+    from engine.moe import SparseMoE
+
+    moe = SparseMoE(64, 128, 8, 2, False, F.silu, ep, routing="topk_softmax", activation="swiglu_oai", has_bias=True)
+    moe.experts.to_fp8()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if name.endswith(fp8.SCALE_SUFFIX):
+                continue
+            w = torch.randn(p.shape, generator=gen) * (0.25 if "proj" in name else 1.0)
+            if p.dtype == torch.float8_e4m3fn:
+                q, scale = fp8.quantize(w)
+                p.copy_(q)
+                moe.get_parameter(name + fp8.SCALE_SUFFIX).copy_(scale)
+            else:
+                p.copy_(w)
+        moe.router_linear.bias[:4] += 4.0
+    return moe.requires_grad_(False)
+
+
+def test_fp8_experts_under_expert_parallelism_with_rebalancing() -> None:
+    """Two expert-parallel ranks holding four FP8 experts each (weights, scales and biases): each rank's
+    output is the whole layer's for its tokens, bit for bit under the tiled numerics, before and after
+    rebalancing moves experts (FP8 bytes, scales and biases together) between the ranks."""
+    from engine.eplb import rebalance_layer
+    from engine.numerics import Numerics
+    from tests.engine.test_gpt_oss import ThreadGroup, _run_ranks
+
+    whole = _fp8_moe()
+    group = ThreadGroup(2)
+    xs = [torch.randn(n, 64, generator=torch.Generator().manual_seed(20 + n)) for n in (23, 9)]
+
+    def rank(r: int) -> tuple[list[torch.Tensor], int]:
+        ep = group.rank(r)
+        moe = _fp8_moe(ep=ep)
+        first, per = ep.local_experts(8)
+        with torch.no_grad():
+            for name, p in moe.named_parameters():
+                src = whole.get_parameter(name)
+                p.copy_(src[first : first + per] if name.startswith("experts.") else src)
+        assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        outs = [moe(xs[r], Numerics.TILED)]
+        moved = rebalance_layer(moe, ep)
+        outs.append(moe(xs[r], Numerics.TILED))
+        return outs, moved
+
+    results = _run_ranks(rank, 2)
+    assert results[0][1] == results[1][1] > 0  # experts moved
+    for r, (outs, _) in enumerate(results):
+        for out in outs:
+            assert torch.equal(out, whole(xs[r], Numerics.TILED))
+
+
+def test_stacked_fp8_experts_load_like_per_expert(fp8_dir, tmp_path: Path) -> None:
+    """The same FP8 experts stored stacked (`experts.gate_up_proj` [E, 2I, H] gate rows then up rows, with
+    `gate_up_proj_scale_inv` [E, 2I/128, H/128]; `down_proj` and its scales) load to the same bytes as the
+    per-expert release."""
+    folder = fp8_dir("qwen3_moe")
+    tensors = load_file(folder / "model.safetensors")
+    stacked: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if "experts" not in parts:
+            stacked[name] = t
+            continue
+        prefix = ".".join(parts[: parts.index("experts") + 1])
+        if prefix + ".down_proj" in stacked or prefix + ".down_proj.weight" in stacked:
+            continue
+        for suffix in ("", "_scale_inv"):
+            per = [tensors.get(f"{prefix}.{e}.gate_proj.weight{suffix}") for e in range(8)]
+            if per[0] is None:
+                continue
+            stacked[f"{prefix}.gate_up_proj{suffix}"] = torch.stack(
+                [torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight{suffix}"], tensors[f"{prefix}.{e}.up_proj.weight{suffix}"]])
+                 for e in range(8)]
+            )  # fmt: skip
+            stacked[f"{prefix}.down_proj{suffix}"] = torch.stack(
+                [tensors[f"{prefix}.{e}.down_proj.weight{suffix}"] for e in range(8)]
+            )
+    save_file(stacked, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    a, b = small_engine(folder), small_engine(tmp_path)
+    ours, theirs = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert ours.keys() == theirs.keys() and "model.layers.3.mlp.experts.gate_up_proj_scale_inv" in ours
+    for name, p in ours.items():
+        assert p.dtype == theirs[name].dtype and torch.equal(p.view(torch.uint8), theirs[name].view(torch.uint8)), name
