@@ -369,3 +369,24 @@ def test_stacked_fp8_experts_load_like_per_expert(fp8_dir, tmp_path: Path) -> No
     assert ours.keys() == theirs.keys() and "model.layers.3.mlp.experts.gate_up_proj_scale_inv" in ours
     for name, p in ours.items():
         assert p.dtype == theirs[name].dtype and torch.equal(p.view(torch.uint8), theirs[name].view(torch.uint8)), name
+
+
+def test_fused_projections_stack_fp8_blocks_where_they_align(fp8_dir, tmp_path: Path) -> None:
+    """CausalLM.fuse_projections (run on CUDA after loading; its torch path runs here): FP8 q/k/v (256, 128, 128
+    rows) and gate/up (384, 384) stack into one FP8 linear with stacked scales, giving the unfused logits;
+    where a width is not whole blocks (q 192, k 64: partial) they stay apart."""
+    eng = small_engine(fp8_dir("llama"))
+    (prompt,) = random_prompts([40], seed=4)
+    (before,) = prompt_logits(eng, [prompt])
+    eng.model.fuse_projections()
+    layer = eng.model.model.layers[1]
+    assert isinstance(layer.self_attn.qkv_proj, fp8.Fp8Linear) and isinstance(layer.mlp.gate_up_proj, fp8.Fp8Linear)
+    assert layer.self_attn.qkv_proj.weight_scale_inv.shape == (4, 2)  # (256 + 128 + 128) / 128 rows of blocks
+    (after,) = prompt_logits(eng, [prompt])
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+    partial = small_engine(make_tiny_fp8("llama_partial", tmp_path))
+    partial.model.fuse_projections()
+    layer = partial.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is None and isinstance(layer.self_attn.q_proj, fp8.Fp8Linear)
+    assert layer.mlp.gate_up_proj is None  # 320 = 2.5 blocks
