@@ -160,6 +160,7 @@ FP8_FAMILIES: dict[str, dict[str, Any]] = {
         decoder_sparse_step=1, rope_theta=10000.0,
     ),
     "deepseek_v3": {**MOE_FAMILIES["deepseek_v3"], "moe_intermediate_size": 128, "intermediate_size": 256},
+    "gemma3": FAMILIES["gemma3_hybrid"],  # sliding and full layers, tied embeddings, sandwich norms
     # partial blocks everywhere: 192 = 128 + 64 (not loadable by transformers' dequantization, see above)
     "llama_partial": dict(model_type="llama", hidden_size=192, intermediate_size=320, num_attention_heads=3,
                           num_key_value_heads=1, head_dim=64, rope_theta=10000.0),

@@ -33,7 +33,7 @@ from tests.tiny_models import (
 )
 
 NEW_TOKENS = 64
-GOLDEN_FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
+GOLDEN_FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "gemma3")
 # kept in their float dtype by the qwen3_moe checkpoint's modules_to_not_convert (besides lm_head, routers)
 KEEP_FLOAT = ("model.layers.0.self_attn.o_proj", "model.layers.2.mlp.experts")
 
@@ -174,7 +174,7 @@ def test_partial_blocks_equal_the_dequantized_float_checkpoint(tmp_path: Path) -
 # ---- --quantization fp8 -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3"])
 def test_quantization_flag_equals_the_prequantized_checkpoint(tmp_path: Path, family: str) -> None:
     """A bf16 checkpoint with --quantization fp8 holds the FP8 weights and scales the pre-quantized release of
     the same weights ships (bit for bit), and gives its logits and 64 greedy tokens exactly."""
@@ -390,3 +390,46 @@ def test_fused_projections_stack_fp8_blocks_where_they_align(fp8_dir, tmp_path: 
     layer = partial.model.model.layers[0]
     assert layer.self_attn.qkv_proj is None and isinstance(layer.self_attn.q_proj, fp8.Fp8Linear)
     assert layer.mlp.gate_up_proj is None  # 320 = 2.5 blocks
+
+
+def test_quantization_flag_on_gpt_oss_experts(tmp_path: Path) -> None:
+    """gpt-oss (experts stored interleaved [E, H, 2I], biases, attention sinks) with --quantization fp8: each
+    tensor is quantized after the loader puts it in the model's layout, so the engine equals, bit for bit, the
+    engine on a float checkpoint whose weights are the reference quantizer's round trip in that layout (gate
+    rows then up rows, [E, 2I, H]; down [E, H, I]), put back in the checkpoint's layout."""
+    from tests.tiny_models import MOE_FAMILIES
+
+    original = tmp_path / "float"
+    _save_random({**COMMON, **MOE_FAMILIES["gpt_oss"], "intermediate_size": 128}, original, seed=0)
+    tensors = load_file(original / "model.safetensors")
+
+    def round_trip(w: torch.Tensor) -> torch.Tensor:
+        return dequantize_reference(*quantize_reference(w))
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(".experts.gate_up_proj"):  # [E, H, 2I], gate/up alternating columns
+            model = torch.cat([t.transpose(1, 2)[:, 0::2], t.transpose(1, 2)[:, 1::2]], dim=1)  # [E, 2I, H]
+            model = torch.stack([round_trip(e) for e in model])
+            back = torch.empty_like(model)
+            half = model.shape[1] // 2
+            back[:, 0::2], back[:, 1::2] = model[:, :half], model[:, half:]
+            out[name] = back.transpose(1, 2).contiguous()
+        elif name.endswith(".experts.down_proj"):  # [E, I, H]
+            out[name] = torch.stack([round_trip(e) for e in t.transpose(1, 2)]).transpose(1, 2).contiguous()
+        elif name.endswith(".weight") and t.dim() == 2 and name.startswith("model.layers.") and ".router." not in name:
+            out[name] = round_trip(t)
+        else:
+            out[name] = t
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    save_file(out, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    (dense / "config.json").write_text((original / "config.json").read_text())
+
+    quantized, reference = small_engine(original, quantization="fp8"), small_engine(dense)
+    layer = quantized.model.model.layers[0]
+    assert layer.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert isinstance(layer.self_attn.q_proj, fp8.Fp8Linear) and layer.self_attn.q_proj.bias is not None
+    prompts = random_prompts([30, 70], seed=6)
+    for a, b in zip(prompt_logits(quantized, prompts), prompt_logits(reference, prompts)):
+        assert torch.equal(a, b)
