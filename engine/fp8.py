@@ -47,7 +47,9 @@ _ACCEPTED: dict[str, tuple[Any, ...]] = {
     "activation_scheme": ("dynamic",),
     "weight_block_size": ([BLOCK, BLOCK],),
     "fmt": ("e4m3",),
-    "scale_fmt": ("float",),
+    # "ue8m0" (DeepSeek-V3.1): the scales are powers of two, still stored as float32 tensors; the loader refuses
+    # scales stored as bytes
+    "scale_fmt": ("float", "ue8m0"),
 }
 _IGNORED = ("modules_to_not_convert",)  # read separately; a list of module names
 
@@ -99,7 +101,7 @@ def fp8_format(quantization_config: Any, quantization: str | None) -> Fp8Format 
                 "scales are not implemented",
                 "weight_block_size": f"FP8 weights load in {BLOCK}x{BLOCK} blocks only",
                 "fmt": "FP8 weights are float8_e4m3fn",
-                "scale_fmt": "the scales are float32",
+                "scale_fmt": "the scales are float32 values",
             }.get(key, "")
             raise InvalidRequestError(
                 f"quantization_config.{key} {q[key]!r} is not supported: one of {list(_ACCEPTED[key])} ({reason})"
@@ -139,7 +141,8 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 values [..., N, K] and their block scales -> the weight in dtype: float32(W8) * scale, then cast."""
     n, k = w8.shape[-2:]
-    scale = scale_inv.float().repeat_interleave(BLOCK, dim=-2)[..., :n, :]  # [..., N, K/B]
+    *lead, rows, cols = scale_inv.shape
+    scale = scale_inv.float()[..., None, :].expand(*lead, rows, BLOCK, cols).flatten(-3, -2)[..., :n, :]  # [..., N, K/B]
     w = w8.float()
     full, rem = divmod(k, BLOCK)
     if full:

@@ -334,6 +334,8 @@ def _load_safetensors(model: CausalLM, folder: Path) -> None:
                     t = to_model_layout(layout, name, t)
                 if t.shape != dest.shape:
                     raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} != model {tuple(dest.shape)}")
+                if name.endswith(fp8.SCALE_SUFFIX) and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise ValueError(f"{key}: block scales stored as {t.dtype}; the engine reads float scales only")
                 if fp8.is_fp8(t) and not fp8.is_fp8(dest):
                     raise ValueError(f"{key}: FP8 values without their {key}{fp8.SCALE_SUFFIX} in the checkpoint")
                 if fp8.is_fp8(dest) and not fp8.is_fp8(t):  # --quantization fp8: quantized as it loads

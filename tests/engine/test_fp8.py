@@ -235,7 +235,7 @@ def test_dummy_fp8_weights_generate() -> None:
         ({"weight_block_size": None}, "weight_block_size"),
         ({"activation_scheme": "static"}, "activation_scheme"),
         ({"fmt": "e5m2"}, "fmt"),
-        ({"scale_fmt": "ue8m0"}, "scale_fmt"),
+        ({"scale_fmt": "mx"}, "scale_fmt"),
         ({"kv_cache_scheme": {"type": "float"}}, "kv_cache_scheme"),
         ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
     ],
@@ -263,11 +263,19 @@ def test_bad_fp8_tensors_and_flag_are_refused(fp8_dir, tmp_path: Path) -> None:
     no_scale = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight_scale_inv"}
     with pytest.raises(ValueError, match="FP8 values without their model.layers.1.mlp.up_proj.weight_scale_inv"):
         engine_with(no_scale)
+    byte_scales = {**tensors, "model.layers.1.mlp.up_proj.weight_scale_inv": torch.full((3, 2), 127, dtype=torch.uint8)}
+    with pytest.raises(ValueError, match="block scales stored as torch.uint8"):
+        engine_with(byte_scales)  # MXFP8's e8m0 bytes
     scaled_norm = {**tensors, "model.norm.weight_scale_inv": torch.ones(1, 1)}
     with pytest.raises(InvalidRequestError, match="model.norm.weight_scale_inv"):
         engine_with(scaled_norm)
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model=str(folder), quantization="int8")
+    # DeepSeek-V3.1's "scale_fmt": "ue8m0" (power-of-two scales, stored as float32) loads
+    (tmp_path / "config.json").write_text(config.replace('"fmt": "e4m3",', '"fmt": "e4m3", "scale_fmt": "ue8m0",'))
+    assert "ue8m0" in (tmp_path / "config.json").read_text()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    assert isinstance(small_engine(tmp_path).model.model.layers[0].self_attn.q_proj, fp8.Fp8Linear)
 
     narrow = tmp_path / "narrow"  # experts 32 wide: gate and up blocks would not stack
     _save_random({**COMMON, **FP8_FAMILIES["qwen3_moe"], "moe_intermediate_size": 32}, narrow, seed=0)
