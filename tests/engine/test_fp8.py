@@ -206,6 +206,17 @@ def test_quantization_flag_equals_the_prequantized_checkpoint(tmp_path: Path, fa
     assert not torch.equal(prompt_logits(plain, [prompt])[0], prompt_logits(quantized, [prompt])[0])
 
 
+def test_dummy_weights_of_an_fp8_config_keep_modules_to_not_convert(fp8_dir) -> None:
+    """--load-format dummy on an FP8 release's config: the projections FP8, what modules_to_not_convert lists
+    (and lm_head, the routers) float."""
+    eng = small_engine(fp8_dir("qwen3_moe"), load_format="dummy")
+    layers = eng.model.model.layers
+    assert isinstance(layers[1].self_attn.o_proj, fp8.Fp8Linear) and isinstance(layers[1].mlp.up_proj, fp8.Fp8Linear)
+    assert layers[3].mlp.experts.down_proj.dtype == torch.float8_e4m3fn
+    assert layers[0].self_attn.o_proj.weight.dtype == layers[2].mlp.experts.down_proj.dtype == torch.float32
+    assert eng.model.lm_head.weight.dtype == layers[0].mlp.gate.weight.dtype == torch.float32
+
+
 def test_dummy_fp8_weights_generate() -> None:
     """--load-format dummy with --quantization fp8 (benchmarks' FP8 models of real shapes): FP8 weights drawn
     and quantized, no NaN, tokens generated; the experts of a MoE too."""
