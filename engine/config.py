@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.fp8 import QUANTIZATIONS
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -103,6 +105,15 @@ class EngineConfig:
         default="auto",
         metadata={"help": "auto | dummy (random weights from config.json alone: smoke tests)", "choices": LOAD_FORMATS},
     )
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "fp8: quantize a float checkpoint's projections (attention, MLP, experts) to block-scaled FP8 "
+            "as they load (128x128 blocks, the format FP8 releases ship in); an FP8 checkpoint loads as FP8 "
+            "without it",
+            "choices": QUANTIZATIONS,
+        },
+    )
     block_size: int = field(default=128, metadata={"help": "tokens per KV page (one page = one KV block)"})
     max_model_len: int | None = field(
         default=None, metadata={"help": "prompt + output tokens; default: the model's max positions, at most 32768"}
@@ -170,6 +181,8 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.eplb_interval < 0:

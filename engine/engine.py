@@ -37,6 +37,7 @@ from engine.engine_stats import engine_stats
 from engine.eplb import RebalanceStats, rebalance_layer
 from engine.errors import InvalidRequestError
 from engine.faults import raise_if_fatal
+from engine.fp8 import fp8_format
 from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import SequenceExport
 from engine.handoff_io import Alloc, HandoffIO
@@ -76,8 +77,10 @@ class LLMEngine:
         self.eos_token_ids: set[int] = generation_eos_ids(folder, hf)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self.max_model_len = config.max_model_len or min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        self.fp8_format = fp8_format(getattr(hf, "quantization_config", None), config.quantization)
         self.model = build_model(
-            self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy", config.seed
+            self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy",
+            config.seed, self.fp8_format,
         )
         self.numerics = self._pick_numerics()
         self.layout = layout_of(self.arch, config.block_size, self.dtype)

@@ -65,9 +65,10 @@ def rebalance_layer(moe: SparseMoE, ep: ExpertGroup) -> int:
         return 0
     at_new = {slot: e for e, slot in enumerate(new)}  # physical slot -> logical expert
     mine = range(ep.rank * per, (ep.rank + 1) * per)
-    # every stacked expert tensor (weights, and gpt-oss's biases), side by side: [per, expert's values]
+    # every stacked expert tensor (weights, gpt-oss's biases, FP8 weights' scales), side by side as bytes (their
+    # dtypes differ): [per, expert's bytes]
     parts = [p.data for p in moe.experts.parameters()]
-    flat = torch.cat([t.flatten(1) for t in parts], dim=1)
+    flat = torch.cat([t.flatten(1).view(torch.uint8) for t in parts], dim=1)
     # what this rank sends: its experts, by destination rank then destination slot
     sends, send_rows = [0] * ep.size, []
     for slot in range(ep.size * per):
@@ -83,7 +84,7 @@ def rebalance_layer(moe: SparseMoE, ep: ExpertGroup) -> int:
     got = ep.all_to_all(flat[send_rows], sends, recvs)
     moved = torch.empty_like(flat)
     moved[torch.tensor([s - ep.rank * per for s in incoming], device=device)] = got
-    for t, cols in zip(parts, moved.split([t[0].numel() for t in parts], dim=1)):
-        t.copy_(cols.view_as(t))
+    for t, cols in zip(parts, moved.split([t[0].numel() * t.element_size() for t in parts], dim=1)):
+        t.copy_(cols.contiguous().view(t.dtype).view_as(t))
     placement.copy_(torch.tensor(new, device=placement.device))
     return sum(old[e] // per != new[e] // per for e in range(len(old)))

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import fp8
 from engine.attention import AttnSpec, sdpa_attend, tiled_attend
 from engine.context import ForwardContext, SeqChunk, current_context, get_context
 from engine.model_config import ModelArch
@@ -124,9 +125,15 @@ class LatentAttention(nn.Module):
         k_rot = rope(compressed[:, None, rank:], cos, sin, self.is_interleaved)
         return torch.cat([torch.cat([q[..., :dn], q_rot], dim=-1).flatten(1), c_kv, k_rot.flatten(1)], dim=1)
 
+    def _kv_b_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """kv_b_proj's weight [H * (Dn + Dv), R] in dtype (default: the model's; an FP8 one dequantized)."""
+        norm_weight = self.kv_a_layernorm.weight  # in the model dtype whatever kv_b_proj holds
+        assert isinstance(norm_weight, torch.Tensor)
+        return fp8.dense_weight(self.kv_b_proj, dtype or norm_weight.dtype)
+
     def _kv_b(self) -> torch.Tensor:
         """kv_b_proj's weight per head: [H, Dn + Dv, R] (W_UK rows, then W_UV rows)."""
-        return self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return self._kv_b_weight().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """Row-local: [n, H * Dn] -> [n, H * R], head h's q_nope through W_UK[h]^T (a latent-space query)."""
@@ -183,7 +190,7 @@ class LatentAttention(nn.Module):
     def _expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [L, R + Dr] -> per-head keys [L, H, Dn + Dr] and values [L, H, Dv] (default mode only)."""
         rank, dn = self.kv_lora_rank, self.qk_nope_head_dim
-        kv = F.linear(latents[:, :rank], self.kv_b_proj.weight).view(latents.shape[0], self.num_heads, -1)
+        kv = F.linear(latents[:, :rank], self._kv_b_weight(latents.dtype)).view(latents.shape[0], self.num_heads, -1)
         k_rot = latents[:, None, rank:].expand(-1, self.num_heads, -1)
         return torch.cat([kv[..., :dn], k_rot], dim=-1), kv[..., dn:]
 

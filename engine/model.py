@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import expert_parallel
+from engine import expert_parallel, fp8
 from engine.attention import AttnSpec, paged_attention
 from engine.context import current_context, get_context
 from engine.mla import LatentAttention
@@ -93,7 +93,7 @@ def linear(lin: nn.Linear, x: torch.Tensor, act: str | None = None) -> torch.Ten
     """lin(x): a decode step's few rows through pdkernels/gemv.py (one kernel, no split-K reduction after
     it), everything else through F.linear. act (CUDA): x is [gate | up] and the input is act(gate) * up
     (fused_ops.silu_mul; inside the GEMV's kernel when it takes x)."""
-    g = _gemv_for(x)
+    g = None if isinstance(lin, fp8.Fp8Linear) else _gemv_for(x)  # FP8: dequantized, through F.linear
     if g is not None:
         return g.gemv(x, lin.weight, lin.bias, act=act, pdl=pdl.active())
     if act is not None:
@@ -102,7 +102,9 @@ def linear(lin: nn.Linear, x: torch.Tensor, act: str | None = None) -> torch.Ten
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One linear whose output is the given linears' outputs side by side."""
+    """One linear whose output is the given linears' outputs side by side (fp8.can_concat must hold)."""
+    if isinstance(linears[0], fp8.Fp8Linear):
+        return fp8.concat(linears)
     has_bias = linears[0].bias is not None
     out_features = sum(lin.out_features for lin in linears)
     with torch.device("meta"):
@@ -168,6 +170,9 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Linear | None = None
 
     def fuse_projections(self) -> None:
+        """q/k/v as one qkv_proj (kept apart where FP8 blocks do not stack: fp8.can_concat)."""
+        if not fp8.can_concat([self.q_proj, self.k_proj, self.v_proj]):
+            return
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
@@ -257,6 +262,9 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Linear | None = None
 
     def fuse_projections(self) -> None:
+        """gate/up as one gate_up_proj (kept apart where FP8 blocks do not stack: fp8.can_concat)."""
+        if not fp8.can_concat([self.gate_proj, self.up_proj]):
+            return
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
@@ -444,9 +452,10 @@ class CausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """The output projection's weight in the model's dtype (an FP8 lm_head dequantized)."""
         if self.arch.tie_word_embeddings:
             return self.model.embed_tokens.weight
-        return self.lm_head.weight
+        return fp8.dense_weight(self.lm_head, self.model.embed_tokens.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm, [tokens, hidden]."""

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.fp8 import fp8_format
 from engine.moe import EXPERT_ACTIVATIONS, ROUTING_KINDS
 
 FULL = "full_attention"
@@ -160,14 +161,7 @@ def arch_from_hf(hf: Any) -> ModelArch:
     model_type = hf.model_type
     if model_type not in _FAMILIES:
         raise InvalidRequestError(f"unsupported model_type {model_type!r}; supported: {sorted(_FAMILIES)}")
-    quantization = getattr(hf, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
-        raise InvalidRequestError(
-            f"quantized checkpoints are not supported: config.json has a quantization_config ({method}); the engine "
-            "loads float weights only, dense and expert alike (FP8 checkpoints such as DeepSeek-V3's release: not "
-            "until FP8 weights are supported; a bf16 conversion loads)"
-        )
+    fp8_format(getattr(hf, "quantization_config", None), None)  # refuses what the engine does not load
     traits = dict(_FAMILIES[model_type])
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads

@@ -54,6 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import fp8
+from engine.errors import InvalidRequestError
 from engine.numerics import Numerics, run_rows
 
 if TYPE_CHECKING:
@@ -199,6 +201,37 @@ class ExpertWeights(nn.Module):
         if has_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        # FP8 weights (engine/fp8.py, to_fp8): the block scales of gate_up_proj and down_proj
+        self.gate_up_proj_scale_inv: nn.Parameter | None = None
+        self.down_proj_scale_inv: nn.Parameter | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.gate_up_proj_scale_inv is not None
+
+    def to_fp8(self) -> None:
+        """Replaces the (not yet loaded) weights with empty FP8 ones and their block scales, on their
+        device. Gate and up rows stack, so the intermediate width must be a whole number of blocks."""
+        intermediate = self.down_proj.shape[2]
+        if intermediate % fp8.BLOCK:
+            raise InvalidRequestError(
+                f"FP8 experts need an expert intermediate size that is a multiple of {fp8.BLOCK} (gate and up "
+                f"blocks stack), not {intermediate}"
+            )
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(old.shape, dtype=fp8.FP8_DTYPE, device=old.device),
+                                             requires_grad=False))  # fmt: skip
+            scale = torch.empty(fp8.scale_shape(old.shape), dtype=torch.float32, device=old.device)
+            setattr(self, name + fp8.SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+
+    def dense(self, name: str, first: int, num: int, dtype: torch.dtype) -> torch.Tensor:
+        """Experts [first, first + num) of `gate_up_proj` or `down_proj` as float weights of dtype (FP8 ones
+        dequantized: only those experts)."""
+        w = getattr(self, name)[first : first + num]
+        if not self.is_fp8:
+            return w
+        return fp8.dequantize(w, getattr(self, name + fp8.SCALE_SUFFIX)[first : first + num], dtype)
 
 
 class ScoreGate(nn.Linear):
@@ -383,7 +416,9 @@ class SparseMoE(nn.Module):
         num_tokens, k = x.shape[0], self.top_k
         weights, experts = self._route(x, numerics)
         self.rows_computed += num_tokens * k
-        kernels = _kernels() if x.is_cuda and self.can_fuse and num_local == self.num_experts else None
+        # FP8 experts: no FP8 grouped kernel yet, they take the dequantizing path below
+        is_fusable = self.can_fuse and num_local == self.num_experts and not self.experts.is_fp8
+        kernels = _kernels() if x.is_cuda and is_fusable else None
         if kernels is not None and numerics in (Numerics.DEFAULT, Numerics.BATCH_INVARIANT):
             return self.fused_experts(kernels, x, experts, weights, numerics is Numerics.BATCH_INVARIANT)
         # dispatch: local ids, others to a sentinel that sorts after them
@@ -419,7 +454,7 @@ class SparseMoE(nn.Module):
         w = self.experts
         # each row's expert among the held ones, for the bias gather (a sentinel row takes the last one's)
         held = (first + sorted_ids.clamp(max=num - 1)) if w.gate_up_proj_bias is not None else None
-        gate_up = grouped_linear(rows, w.gate_up_proj[first : first + num], group_ends, numerics)
+        gate_up = grouped_linear(rows, w.dense("gate_up_proj", first, num, rows.dtype), group_ends, numerics)
         if w.gate_up_proj_bias is not None:
             gate_up = gate_up + w.gate_up_proj_bias[held]
         gate, up = gate_up.chunk(2, dim=-1)
@@ -427,7 +462,7 @@ class SparseMoE(nn.Module):
             h = swiglu_oai(gate, up, self.alpha, self.limit)
         else:
             h = self.act(gate) * up
-        out = grouped_linear(h, w.down_proj[first : first + num], group_ends, numerics)
+        out = grouped_linear(h, w.dense("down_proj", first, num, h.dtype), group_ends, numerics)
         if w.down_proj_bias is not None:
             out = out + w.down_proj_bias[held]
         return out
@@ -489,11 +524,16 @@ class SparseMoE(nn.Module):
     def row_functions(self) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
         """The row-local matmuls forward() runs under the step's numerics, with their input widths (for
         the deterministic-mode probe); every expert has the shapes of expert 0."""
-        gate_up, down = self.experts.gate_up_proj[0], self.experts.down_proj[0]
+        w = self.experts
+        gate_up, down = w.gate_up_proj[0], w.down_proj[0]
+
+        def expert0(name: str, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, w.dense(name, 0, 1, x.dtype)[0])
+
         fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = [
             (self.router_logits, [self.router_linear.in_features]),
-            (partial(F.linear, weight=gate_up), [gate_up.shape[1]]),
-            (partial(F.linear, weight=down), [down.shape[1]]),
+            (partial(expert0, "gate_up_proj"), [gate_up.shape[1]]),
+            (partial(expert0, "down_proj"), [down.shape[1]]),
         ]
         if self.shared_experts is not None:
             fns.append((self.shared_experts, [self.router_linear.in_features]))

@@ -54,8 +54,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _save_random(spec: dict[str, Any], folder: Path, seed: int) -> None:
-    """A random model of spec (model_type and config fields), saved by save_pretrained in float32."""
+def _save_random(spec: dict[str, Any], folder: Path, seed: int, dtype: torch.dtype = torch.float32) -> None:
+    """A random model of spec (model_type and config fields), saved by save_pretrained in dtype (drawn in
+    float32)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(spec)
@@ -73,7 +74,7 @@ def _save_random(spec: dict[str, Any], folder: Path, seed: int) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
-    model.save_pretrained(str(folder))
+    model.to(dtype).save_pretrained(str(folder))
 
 
 def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
@@ -122,14 +123,17 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def make_servable(family: str, folder: Path, tokenizer_from: Path, seed: int = 0) -> Path:
-    """A tiny random model of `family` (FAMILIES or MOE_FAMILIES) that a server can load: the vocabulary,
-    special ids and tokenizer files (chat template included) of the checkpoint at tokenizer_from."""
+def make_servable(
+    family: str, folder: Path, tokenizer_from: Path, seed: int = 0, families: dict[str, dict[str, Any]] | None = None
+) -> Path:
+    """A tiny random model of `family` (FAMILIES or MOE_FAMILIES, or the given families) that a server can
+    load: the vocabulary, special ids and tokenizer files (chat template included) of the checkpoint at
+    tokenizer_from."""
     import json
     import shutil
 
     small = json.loads((tokenizer_from / "config.json").read_text())
-    spec = {**COMMON, **(FAMILIES.get(family) or MOE_FAMILIES[family])}
+    spec = {**COMMON, **(families[family] if families else FAMILIES.get(family) or MOE_FAMILIES[family])}
     for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
         if small.get(key) is not None:
             spec[key] = small[key]
@@ -138,3 +142,107 @@ def make_servable(family: str, folder: Path, tokenizer_from: Path, seed: int = 0
         if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
             shutil.copy(f, folder / f.name)
     return folder
+
+
+# ---- FP8 checkpoints (engine/fp8.py's format, as FP8 releases ship it) --------------------------------
+
+FP8_BLOCK = 128
+
+# Shapes whose weights span several 128x128 blocks; every dimension is below 128 or a multiple of it, as
+# transformers' FP8 dequantization infers the block size from the scale grid's shape
+FP8_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", hidden_size=256, intermediate_size=384, head_dim=64, rope_theta=10000.0),
+    "qwen3": dict(model_type="qwen3", hidden_size=256, intermediate_size=384, head_dim=64, rope_theta=10000.0),
+    # experts 128 wide (gate and up blocks stack), layer 1 dense
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", hidden_size=256, intermediate_size=384, head_dim=64, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True, mlp_only_layers=[1],
+        decoder_sparse_step=1, rope_theta=10000.0,
+    ),
+    "deepseek_v3": {**MOE_FAMILIES["deepseek_v3"], "moe_intermediate_size": 128, "intermediate_size": 256},
+    "gemma3": FAMILIES["gemma3_hybrid"],  # sliding and full layers, tied embeddings, sandwich norms
+    # partial blocks everywhere: 192 = 128 + 64 (not loadable by transformers' dequantization, see above)
+    "llama_partial": dict(model_type="llama", hidden_size=192, intermediate_size=320, num_attention_heads=3,
+                          num_key_value_heads=1, head_dim=64, rope_theta=10000.0),
+}  # fmt: skip
+
+
+def quantize_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] as FP8 releases store it, block by block: each 128x128 block (the last ones partial)
+    divided by scale_inv = its largest magnitude / 448 (1 for an all-zero block), as float8_e4m3fn; and the
+    float32 scale_inv [ceil(N/128), ceil(K/128)]."""
+    w = w.float()
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    rows, cols = -(-w.shape[0] // FP8_BLOCK), -(-w.shape[1] // FP8_BLOCK)
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.empty(rows, cols, dtype=torch.float32)
+    for i in range(rows):
+        for j in range(cols):
+            at = (slice(i * FP8_BLOCK, (i + 1) * FP8_BLOCK), slice(j * FP8_BLOCK, (j + 1) * FP8_BLOCK))
+            amax = w[at].abs().max()
+            scale = amax / fp8_max if amax > 0 else torch.tensor(1.0)
+            scale_inv[i, j] = scale
+            q[at] = (w[at] / scale).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+    return q, scale_inv
+
+
+def dequantize_reference(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """float32 weight of quantize_reference's output: each FP8 value times its block's scale_inv."""
+    scale = scale_inv.repeat_interleave(FP8_BLOCK, 0)[: q.shape[0]].repeat_interleave(FP8_BLOCK, 1)[:, : q.shape[1]]
+    return q.float() * scale
+
+
+def is_fp8_weight(name: str, t: torch.Tensor, keep_float: tuple[str, ...]) -> bool:
+    """Whether an FP8 release quantizes this tensor: a decoder layer's projection weight, MoE routers and
+    modules_to_not_convert excepted."""
+    module = name.removesuffix(".weight")
+    is_router = module.endswith((".mlp.gate", ".mlp.router"))
+    kept = any(f".{m}." in f".{module}." for m in keep_float)
+    return name.startswith("model.layers.") and name.endswith(".weight") and t.dim() == 2 and not (is_router or kept)
+
+
+def to_fp8_checkpoint(
+    folder: Path, dest: Path, keep_float: tuple[str, ...] = (), also: tuple[str, ...] = ()
+) -> Path:
+    """The checkpoint at folder (save_pretrained's) rewritten into dest as an FP8 release: quantize_reference
+    on every is_fp8_weight tensor (`<name>` float8_e4m3fn + `<name>_scale_inv` float32), the rest as saved,
+    and config.json's quantization_config in the releases' form (lm_head, the routers and keep_float listed
+    in modules_to_not_convert; `also`: tensors quantized besides, e.g. "lm_head.weight", which leaves lm_head off
+    that list). Other files are copied."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, dest / f.name)
+    out: dict[str, torch.Tensor] = {}
+    routers = []
+    for name, t in load_file(folder / "model.safetensors").items():
+        if name.endswith((".mlp.gate.weight", ".mlp.router.weight")):
+            routers.append(name.removesuffix(".weight"))
+        if is_fp8_weight(name, t, keep_float) or name in also:
+            out[name], out[name + "_scale_inv"] = quantize_reference(t)
+        else:
+            out[name] = t
+    save_file(out, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+        "modules_to_not_convert": [*(["lm_head"] if "lm_head.weight" not in also else []), *sorted(routers),
+                                   *keep_float],
+    }  # fmt: skip
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def make_tiny_fp8(
+    family: str, folder: Path, seed: int = 0, keep_float: tuple[str, ...] = (), also: tuple[str, ...] = ()
+) -> Path:
+    """A random tiny model of FP8_FAMILIES[family] saved as an FP8 release (to_fp8_checkpoint) in folder; its
+    float32 original in folder/"float"."""
+    original = folder / "float"
+    _save_random({**COMMON, **FP8_FAMILIES[family]}, original, seed)
+    return to_fp8_checkpoint(original, folder, keep_float, also)

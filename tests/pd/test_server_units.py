@@ -499,7 +499,7 @@ USER_FLAGS: dict[str, object] = {
     "--kv-host": "127.0.0.1", "--kv-advertise-host": None, "--kv-port-base": 8900, "--transport": "tcp",
     "--ipc-arena-gb": 4.0, "--handoff-lease-s": 30.0, "--prefill-timeout-s": 600.0,
     "--fallback-local-prefill": False, "--max-queued-requests": 256, "--queue-timeout-s": 120.0,
-    "--cluster-token-file": None,
+    "--cluster-token-file": None, "--quantization": None,
 }  # fmt: skip
 
 
@@ -556,6 +556,7 @@ def test_flags_are_the_settings_fields():
         ["--prefill-sdpa", "fast"],
         ["--accept-transports", "tcp,udp"],
         ["--dp", "two"],
+        ["--quantization", "int8"],
     ],
 )
 def test_a_misspelled_flag_is_an_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -573,7 +574,10 @@ def test_a_bad_value_is_an_error():
 def test_rank_configs_are_typed_and_strict():
     """What a rank is told (--engine-config, --role-config): the codec's encoding of EngineConfig and
     RoleConfig, decoded as it was sent; an unknown, renamed or mistyped key is an error."""
-    cfg = ServerConfig.from_argv(["--role", "ce", "--deterministic", "--prefill-sdpa", "off", "--kv-cache-gb", "1"])
+    cfg = ServerConfig.from_argv(
+        ["--role", "ce", "--deterministic", "--prefill-sdpa", "off", "--kv-cache-gb", "1", "--quantization", "fp8"]
+    )
+    assert cfg.engine.quantization == "fp8"
     engine_json, role_json = json.dumps(to_wire(cfg.engine)), json.dumps(to_wire(cfg.role_config(1)))
     assert read_configs(engine_json, role_json) == (cfg.engine, cfg.role_config(1))
     assert read_configs(engine_json, None) == (cfg.engine, None)

@@ -1,0 +1,211 @@
+"""FP8 weights, block-scaled, as DeepSeek-V3/R1 and the Qwen3 `*-FP8` releases ship them.
+
+A quantized weight W [..., N, K] is stored as `float8_e4m3fn` values plus one float32 `weight_scale_inv`
+per BLOCK x BLOCK block, [..., ceil(N / BLOCK), ceil(K / BLOCK)] (the last row and column of blocks may
+be partial):
+
+    W[n, k] = float(W8[n, k]) * scale_inv[n // BLOCK, k // BLOCK]
+
+config.json says so with `quantization_config` = {"quant_method": "fp8", "activation_scheme": "dynamic",
+"weight_block_size": [128, 128]} (optionally "fmt": "e4m3" and "modules_to_not_convert"); `fp8_format`
+accepts exactly that and refuses anything else, naming the field.
+
+Which modules hold FP8 weights (`Fp8Plan`): for a pre-quantized checkpoint, those whose weight has a
+`weight_scale_inv` in the checkpoint (the modules the config lists in modules_to_not_convert ship in
+their float dtype and stay so); for `--quantization fp8` on a float checkpoint, or dummy weights, every
+projection of the decoder layers (attention, dense MLP, experts, shared experts) except the MoE routers and
+modules_to_not_convert; embeddings, norms and lm_head stay in the model's dtype.
+
+Compute: `Fp8Linear` and a MoE layer's FP8 experts dequantize their weight block-wise to the activations'
+dtype at every matmul (float32 products of the FP8 value and its scale, then one rounding to the compute
+dtype), then run the float matmul the engine runs anyway. The dequantization is elementwise, so a row's
+result does not depend on its batch: deterministic mode holds as for float weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import InvalidRequestError
+
+BLOCK = 128
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+QUANTIZATIONS = ("fp8",)  # EngineConfig.quantization's values
+SCALE_SUFFIX = "_scale_inv"  # "<weight name>_scale_inv", e.g. q_proj.weight_scale_inv, experts.gate_up_proj_scale_inv
+
+# quantization_config keys and the values the engine implements; any other key is refused
+_ACCEPTED: dict[str, tuple[Any, ...]] = {
+    "quant_method": ("fp8",),
+    "activation_scheme": ("dynamic",),
+    "weight_block_size": ([BLOCK, BLOCK],),
+    "fmt": ("e4m3",),
+    # "ue8m0" (DeepSeek-V3.1): the scales are powers of two, still stored as float32 tensors; the loader refuses
+    # scales stored as bytes
+    "scale_fmt": ("float", "ue8m0"),
+}
+_IGNORED = ("modules_to_not_convert",)  # read separately; a list of module names
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """A checkpoint's (or --quantization's) FP8 format: BLOCK x BLOCK e4m3 blocks with float32 scales."""
+
+    is_prequantized: bool  # the checkpoint ships FP8 weights (else: quantized at load)
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def keeps_float(self, module: str) -> bool:
+        """Whether modules_to_not_convert names this module (whole dotted components, anywhere in the name)."""
+        return any(f".{m}." in f".{module}." for m in self.modules_to_not_convert)
+
+
+def fp8_format(quantization_config: Any, quantization: str | None) -> Fp8Format | None:
+    """The FP8 format of a checkpoint whose config.json has quantization_config (None: none), loaded with
+    EngineConfig.quantization; None: float weights. Refuses what the engine does not implement, naming the
+    field."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise InvalidRequestError(f"quantization {quantization!r}: one of {QUANTIZATIONS}")
+    if not quantization_config:
+        return Fp8Format(is_prequantized=False) if quantization == "fp8" else None
+    q = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    method = q.get("quant_method")
+    if method not in _ACCEPTED["quant_method"]:
+        raise InvalidRequestError(
+            f"quantization_config.quant_method {method!r} is not supported: the engine loads float checkpoints and "
+            f"block-scaled FP8 ones (quant_method \"fp8\", weight_block_size [{BLOCK}, {BLOCK}])"
+        )
+    if "weight_block_size" not in q or q["weight_block_size"] is None:
+        raise InvalidRequestError(
+            "quantization_config.weight_block_size is missing: the engine loads block-scaled FP8 only "
+            f"([{BLOCK}, {BLOCK}] blocks, one weight_scale_inv per block), not per-tensor scales"
+        )
+    for key, value in q.items():
+        if key in _IGNORED or value is None and key != "quant_method":
+            continue
+        if key not in _ACCEPTED:
+            raise InvalidRequestError(f"quantization_config.{key} is not supported (the engine knows "
+                                      f"{sorted([*_ACCEPTED, *_IGNORED])})")
+        value = list(value) if isinstance(value, tuple) else value
+        if isinstance(value, str):
+            value = value.lower()
+        if value not in _ACCEPTED[key]:
+            reason = {
+                "activation_scheme": "activations are quantized per token group at run time; static activation "
+                "scales are not implemented",
+                "weight_block_size": f"FP8 weights load in {BLOCK}x{BLOCK} blocks only",
+                "fmt": "FP8 weights are float8_e4m3fn",
+                "scale_fmt": "the scales are float32 values",
+            }.get(key, "")
+            raise InvalidRequestError(
+                f"quantization_config.{key} {q[key]!r} is not supported: one of {list(_ACCEPTED[key])} ({reason})"
+            )
+    skip = q.get("modules_to_not_convert") or ()
+    if not isinstance(skip, (list, tuple)) or not all(isinstance(m, str) for m in skip):
+        raise InvalidRequestError("quantization_config.modules_to_not_convert must be a list of module names")
+    return Fp8Format(is_prequantized=True, modules_to_not_convert=tuple(skip))
+
+
+def scale_shape(shape: Iterable[int]) -> tuple[int, ...]:
+    """A weight's [..., N, K] -> its scales' [..., ceil(N / BLOCK), ceil(K / BLOCK)]."""
+    *lead, n, k = shape
+    return (*lead, math.ceil(n / BLOCK), math.ceil(k / BLOCK))
+
+
+def _blocked(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """w [..., N, K] zero-padded to whole blocks and viewed [..., N/B, B, K/B, B]; with N and K."""
+    n, k = w.shape[-2:]
+    pad_n, pad_k = -n % BLOCK, -k % BLOCK
+    if pad_n or pad_k:
+        w = F.pad(w, (0, pad_k, 0, pad_n))
+    return w.unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, BLOCK)), n, k
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [..., N, K] -> (FP8 values [..., N, K], float32 scale_inv [..., N/B, K/B]), each block
+    scaled so its largest magnitude maps to FP8_MAX (an all-zero block gets scale 1)."""
+    blocks, n, k = _blocked(w.float())
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., N/B, K/B]
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.flatten(-2).flatten(-3, -2)[..., :n, :k]
+    return q.contiguous(), scale_inv
+
+
+def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 values [..., N, K] and their block scales -> the weight in dtype: float32(W8) * scale, then cast."""
+    n, k = w8.shape[-2:]
+    *lead, rows, cols = scale_inv.shape
+    scale = scale_inv.float()[..., None, :].expand(*lead, rows, BLOCK, cols).flatten(-3, -2)[..., :n, :]  # [..., N, K/B]
+    w = w8.float()
+    full, rem = divmod(k, BLOCK)
+    if full:
+        w[..., : full * BLOCK].unflatten(-1, (full, BLOCK)).mul_(scale[..., :full, None])
+    if rem:
+        w[..., full * BLOCK :].mul_(scale[..., full:])
+    return w.to(dtype)
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear with an FP8 weight [out, in] and its block scales `weight_scale_inv` (bias, if any, in the
+    model's dtype): forward() dequantizes the weight to x's dtype and runs F.linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | None = None) -> None:
+        with torch.device("meta"):
+            super().__init__(in_features, out_features, bias=bias)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)  # fmt: skip
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(scale_shape((out_features, in_features)), dtype=torch.float32, device=device),
+            requires_grad=False,
+        )
+
+    @classmethod
+    def like(cls, lin: nn.Linear) -> Fp8Linear:
+        """An empty Fp8Linear of lin's shape on lin's device; lin's bias (already loaded or not) kept."""
+        out = cls(lin.in_features, lin.out_features, False, lin.weight.device)
+        out.bias = lin.bias
+        return out
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale_inv, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+
+
+def dense_weight(lin: nn.Linear, dtype: torch.dtype) -> torch.Tensor:
+    """lin's weight as a float tensor of dtype (dequantized for an Fp8Linear; as stored otherwise)."""
+    return lin.dense_weight(dtype) if isinstance(lin, Fp8Linear) else lin.weight
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype == FP8_DTYPE
+
+
+def can_concat(linears: list[nn.Linear]) -> bool:
+    """Whether these linears' weights can be stacked along the output rows (engine/model.py fuse_linears):
+    all float, or all FP8 with every output width but the last a whole number of blocks (so the scale rows
+    stack too)."""
+    kinds = {isinstance(lin, Fp8Linear) for lin in linears}
+    if kinds == {False}:
+        return True
+    return kinds == {True} and all(lin.out_features % BLOCK == 0 for lin in linears[:-1])
+
+
+def concat(linears: list[nn.Linear]) -> Fp8Linear:
+    """One Fp8Linear whose output is the given FP8 linears' outputs side by side (can_concat holds)."""
+    first = linears[0]
+    out = Fp8Linear(first.in_features, sum(lin.out_features for lin in linears), False, first.weight.device)
+    out.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+    scales: list[torch.Tensor] = [lin.weight_scale_inv for lin in linears if isinstance(lin, Fp8Linear)]
+    out.weight_scale_inv = nn.Parameter(torch.cat(scales), requires_grad=False)
+    if first.bias is not None:
+        out.bias = nn.Parameter(torch.cat([lin.bias for lin in linears if lin.bias is not None]), requires_grad=False)
+    return out

@@ -1,0 +1,140 @@
+"""Block-scaled FP8 matrix product (Triton), as vLLM's and SGLang's `w8a8_block_fp8_matmul` compute it:
+C = dequant(A8) @ dequant(W8).T, where
+
+    W8 [N, K] float8_e4m3fn, w_scale_inv [ceil(N/128), ceil(K/128)]: W[n, k] = W8[n, k] * w_scale_inv[n/128, k/128]
+    A8 [M, K] float8_e4m3fn, a_scale [M, ceil(K/128)]: A[m, k] = A8[m, k] * a_scale[m, k/128]
+
+The activations are quantized on the fly, per token and group of 128 columns (`per_token_group_quant`:
+scale = max(|group|, eps) / 448, values = clamp(x / scale) as e4m3, the "dynamic" activation scheme of
+the FP8 releases). The product runs one 128-wide K block at a time: the FP8 tiles' product accumulates
+exactly in float32 on the tensor cores, then is scaled by the row's activation scale and the column's
+weight scale of that K block and added to a float32 accumulator:
+
+    acc[m, n] = sum over k-blocks b of (A8[m, b] . W8[n, b]) * a_scale[m, b] * w_scale_inv[n / 128, b]
+
+BLOCK_K is the quantization block (128) so each K step has one scale per row and column; BLOCK_N divides
+128 so a column tile lies in one block row of W. Not batch-invariant (M decides nothing here, but the
+launch's tile per shape is a plain heuristic, not a fixed function of (N, K) as pdkernels/bi_matmul.py's):
+the engine's deterministic mode does not take it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128  # the quantization block of weights and activations
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+EPS = 1e-10  # the smallest group maximum a scale is computed from (an all-zero group gets a tiny scale)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_groups, eps, fp8_max, GROUP_SIZE: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    cols = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), eps) / fp8_max
+    q = tl.clamp(x / scale, -fp8_max, fp8_max)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * num_groups + g, scale)
+
+
+def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (any float dtype) -> (x8 [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32).
+
+    NOTE: under TRITON_INTERPRET the kernel stores the scaled values in float32 and torch casts them: Triton
+    3.6's interpreter rounds float32 to e4m3 wrongly where the rounding carries into the exponent (31.9 became
+    16, not 32), which the GPU's conversion does not."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"per_token_group_quant takes [M, K] with unit column stride, got {tuple(x.shape)}")
+    m, k = x.shape
+    num_groups = triton.cdiv(k, GROUP)
+    is_interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    q = torch.empty(m, k, dtype=torch.float32 if is_interpreted else torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    if m:
+        _quant_kernel[(m, num_groups)](x, q, scales, k, x.stride(0), q.stride(0), num_groups, EPS, FP8_MAX, GROUP)
+    return q.to(torch.float8_e4m3fn), scales
+
+
+@triton.jit
+def _block_fp8_matmul_kernel(
+    a_ptr, w_ptr, c_ptr, a_s_ptr, w_s_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_wn, stride_cm,
+    num_k_groups: tl.constexpr,  # a weight's shape: one compile per K (also what Triton's interpreter can loop over)
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    w_s_row = (pid_n * BLOCK_N) // BLOCK_K  # the column tile's block row of W (BLOCK_N divides BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, num_k_groups):
+        k = kb * BLOCK_K + ks
+        k_ok = k < K
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        a_s = tl.load(a_s_ptr + rows * num_k_groups + kb, mask=row_ok, other=0.0)
+        w_s = tl.load(w_s_ptr + w_s_row * num_k_groups + kb)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+
+
+def block_fp8_matmul(
+    a8: torch.Tensor,
+    a_scale: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_m: int = 64,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """a8 [M, K] with a_scale [M, ceil(K/128)], w8 [N, K] with w_scale_inv [ceil(N/128), ceil(K/128)]
+    -> [M, N] in out_dtype (+ bias [N]), as the module docstring computes it."""
+    m, k = a8.shape
+    n = w8.shape[0]
+    groups = triton.cdiv(k, GROUP)
+    if w8.shape[1] != k or a_scale.shape != (m, groups) or w_scale_inv.shape != (triton.cdiv(n, GROUP), groups):
+        raise ValueError(
+            f"block_fp8_matmul: a {tuple(a8.shape)} scales {tuple(a_scale.shape)}, w {tuple(w8.shape)} scales "
+            f"{tuple(w_scale_inv.shape)} do not fit 128-blocks"
+        )
+    if GROUP % block_n or a8.stride(1) != 1 or w8.stride(1) != 1:
+        raise ValueError("block_n must divide 128, and a8 and w8 need unit column strides")
+    out = torch.empty(m, n, dtype=out_dtype, device=a8.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _block_fp8_matmul_kernel[grid](
+        a8, w8, out, a_scale.contiguous(), w_scale_inv.contiguous(), bias if bias is not None else out,
+        m, n, k, a8.stride(0), w8.stride(0), out.stride(0), groups,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
+    )  # fmt: skip
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor, w8: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] through an FP8 weight: x quantized per token group of 128, block_fp8_matmul, in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    a8, a_scale = per_token_group_quant(x2)
+    out = block_fp8_matmul(a8, a_scale, w8, w_scale_inv, bias, out_dtype=x.dtype)
+    return out.view(*x.shape[:-1], w8.shape[0])

@@ -1,0 +1,79 @@
+"""The block-scaled FP8 product (pdkernels/fp8_gemm.py) against float64 references: the activations'
+per-token-group quantization (scales = group max / 448; values within e4m3's rounding), and the product of
+quantized activations by an FP8 weight with 128x128 block scales against the dequantized operands'
+product, with ragged M, N and K (partial blocks), a bias, and N tiles narrower than a block. Skipped
+without CUDA; TRITON_INTERPRET=1 runs it on the CPU at these small shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu_support import DEVICE, require_triton
+
+require_triton()
+
+from engine.fp8 import dequantize, quantize  # noqa: E402
+from pdkernels.fp8_gemm import block_fp8_matmul, fp8_linear, per_token_group_quant  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+IS_CUDA = DEVICE.type == "cuda"
+SHAPES = [(1, 96, 128), (5, 200, 300), (70, 256, 256)] + ([(256, 4096, 4096), (3, 1000, 1500)] if IS_CUDA else [])
+
+
+def _group_scales(scales: torch.Tensor, k: int) -> torch.Tensor:
+    return scales.repeat_interleave(128, dim=1)[:, :k]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_per_token_group_quant(m: int, n: int, k: int) -> None:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).to(DEVICE) * 3
+    if m > 1:
+        x[1, :128] = 0.0  # an all-zero group
+    q, scales = per_token_group_quant(x)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (m, -(-k // 128))
+    groups = torch.nn.functional.pad(x.double(), (0, -k % 128)).view(m, -1, 128)
+    want = groups.abs().amax(-1).clamp(min=1e-10) / 448
+    torch.testing.assert_close(scales.double(), want, rtol=2e-7, atol=0)
+    back = q.double() * _group_scales(scales.double(), k)
+    # e4m3: relative error 2^-4 for normals, subnormal spacing 2^-9 (times the scale)
+    assert ((back - x.double()).abs() <= x.double().abs() * 2**-4 + _group_scales(scales.double(), k) * 2**-9).all()
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_block_fp8_matmul(m: int, n: int, k: int, has_bias: bool, block_n: int) -> None:
+    """Against float64 (dequantized A) @ (dequantized W).T: the kernel's products of FP8 values are exact,
+    so what remains is float32 accumulation across K blocks and the output's rounding."""
+    gen = torch.Generator().manual_seed(n + k)
+    w8, w_scale = (t.to(DEVICE) for t in quantize(torch.randn(n, k, generator=gen) * 0.05))
+    a8, a_scale = per_token_group_quant((torch.randn(m, k, generator=gen) * 2).to(DEVICE))
+    bias = (torch.randn(n, generator=gen)).to(DEVICE) if has_bias else None
+    out_dtype = torch.bfloat16 if IS_CUDA else torch.float32
+    out = block_fp8_matmul(a8, a_scale, w8, w_scale, bias, out_dtype=out_dtype, block_n=block_n)
+    a = a8.double() * _group_scales(a_scale.double(), k)
+    w = dequantize(w8, w_scale, torch.float64)
+    ref = a @ w.t() + (bias.double() if bias is not None else 0)
+    bound = torch.finfo(out_dtype).eps * ref.abs() + 1e-5 * (a.abs() @ w.abs().t()) + 1e-30
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    assert bool(((out.double() - ref).abs() <= bound).all())
+
+
+def test_fp8_linear_and_errors() -> None:
+    """fp8_linear = per_token_group_quant then block_fp8_matmul, leading dims kept; mismatched scales refused."""
+    gen = torch.Generator().manual_seed(3)
+    w8, w_scale = (t.to(DEVICE) for t in quantize(torch.randn(160, 200, generator=gen) * 0.05))
+    x = torch.randn(2, 3, 200, generator=gen).to(DEVICE)
+    out = fp8_linear(x, w8, w_scale)
+    a8, a_scale = per_token_group_quant(x.view(6, 200))
+    assert out.shape == (2, 3, 160)
+    assert torch.equal(out.view(6, 160), block_fp8_matmul(a8, a_scale, w8, w_scale, out_dtype=x.dtype))
+    # and close to the float product: activation and weight rounding of e4m3 (2^-4 relative each)
+    ref = x.view(6, 200).double() @ dequantize(w8, w_scale, torch.float64).t()
+    assert ((out.view(6, 160).double() - ref).abs() <= 0.15 * (x.view(6, 200).double().abs() @ dequantize(
+        w8, w_scale, torch.float64).abs().t())).all()
+    with pytest.raises(ValueError, match="128-blocks"):
+        block_fp8_matmul(a8, a_scale[:, :1], w8, w_scale)
+    with pytest.raises(ValueError, match="block_n"):
+        block_fp8_matmul(a8, a_scale, w8, w_scale, block_n=96)
