@@ -25,6 +25,7 @@ DEFAULT_PORT = 8888
 DEFAULT_PE_PORT = 8889
 DEFAULT_KV_PORT_BASE = 8900
 ROUTING_POLICIES = ("affinity", "least-loaded")
+LOG_FORMATS = ("text", "json")
 ROLES = ("single", "pe", "ce")
 API_KEY_ENV = "PDSERVE_API_KEY"
 PREFILL_ENVELOPE_BYTES = 64 * 1024  # a /prefill body's fields beside the prompt and the client's text
@@ -176,6 +177,13 @@ class ServerConfig:
         default=30.0, metadata={"help": "the longest wait before a rank's restart"}
     )
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
+    log_format: str = field(
+        default="text",
+        metadata={
+            "help": "text, or json: one JSON object per line (time, level, logger, message, request_id)",
+            "choices": LOG_FORMATS,
+        },
+    )
     access_log: bool = field(
         default=False, metadata={"help": "log one line per HTTP request (address, request, status, time, id)"}
     )
@@ -295,6 +303,8 @@ class ServerConfig:
             raise ValueError(f"--ep must be 1 or equal to --dp (one expert-parallel group of every rank), got {self.ep}")
         if self.port is not None and not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

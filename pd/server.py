@@ -324,7 +324,7 @@ def main(
     except ValueError as e:
         print(f"pd.server: {e}", file=sys.stderr)
         return 2
-    install_logging(cfg.log_level)
+    install_logging(cfg.log_level, cfg.log_format)
     return asyncio.run(serve(cfg))
 
 
