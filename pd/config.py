@@ -56,28 +56,34 @@ class Target:
 
 def parse_prefill_urls(value: str) -> list[Target]:
     """The targets of a --prefill-url value (comma-separated); ValueError names the bad entry."""
+    return parse_targets(value, "--prefill-url")
+
+
+def parse_targets(value: str, flag: str) -> list[Target]:
+    """The targets of a list-of-servers flag (--prefill-url, the router's --decode-url): comma-separated
+    http(s)://HOST:PORT and dns+http(s)://NAME:PORT entries; ValueError names the flag and the bad entry."""
     targets: list[Target] = []
     for raw in value.split(","):
         entry = raw.strip().rstrip("/")
         if not entry:
-            raise ValueError(f"--prefill-url has an empty entry: {value!r}")
+            raise ValueError(f"{flag} has an empty entry: {value!r}")
         dns = entry.startswith(DNS_SCHEME)
         parts = urlsplit(entry.removeprefix(DNS_SCHEME))
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
-                f"--prefill-url entry {entry!r} is not http(s)://HOST:PORT or dns+http(s)://NAME:PORT"
+                f"{flag} entry {entry!r} is not http(s)://HOST:PORT or dns+http(s)://NAME:PORT"
             )
         try:
             parts.port  # noqa: B018 (a port out of range raises here)
         except ValueError as e:
-            raise ValueError(f"--prefill-url entry {entry!r}: {e}") from None
+            raise ValueError(f"{flag} entry {entry!r}: {e}") from None
         if parts.path or parts.query or parts.fragment:
-            raise ValueError(f"--prefill-url entry {entry!r} must not have a path")
+            raise ValueError(f"{flag} entry {entry!r} must not have a path")
         if dns and parts.port is None:
-            raise ValueError(f"--prefill-url entry {entry!r} needs a port")
+            raise ValueError(f"{flag} entry {entry!r} needs a port")
         t = Target(entry, dns)
         if t in targets:
-            raise ValueError(f"--prefill-url names {entry!r} twice")
+            raise ValueError(f"{flag} names {entry!r} twice")
         targets.append(t)
     return targets
 

@@ -2,6 +2,7 @@
 
     pdserve serve MODEL [server flags] [--config FILE.yaml]   python -m pd.server --model MODEL ...
     pdserve pd start|stop|status ...                         deploy/pd_run.sh start|stop|status ...
+    pdserve router --decode-url URL[,URL...] [flags]         python -m pd.router.server ...
     pdserve models fetch|list|path ...                       python -m engine.models ...
     pdserve bench load|compare ...                           bench/load/replay.py, bench/load/compare.py
 
@@ -20,6 +21,7 @@ from pathlib import Path
 COMMANDS = {
     "serve": "the OpenAI-compatible server (python -m pd.server; `pdserve serve --help`: its flags)",
     "pd": "a P/D cluster across hosts: start|stop|status (deploy/pd_run.sh)",
+    "router": "an HTTP front over the CEs: conversation affinity, failover (python -m pd.router.server)",
     "models": "the model catalogue: fetch|list|path (python -m engine.models)",
     "bench": "benchmarks against running endpoints: load|compare (bench/load/replay.py, bench/load/compare.py)",
 }
@@ -55,6 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # as `python -m pd.server`: no interpreter teardown once the ranks are stopped
         exit_now(server.main(rest, prog="pdserve serve", is_model_positional=True))
+    if command == "router":
+        from pd.lifecycle import exit_now
+        from pd.router import server as router
+
+        exit_now(router.main(rest, prog="pdserve router"))
     if command == "pd":
         script = pd_run_script()
         if not script.is_file():
