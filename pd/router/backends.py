@@ -5,8 +5,10 @@ Choice: rendezvous (highest-random-weight) hashing of the conversation key over 
 the same function and key the CEs use for the PEs (pd/disagg/prefill_pool.py), so every router replica
 given the same --decode-url list picks the same CE for a conversation without talking to the others, its
 turns meet the CE's decode cache, and a CE going away moves only its own conversations. Bounded load: a
-CE holding ceil((1 + --load-slack) * (all in flight + 1) / CEs up) requests is passed over for the next
-in the conversation's order (reason "overflow"). A request without a key goes to the least loaded CE.
+CE holding max(--load-floor, ceil((1 + --load-slack) * (all in flight + 1) / CEs up)) requests is passed
+over for the next in the conversation's order (reason "overflow"): the floor keeps conversations on their
+CE at low load, where the bound alone would spread them after one request in flight. A request without a
+key goes to the least loaded CE.
 
 Health: each CE's /health/ready is probed every --health-interval-s while it is up and with doubling
 backoff while it is down; a connection that fails under a request marks the CE down at once (the probe
@@ -107,6 +109,7 @@ class BackendPool:
         self,
         decode_url: str,
         load_slack: float,
+        load_floor: int,
         health_interval_s: float,
         dns_refresh_s: float,
         on_state: Callable[[Backend], None] = lambda b: None,
@@ -114,6 +117,7 @@ class BackendPool:
     ) -> None:
         self.targets = parse_targets(decode_url, "--decode-url")
         self.load_slack = load_slack
+        self.load_floor = load_floor
         self.health_interval_s = health_interval_s
         self.dns_refresh_s = dns_refresh_s
         self.on_state = on_state
@@ -194,7 +198,7 @@ class BackendPool:
             ranked.sort(key=lambda b: b.num_inflight)  # stable: ties keep the hash order
             return [(b, "least-loaded") for b in ranked] + fallback
         total = sum(b.num_inflight for b in ranked)
-        capacity = math.ceil((1.0 + self.load_slack) * (total + 1) / len(ranked))
+        capacity = max(self.load_floor, math.ceil((1.0 + self.load_slack) * (total + 1) / len(ranked)))
         first = next((i for i, b in enumerate(ranked) if b.num_inflight < capacity), 0)
         chosen = [(ranked[first], "affinity" if first == 0 else "overflow")]
         rest = [(b, "failover") for i, b in enumerate(ranked) if i != first]

@@ -27,6 +27,13 @@ class RouterConfig:
             "is passed over for the next in its rendezvous order"
         },
     )
+    load_floor: int = field(
+        default=8,
+        metadata={
+            "help": "a CE is passed over for load only when it holds at least this many requests (at low "
+            "load, a conversation stays on its CE)"
+        },
+    )
     health_interval_s: float = field(
         default=2.0, metadata={"help": "seconds between /health/ready probes of a CE that is up"}
     )
@@ -63,8 +70,8 @@ class RouterConfig:
         parse_targets(self.decode_url, "--decode-url")  # raises ValueError naming a bad entry
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.load_slack < 0:
-            raise ValueError(f"--load-slack must be >= 0, got {self.load_slack}")
+        if self.load_slack < 0 or self.load_floor < 0:
+            raise ValueError(f"--load-slack and --load-floor must be >= 0, got {self.load_slack}, {self.load_floor}")
         if min(self.health_interval_s, self.dns_refresh_s, self.connect_timeout_s, self.body_timeout_s) <= 0:
             raise ValueError(
                 "--health-interval-s, --dns-refresh-s, --connect-timeout-s and --body-timeout must be > 0"

@@ -57,7 +57,7 @@ class Router:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self.pool = BackendPool(
-            cfg.decode_url, cfg.load_slack, cfg.health_interval_s, cfg.dns_refresh_s,
+            cfg.decode_url, cfg.load_slack, cfg.load_floor, cfg.health_interval_s, cfg.dns_refresh_s,
             on_state=self._on_state, on_leave=self._on_leave,
         )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
