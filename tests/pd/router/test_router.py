@@ -8,6 +8,7 @@ CE's own, and the choice (replicas agree, load bound, down CEs last)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,7 +18,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +26,7 @@ from pd.api.protocol import parse_chat_request
 from pd.disagg.prefill_pool import hrw_order
 from pd.router.backends import Backend, BackendPool
 from pd.router.key import conversation_key
-from pd.tools.server_process import ServerProcess, free_port, get_json
+from pd.tools.server_process import ServerProcess, free_port, get_json, wait_idle
 from tests.server_fixtures import openai_client
 from tests.tiny_models import make_servable
 
@@ -223,6 +223,17 @@ def test_conversation_keeps_its_ce_then_fails_over(cluster: Cluster) -> None:
     for r in c.routers:
         assert metric(r.url, "pdserve_router_backend_selected_total", backend=home, reason="affinity") == 1
     history += [{"role": "assistant", "content": r2.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+
+    # a client gone mid-stream: the router closes its CE request, the CE aborts it and frees its KV
+    body = json.dumps({"model": MODEL, "messages": history, "max_tokens": 1000, "stream": True,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    req = urllib.request.Request(c.routers[0].url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as stream_resp:
+        assert stream_resp.readline().startswith(b"data: ")
+    ce = c.ces[home]
+    wait_idle(ce.port, host=ce.host, timeout_s=30)
+    assert metric(c.routers[0].url, "pdserve_router_backend_inflight", backend=home) == 0
+    assert served(c, home) - before[home] == 2  # the aborted one is no finished request
 
     # the conversation's CE dies: the next turn is served by the other CE, through either router
     os.killpg(c.ces[home].pid, signal.SIGKILL)
