@@ -160,12 +160,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for h in CE_HOSTS
     ]  # fmt: skip
     decode_url = ",".join(c.url for c in ces)
+    # one replica as `python -m pd.router.server`, probing an up CE once a minute (so that a request finds
+    # the dead CE first: the failover path), the other as `pdserve router`, probing twice a second (its
+    # probe finds it: the CE is left out before a request tries it)
+    replicas = (
+        ((sys.executable, "-m", "pd.router.server"), "60"),
+        ((sys.executable, "-m", "pd.tools.cli", "router"), "0.5"),
+    )
     routers = [
         ServerProcess(
-            "--decode-url", decode_url, "--health-interval-s", "0.5", "--access-log",
-            command=(sys.executable, "-m", "pd.router.server"), host=h, log_path=logs / f"router-{h}.log",
+            "--decode-url", decode_url, "--health-interval-s", interval, "--access-log",
+            command=cmd, host=h, log_path=logs / f"router-{h}.log",
         )
-        for h in ROUTER_HOSTS
+        for h, (cmd, interval) in zip(ROUTER_HOSTS, replicas)
     ]  # fmt: skip
     every = [pe, *ces, *routers]
     try:
@@ -248,9 +255,15 @@ def test_conversation_keeps_its_ce_then_fails_over(cluster: Cluster) -> None:
     assert metric(router, "pdserve_router_backend_selected_total", backend=other, reason="failover") == 1
     assert metric(router, "pdserve_router_backend_up", backend=home) == 0
     assert metric(router, "pdserve_router_requests_total", backend=other, status="200") == 1
-    # and the turn after it stays there (the dead CE is known down now)
+    # and the turn after it stays there, through the replica whose probe saw the CE go
+    deadline = time.monotonic() + 10
+    while metric(c.routers[1].url, "pdserve_router_backend_up", backend=home) != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     r4 = openai_client(c.routers[1].url).chat.completions.create(
         model=MODEL, messages=[*history, {"role": "assistant", "content": r3.choices[0].message.content},
                                {"role": "user", "content": "Go on."}], max_tokens=4, temperature=0,
     )  # fmt: skip
     assert r4.usage.completion_tokens == 4 and served(c, other) - before[other] == 2
+    assert metric(c.routers[1].url, "pdserve_router_failovers_total") == 0
+    assert metric(c.routers[1].url, "pdserve_router_backend_selected_total", backend=other, reason="affinity") == 1
