@@ -12,7 +12,9 @@ import contextvars
 import datetime
 import logging
 import re
+import sys
 import uuid
+from types import TracebackType
 
 import orjson
 
@@ -76,6 +78,15 @@ def install(level: str, log_format: str = "text", rank: int | None = None) -> No
         handler.addFilter(RequestIdFilter())
         if log_format == "json":
             handler.setFormatter(JsonFormatter(rank))
+    if log_format == "json":
+        # what would reach stderr past logging goes through it, so every line stays one JSON object:
+        # Python's warnings, and an exception nothing caught
+        logging.captureWarnings(True)
+        sys.excepthook = _log_uncaught
+
+
+def _log_uncaught(kind: type[BaseException], e: BaseException, tb: TracebackType | None) -> None:
+    logging.getLogger("uncaught").critical("uncaught exception", exc_info=(kind, e, tb))
 
 
 def request_id_of(header: str | None) -> str:

@@ -229,6 +229,9 @@ def test_conversation_keeps_its_ce_then_fails_over(cluster: Cluster) -> None:
     assert metric(home, "pdserve_engine_decode_cache_hit_tokens_total") - hits0 >= 16  # a page at least
     for r in c.routers:
         assert metric(r.url, "pdserve_router_backend_selected_total", backend=home, reason="affinity") == 1
+    # the CE's vLLM-named series count what it served (pd/frontend/vllm_metrics.py)
+    assert metric(home, "vllm:generation_tokens_total", model_name=MODEL, engine="0") == 12 + 6
+    assert metric(home, "vllm:request_success_total", finished_reason="length") == 2
     history += [{"role": "assistant", "content": r2.choices[0].message.content}, {"role": "user", "content": "Why?"}]
 
     # a client gone mid-stream: the router closes its CE request, the CE aborts it and frees its KV
