@@ -15,9 +15,11 @@ import signal
 import socket
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -270,3 +272,40 @@ def test_conversation_keeps_its_ce_then_fails_over(cluster: Cluster) -> None:
     assert r4.usage.completion_tokens == 4 and served(c, other) - before[other] == 2
     assert metric(c.routers[1].url, "pdserve_router_failovers_total") == 0
     assert metric(c.routers[1].url, "pdserve_router_backend_selected_total", backend=other, reason="affinity") == 1
+
+
+def test_no_ce_answers(tmp_path: Path) -> None:
+    """A router whose only CE is not there: /health 503, a request 502 in OpenAI's error shape (after
+    trying it: the probe may not have run yet), a malformed X-Request-Id 400; never a hang or a 500."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = ServerProcess("--decode-url", dead, command=(sys.executable, "-m", "pd.router.server"),
+                      log_path=tmp_path / "router.log")  # fmt: skip
+    r.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if get_json(r.url + "/health/live")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, r.log_tail()
+            time.sleep(0.1)
+        status, body = get_json(r.url + "/health")
+        assert status == 503 and body["decode_engines"][0]["url"] == dead
+        assert get_json(r.url + "/health/ready")[0] == 503
+        chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        for headers, want, code in (
+            ({"X-Request-Id": "ok-1"}, 502, "decode_engines_failed"),
+            ({"X-Request-Id": "not ok"}, 400, "invalid_request_id"),
+        ):
+            req = urllib.request.Request(r.url + "/v1/chat/completions", chat, {"Content-Type": "application/json", **headers})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            assert e.value.code == want
+            assert json.loads(e.value.read())["error"]["code"] == code
+        assert metric(r.url, "pdserve_router_requests_total", backend="none", status="502") == 1
+        assert metric(r.url, "pdserve_router_backend_selected_total", backend=dead, reason="fallback") == 1
+        assert metric(r.url, "pdserve_router_backend_up", backend=dead) == 0
+    finally:
+        r.stop()
