@@ -71,7 +71,9 @@ class RouterConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.load_slack < 0 or self.load_floor < 0:
-            raise ValueError(f"--load-slack and --load-floor must be >= 0, got {self.load_slack}, {self.load_floor}")
+            raise ValueError(
+                f"--load-slack and --load-floor must be >= 0, got {self.load_slack}, {self.load_floor}"
+            )
         if min(self.health_interval_s, self.dns_refresh_s, self.connect_timeout_s, self.body_timeout_s) <= 0:
             raise ValueError(
                 "--health-interval-s, --dns-refresh-s, --connect-timeout-s and --body-timeout must be > 0"

@@ -15,6 +15,7 @@ answer (the client sees the connection close). The router's own routes: /health,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -122,23 +123,28 @@ class Router:
         b.num_inflight += 1
         self.metrics.inflight.labels(b.url).set(b.num_inflight)
         try:
-            try:
-                async with self.session.request(
-                    request.method, b.url + request.path_qs, data=body, headers=headers, timeout=timeout,
-                    allow_redirects=False,
-                ) as upstream:  # fmt: skip
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    upstream = await stack.enter_async_context(
+                        self.session.request(
+                            request.method, b.url + request.path_qs, data=body, headers=headers,
+                            timeout=timeout, allow_redirects=False,
+                        )
+                    )  # fmt: skip
                     # the first bytes of the answer (b"" when it has none) before anything goes to the
                     # client, so that a CE that dies before its first token is failed over
                     first = await upstream.content.readany()
-                    if upstream.status == 503 and not is_last:  # draining, or no engine: the next may serve
-                        raise _Failover(f"answered 503: {first[:200]!r}")
-                    return await self._relay(b, request, upstream, first)
-            except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as e:
-                b.set_state(False, f"{type(e).__name__}: {e}")  # refused or unreachable: down now
-                raise _Failover(f"{type(e).__name__}: {e}") from None
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-                b.poke()  # a probe now, not a verdict: it may have been a stale pooled connection
-                raise _Failover(f"{type(e).__name__}: {e}") from None
+                except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as e:
+                    b.set_state(False, f"{type(e).__name__}: {e}")  # refused or unreachable: down now
+                    raise _Failover(f"{type(e).__name__}: {e}") from None
+                except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                    b.poke()  # a probe now, not a verdict: it may have been a stale pooled connection
+                    raise _Failover(f"{type(e).__name__}: {e}") from None
+                if upstream.status == 503 and not is_last:  # draining, or no engine: the next may serve
+                    raise _Failover(f"answered 503: {first[:200]!r}")
+                # NOTE: outside the handlers above: from here on bytes go to the client, and a client
+                # that went away must never be taken for a CE that failed (nor be retried elsewhere)
+                return await self._relay(b, request, upstream, first)
         finally:
             b.num_inflight -= 1
             self.metrics.inflight.labels(b.url).set(b.num_inflight)
@@ -152,19 +158,23 @@ class Router:
                 out.headers.add(k, v)
         await out.prepare(request)
         self.metrics.requests.labels(b.url, str(upstream.status)).inc()
-        try:
-            if first:
-                await out.write(first)
-            async for chunk in upstream.content.iter_any():
-                await out.write(chunk)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-            # bytes reached the client: the answer cannot move; the client sees its connection close
-            self.metrics.stream_errors.labels(b.url).inc()
-            log.warning("decode engine %s broke off an answer in flight: %s", b.url, e)
-            b.poke()
-            if request.transport is not None:
-                request.transport.close()
-            return out
+        if first:
+            await out.write(first)
+        chunks = upstream.content.iter_any()
+        while True:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                # bytes reached the client: the answer cannot move; the client sees its connection close
+                self.metrics.stream_errors.labels(b.url).inc()
+                log.warning("decode engine %s broke off an answer in flight: %s", b.url, e)
+                b.poke()
+                if request.transport is not None:
+                    request.transport.close()
+                return out
+            await out.write(chunk)  # a client gone raises here, past the handler above
         await out.write_eof()
         return out
 
