@@ -147,7 +147,8 @@ class Router:
                 return await self._relay(b, request, upstream, first)
         finally:
             b.num_inflight -= 1
-            self.metrics.inflight.labels(b.url).set(b.num_inflight)
+            if b.url in self._known:  # not a CE that left (dns+) meanwhile: its series are gone
+                self.metrics.inflight.labels(b.url).set(b.num_inflight)
 
     async def _relay(
         self, b: Backend, request: web.Request, upstream: aiohttp.ClientResponse, first: bytes

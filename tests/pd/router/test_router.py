@@ -309,3 +309,41 @@ def test_no_ce_answers(tmp_path: Path) -> None:
         assert metric(r.url, "pdserve_router_backend_up", backend=dead) == 0
     finally:
         r.stop()
+
+
+async def test_dns_membership_follows_the_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dns+http://NAME:PORT: every address NAME resolves to is a CE; looked up again, the CEs follow; a
+    failed lookup keeps the CEs it had. (The resolver is replaced: no DNS server here; the real one is
+    pd.disagg.prefill_pool.resolve, tested there.)"""
+    from pd.router import backends
+
+    answers = {"ce.test": ["127.0.0.3", "127.0.0.4"]}
+
+    async def resolve(host: str, port: int) -> list[str]:
+        if host not in answers:
+            raise OSError(f"cannot resolve {host}")
+        return answers[host]
+
+    monkeypatch.setattr(backends, "resolve", resolve)
+    port = free_port()
+    joined: list[str] = []
+    left: list[str] = []
+    pool = BackendPool(
+        f"http://127.0.0.9:{port},dns+http://ce.test:{port}", 0.5, 8, 60.0, 60.0,
+        on_state=lambda b: joined.append(b.url), on_leave=lambda b: left.append(b.url),
+    )  # fmt: skip
+    await pool.start()
+    try:
+        assert list(pool.backends) == [f"http://127.0.0.{i}:{port}" for i in (9, 3, 4)]
+        assert pool.backends[f"http://127.0.0.3:{port}"].source == f"dns+http://ce.test:{port}"
+        answers["ce.test"] = ["127.0.0.4", "127.0.0.5"]
+        await pool._refresh(pool.targets)
+        assert list(pool.backends) == [f"http://127.0.0.{i}:{port}" for i in (9, 4, 5)]
+        assert left == [f"http://127.0.0.3:{port}"]
+        del answers["ce.test"]  # a failed lookup keeps the CEs it had
+        await pool._refresh(pool.targets)
+        assert list(pool.backends) == [f"http://127.0.0.{i}:{port}" for i in (9, 4, 5)]
+        # none is known up (nothing listens there): each is tried as a fallback, in the hash order
+        assert [why for _, why in pool.order("k")] == ["fallback"] * 3
+    finally:
+        await pool.stop()
