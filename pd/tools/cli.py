@@ -45,7 +45,7 @@ def pd_run_script() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one subcommand; its exit status (`pdserve serve` and `pdserve pd` do not return)."""
+    """Runs one subcommand; its exit status (`pdserve serve`, `pdserve router` and `pdserve pd` do not return)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in COMMANDS:
         _parser().parse_args(args)  # help (exit 0) or a usage error (exit 2)
