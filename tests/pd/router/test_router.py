@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +127,14 @@ class Cluster:
     pe: ServerProcess
     ces: dict[str, ServerProcess]  # url -> CE
     routers: list[ServerProcess]
+    new_ce: Callable[[str, int | None], ServerProcess]  # (host, port): a CE there, not started
+
+    def restart_ce(self, url: str) -> ServerProcess:
+        """A new CE where a dead one was (same host and port: the same URL), ready."""
+        old = self.ces[url]
+        old.stop()
+        self.ces[url] = ce = self.new_ce(old.host, old.port)
+        return ce.start().wait_ready()
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -154,13 +162,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     env.pop("PDSERVE_CLUSTER_TOKEN_FILE", None)
     args = ("--model", str(model), *FLAGS)
     pe = ServerProcess("--role", "pe", *args, host=PE_HOST, env=env, log_path=logs / "pe.log")
-    ces = [
-        ServerProcess(
-            "--role", "ce", *args, "--prefill-url", pe.url, "--kv-host", h, "--kv-port-base", str(free_port()),
-            host=h, env=env, log_path=logs / f"ce-{h}.log",
-        )
-        for h in CE_HOSTS
-    ]  # fmt: skip
+
+    def new_ce(host: str, port: int | None = None) -> ServerProcess:
+        return ServerProcess(
+            "--role", "ce", *args, "--prefill-url", pe.url, "--kv-host", host, "--kv-port-base", str(free_port()),
+            host=host, port=port, env=env, log_path=logs / f"ce-{host}.log",
+        )  # fmt: skip
+
+    ces = [new_ce(h) for h in CE_HOSTS]
     decode_url = ",".join(c.url for c in ces)
     # one replica as `python -m pd.router.server`, probing an up CE once a minute (so that a request finds
     # the dead CE first: the failover path), the other as `pdserve router`, probing twice a second (its
@@ -177,6 +186,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for h, (cmd, interval) in zip(ROUTER_HOSTS, replicas)
     ]  # fmt: skip
     every = [pe, *ces, *routers]
+    c = Cluster(pe, {ce.url: ce for ce in ces}, routers, new_ce)
     try:
         for s in every:
             s.start()
@@ -187,8 +197,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             while [b["state"] for b in get_json(r.url + "/health")[1]["decode_engines"]] != ["up", "up"]:
                 assert time.monotonic() < deadline, get_json(r.url + "/health")
                 time.sleep(0.1)
-        yield Cluster(pe, {c.url: c for c in ces}, routers)
+        yield c
     finally:
+        every = [pe, *c.ces.values(), *routers]  # a CE started again included
         for s in every:
             s.terminate()
         for s in every:
@@ -273,6 +284,42 @@ def test_conversation_keeps_its_ce_then_fails_over(cluster: Cluster) -> None:
     assert metric(c.routers[1].url, "pdserve_router_failovers_total") == 0
     assert metric(c.routers[1].url, "pdserve_router_backend_selected_total", backend=other, reason="affinity") == 1
 
+
+@pytest.mark.slow
+def test_a_draining_ce_is_failed_over(cluster: Cluster) -> None:
+    """A CE that drains (SIGTERM: a rolling update) answers 503 to new requests while it finishes its own:
+    a router that still counts it up sends the conversation's next turn to the next CE, and the client
+    sees a normal answer. (Runs after the conversation test, which killed one CE: it is started again.)"""
+    c = cluster
+    dead = next(u for u, ce in c.ces.items() if ce.proc is None or ce.proc.poll() is not None)
+    drainee = c.restart_ce(dead)
+    survivor = next(u for u in c.ces if u != dead)
+    router = c.routers[0].url  # probes an up CE once a minute: it will not see the drain before a request
+    deadline = time.monotonic() + 30
+    while metric(router, "pdserve_router_backend_up", backend=dead) != 1:  # its backoff probe sees it back
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    user = next(f"conversation {i}" for i in range(100) if hrw_order(f"conversation {i}", list(c.ces))[0] == dead)
+    # a long answer in flight on the drainee keeps it draining (not gone) while the next turn arrives
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Talk."}], "max_tokens": 1500,
+                       "stream": True, "ignore_eos": True}).encode()  # fmt: skip
+    req = urllib.request.Request(drainee.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as long_answer:
+        assert long_answer.readline().startswith(b"data: ")
+        drainee.terminate()  # SIGTERM: it drains
+        deadline = time.monotonic() + 10
+        while get_json(drainee.url + "/health")[1].get("status") != "draining":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        before = served(c, survivor)
+        failovers = metric(router, "pdserve_router_failovers_total", backend=dead)
+        r = openai_client(router).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": user}], max_tokens=3, temperature=0,
+        )  # fmt: skip
+        assert r.usage.completion_tokens == 3
+        assert served(c, survivor) - before == 1
+        assert metric(router, "pdserve_router_failovers_total", backend=dead) - failovers == 1
+        assert f"failing over from {dead} to {survivor}: answered 503" in c.routers[0].log_tail()
 
 def test_no_ce_answers(tmp_path: Path) -> None:
     """A router whose only CE is not there: /health 503, a request 502 in OpenAI's error shape (after
