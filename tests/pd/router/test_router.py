@@ -3,7 +3,7 @@ processes (a tiny random Llama with SmolLM2's tokenizer, 16-token pages so short
 two router replicas send a conversation's turns to the same CE, the one rendezvous hashing ranks first,
 whose decode cache then hits; answers stream through as the CE writes them; X-Request-Id reaches the CE;
 when that CE is killed, the next turn is served by the other CE (failover before the first byte), and
-the router's /metrics count it all. The units below them need no server: the conversation key equals the
+the router's /metrics count it all; a CE that drains (503) is failed over too. The units below them need no server: the conversation key equals the
 CE's own, and the choice (replicas agree, load bound, down CEs last)."""
 
 from __future__ import annotations
