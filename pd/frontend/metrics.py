@@ -1,5 +1,5 @@
 """Prometheus metrics of the server, per rank: latencies observed here, engine state as the ranks report it.
-An engine stat named `*_total` is a counter (exported as one: `# TYPE x counter`, sample `x_total`); every
+An engine stat named `*_total` is a counter (`# TYPE x_total counter`, as prometheus_client writes one); every
 other numeric stat is a gauge. The series vLLM's tooling reads are in vllm_metrics.py."""
 
 from __future__ import annotations
