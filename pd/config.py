@@ -25,6 +25,7 @@ DEFAULT_PORT = 8888
 DEFAULT_PE_PORT = 8889
 DEFAULT_KV_PORT_BASE = 8900
 ROUTING_POLICIES = ("affinity", "least-loaded")
+LOG_FORMATS = ("text", "json")
 ROLES = ("single", "pe", "ce")
 API_KEY_ENV = "PDSERVE_API_KEY"
 PREFILL_ENVELOPE_BYTES = 64 * 1024  # a /prefill body's fields beside the prompt and the client's text
@@ -55,28 +56,34 @@ class Target:
 
 def parse_prefill_urls(value: str) -> list[Target]:
     """The targets of a --prefill-url value (comma-separated); ValueError names the bad entry."""
+    return parse_targets(value, "--prefill-url")
+
+
+def parse_targets(value: str, flag: str) -> list[Target]:
+    """The targets of a list-of-servers flag (--prefill-url, the router's --decode-url): comma-separated
+    http(s)://HOST:PORT and dns+http(s)://NAME:PORT entries; ValueError names the flag and the bad entry."""
     targets: list[Target] = []
     for raw in value.split(","):
         entry = raw.strip().rstrip("/")
         if not entry:
-            raise ValueError(f"--prefill-url has an empty entry: {value!r}")
+            raise ValueError(f"{flag} has an empty entry: {value!r}")
         dns = entry.startswith(DNS_SCHEME)
         parts = urlsplit(entry.removeprefix(DNS_SCHEME))
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
-                f"--prefill-url entry {entry!r} is not http(s)://HOST:PORT or dns+http(s)://NAME:PORT"
+                f"{flag} entry {entry!r} is not http(s)://HOST:PORT or dns+http(s)://NAME:PORT"
             )
         try:
             parts.port  # noqa: B018 (a port out of range raises here)
         except ValueError as e:
-            raise ValueError(f"--prefill-url entry {entry!r}: {e}") from None
+            raise ValueError(f"{flag} entry {entry!r}: {e}") from None
         if parts.path or parts.query or parts.fragment:
-            raise ValueError(f"--prefill-url entry {entry!r} must not have a path")
+            raise ValueError(f"{flag} entry {entry!r} must not have a path")
         if dns and parts.port is None:
-            raise ValueError(f"--prefill-url entry {entry!r} needs a port")
+            raise ValueError(f"{flag} entry {entry!r} needs a port")
         t = Target(entry, dns)
         if t in targets:
-            raise ValueError(f"--prefill-url names {entry!r} twice")
+            raise ValueError(f"{flag} names {entry!r} twice")
         targets.append(t)
     return targets
 
@@ -176,6 +183,13 @@ class ServerConfig:
         default=30.0, metadata={"help": "the longest wait before a rank's restart"}
     )
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
+    log_format: str = field(
+        default="text",
+        metadata={
+            "help": "text, or json: one JSON object per line (time, level, logger, message, request_id)",
+            "choices": LOG_FORMATS,
+        },
+    )
     access_log: bool = field(
         default=False, metadata={"help": "log one line per HTTP request (address, request, status, time, id)"}
     )
@@ -295,6 +309,8 @@ class ServerConfig:
             raise ValueError(f"--ep must be 1 or equal to --dp (one expert-parallel group of every rank), got {self.ep}")
         if self.port is not None and not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

@@ -345,7 +345,7 @@ def main(
     except ValueError as e:
         print(f"pd.server: {e}", file=sys.stderr)
         return 2
-    install_logging(cfg.log_level)
+    install_logging(cfg.log_level, cfg.log_format)
     try:
         cfg = pin_hub_model(cfg)
     except ModelNotFoundError as e:

@@ -7,7 +7,8 @@ every import counted, including those inside functions:
   imports stay CUDA-free (no pdkernels, no model, loader or attention);
 - no import cycle among the project's modules;
 - inside pd/, the rooms keep the same rule: the modules the whole server shares (pd/*.py) at the bottom,
-  then http/ <- chat/ <- rank/ <- disagg/ <- frontend/ <- api/, the server's entry (pd/server.py), and
+  then http/ <- chat/ <- rank/ <- disagg/ <- frontend/ <- api/ <- router/ (`pdserve router`, its own
+  process), the server's entry (pd/server.py), and
   tools/ (the pdserve command, the demo client, a server in a child process) on top.
 """
 
@@ -21,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("pdkernels", "engine", "transfer", "pd", "bench")
 BOUNDARY = "engine.handoff"
 BOUNDARY_MAY_IMPORT = {"engine.codec", "engine.errors", "engine.request"}
-PD_ROOMS = ("pd", "pd.http", "pd.chat", "pd.rank", "pd.disagg", "pd.frontend", "pd.api", "pd.server", "pd.tools")
+PD_ROOMS = (
+    "pd", "pd.http", "pd.chat", "pd.rank", "pd.disagg", "pd.frontend", "pd.api", "pd.router", "pd.server", "pd.tools"
+)  # fmt: skip
 PD_SHARED = {"pd", "pd.config", "pd.errors", "pd.flags", "pd.lifecycle", "pd.messages"}
 
 

@@ -135,21 +135,26 @@ class Generation:
 
     def _observe(self, rid: str, o: RequestOutput) -> None:
         m, t = self.metrics, self._timing[rid]
-        labels = (m.model_name, str(self.rank.index))
+        labels = (m.model_name, str(self.rank.index))  # pdserve's (model_name, rank), vLLM's (model_name, engine)
+        v = m.vllm
         now = time.monotonic()
         n = len(o.new_token_ids)
         if n:
             if t.first_token_s is None:
                 t.first_token_s = now
                 m.ttft_s.labels(*labels).observe(now - self.arrival_s)
+                v.ttft_s.labels(*labels).observe(now - self.arrival_s)
                 queue_s = getattr(o, "queue_time_s", None)
                 if queue_s is not None:
                     m.queue_s.labels(*labels).observe(queue_s)
+                    v.queue_s.labels(*labels).observe(queue_s)
                 if n > 1:
                     m.itl_s.labels(*labels).observe(0.0)
+                    v.observe_token_gap(labels, 0.0)
             else:
                 for _ in range(n):
                     m.itl_s.labels(*labels).observe((now - t.last_s) / n)
+                    v.observe_token_gap(labels, (now - t.last_s) / n)
             t.last_s = now
             t.num_tokens += n
         if o.is_finished:
@@ -158,3 +163,7 @@ class Generation:
             m.cached_tokens.labels(*labels).inc(o.num_cached_tokens)
             m.generation_tokens.labels(*labels).inc(o.num_output_tokens)
             m.requests.labels(*labels, o.finish_reason or "unknown").inc()
+            v.e2e_s.labels(*labels).observe(now - self.arrival_s)
+            v.prompt_tokens.labels(*labels).inc(o.num_prompt_tokens)
+            v.generation_tokens.labels(*labels).inc(o.num_output_tokens)
+            v.request_success.labels(*labels, o.finish_reason or "unknown").inc()

@@ -1,4 +1,6 @@
-"""Prometheus metrics of the server, per rank: latencies observed here, engine state as the ranks report it."""
+"""Prometheus metrics of the server, per rank: latencies observed here, engine state as the ranks report it.
+An engine stat named `*_total` is a counter (`# TYPE x_total counter`, as prometheus_client writes one); every
+other numeric stat is a gauge. The series vLLM's tooling reads are in vllm_metrics.py."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pd.frontend.vllm_metrics import VllmEngineCollector, VllmRequestSeries
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -50,7 +54,7 @@ class _RankCollector:
         restarts = CounterMetricFamily(
             "pdserve_rank_restarts", "Times the rank's dead engine process was started again", labels=["rank"]
         )
-        families: dict[str, GaugeMetricFamily] = {}
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for r in ranks:
             label = [str(r.index)]
             up.add_metric(label, 1.0 if r.is_up else 0.0)
@@ -61,7 +65,8 @@ class _RankCollector:
                     continue
                 name, doc = _NAMED_STATS.get(key, (f"pdserve_engine_{key}", f"Engine stat {key}"))
                 if name not in families:
-                    families[name] = GaugeMetricFamily(name, doc, labels=["rank"])
+                    kind = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+                    families[name] = kind(name, doc, labels=["rank"])
                 families[name].add_metric(label, float(value))
         yield up
         yield inflight
@@ -161,6 +166,8 @@ class ServerMetrics:
         )
         self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
         r.register(_RankCollector(snapshot))  # type: ignore[arg-type]
+        self.vllm = VllmRequestSeries(r)
+        r.register(VllmEngineCollector(snapshot, model_name))  # type: ignore[arg-type]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,10 +9,16 @@ The opt-in access log (--access-log) writes one line per request with its id.
 from __future__ import annotations
 
 import contextvars
+import datetime
 import logging
 import re
+import sys
 import uuid
+from types import TracebackType
 
+import orjson
+
+from pd.config import LOG_FORMATS
 from pd.errors import bad_request
 
 HEADER = "X-Request-Id"
@@ -33,11 +39,54 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-def install(level: str) -> None:
-    """The process's logging: LOG_FORMAT on stderr, the request id filled in on every handler."""
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log pipelines: time (UTC, ISO 8601), level, logger, message, the
+    request's id where one is being served (else absent), `rank` in a rank's lines, `exception` with
+    the traceback when the record carries one."""
+
+    def __init__(self, rank: int | None = None) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", "-")
+        if request_id != "-":
+            out["request_id"] = request_id
+        if self.rank is not None:
+            out["rank"] = self.rank
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+def install(level: str, log_format: str = "text", rank: int | None = None) -> None:
+    """The process's logging on stderr: LOG_FORMAT (text) or one JSON object per line (json), the request
+    id filled in on every handler. rank: an engine rank's process (its lines say which)."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r} not among {list(LOG_FORMATS)}")
+    text_format = LOG_FORMAT if rank is None else f"%(asctime)s rank{rank} %(levelname)s %(message)s"
+    logging.basicConfig(level=level.upper(), format=text_format)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
+        if log_format == "json":
+            handler.setFormatter(JsonFormatter(rank))
+    if log_format == "json":
+        # what would reach stderr past logging goes through it, so every line stays one JSON object:
+        # Python's warnings, and an exception nothing caught
+        logging.captureWarnings(True)
+        sys.excepthook = _log_uncaught
+
+
+def _log_uncaught(kind: type[BaseException], e: BaseException, tb: TracebackType | None) -> None:
+    logging.getLogger("uncaught").critical("uncaught exception", exc_info=(kind, e, tb))
 
 
 def request_id_of(header: str | None) -> str:

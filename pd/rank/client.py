@@ -144,10 +144,12 @@ class RankClient:
         role_config: RoleConfig | None = None,
         restart_policy: RestartPolicy | None = None,
         group: RankGroup | None = None,
+        log_format: str = "text",
     ) -> None:
         """engine: what the rank builds its engine from (its device is resolved in the rank);
         role_config: pe|ce ranks' RoleConfig; restart_policy: None never restarts a dead process;
-        group: the rank's expert-parallel group (its policy then decides restarts)."""
+        group: the rank's expert-parallel group (its policy then decides restarts);
+        log_format: the rank process's log lines (the server's --log-format)."""
         self.index = index
         self.dp = dp
         self.engine = engine
@@ -163,6 +165,7 @@ class RankClient:
         self.proc: asyncio.subprocess.Process | None = None
         self.restart_policy = restart_policy
         self.group = group
+        self.log_format = log_format
         if group is not None:
             group.members.append(self)
         self.num_restarts = 0
@@ -237,6 +240,8 @@ class RankClient:
             json.dumps(to_wire(self.engine)),
             "--role",
             self.role,
+            "--log-format",
+            self.log_format,
             *role_args,
             env=os.environ.copy(),
         )

@@ -39,7 +39,8 @@ import zmq
 
 from engine.codec import from_wire
 from engine.config import EngineConfig
-from pd.config import RoleConfig
+from pd.config import LOG_FORMATS, RoleConfig
+from pd.http.request_log import install as install_logging
 from pd.lifecycle import exit_now
 from pd.messages import (
     AbortRequests,
@@ -227,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep-address", default=None, help="--ep N: the group's rendezvous (rank 0 hosts it)")
     p.add_argument("--role", choices=("single", "pe", "ce"), default="single")
     p.add_argument("--role-config", default=None, help="pe|ce: the RoleConfig as JSON (engine/codec.py)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="the server's --log-format")
     args = p.parse_args(argv)
     _die_with_parent()
     # The server drains on SIGTERM/SIGINT (a terminal's Ctrl-C reaches the whole group) and then tells
     # its ranks to stop: a rank ends on Shutdown, or with its server (PR_SET_PDEATHSIG), not on these.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
+    install_logging("info", args.log_format, rank=args.rank)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(args.inbox)

@@ -3,6 +3,7 @@
     pdserve serve MODEL [server flags] [--config FILE.yaml]   python -m pd.server --model MODEL ...
     pdserve pd start|stop|status ...                         deploy/pd_run.sh start|stop|status ...
     pdserve download MODEL [--revision R] [--download-dir D]  python -m engine.models download MODEL ...
+    pdserve router --decode-url URL[,URL...] [flags]         python -m pd.router.server ...
     pdserve models fetch|list|path ...                       python -m engine.models ...
     pdserve bench load|compare ...                           bench/load/replay.py, bench/load/compare.py
 
@@ -23,6 +24,7 @@ COMMANDS = {
     "pd": "a P/D cluster across hosts: start|stop|status (deploy/pd_run.sh)",
     "download": "a Hugging Face hub model (ORG/NAME[@REVISION]) into the cache, ahead of `serve` "
     "(python -m engine.models download)",
+    "router": "an HTTP front over the CEs: conversation affinity, failover (python -m pd.router.server)",
     "models": "the model catalogue: fetch|list|path (python -m engine.models)",
     "bench": "benchmarks against running endpoints: load|compare (bench/load/replay.py, bench/load/compare.py)",
 }
@@ -46,7 +48,7 @@ def pd_run_script() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one subcommand; its exit status (`pdserve serve` and `pdserve pd` do not return)."""
+    """Runs one subcommand; its exit status (`pdserve serve`, `pdserve router` and `pdserve pd` do not return)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in COMMANDS:
         _parser().parse_args(args)  # help (exit 0) or a usage error (exit 2)
@@ -58,6 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         # as `python -m pd.server`: no interpreter teardown once the ranks are stopped
         exit_now(server.main(rest, prog="pdserve serve", is_model_positional=True))
+    if command == "router":
+        from pd.lifecycle import exit_now
+        from pd.router import server as router
+
+        exit_now(router.main(rest, prog="pdserve router"))
     if command == "pd":
         script = pd_run_script()
         if not script.is_file():

@@ -56,12 +56,15 @@ class ServerProcess:
         port: int | None = None,
         ssl_ca: str | None = None,
         command: Sequence[str] = (sys.executable, "-m", "pd.server"),
+        host: str = "127.0.0.1",
     ) -> None:
         """ssl_ca: the server serves https (its --ssl-certfile is in args), verified with this CA file;
-        command: what runs, before --port and args (`pdserve serve MODEL`)."""
+        command: what runs, before --port and args (`pdserve serve MODEL`); host: another loopback
+        address stands for another host (passed as --host)."""
         self.command = list(command)
+        self.host = host
         self.port = port or free_port()
-        self.args = ["--port", str(self.port), *args]
+        self.args = ["--port", str(self.port), *(["--host", host] if host != "127.0.0.1" else []), *args]
         self.ssl_context = ssl.create_default_context(cafile=ssl_ca) if ssl_ca else None
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
@@ -70,7 +73,7 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.ssl_context else 'http'}://127.0.0.1:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int:

@@ -1,0 +1,121 @@
+"""The series vLLM's tooling reads, under vLLM's names, types, labels and buckets: production-stack's
+router and dashboards, KEDA examples and llm-d's endpoint picker scrape these and nothing else.
+
+Names and buckets follow vLLM v1's Prometheus logger (vllm/v1/metrics/loggers.py, the "Production
+Metrics" page of docs.vllm.ai): labels `model_name` (the served name) and `engine` (the engine core's
+index: a rank here). The values are the ones behind pdserve's own series: the request histograms and
+token counters are observed at the same points as pdserve_*, the gauges and the preemption counter are
+read from each rank's latest stats at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+LABELS = ["model_name", "engine"]
+# vLLM v1's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class RankView(Protocol):
+    """What the gauges read of a rank (frontend/metrics.py's RankSnapshot)."""
+
+    index: int
+    stats: dict[str, Any]
+
+
+class VllmRequestSeries:
+    """Request-level series, observed where pdserve's are (frontend/generation.py)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.ttft_s = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", LABELS,
+            buckets=TTFT_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.itl_s = Histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", LABELS,
+            buckets=ITL_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        # vLLM's older name of the same observations (deprecated there, still read by older dashboards)
+        self.tpot_s = Histogram(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", LABELS,
+            buckets=ITL_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.e2e_s = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LABELS,
+            buckets=REQUEST_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.queue_s = Histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", LABELS,
+            buckets=REQUEST_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", [*LABELS, "finished_reason"],
+            registry=r,
+        )  # fmt: skip
+
+    def observe_token_gap(self, labels: tuple[str, str], gap_s: float) -> None:
+        self.itl_s.labels(*labels).observe(gap_s)
+        self.tpot_s.labels(*labels).observe(gap_s)
+
+
+class VllmEngineCollector:
+    """Engine-level series read from each rank's latest stats at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], Iterable[RankView]], model_name: str) -> None:
+        self.snapshot = snapshot
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = {
+            "num_running": GaugeMetricFamily(
+                "vllm:num_requests_running", "Number of requests in model execution batches.", labels=LABELS
+            ),
+            "num_waiting": GaugeMetricFamily(
+                "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=LABELS
+            ),
+        }
+        kv_usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=LABELS
+        )
+        gpu_usage = GaugeMetricFamily(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+            labels=LABELS,
+        )
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=LABELS
+        )
+        for r in self.snapshot():
+            if not r.stats:  # a rank that has not reported yet
+                continue
+            labels = [self.model_name, str(r.index)]
+            for key, family in gauges.items():
+                family.add_metric(labels, float(r.stats.get(key, 0)))
+            kv_usage.add_metric(labels, float(r.stats.get("kv_usage", 0.0)))
+            gpu_usage.add_metric(labels, float(r.stats.get("kv_usage", 0.0)))
+            preemptions.add_metric(labels, float(r.stats.get("num_preemptions_total", 0)))
+        yield from gauges.values()
+        yield kv_usage
+        yield gpu_usage
+        yield preemptions

@@ -1,0 +1,1 @@
+"""`pdserve router`: a stateless HTTP front over the CEs (pd/router/server.py)."""
