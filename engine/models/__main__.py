@@ -11,9 +11,9 @@ from engine.models import CATALOG, fetch, models_home, resolve_model
 from engine.models.store import is_converted
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs one subcommand; returns the process exit status."""
-    parser = argparse.ArgumentParser(prog="python -m engine.models", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m engine.models") -> int:
+    """Runs one subcommand; returns the process exit status. prog: the command shown in usage lines."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     fetch_cmd = commands.add_parser("fetch", help="install and convert catalogue models (once)")
     fetch_cmd.add_argument("names", nargs="+", metavar="NAME")

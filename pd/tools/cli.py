@@ -77,7 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command in ("models", "download"):
         from engine.models.__main__ import main as models_main
 
-        return models_main(rest if command == "models" else ["download", *rest])
+        if command == "models":
+            return models_main(rest, prog="pdserve models")
+        return models_main(["download", *rest], prog="pdserve")
     if not rest or rest[0] not in BENCHES:
         is_help = rest[:1] in (["-h"], ["--help"])
         print(
