@@ -712,7 +712,7 @@ def merge_results(results: list[dict[str, Any]]) -> tuple[dict[str, float] | Non
 
     for data in results:
         for r in data["rows"]:
-            rows[(r["model"], r["mode"], *row_key(r))] = dict(r)
+            rows[(r["model"], r["mode"]) + row_key(r)] = dict(r)
             if r.get("hf"):
                 offer(r["model"], row_key(r), r["hf"])
         for h in data.get("hf", []):

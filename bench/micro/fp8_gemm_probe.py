@@ -13,23 +13,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.micro.engine_speed import time_op
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def timed(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median ms of fn over reps, after a warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+def timed(fn: Callable[[], object]) -> float:
+    """Median ms of fn on the GPU (engine_speed's timer)."""
+    return time_op(fn, torch.device("cuda"), warmup=3, reps=20) * 1e3
 
 
 def main() -> None:
