@@ -470,7 +470,9 @@ def test_the_router_finds_every_ce_through_the_headless_service() -> None:
         assert service["spec"].get("clusterIP") == "None", f"Service/{name} must be headless (clusterIP: None)"
         assert not service["spec"].get("publishNotReadyAddresses"), f"Service/{name}: ready CEs only"
         assert _selects(service, ce), f"Service/{name} does not select the CE pods"
-        (port,) = [p for p in service["spec"]["ports"] if p["port"] == target.port]
+        ports = [p for p in service["spec"]["ports"] if p["port"] == target.port]
+        assert len(ports) == 1, f"--decode-url {target.url}: Service/{name} has no port {target.port}"
+        (port,) = ports
         assert ce.port_number(port.get("targetPort", port["port"])) == ce_cfg.http_port, target.url
         # DNS gives pod IPs: the router connects to the pods' port, not the Service's.
         assert target.port == ce_cfg.http_port, f"--decode-url {target.url}: the CEs listen on {ce_cfg.http_port}"
