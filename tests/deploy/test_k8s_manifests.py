@@ -1,10 +1,10 @@
 """The Kubernetes base (deploy/k8s/), checked offline: every resource against the Kubernetes schemas
 (kubernetes-validate's bundled ones, strict: an unknown or misspelled field fails), and against the
-servers themselves: each container's args parse as `pd.server` flags, its probes ask routes the server
-serves on the port it listens on, the Services reach those ports, the CE finds the PEs through the
-headless Service, a pod's grace period covers the drain, and the init container fills the model cache the
-server then reads offline. Containers run the image of deploy/Dockerfile: its entrypoint is read from
-there."""
+servers and the router themselves: each container's args parse as `pd.server` (or `pdserve router`)
+flags, its probes ask routes the server (or router) serves on the port it listens on, the Services reach
+those ports, the CE finds the PEs and the router finds the CEs through headless Services, a pod's grace
+period covers the drain, and the init container fills the model cache the server then reads offline.
+Containers run the image of deploy/Dockerfile: its entrypoint is read from there."""
 
 from __future__ import annotations
 
@@ -14,16 +14,20 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
-from pd.config import ServerConfig
+from pd.config import ServerConfig, parse_targets
 from pd.frontend.coordinator import Coordinator
+from pd.router.config import RouterConfig
+from pd.router.server import Router as RouterState
+from pd.router.server import make_app as make_router_app
 from pd.server import make_app, make_prefill_app
 from transfer.auth import load_token
 
@@ -40,6 +44,8 @@ SCHEMA_VERSIONS = ("1.28", "1.30", ".".join(kubernetes_validate.latest_version()
 POD_IP = "10.1.2.3"  # stands for the downward API's status.podIP
 # The server stops its ranks after the drain; deploy/*.sh allow 15 s for that (45 s in all).
 RANK_STOP_S = 15
+# The router has no ranks: after its drain it closes its connections to the CEs.
+ROUTER_STOP_S = 5
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -79,14 +85,16 @@ def _generated_config() -> dict[str, dict[str, str]]:
     return maps
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
-class Server:
-    """A pdserve container, with what its args say."""
+class Pdserve:
+    """A container that runs pdserve, with what its args say."""
 
     workload: dict[str, Any]
     container: dict[str, Any]
-    argv: list[str]  # the server's flags, $(VAR) references expanded
-    is_model_positional: bool  # `pdserve serve [MODEL]` rather than `python -m pd.server`
+    argv: list[str]  # its flags, $(VAR) references expanded
 
     @property
     def name(self) -> str:
@@ -96,15 +104,17 @@ class Server:
     def pod(self) -> dict[str, Any]:
         return self.workload["spec"]["template"]
 
-    def parse(self) -> ServerConfig:
+    def _parsed(self, parse: Callable[[], T]) -> T:
+        """parse()'s config, or the test fails with the parser's complaint."""
         stderr = io.StringIO()
         try:
             with contextlib.redirect_stderr(stderr):
-                return ServerConfig.from_argv(self.argv, is_model_positional=self.is_model_positional)
+                return parse()
         except SystemExit:  # argparse: an unknown or misspelled flag, or a bad choice
-            pass
-        error = stderr.getvalue().strip().splitlines()[-1:]
-        pytest.fail(f"{self.name}: the server refuses its flags {self.argv}: {error}")
+            error = stderr.getvalue().strip().splitlines()[-1:]
+        except ValueError as e:  # the config's own check of a value
+            error = [str(e)]
+        pytest.fail(f"{self.name}: pdserve refuses its flags {self.argv}: {error}")
 
     def port_number(self, port: int | str) -> int:
         """A probe's or Service's port: a number, or the name of one of the container's ports."""
@@ -113,6 +123,24 @@ class Server:
         named = {p["name"]: p["containerPort"] for p in self.container.get("ports", []) if "name" in p}
         assert port in named, f"{self.name}: no container port named {port!r}"
         return named[port]
+
+
+@dataclass(frozen=True)
+class Server(Pdserve):
+    """A PE or CE container (`pdserve serve`)."""
+
+    is_model_positional: bool  # `pdserve serve [MODEL]` rather than `python -m pd.server`
+
+    def parse(self) -> ServerConfig:
+        return self._parsed(lambda: ServerConfig.from_argv(self.argv, is_model_positional=self.is_model_positional))
+
+
+@dataclass(frozen=True)
+class RouterContainer(Pdserve):
+    """A router container (`pdserve router`)."""
+
+    def parse(self) -> RouterConfig:
+        return self._parsed(lambda: RouterConfig.from_argv(self.argv))
 
 
 def _env_values(container: dict[str, Any]) -> dict[str, str]:
@@ -155,23 +183,29 @@ def expanded_command(container: dict[str, Any]) -> list[str]:
 
 
 SERVER_COMMANDS = (["pdserve", "serve"], ["python", "-m", "pd.server"])
+ROUTER_COMMANDS = (["pdserve", "router"], ["python", "-m", "pd.router.server"])
 
 
-def _servers() -> list[Server]:
-    servers = []
+def _containers() -> tuple[list[Server], list[RouterContainer], list[str]]:
+    """The base's servers, its routers, and the containers that run neither (by name)."""
+    servers, routers, others = [], [], []
     for kind in WORKLOAD_KINDS:
         for workload in _of_kind(kind):
             for container in workload["spec"]["template"]["spec"]["containers"]:
                 command = expanded_command(container)
-                head = [c for c in SERVER_COMMANDS if command[: len(c)] == c]
-                if not head:
-                    continue
-                argv = command[len(head[0]) :]
-                servers.append(Server(workload, container, argv, head[0][0] == "pdserve"))
-    return servers
+                server = [c for c in SERVER_COMMANDS if command[: len(c)] == c]
+                router = [c for c in ROUTER_COMMANDS if command[: len(c)] == c]
+                if server:
+                    argv = command[len(server[0]) :]
+                    servers.append(Server(workload, container, argv, server[0][0] == "pdserve"))
+                elif router:
+                    routers.append(RouterContainer(workload, container, command[len(router[0]) :]))
+                else:
+                    others.append(f"{kind}/{workload['metadata']['name']}: {container['name']}")
+    return servers, routers, others
 
 
-SERVERS = _servers()
+SERVERS, ROUTERS, OTHER_CONTAINERS = _containers()
 
 
 def _by_role() -> dict[str, tuple[Server, ServerConfig]]:
@@ -180,6 +214,18 @@ def _by_role() -> dict[str, tuple[Server, ServerConfig]]:
     roles = {cfg.role: (server, cfg) for server, cfg in parsed}
     assert sorted(roles) == ["ce", "pe"] and len(parsed) == 2, [s.name for s in SERVERS]
     return roles
+
+
+def _the_router() -> tuple[RouterContainer, RouterConfig]:
+    """The router of the base and its parsed config (the base has one router Deployment)."""
+    assert len(ROUTERS) == 1, [r.name for r in ROUTERS]
+    return ROUTERS[0], ROUTERS[0].parse()
+
+
+def _http_ports() -> list[tuple[Pdserve, int]]:
+    """Every server and router with the port its HTTP API listens on."""
+    router, router_cfg = _the_router()
+    return [(s, cfg.http_port) for s, cfg in _by_role().values()] + [(router, router_cfg.port)]
 
 
 def _get_routes(cfg: ServerConfig) -> set[str]:
@@ -191,7 +237,16 @@ def _get_routes(cfg: ServerConfig) -> set[str]:
     }
 
 
-def _selects(service: dict[str, Any], server: Server) -> bool:
+def router_get_routes(cfg: RouterConfig) -> set[str]:
+    """The GET paths the router of this config answers itself (its app built, nothing started): not its
+    catch-all route (method *), which passes any other path to a CE."""
+    app = make_router_app(RouterState(cfg))
+    return {
+        route.resource.canonical for route in app.router.routes() if route.method == "GET" and route.resource
+    }
+
+
+def _selects(service: dict[str, Any], server: Pdserve) -> bool:
     labels = server.pod["metadata"].get("labels", {})
     selector = service["spec"].get("selector", {})
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
@@ -205,7 +260,7 @@ def test_every_manifest_is_listed() -> None:
     on_disk = {p.name for p in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
     assert listed == on_disk, "kustomization.yaml's resources and deploy/k8s/*.yaml differ"
     assert any(image["name"] == "pdserve" for image in _kustomization()["images"])
-    images = {s.container["image"] for s in SERVERS}
+    images = {s.container["image"] for s in [*SERVERS, *ROUTERS]}
     assert images == {"pdserve"}, "containers name the image that kustomization.yaml's images: sets"
 
 
@@ -312,16 +367,18 @@ def test_the_ce_advertises_its_pod_ip_for_kv() -> None:
 
 
 def test_services_reach_the_servers_ports() -> None:
-    roles = _by_role()
+    http_ports = _http_ports()
     for service in _of_kind("Service"):
-        targets = [(s, cfg) for s, cfg in roles.values() if _selects(service, s)]
-        assert len(targets) == 1, f"Service/{service['metadata']['name']} selects {len(targets)} servers"
-        server, cfg = targets[0]
+        targets = [(s, port) for s, port in http_ports if _selects(service, s)]
+        assert len(targets) == 1, f"Service/{service['metadata']['name']} selects {len(targets)} workloads"
+        server, http_port = targets[0]
         for port in service["spec"]["ports"]:
             target = server.port_number(port.get("targetPort", port["port"]))
-            assert target == cfg.http_port, f"Service/{service['metadata']['name']} targets {target}"
-    ce_service = [s for s in _of_kind("Service") if _selects(s, roles["ce"][0])]
-    assert [p["name"] for p in ce_service[0]["spec"]["ports"]] == ["http"]
+            assert target == http_port, f"Service/{service['metadata']['name']} targets {target}"
+    ce_services = [s for s in _of_kind("Service") if _selects(s, _by_role()["ce"][0])]
+    assert len(ce_services) == 2, "the CEs need pdserve-ce (one virtual IP) and a headless Service (the router's)"
+    for service in ce_services:
+        assert [p["name"] for p in service["spec"]["ports"]] == ["http"], service["metadata"]["name"]
 
 
 def test_the_ce_finds_the_pes_through_the_headless_service() -> None:
@@ -343,6 +400,84 @@ def test_the_ce_finds_the_pes_through_the_headless_service() -> None:
         assert url.port == port["port"], url.geturl()
 
 
+# ---- the router ----------------------------------------------------------------------------------
+
+
+def test_every_container_is_a_server_or_the_router() -> None:
+    from pd.tools.cli import COMMANDS
+
+    assert not OTHER_CONTAINERS, f"containers that run neither `pdserve serve` nor `pdserve router`: {OTHER_CONTAINERS}"
+    assert "router" in COMMANDS, "`pdserve router` is a subcommand of the image's entrypoint"
+
+
+def test_args_are_router_flags() -> None:
+    router, cfg = _the_router()
+    assert router.workload["kind"] == "Deployment", "the router is stateless"
+    assert cfg.host == "0.0.0.0", f"{router.name}: --host must be reachable from other pods"
+
+
+def test_the_routers_probes_ask_its_routes_on_its_port() -> None:
+    router, cfg = _the_router()
+    routes = router_get_routes(cfg)
+    assert {"/health/live", "/health/ready", "/metrics"} <= routes, routes
+    c = router.container
+    # /health and /health/ready answer 503 until a CE is up (minutes, while CEs load the model): a
+    # startup probe on them would restart the router meanwhile.
+    expected = {"startupProbe": "/health/live", "readinessProbe": "/health/ready", "livenessProbe": "/health/live"}
+    for kind, path in expected.items():
+        probe = c[kind]["httpGet"]
+        assert probe["path"] in routes, f"{router.name}: {kind} asks {probe['path']}, which the router passes to a CE"
+        assert probe["path"] == path, f"{router.name}: {kind} must ask {path}"
+        assert router.port_number(probe["port"]) == cfg.port, f"{router.name}: {kind} port"
+
+
+def test_the_router_listens_on_its_container_port_without_a_gpu() -> None:
+    router, cfg = _the_router()
+    ports = {p["containerPort"] for p in router.container["ports"]}
+    assert cfg.port in ports, f"{router.name}: container ports {ports} lack {cfg.port}"
+    resources = router.container["resources"]
+    assert {"cpu", "memory"} <= set(resources["requests"])
+    for part in ("requests", "limits"):
+        assert "nvidia.com/gpu" not in resources.get(part, {}), f"{router.name}: the router needs no GPU"
+    assert not router.pod["spec"].get("volumes"), f"{router.name}: the router reads no model"
+
+
+def test_clients_reach_the_router_through_its_service() -> None:
+    router, cfg = _the_router()
+    services = [s for s in _of_kind("Service") if _selects(s, router)]
+    assert [s["metadata"]["name"] for s in services] == ["pdserve-router"], "README names this Service"
+    (service,) = services
+    assert service["spec"].get("clusterIP") != "None" and service["spec"]["type"] in ("ClusterIP", "LoadBalancer")
+    (port,) = service["spec"]["ports"]
+    assert (port["name"], port["port"]) == ("http", 80), port
+    assert router.port_number(port["targetPort"]) == cfg.port
+
+
+def test_the_router_finds_every_ce_through_the_headless_service() -> None:
+    router, cfg = _the_router()
+    ce, ce_cfg = _by_role()["ce"]
+    services = {s["metadata"]["name"]: s for s in _of_kind("Service")}
+    targets = parse_targets(cfg.decode_url, "--decode-url")
+    # A fixed URL names one pod (or one virtual IP): the router would not see the CEs a scale-up adds.
+    assert targets and all(t.dns and t.scheme == "http" for t in targets), cfg.decode_url
+    for target in targets:
+        # The short name resolves in the pod's own namespace; a qualified one must name it too.
+        name = target.host.split(".")[0]
+        assert name in services, f"--decode-url {target.url}: no Service {name!r} in the base"
+        service = services[name]
+        # A ClusterIP Service resolves to one virtual IP, behind which kube-proxy spreads a conversation's
+        # turns over the CEs; a headless one to every ready CE pod, each a CE the router hashes over.
+        assert service["spec"].get("clusterIP") == "None", f"Service/{name} must be headless (clusterIP: None)"
+        assert not service["spec"].get("publishNotReadyAddresses"), f"Service/{name}: ready CEs only"
+        assert _selects(service, ce), f"Service/{name} does not select the CE pods"
+        ports = [p for p in service["spec"]["ports"] if p["port"] == target.port]
+        assert len(ports) == 1, f"--decode-url {target.url}: Service/{name} has no port {target.port}"
+        (port,) = ports
+        assert ce.port_number(port.get("targetPort", port["port"])) == ce_cfg.http_port, target.url
+        # DNS gives pod IPs: the router connects to the pods' port, not the Service's.
+        assert target.port == ce_cfg.http_port, f"--decode-url {target.url}: the CEs listen on {ce_cfg.http_port}"
+
+
 def _pre_stop_s(container: dict[str, Any]) -> int:
     """How long the container's preStop hook sleeps: `exec: sleep N` (any Kubernetes) or the `sleep`
     action (1.30+)."""
@@ -355,11 +490,14 @@ def _pre_stop_s(container: dict[str, Any]) -> int:
 
 
 def test_the_grace_period_covers_the_drain() -> None:
-    for server, cfg in _by_role().values():
+    router, router_cfg = _the_router()
+    drains: list[tuple[Pdserve, float]] = [(s, cfg.shutdown_timeout_s + RANK_STOP_S) for s, cfg in _by_role().values()]
+    drains.append((router, router_cfg.shutdown_timeout_s + ROUTER_STOP_S))
+    for server, drain_s in drains:
         pod = server.pod["spec"]
         pre_stop = _pre_stop_s(server.container)
         assert pre_stop > 0, f"{server.name}: a preStop pause lets Services and DNS drop the pod first"
-        needed = pre_stop + cfg.shutdown_timeout_s + RANK_STOP_S
+        needed = pre_stop + drain_s
         assert pod["terminationGracePeriodSeconds"] >= needed, f"{server.name}: grace < {needed} s"
 
 
@@ -456,15 +594,18 @@ def test_init_container_then_server_on_a_fake_hub(tmp_path: Path) -> None:
 def test_pods_run_as_the_images_user() -> None:
     (user,) = [line.split()[1] for line in DOCKERFILE.read_text().splitlines() if line.startswith("USER ")]
     uid, gid = (int(x) for x in user.split(":"))
-    for server, _ in _by_role().values():
+    for server, _ in _http_ports():
         security = server.pod["spec"]["securityContext"]
         assert security["runAsNonRoot"] is True and (security["runAsUser"], security["runAsGroup"]) == (uid, gid)
+        assert server.container["securityContext"]["allowPrivilegeEscalation"] is False, server.name
+    for server, _ in _by_role().values():
+        security = server.pod["spec"]["securityContext"]
         assert security["fsGroup"] == gid, f"{server.name}: the user must be able to write the model volume"
 
 
 def test_a_disruption_budget_covers_each_role() -> None:
     budgets = _of_kind("PodDisruptionBudget")
-    for server, _ in _by_role().values():
+    for server, _ in _http_ports():
         labels = server.pod["metadata"]["labels"]
         matching = [b for b in budgets if all(labels.get(k) == v for k, v in b["spec"]["selector"]["matchLabels"].items())]
         assert len(matching) == 1, f"{server.name}: {len(matching)} PodDisruptionBudgets select it"
