@@ -126,6 +126,14 @@ class ServerConfig:
             "over the N ranks (attention stays data-parallel); the ranks step together and restart together"
         },
     )
+    tp: int = field(
+        default=1,
+        metadata={
+            "help": "tensor parallelism for dense models: each engine rank is a group of N processes (one GPU "
+            "each on CUDA) holding one model split Megatron-style; the group's first process schedules "
+            "and samples, the others follow its steps; single role only, no host prefix cache yet"
+        },
+    )
     routing: str = field(
         default="affinity",
         metadata={
@@ -291,6 +299,14 @@ class ServerConfig:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.dp < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp}")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.role != "single":
+            raise ValueError(f"--tp {self.tp} works with --role single only so far (the P/D handoff does not split KV heads)")
+        if self.tp > 1 and self.ep > 1:
+            raise ValueError("--tp and --ep do not compose yet")
+        if self.tp > 1 and self.engine.hicache_gb:
+            raise ValueError(f"--hicache-gb {self.engine.hicache_gb}: the host prefix cache does not work with --tp yet (give 0)")
         if self.ep not in (1, self.dp):
             raise ValueError(f"--ep must be 1 or equal to --dp (one expert-parallel group of every rank), got {self.ep}")
         if self.port is not None and not 0 <= self.port < 65536:

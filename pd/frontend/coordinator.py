@@ -139,6 +139,7 @@ class Coordinator:
                 self.cfg.role_config(i) if self.cfg.is_pd else None,
                 RestartPolicy.of(self.cfg),
                 group,
+                self.cfg.tp,
             )
             for i in range(self.cfg.dp)
         ]
