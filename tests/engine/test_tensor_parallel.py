@@ -21,6 +21,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
+from engine.fp8 import Fp8Linear
 from engine.request import SamplingParams
 from engine.tensor_parallel import PLAN_STEP, PLAN_STOP, TensorGroup, TpShard, close_group, init_group
 from tests.engine_utils import decode_logits, prompt_logits, random_prompts
@@ -94,22 +95,51 @@ def _single(folder: Path, **kw: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(**{**BASE, "model": str(folder), **kw}))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid"])
+@pytest.fixture(scope="module")
+def odd_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One KV head (replicated at --tp 2); FP8 shapes that split at 128-block edges (heads 4 x 64 wide,
+    4 KV heads, intermediate 512) for --quantization fp8."""
+    return {
+        "mqa": make_tiny("llama", tmp_path_factory.mktemp("mqa"), num_key_value_heads=1),
+        "fp8": make_tiny("llama", tmp_path_factory.mktemp("fp8"), hidden_size=256, head_dim=64,
+                         num_key_value_heads=4, intermediate_size=512),
+    }  # fmt: skip
+
+
+def _assert_tp_matches(ref: dict[str, list[torch.Tensor]], got: dict[str, list[torch.Tensor]], steps: int) -> None:
+    for rid, rows in ref.items():
+        assert len(got[rid]) == len(rows) == steps
+        assert [int(r.argmax()) for r in got[rid]] == [int(r.argmax()) for r in rows]
+        for a, b in zip(got[rid], rows):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3_hybrid"])
 def test_tp2_matches_tp1(group: Group, tiny_model_dir, family: str) -> None:
     """64 greedy tokens of three prompts at once identical, every step's logits within 1e-4; the group
-    ends idle. llama: 4 heads over 2 KV heads (split); gemma3: 4 heads over 2 KV heads, sliding layers,
-    sandwich norms, tied (vocabulary-split) head."""
+    ends idle. 4 heads over 2 KV heads (split); qwen2: q/k/v biases; qwen3: q/k norms; gemma3: sliding
+    layers, sandwich norms, tied (vocabulary-split) head."""
     folder = tiny_model_dir(family)
     prompts = random_prompts([37, 5, 70], seed=11)
     ref = decode_logits(_single(folder), prompts, 64)
     tp = group.engine_for(folder)
     assert tp.layout.num_kv_heads == 1 and tp.model.lm_head_weight.shape[0] == 256
-    got = decode_logits(tp, prompts, 64)
-    for rid, steps in ref.items():
-        assert len(got[rid]) == len(steps) == 64
-        assert [int(r.argmax()) for r in got[rid]] == [int(r.argmax()) for r in steps]
-        for a, b in zip(got[rid], steps):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    _assert_tp_matches(ref, decode_logits(tp, prompts, 64), 64)
+
+
+@pytest.mark.parametrize("kind", ["mqa", "fp8"])
+def test_tp2_replicated_kv_head_and_fp8(group: Group, odd_models: dict[str, Path], kind: str) -> None:
+    """One KV head: both ranks hold it; FP8 weights quantized at load: each rank's blocks (and scales)
+    are the whole model's. 32 greedy tokens identical, logits within 1e-4."""
+    kw = {"quantization": "fp8"} if kind == "fp8" else {}
+    prompts = random_prompts([29, 50], seed=12)
+    ref = decode_logits(_single(odd_models[kind], **kw), prompts, 32)
+    tp = group.engine_for(odd_models[kind], **kw)
+    assert tp.layout.num_kv_heads == (1 if kind == "mqa" else 2)
+    q_proj = tp.model.model.layers[0].self_attn.q_proj  # type: ignore[union-attr]
+    assert isinstance(q_proj, Fp8Linear) == (kind == "fp8")
+    assert q_proj.out_features == (128 if kind == "fp8" else 32)  # 2 of 4 heads
+    _assert_tp_matches(ref, decode_logits(tp, prompts, 32), 32)
 
 
 def test_tp2_deterministic_batch_and_chunk_invariant(group: Group, tiny_model_dir) -> None:
