@@ -138,6 +138,8 @@ class LLMEngine:
         )
         # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges)
         self.ep = expert_parallel.current()
+        if self.ep is not None and tp is not None:
+            raise InvalidRequestError("--tp and --ep do not compose yet")
         if self.ep is not None and not self.arch.sparse_layers:
             raise InvalidRequestError(f"--ep {self.ep.size} needs a mixture-of-experts model; {config.model} is dense")
         self.num_ep_steps = 0

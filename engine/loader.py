@@ -340,7 +340,7 @@ def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = Non
                 dest = dests.of(name)
                 if dest is None:
                     continue  # another expert-parallel rank's expert
-                part = shard.slice_of(name) if shard is not None else None
+                part = shard.slice_of(name, layout) if shard is not None else None
                 if shard is not None and shard.is_zero_here(name):  # a row-parallel bias: rank 0 adds it
                     dest.zero_()
                     continue

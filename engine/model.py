@@ -375,14 +375,15 @@ class DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(m)
 
     def _post_tp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """A tensor-parallel rank's layer after its heads' attention: o_proj and down_proj give partial
-        sums, each all-reduced (engine/tensor_parallel.py); everything between them is row-local."""
+        """A tensor-parallel rank's layer after its heads' attention: o_proj and down_proj (every routed
+        expert's, in a sparse layer) give partial sums, each all-reduced (engine/tensor_parallel.py);
+        everything between them is row-local, or the MoE block's own numerics."""
         tp = self.tp
         assert tp is not None
         is_det = get_context().numerics.is_deterministic
         h = tp.all_reduce(rowwise(self._o_proj, attn), is_det)
         x, normed = rowwise(self._sandwich_attn if self.is_sandwich else self._add_norm_cat, x, h).chunk(2, dim=1)
-        m = tp.all_reduce(rowwise(self.mlp, normed), is_det)
+        m = tp.all_reduce(self._sparse_mlp(normed) if self.is_sparse else rowwise(self.mlp, normed), is_det)
         return rowwise(self._sandwich_mlp, x, m) if self.is_sandwich else x + m
 
     def tp_row_functions(self, hidden: int) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
@@ -390,8 +391,8 @@ class DecoderLayer(nn.Module):
         fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = [
             (self._o_proj, [self.self_attn.out_width]),
             (self._sandwich_attn if self.is_sandwich else self._add_norm_cat, [hidden, hidden]),
-            (self.mlp, [hidden]),
         ]
+        fns += self.mlp.row_functions() if isinstance(self.mlp, SparseMoE) else [(self.mlp, [hidden])]
         if self.is_sandwich:
             fns.append((self._sandwich_mlp, [hidden, hidden]))
         return fns

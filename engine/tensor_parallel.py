@@ -15,6 +15,15 @@ What each rank holds (`TpShard`, the loader reads only these slices of the check
                      rank 0 (the head is a decode step's largest matmul, and only rank 0 samples); a
                      tied head is the matching rows of the replicated embedding
     norms, q/k norms replicated
+    MoE experts      every expert's intermediate rows split as a dense MLP's (gate/up rows, down columns:
+                     rows [r I'/N, (r+1) I'/N) of each expert's I'), the router replicated (every rank
+                     routes the same replicated hidden state alike), the down bias on rank 0 only; one
+                     all-reduce after the block, as after a dense MLP. Not expert parallelism inside
+                     the group: every rank already holds every token, so splitting each expert needs
+                     no token exchange, keeps the ranks' work equal whatever the routing (hot experts
+                     would stall one rank of an EP split), and computes a token's result as --tp 1
+                     does up to the order of one sum. Its limit: I' / N rows per expert per rank (small
+                     matmuls at a large N, and FP8 experts need I' / N to be whole 128-blocks).
 
 A layer then communicates twice: one all-reduce (sum) of o_proj's partial [tokens, hidden], one of
 down_proj's. In deterministic mode the sum is an all-gather and an add in rank order, so a row's
@@ -41,7 +50,8 @@ and the group is restarted as one (pd/rank/client.py RankGroup), as an expert-pa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -136,12 +146,19 @@ class TensorGroup:
 
 @dataclass(frozen=True)
 class Slice:
-    """Rows [start, stop) along dim of a checkpoint tensor whose length there is full."""
+    """What a rank holds of a tensor whose length along dim is full: the pieces [start, stop) along dim,
+    side by side (one piece, but two for stacked gate/up rows: rank r's gate rows, then its up rows)."""
 
     dim: int
-    start: int
-    stop: int
+    ranges: tuple[tuple[int, int], ...]
     full: int
+
+    @classmethod
+    def one(cls, dim: int, start: int, stop: int, full: int) -> Slice:
+        return cls(dim, ((start, stop),), full)
+
+
+PER_EXPERT = re.compile(r".+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 @dataclass(frozen=True)
@@ -154,10 +171,10 @@ class TpShard:
 
     def __post_init__(self) -> None:
         a, n = self.arch, self.size
-        if a.sparse_layers or a.is_mla:
+        if a.is_mla:
             raise InvalidRequestError(
-                f"--tp {n}: tensor parallelism splits dense models with per-head attention (Llama, Qwen, Mistral, "
-                "Gemma 3); mixture-of-experts layers and latent attention are not split yet"
+                f"--tp {n}: tensor parallelism splits models with per-head attention (Llama, Qwen, Mistral, Gemma 3, "
+                "Qwen3-MoE, gpt-oss); latent attention (DeepSeek-V3) is not split yet"
             )
         if a.num_heads % n:
             raise InvalidRequestError(f"--tp {n} must divide the model's {a.num_heads} attention heads")
@@ -165,20 +182,22 @@ class TpShard:
             raise InvalidRequestError(
                 f"--tp {n} must divide the model's {a.num_kv_heads} KV heads or be a multiple of them"
             )
-        if a.intermediate_size % n:
-            raise InvalidRequestError(f"--tp {n} must divide the model's intermediate size {a.intermediate_size}")
+        if a.intermediate_size % n or a.moe_intermediate_size % n:
+            raise InvalidRequestError(
+                f"--tp {n} must divide the model's intermediate size {a.intermediate_size}"
+                + (f" and its experts' {a.moe_intermediate_size}" if a.sparse_layers else "")
+            )
 
     @property
     def local_arch(self) -> ModelArch:
-        """The arch this rank's modules are built with: its heads, KV heads and intermediate size."""
-        from dataclasses import replace
-
+        """The arch this rank's modules are built with: its heads, KV heads and intermediate sizes."""
         a, n = self.arch, self.size
         return replace(
             a,
             num_heads=a.num_heads // n,
             num_kv_heads=max(1, a.num_kv_heads // n),
             intermediate_size=a.intermediate_size // n,
+            moe_intermediate_size=a.moe_intermediate_size // n,
         )
 
     @property
@@ -199,45 +218,64 @@ class TpShard:
             return r * per, per
         return r * a.num_kv_heads // n, 1  # replicated: the KV head of this rank's query heads
 
-    def slice_of(self, name: str) -> Slice | None:
-        """The slice of checkpoint tensor `name` this rank holds (the weight's for its `_scale_inv`,
-        in elements, not blocks); None: the whole tensor (replicated)."""
-        a = self.arch
+    def slice_of(self, name: str, expert_layout: str = "stacked") -> Slice | None:
+        """The slice of tensor `name` this rank holds (the weight's for its `_scale_inv`, in elements, not
+        blocks); None: the whole tensor (replicated). Stacked experts as the checkpoint's expert_layout
+        stores them (engine/loader.py; the model's own is "stacked")."""
+        a, r = self.arch, self.rank
         base = name.removesuffix(fp8.SCALE_SUFFIX)
         d = a.head_dim
         if base.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             first, count = self._heads(kv=False)
-            return Slice(0, first * d, (first + count) * d, a.num_heads * d)
+            return Slice.one(0, first * d, (first + count) * d, a.num_heads * d)
         if base.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
                           "self_attn.v_proj.bias")):  # fmt: skip
             first, count = self._heads(kv=True)
-            return Slice(0, first * d, (first + count) * d, a.num_kv_heads * d)
+            return Slice.one(0, first * d, (first + count) * d, a.num_kv_heads * d)
         if base.endswith("self_attn.o_proj.weight"):
             first, count = self._heads(kv=False)
-            return Slice(1, first * d, (first + count) * d, a.num_heads * d)
+            return Slice.one(1, first * d, (first + count) * d, a.num_heads * d)
         if base.endswith("self_attn.sinks"):
             first, count = self._heads(kv=False)
-            return Slice(0, first, first + count, a.num_heads)
+            return Slice.one(0, first, first + count, a.num_heads)
         per = a.intermediate_size // self.size
         if base.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-            return Slice(0, self.rank * per, (self.rank + 1) * per, a.intermediate_size)
+            return Slice.one(0, r * per, (r + 1) * per, a.intermediate_size)
         if base.endswith("mlp.down_proj.weight"):
-            return Slice(1, self.rank * per, (self.rank + 1) * per, a.intermediate_size)
+            return Slice.one(1, r * per, (r + 1) * per, a.intermediate_size)
         if base == "lm_head.weight":
             start, stop = self.vocab_rows
-            return Slice(0, start, stop, a.vocab_size)
+            return Slice.one(0, start, stop, a.vocab_size)
+        return self._expert_slice(base, expert_layout)
+
+    def _expert_slice(self, base: str, layout: str) -> Slice | None:
+        """Routed experts: each expert's intermediate rows [r I', (r+1) I') (see the module docstring)."""
+        full = self.arch.moe_intermediate_size
+        per = full // self.size
+        lo, hi = self.rank * per, (self.rank + 1) * per
+        match = PER_EXPERT.fullmatch(base)
+        if match is not None:
+            return Slice.one(1 if match.group(1) == "down_proj" else 0, lo, hi, full)
+        interleaved = layout == "interleaved"
+        if base.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.gate_up_proj_bias")):
+            is_bias = base.endswith("_bias")
+            if interleaved:  # [E, H, 2I] (bias [E, 2I]), gate i and up i in columns 2i, 2i + 1: one run
+                return Slice.one(1 if is_bias else 2, 2 * lo, 2 * hi, 2 * full)
+            return Slice(1, ((lo, hi), (full + lo, full + hi)), 2 * full)  # [E, 2I, H]: gate rows, then up rows
+        if base.endswith(".mlp.experts.down_proj"):
+            return Slice.one(1 if interleaved else 2, lo, hi, full)  # [E, I, H] interleaved, [E, H, I] stacked
         return None
 
     def is_zero_here(self, name: str) -> bool:
         """A row-parallel projection's bias: added once, by rank 0 (the all-reduce sums the ranks)."""
-        return self.rank != 0 and name.endswith("self_attn.o_proj.bias")
+        return self.rank != 0 and name.endswith(("self_attn.o_proj.bias", ".mlp.experts.down_proj_bias"))
 
     def check_fp8_blocks(self, name: str) -> None:
         """Refuses a split of FP8 weight `name` that cuts one of its 128-wide blocks."""
         s = self.slice_of(name)
         if s is None:
             return
-        for edge in (s.start, s.stop):
+        for edge in (e for piece in s.ranges for e in piece):
             if edge % fp8.BLOCK and edge != s.full:
                 raise InvalidRequestError(
                     f"--tp {self.size} splits {name} at {edge} of {s.full}, inside a {fp8.BLOCK}-wide FP8 block: "
@@ -246,16 +284,19 @@ class TpShard:
 
 
 def take(t: Any, s: Slice) -> torch.Tensor:
-    """Slice s of a tensor (or a safetensors slice, read lazily)."""
-    index: list[slice] = [slice(None)] * (s.dim + 1)
-    index[s.dim] = slice(s.start, s.stop)
-    return t[tuple(index)]
+    """Slice s of a tensor (or of a safetensors slice, read lazily: only these rows)."""
+    parts = []
+    for start, stop in s.ranges:
+        index: list[slice] = [slice(None)] * (s.dim + 1)
+        index[s.dim] = slice(start, stop)
+        parts.append(t[tuple(index)])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=s.dim)
 
 
 def scale_slice(s: Slice) -> Slice:
     """A weight's slice in its FP8 block scales (check_fp8_blocks has passed: block edges)."""
     b = fp8.BLOCK
-    return Slice(s.dim, s.start // b, math.ceil(s.stop / b), math.ceil(s.full / b))
+    return Slice(s.dim, tuple((a // b, math.ceil(z / b)) for a, z in s.ranges), math.ceil(s.full / b))
 
 
 def full_shape(shape: tuple[int, ...], s: Slice) -> tuple[int, ...]:

@@ -129,7 +129,7 @@ class ServerConfig:
     tp: int = field(
         default=1,
         metadata={
-            "help": "tensor parallelism for dense models: each engine rank is a group of N processes (one GPU "
+            "help": "tensor parallelism (dense and MoE models with per-head attention): each engine rank is a group of N processes (one GPU "
             "each on CUDA) holding one model split Megatron-style; the group's first process schedules "
             "and samples, the others follow its steps; single role only, no host prefix cache yet"
         },
