@@ -59,7 +59,7 @@ from engine.runner import ModelRunner, StepPlan
 from engine.sampler import process_logits, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
-from engine.tensor_parallel import PLAN_IDLE, PLAN_STEP, PLAN_STOP, TensorGroup
+from engine.tensor_parallel import PLAN_COPY, PLAN_IDLE, PLAN_STEP, PLAN_STOP, TensorGroup
 
 log = logging.getLogger(__name__)
 # what a client hears of a failure that is not its request's fault (the log has the exception)
@@ -71,12 +71,8 @@ class LLMEngine:
         """tp: this rank's tensor-parallel group (`--tp N`; every rank of it builds its engine at once)."""
         from engine.models import resolve_model
 
-        if tp is not None and config.hicache_gb:
-            raise InvalidRequestError(
-                f"hicache_gb {config.hicache_gb}: the host prefix cache does not work with --tp yet (give 0)", "hicache_gb"
-            )
-        if tp is not None:  # NOTE: the ranks must step alike: no host cache, no launch-ahead
-            config = dataclasses.replace(config, hicache_gb=0, launch_ahead=False)
+        if tp is not None:  # NOTE: the forwards follow rank 0's plans: nothing launched ahead of them
+            config = dataclasses.replace(config, launch_ahead=False)
         self.tp = tp
         self.config = config
         self.model_name = config.model
@@ -123,7 +119,9 @@ class LLMEngine:
             self.slots,
             on_admit=self._admit,
         )
-        self.prefix_cache = HostPrefixCache.sized(config, self.arch, self.kv)  # None: --hicache-gb 0
+        self.prefix_cache = HostPrefixCache.sized(  # None: --hicache-gb 0
+            config, self.arch, self.kv, tp.size if tp else 1, records=tp is not None and tp.is_leader
+        )
         # NOTE: latent attention (engine/mla.py) has no decode kernel yet: its decode rows take the chunked
         # path in torch, which reads block tables on the host, so no CUDA graphs either
         has_decode_kernel = not self.arch.is_mla
@@ -340,6 +338,10 @@ class LLMEngine:
         for seq in seqs:
             if seq.num_computed == seq.num_cached_prompt and not seq.output_token_ids:  # its first chunk
                 self.num_prompt_tokens_total += seq.num_prompt_tokens  # cache hits included, as in vLLM
+        if self.tp is not None and self.prefix_cache is not None:  # the group's pools copy what rank 0's did
+            copies = self.prefix_cache.take_copies()
+            if copies:
+                self.tp.send_plan(PLAN_COPY, copies)
         try:
             sampled, logits = self.runner.run(seqs, num_new)
         except Exception as e:
@@ -557,6 +559,9 @@ class LLMEngine:
                 return
             if kind == PLAN_STEP:
                 self.runner.follow(StepPlan.from_wire(plan))
+            elif kind == PLAN_COPY:
+                assert self.prefix_cache is not None  # the same config as rank 0's
+                self.prefix_cache.replay([(c[0], c[1], c[2], c[3]) for c in plan], self.kv)
 
     def heartbeat(self) -> None:
         """Rank 0 of a tensor-parallel group, idle: tells the others it lives (call every HEARTBEAT_S)."""

@@ -39,7 +39,9 @@ block pools, sampling, detokenizing); before every forward it broadcasts the ste
 block table and state slot, the rows whose logits are wanted) and the other ranks run exactly that
 forward on their own KV heads (`LLMEngine.follow`). Pages, block tables and slots are rank 0's, so
 they are the same on every rank; only rank 0 samples, and the tokens reach the other ranks as the
-next plan's input ids. An idle rank 0 broadcasts an idle plan every HEARTBEAT_S (a follower's wait
+next plan's input ids. The host prefix cache's copies (engine/host_prefix_cache.py) rank 0 made since
+the last forward go before it (PLAN_COPY), and every rank makes them on its own host pool and KV
+heads. An idle rank 0 broadcasts an idle plan every HEARTBEAT_S (a follower's wait
 in the broadcast would otherwise time out), and a stop plan when it closes.
 
 The plan travels over a gloo group (on CUDA a second group beside the NCCL one: the plan is host
@@ -63,7 +65,7 @@ from engine.model_config import ModelArch
 from engine.rank_group import join_group, leave_group
 
 HEARTBEAT_S = 1.0  # an idle rank 0 broadcasts an idle plan this often
-PLAN_STEP, PLAN_IDLE, PLAN_STOP = 0, 1, 2  # kinds of broadcast
+PLAN_STEP, PLAN_IDLE, PLAN_STOP, PLAN_COPY = 0, 1, 2, 3  # kinds of broadcast
 
 
 @dataclass

@@ -131,7 +131,7 @@ class ServerConfig:
         metadata={
             "help": "tensor parallelism (dense and MoE models with per-head attention): each engine rank is a group of N processes (one GPU "
             "each on CUDA) holding one model split Megatron-style; the group's first process schedules "
-            "and samples, the others follow its steps; single role only, no host prefix cache yet"
+            "and samples, the others follow its steps; single role only so far"
         },
     )
     routing: str = field(
@@ -305,8 +305,6 @@ class ServerConfig:
             raise ValueError(f"--tp {self.tp} works with --role single only so far (the P/D handoff does not split KV heads)")
         if self.tp > 1 and self.ep > 1:
             raise ValueError("--tp and --ep do not compose yet")
-        if self.tp > 1 and self.engine.hicache_gb:
-            raise ValueError(f"--hicache-gb {self.engine.hicache_gb}: the host prefix cache does not work with --tp yet (give 0)")
         if self.ep not in (1, self.dp):
             raise ValueError(f"--ep must be 1 or equal to --dp (one expert-parallel group of every rank), got {self.ep}")
         if self.port is not None and not 0 <= self.port < 65536:

@@ -197,6 +197,24 @@ def test_tp2_sampling_and_prompt_logprobs(group: Group, tiny_model_dir) -> None:
         torch.testing.assert_close(torch.tensor(ra.logprobs), torch.tensor(rb.logprobs), rtol=0, atol=1e-4)
 
 
+def test_tp2_host_prefix_cache(group: Group, tiny_model_dir) -> None:
+    """With the host prefix cache on (each process a pool of its own KV heads; rank 0's copies replayed
+    by the other): a second turn that extends the first restores its cached pages (and the SWA state)
+    and gives --tp 1's tokens and logits, as does the first prompt again beside it."""
+    folder = tiny_model_dir("gemma3_hybrid")
+    first = random_prompts([50], seed=21)[0]
+    second = first + random_prompts([20], seed=22)[0]
+    results = []
+    for eng in (_single(folder, hicache_gb=0.01), group.engine_for(folder, hicache_gb=0.01)):
+        turn1 = decode_logits(eng, [first], 8)
+        turn2 = decode_logits(eng, [second, first], 8)
+        assert eng.stats().cache_hit_tokens_total == 2 * 48  # turn 2: both prompts start with turn 1's 3 pages
+        results.append((turn1, turn2))
+    (ref1, ref2), (got1, got2) = results
+    _assert_tp_matches(ref1, got1, 8)
+    _assert_tp_matches(ref2, got2, 8)
+
+
 def test_shard_slices_and_refusals(tmp_path: Path) -> None:
     """What each rank loads (KV heads split, then replicated past their count) and what is refused."""
     from engine.model_config import arch_from_hf, load_hf_config

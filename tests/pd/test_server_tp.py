@@ -39,7 +39,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def servers(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     logs = tmp_path_factory.mktemp("tp")
-    args = ("--model", model, *SMALL_DETERMINISTIC, "--hicache-gb", "0")
+    args = ("--model", model, *SMALL_DETERMINISTIC)
     ref = ServerProcess(*args, log_path=logs / "ref.log")
     tp = ServerProcess(*args, "--tp", "2", "--rank-restart-backoff-s", "1", log_path=logs / "tp.log")
     try:
@@ -92,10 +92,6 @@ def test_config_refuses_what_tp_does_not_do_yet() -> None:
         ServerConfig(role="pe", tp=2)
     with pytest.raises(ValueError, match="--tp and --ep"):
         ServerConfig(dp=2, ep=2, tp=2)
-    with pytest.raises(ValueError, match="--hicache-gb"):
-        from engine.config import EngineConfig
-
-        ServerConfig(tp=2, engine=EngineConfig(hicache_gb=1.0))
     with pytest.raises(ValueError, match="--tp must be >= 1"):
         ServerConfig(tp=0)
 
