@@ -564,7 +564,8 @@ class LLMEngine:
                 self.prefix_cache.replay([(c[0], c[1], c[2], c[3]) for c in plan], self.kv)
 
     def heartbeat(self) -> None:
-        """Rank 0 of a tensor-parallel group, idle: tells the others it lives (call every HEARTBEAT_S)."""
+        """Rank 0 of a tensor-parallel group, idle: tells the others it lives (an idle follower's wait for a
+        plan fails after rank_group.TIMEOUT_S; the server's rank beats every second)."""
         if self.tp is not None and self.tp.is_leader:
             self.tp.send_plan(PLAN_IDLE)
 

@@ -6,7 +6,10 @@ same whether any sequence asks or not.
 
 On CUDA, decode rows (engine/decode.py) go last in the flattened batch and attend through the paged
 decode kernel; a step made only of decode rows replays a CUDA graph (engine/cuda_graphs.py) when one
-of its size was captured."""
+of its size was captured.
+
+A step is planned (`StepPlan`: ints only) and then executed; rank 0 of a tensor-parallel group
+broadcasts the plan between the two, and the group's other ranks execute it too (`follow`)."""
 
 from __future__ import annotations
 

@@ -41,12 +41,12 @@ forward on their own KV heads (`LLMEngine.follow`). Pages, block tables and slot
 they are the same on every rank; only rank 0 samples, and the tokens reach the other ranks as the
 next plan's input ids. The host prefix cache's copies (engine/host_prefix_cache.py) rank 0 made since
 the last forward go before it (PLAN_COPY), and every rank makes them on its own host pool and KV
-heads. An idle rank 0 broadcasts an idle plan every HEARTBEAT_S (a follower's wait
+heads. An idle rank 0 broadcasts an idle plan now and then (`LLMEngine.heartbeat`: a follower's wait
 in the broadcast would otherwise time out), and a stop plan when it closes.
 
 The plan travels over a gloo group (on CUDA a second group beside the NCCL one: the plan is host
-data), msgpack-encoded (a size, then the bytes). A rank that dies breaks its peers' next collective
-and the group is restarted as one (pd/rank/client.py RankGroup), as an expert-parallel group is.
+data), msgpack-encoded (a size, then the bytes). A process that dies breaks its peers' next collective;
+the server's rank process, rank 0, then exits and is restarted with new followers (pd/rank/worker.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ from engine.errors import InvalidRequestError
 from engine.model_config import ModelArch
 from engine.rank_group import join_group, leave_group
 
-HEARTBEAT_S = 1.0  # an idle rank 0 broadcasts an idle plan this often
 PLAN_STEP, PLAN_IDLE, PLAN_STOP, PLAN_COPY = 0, 1, 2, 3  # kinds of broadcast
 
 

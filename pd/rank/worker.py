@@ -20,7 +20,7 @@ EP_IDLE_POLL_S instead of blocking, so a new request waits at most that long for
 (engine/tensor_parallel.py). This process is the group's first: it starts the other N - 1
 (pd/rank/tp_follower.py, its children, on the next GPUs: rank i's group takes GPUs i*N .. i*N + N-1),
 schedules and samples, and broadcasts every forward's plan; idle, it broadcasts an idle plan every
-tensor_parallel.HEARTBEAT_S. A follower that dies fails this process's next collective, so the rank
+TP_HEARTBEAT_S. A follower that dies fails this process's next collective, so the rank
 exits and the server restarts it, followers and all; a follower dies with this process.
 
 `--role pe|ce` adds a RankRole (pd/rank/prefill_role.py, pd/rank/decode_role.py): the P/D messages it takes, the threads
@@ -136,7 +136,7 @@ class RankWorker:
         tp: TensorGroup | None = None,
     ) -> None:
         """ep: the rank's expert-parallel group (the loop then steps in lockstep with its peers); tp: its
-        tensor-parallel group, of which this process is the first (idle, it beats every HEARTBEAT_S)."""
+        tensor-parallel group, of which this process is the first (idle, it beats every TP_HEARTBEAT_S)."""
         self.rank = rank
         self.ep = ep
         self.tp = tp

@@ -1,9 +1,9 @@
 """Tensor parallelism through real servers and the openai client, on the CPU (gloo over loopback): a
-tiny Llama with SmolLM2's tokenizer served by `--tp 2` (the rank's process starts a follower process;
-they split every layer's heads and MLP rows and the LM head's vocabulary) gives the greedy tokens of a
-`--tp 1` server, logprobs within 1e-4, one request at a time and several at once, streamed chat too;
-a killed follower takes its rank down (its requests fail) and the rank comes back, follower and all,
-serving the same tokens."""
+tiny Llama with SmolLM2's tokenizer served by `--dp 2 --tp 2` (each rank's process starts a follower
+process; they split every layer's heads and MLP rows and the LM head's vocabulary) gives the greedy
+tokens of a `--tp 1` server, logprobs within 1e-4, one request at a time and several at once (both
+ranks busy), streamed chat too; a killed follower takes its rank down (its requests fail) and the rank
+comes back, follower and all, serving the same tokens, while the other rank serves on."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def servers(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     logs = tmp_path_factory.mktemp("tp")
     args = ("--model", model, *SMALL_DETERMINISTIC)
     ref = ServerProcess(*args, log_path=logs / "ref.log")
-    tp = ServerProcess(*args, "--tp", "2", "--rank-restart-backoff-s", "1", log_path=logs / "tp.log")
+    tp = ServerProcess(*args, "--dp", "2", "--tp", "2", "--rank-restart-backoff-s", "1", log_path=logs / "tp.log")
     try:
         for s in (ref, tp):
             s.start()
@@ -77,7 +77,7 @@ def test_tp2_serves_the_tokens_of_tp1(servers, model: str) -> None:
     ref, tp = servers
     want = completions(ref.url, model, 1)
     assert len({text for text, _ in want}) > 1  # the prompts do not all give the same answer
-    for concurrency in (1, 4):
+    for concurrency in (1, 6):
         assert_same(completions(tp.url, model, concurrency), want)
     chat = [{"role": "user", "content": "Name three colours."}]
     a = openai_client(ref.url).chat.completions.create(model=model, messages=chat, max_tokens=12, temperature=0)
@@ -101,7 +101,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_killing_the_follower_restarts_the_rank(servers, model: str) -> None:
-    """Runs last in the module: kills the --tp 2 rank's follower process mid-stream."""
+    """Runs last in the module: kills the follower process of the rank that serves a stream, mid-stream."""
     ref, tp = servers
     client = openai_client(tp.url, timeout_s=60)
     result: dict[str, object] = {}
@@ -116,11 +116,13 @@ def test_killing_the_follower_restarts_the_rank(servers, model: str) -> None:
         except openai.APIError as e:
             result["s"] = f"error: {e}"
 
-    rank_pid = tp.rank_pids()[0]
-    (follower,) = _children(rank_pid)
     t = threading.Thread(target=stream)
     t.start()
     time.sleep(1.0)
+    _, health = get_json(tp.url + "/health")
+    (busy,) = [r["rank"] for r in health["ranks"] if r["num_inflight"]]
+    rank_pid = tp.rank_pids()[busy]
+    (follower,) = _children(rank_pid)
     os.kill(follower, signal.SIGKILL)
     t.join(60)
     assert not t.is_alive() and str(result["s"]).startswith("error"), result
@@ -131,7 +133,7 @@ def test_killing_the_follower_restarts_the_rank(servers, model: str) -> None:
             break
         assert time.monotonic() < deadline, health
         time.sleep(0.3)
-    assert [r["num_restarts"] for r in health["ranks"]] == [1]
-    new_pid = tp.rank_pids()[0]
+    assert [r["num_restarts"] for r in health["ranks"]] == [int(r == busy) for r in range(2)]
+    new_pid = tp.rank_pids()[busy]
     assert new_pid != rank_pid and len(_children(new_pid)) == 1
     assert_same(completions(tp.url, model, 2), completions(ref.url, model, 1))
