@@ -101,7 +101,8 @@ def _children(pid: int) -> list[int]:
 
 
 def test_killing_the_follower_restarts_the_rank(servers, model: str) -> None:
-    """Runs last in the module: kills the follower process of the rank that serves a stream, mid-stream."""
+    """Runs last in the module: kills the follower process of the rank that serves a stream and a
+    whole request, mid-generation: the stream ends in an error, the whole request gets 503."""
     ref, tp = servers
     client = openai_client(tp.url, timeout_s=60)
     result: dict[str, object] = {}
@@ -116,16 +117,26 @@ def test_killing_the_follower_restarts_the_rank(servers, model: str) -> None:
         except openai.APIError as e:
             result["s"] = f"error: {e}"
 
-    t = threading.Thread(target=stream)
-    t.start()
+    def whole() -> None:  # the same prompt: the same rank (affinity)
+        try:
+            client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=900, extra_body={"ignore_eos": True})
+            result["w"] = "finished"
+        except openai.APIStatusError as e:
+            result["w"] = e.status_code
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    for t in threads:
+        t.start()
     time.sleep(1.0)
     _, health = get_json(tp.url + "/health")
     (busy,) = [r["rank"] for r in health["ranks"] if r["num_inflight"]]
     rank_pid = tp.rank_pids()[busy]
     (follower,) = _children(rank_pid)
     os.kill(follower, signal.SIGKILL)
-    t.join(60)
-    assert not t.is_alive() and str(result["s"]).startswith("error"), result
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive()
+    assert str(result["s"]).startswith("error") and result["w"] == 503, result
     deadline = time.monotonic() + 60
     while True:
         status, health = get_json(tp.url + "/health")
