@@ -42,6 +42,28 @@ class DecodeMeta:
     block_table: torch.Tensor  # [num_rows, max_blocks] int32
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """Decode rows' values on the host: each row's input token, position, state slot and the block
+    table entries up to its position's page."""
+
+    input_ids: list[int]
+    positions: list[int]
+    state_slots: list[int]
+    block_tables: list[list[int]]
+
+
+def decode_rows(seqs: list[Sequence], block_size: int) -> DecodeRows:
+    rows = DecodeRows([], [], [], [])
+    for seq in seqs:
+        p = seq.num_computed
+        rows.input_ids.append(seq.output_token_ids[p - seq.num_prompt_tokens])  # a decode row's token is generated
+        rows.positions.append(p)
+        rows.state_slots.append(seq.state_slot)
+        rows.block_tables.append(seq.block_ids[: p // block_size + 1] if seq.block_ids else [])
+    return rows
+
+
 def is_decode_row(seq: Sequence, num_new_tokens: int) -> bool:
     """One generated token (its position is past the prompt)."""
     return num_new_tokens == 1 and seq.num_computed >= seq.num_prompt_tokens
@@ -79,23 +101,23 @@ class DecodeInputs:
 
     def fill(self, seqs: list[Sequence], padded_rows: int) -> DecodeMeta:
         """Writes the rows of `seqs` (then padding up to padded_rows) and copies them to the device."""
-        n = len(seqs)
+        return self.fill_rows(decode_rows(seqs, self.block_size), padded_rows)
+
+    def fill_rows(self, rows: DecodeRows, padded_rows: int) -> DecodeMeta:
+        """fill() from the rows' values (a tensor-parallel follower has them from rank 0's plan)."""
+        n = len(rows.input_ids)
         if not n <= padded_rows <= self.max_rows:
             raise ValueError(f"{n} decode rows padded to {padded_rows}; the buffers hold {self.max_rows}")
         self._copied.synchronize()  # NOTE: the previous step's copy must be done before the host rewrites
         h = self._np
         ids, pos, ctx, slots = (self._field(h, i, padded_rows) for i in range(4))
         table = self._table(h, padded_rows)
-        bs = self.block_size
-        for i, seq in enumerate(seqs):
-            p = seq.num_computed
-            ids[i] = seq.output_token_ids[p - seq.num_prompt_tokens]  # a decode row's token is generated
+        for i, (t, p, slot, blocks) in enumerate(zip(rows.input_ids, rows.positions, rows.state_slots, rows.block_tables)):
+            ids[i] = t
             pos[i] = p
             ctx[i] = p + 1
-            slots[i] = seq.state_slot
-            if seq.block_ids:
-                k = p // bs + 1
-                table[i, :k] = seq.block_ids[:k]
+            slots[i] = slot
+            table[i, : len(blocks)] = blocks
         ids[n:] = 0
         pos[n:] = 0
         ctx[n:] = 0

@@ -14,6 +14,10 @@ composed in, one job a module:
     engine/engine_stats.py       stats()
     engine/memory_plan.py        the KV memory's size at start (engine.memory)
     engine/faults.py             which failures are fatal: those propagate and the rank exits
+
+In a tensor-parallel group (engine/tensor_parallel.py) every rank builds the same engine on its share
+of the model; rank 0 serves (add_request, step, ...) and broadcasts each forward's plan, and the others
+call follow(), which runs those forwards until rank 0 closes().
 """
 
 from __future__ import annotations
@@ -51,10 +55,11 @@ from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, loa
 from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
 from engine.prompt_logprobs import PromptLogprobsCollector
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, StepPlan
 from engine.sampler import process_logits, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
+from engine.tensor_parallel import PLAN_COPY, PLAN_IDLE, PLAN_STEP, PLAN_STOP, TensorGroup
 
 log = logging.getLogger(__name__)
 # what a client hears of a failure that is not its request's fault (the log has the exception)
@@ -62,9 +67,13 @@ FAILED = "the engine failed while {phase} this request (the server's log has why
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorGroup | None = None) -> None:
+        """tp: this rank's tensor-parallel group (`--tp N`; every rank of it builds its engine at once)."""
         from engine.models import resolve_model
 
+        if tp is not None:  # NOTE: the forwards follow rank 0's plans: nothing launched ahead of them
+            config = dataclasses.replace(config, launch_ahead=False)
+        self.tp = tp
         self.config = config
         self.model_name = config.model
         folder = resolve_model(config.model, config.revision, config.download_dir)
@@ -80,13 +89,17 @@ class LLMEngine:
         self.fp8_format = fp8_format(getattr(hf, "quantization_config", None), config.quantization)
         self.model = build_model(
             self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy",
-            config.seed, self.fp8_format,
+            config.seed, self.fp8_format, tp,
         )
         self.numerics = self._pick_numerics()
-        self.layout = layout_of(self.arch, config.block_size, self.dtype)
+        self.layout = layout_of(self.model.arch, config.block_size, self.dtype)  # a tensor-parallel rank's heads
         self.memory = plan_memory(
-            config, self.arch, self.layout, self.model, self.numerics, self.device, self.max_model_len
+            config, self.model.arch, self.layout, self.model, self.numerics, self.device, self.max_model_len
         )
+        if tp is not None:  # rank 0's block ids must exist on every rank
+            self.memory = dataclasses.replace(
+                self.memory, num_blocks=tp.min_int(self.memory.num_blocks), num_swa_slots=tp.min_int(self.memory.num_swa_slots)
+            )
         self.kv = KVCache(self.layout, self.memory.num_blocks, self.memory.num_swa_slots, self.device)
         self.blocks = BlockPool(self.memory.num_blocks)
         self.slots = BlockPool(self.memory.num_swa_slots)
@@ -106,7 +119,9 @@ class LLMEngine:
             self.slots,
             on_admit=self._admit,
         )
-        self.prefix_cache = HostPrefixCache.sized(config, self.arch, self.kv)  # None: --hicache-gb 0
+        self.prefix_cache = HostPrefixCache.sized(  # None: --hicache-gb 0
+            config, self.arch, self.kv, tp.size if tp else 1, records=tp is not None and tp.is_leader
+        )
         # NOTE: latent attention (engine/mla.py) has no decode kernel yet: its decode rows take the chunked
         # path in torch, which reads block tables on the host, so no CUDA graphs either
         has_decode_kernel = not self.arch.is_mla
@@ -117,15 +132,18 @@ class LLMEngine:
             config.forward,
             max_decode_rows=config.max_num_seqs if has_decode_kernel else 0,
             max_model_len=self.max_model_len,
+            tp=tp,
         )
         # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges)
         self.ep = expert_parallel.current()
+        if self.ep is not None and tp is not None:
+            raise InvalidRequestError("--tp and --ep do not compose yet")
         if self.ep is not None and not self.arch.sparse_layers:
             raise InvalidRequestError(f"--ep {self.ep.size} needs a mixture-of-experts model; {config.model} is dense")
         self.num_ep_steps = 0
         self.eplb = RebalanceStats()
         self.graph_stats: GraphCaptureStats | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.ep is None and has_decode_kernel:
+        if self.device.type == "cuda" and not config.enforce_eager and self.ep is None and tp is None and has_decode_kernel:
             # (no collectives in graphs)
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -147,6 +165,8 @@ class LLMEngine:
         if batch_invariant_available(self.device):
             return Numerics.BATCH_INVARIANT
         fast = probe_padded_is_invariant(self.model.row_functions(), self.dtype, self.device)
+        if self.tp is not None:  # every rank the same numerics
+            fast = bool(self.tp.min_int(int(fast)))
         return Numerics.PADDED if fast else Numerics.TILED
 
     # ---- requests -----------------------------------------------------------------------------
@@ -318,11 +338,15 @@ class LLMEngine:
         for seq in seqs:
             if seq.num_computed == seq.num_cached_prompt and not seq.output_token_ids:  # its first chunk
                 self.num_prompt_tokens_total += seq.num_prompt_tokens  # cache hits included, as in vLLM
+        if self.tp is not None and self.prefix_cache is not None:  # the group's pools copy what rank 0's did
+            copies = self.prefix_cache.take_copies()
+            if copies:
+                self.tp.send_plan(PLAN_COPY, copies)
         try:
             sampled, logits = self.runner.run(seqs, num_new)
         except Exception as e:
             raise_if_fatal(e)  # NOTE: the culprit is unknown in a batched forward: the batch fails
-            if self.ep is not None:
+            if self.ep is not None or self.tp is not None:  # the peers are left mid-collective
                 raise
             outputs += [self._fail(seq, e, "running the model") for seq in seqs]
             return None
@@ -523,6 +547,37 @@ class LLMEngine:
             self.handoffs.end(seq.request_id)
         return out
 
+    # ---- a tensor-parallel group ---------------------------------------------------------------
+
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: runs the forwards rank 0 broadcasts, until it closes."""
+        if self.tp is None or self.tp.is_leader:
+            raise RuntimeError("follow() is for the ranks of a tensor-parallel group other than 0")
+        while True:
+            kind, plan = self.tp.receive_plan()
+            if kind == PLAN_STOP:
+                return
+            if kind == PLAN_STEP:
+                self.runner.follow(StepPlan.from_wire(plan))
+            elif kind == PLAN_COPY:
+                assert self.prefix_cache is not None  # the same config as rank 0's
+                self.prefix_cache.replay([(c[0], c[1], c[2], c[3]) for c in plan], self.kv)
+
+    def heartbeat(self) -> None:
+        """Rank 0 of a tensor-parallel group, idle: tells the others it lives (an idle follower's wait for a
+        plan fails after rank_group.TIMEOUT_S; the server's rank beats every second)."""
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.send_plan(PLAN_IDLE)
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel group: the other ranks' follow() returns."""
+        if self.tp is not None and self.tp.is_leader:
+            self.tp.send_plan(PLAN_STOP)
+
+    def _refuse_tp(self, what: str) -> None:
+        if self.tp is not None:
+            raise InvalidRequestError(f"{what} does not work with --tp yet (KV heads are split over the group)")
+
     # ---- export / import ----------------------------------------------------------------------
 
     def export_sequence(
@@ -538,6 +593,7 @@ class LLMEngine:
         transport's exported arena), or None for new memory; used only with device=None.
         skip_pages: pages the receiver holds already (its reservation's held tokens / block_size):
         only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page)."""
+        self._refuse_tp("the P/D handoff")
         return self.handoff_io.export(request_id, device, alloc, skip_pages)
 
     def finish_handoff(self, request_id: str) -> None:
@@ -553,6 +609,7 @@ class LLMEngine:
         decode cache hit, tokens verified) and exp.pages are written after them. A full handoff
         (first_page 0) into a reservation that held pages releases those (they stay cached) and
         writes every page into fresh ones: an indexed page is never overwritten."""
+        self._refuse_tp("the P/D handoff")
         self.validate(exp.request_id, exp.prompt_token_ids, exp.params)
         seq = self.handoff_io.import_(exp)
         detok = IncrementalDetokenizer(self.tokenizer, exp.params.stop)

@@ -22,20 +22,17 @@ zero rows). A rank that dies breaks its peers' collectives (gloo sees the closed
 would wait, so the server kills the whole group at once, pd/rank/client.py) and the group is
 restarted as one.
 
-torch.distributed carries it: gloo on the CPU, NCCL on CUDA (one GPU per rank: NCCL cannot join two
-ranks on one device). The group is made once per process, before the engine, from a rendezvous
-address the server gives every rank of the group (a TCPStore hosted by rank 0).
+torch.distributed carries it (engine/rank_group.py): gloo on the CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-TIMEOUT_S = 600.0  # a collective that waits longer than this fails (a peer hung; a dead one fails at once)
+from engine.rank_group import join_group, leave_group
 
 
 @dataclass
@@ -110,28 +107,15 @@ def init_group(
 ) -> ExpertGroup:
     """Joins the group at address (host:port; rank 0 hosts the store), once per process."""
     global _current
-    import torch.distributed as dist
-
     if _current is not None:
         raise RuntimeError("this process is in an expert-parallel group already")
-    host, _, port = address.rpartition(":")
-    store = dist.TCPStore(
-        host, int(port), size, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )  # fmt: skip
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=TIMEOUT_S),
-        device_id=device if device.type == "cuda" else None,
-    )  # fmt: skip
+    join_group(rank, size, address, device, timeout_s)
     _current = ExpertGroup(rank, size, device)
     return _current
 
 
 def close_group() -> None:
     global _current
-    import torch.distributed as dist
-
-    if _current is not None and dist.is_initialized():
-        dist.destroy_process_group()
+    if _current is not None:
+        leave_group()
     _current = None

@@ -12,7 +12,9 @@ layout (ModelArch.expert_layout "interleaved"), which `to_model_layout` converts
     model       gate_up_proj [E, 2I, H], rows [0, I) gate, [I, 2I) up; its bias [E, 2I] alike;
                 down_proj [E, H, I]
 
-An expert-parallel rank reads only its experts' rows of every stacked tensor (biases included).
+An expert-parallel rank reads only its experts' rows of every stacked tensor (biases included); a
+tensor-parallel rank only its slice of each split tensor (engine/tensor_parallel.py TpShard.slice_of:
+heads, intermediate rows, vocabulary rows; an FP8 weight's block scales sliced with it, at block edges).
 
 A DeepSeek-V3 checkpoint's multi-token-prediction layers (`model.layers.{num_layers + i}.*`, i below
 num_nextn_predict_layers) are for speculative decoding, which the engine does not do: skipped, with one log
@@ -41,6 +43,7 @@ from engine.errors import InvalidRequestError
 from engine.model import CausalLM
 from engine.model_config import ModelArch, rope_inv_freq
 from engine.moe import ExpertWeights, ScoreGate, SparseMoE
+from engine.tensor_parallel import TensorGroup, TpShard, full_shape, scale_slice, take
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +125,14 @@ def build_model(
     is_dummy: bool = False,
     seed: int = 0,
     fp8_format: fp8.Fp8Format | None = None,
+    tp: TensorGroup | None = None,
 ) -> CausalLM:
-    """The model with its weights; with fp8_format, the modules fp8_modules picks hold FP8 weights."""
+    """The model with its weights; with fp8_format, the modules fp8_modules picks hold FP8 weights; with
+    tp, this tensor-parallel rank's share of it."""
     inv_freqs = {t: rope_inv_freq(hf_config, t, arch.head_dim) for t in set(arch.layer_types)}
+    shard = TpShard(tp.rank, tp.size, arch) if tp is not None else None
     with torch.device("meta"):
-        model = CausalLM(arch, inv_freqs)
+        model = CausalLM(arch, inv_freqs, tp, shard)
     model.to_empty(device=device)
     model.to(dtype)
     for module in model.modules():
@@ -136,15 +142,18 @@ def build_model(
         keys = None if is_dummy or not fp8_format.is_prequantized else checkpoint_keys(cast(Path, folder), arch)
         names = fp8_modules(model, fp8_format, keys)
         to_fp8(model, names)
+        if shard is not None:
+            for name in names:
+                shard.check_fp8_blocks(name + ".weight")
         log.info(
             "FP8 weights (128x128 blocks, %s): %d modules, dequantized at each matmul",
             "as the checkpoint ships them" if keys is not None else "quantized at load", len(names),
         )  # fmt: skip
     if is_dummy:
-        _init_random(model, arch, seed)
+        _init_random(model, arch, seed, shard)
     else:
         assert folder is not None
-        _load_safetensors(model, folder)
+        _load_safetensors(model, folder, shard)
     model.rotary.build(max_positions, dtype, device)
     if device.type == "cuda":
         model.fuse_projections()
@@ -234,8 +243,10 @@ def checkpoint_keys(folder: Path, arch: ModelArch) -> set[str]:
 # ---- weights -------------------------------------------------------------------------------------
 
 
-def _init_random(model: CausalLM, arch: ModelArch, seed: int) -> None:
-    """Random weights; FP8 ones drawn in float32 as float ones are, then quantized (their scales with them)."""
+def _init_random(model: CausalLM, arch: ModelArch, seed: int, shard: TpShard | None = None) -> None:
+    """Random weights; FP8 ones drawn in float32 as float ones are, then quantized (their scales with them).
+    A tensor-parallel rank draws each split tensor whole and keeps its slice, so every --tp gives the same
+    weights."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     experts = held_experts(model)
     params = dict(model.named_parameters())
@@ -243,7 +254,11 @@ def _init_random(model: CausalLM, arch: ModelArch, seed: int) -> None:
         if name.endswith(fp8.SCALE_SUFFIX):
             continue  # filled with its weight
         target = p.data if not fp8.is_fp8(p) else torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        if name.endswith("bias"):  # expert biases too, on every rank
+        part = shard.slice_of(name) if shard is not None else None
+        if part is not None and not name.endswith("bias"):
+            whole = _random_(target.new_empty(full_shape(tuple(p.shape), part)), name, gen, seed)
+            target.copy_(take(whole, part))
+        elif name.endswith("bias"):  # expert biases too, on every rank
             target.zero_()
         elif name in experts and p.shape[0] != experts[name][1]:
             # an expert-parallel rank's experts: drawn as the whole layer's, then sliced, so every
@@ -303,7 +318,7 @@ class _Destinations:
         return set(self.params) - self.loaded
 
 
-def _load_safetensors(model: CausalLM, folder: Path) -> None:
+def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = None) -> None:
     from safetensors import safe_open
 
     dests = _Destinations(model)
@@ -325,9 +340,15 @@ def _load_safetensors(model: CausalLM, folder: Path) -> None:
                 dest = dests.of(name)
                 if dest is None:
                     continue  # another expert-parallel rank's expert
+                part = shard.slice_of(name, layout) if shard is not None else None
+                if shard is not None and shard.is_zero_here(name):  # a row-parallel bias: rank 0 adds it
+                    dest.zero_()
+                    continue
                 if name in experts and dest.shape[0] != experts[name][1]:  # stacked experts: this rank's
                     first = experts[name][0]
                     t = st.get_slice(key)[first : first + dest.shape[0]]
+                elif part is not None:  # a tensor-parallel rank's slice
+                    t = take(st.get_slice(key), scale_slice(part) if name.endswith(fp8.SCALE_SUFFIX) else part)
                 else:
                     t = st.get_tensor(key)
                 if name in experts:

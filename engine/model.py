@@ -49,6 +49,7 @@ from engine.numerics import Numerics, run_rows
 from pdkernels import pdl
 
 if TYPE_CHECKING:  # the kernel module imports triton
+    from engine.tensor_parallel import TensorGroup, TpShard
     from pdkernels.decode_attention import Rope
 
 PROBE_VOCAB_ROWS = 8192
@@ -279,9 +280,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, spec: AttnSpec, is_sparse: bool = False) -> None:
+    def __init__(
+        self, arch: ModelArch, spec: AttnSpec, is_sparse: bool = False, tp: TensorGroup | None = None
+    ) -> None:
+        """tp: the tensor-parallel group (arch is then this rank's share: its heads, its intermediate size)."""
         super().__init__()
         self.spec = spec
+        self.tp = tp
         self.self_attn: Attention | LatentAttention
         if arch.is_mla:
             self.self_attn = LatentAttention(arch, lambda width: RMSNorm(width, arch.rms_norm_eps, False))
@@ -348,10 +353,49 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qkv = rowwise(self._pre, x, cos, sin)
         attn = self.self_attn.attend(qkv, self.spec, x, cos, sin)
+        if self.tp is not None:
+            return self._post_tp(x, attn)
         if not self.is_sparse:
             return rowwise(self._post, x, attn)
         x, normed = rowwise(self._post_sparse, x, attn).chunk(2, dim=1)
         return x + self._sparse_mlp(normed)
+
+    def _o_proj(self, attn: torch.Tensor) -> torch.Tensor:
+        return linear(self.self_attn.o_proj, attn)
+
+    def _sandwich_attn(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """[x + post_attention_layernorm(h) | pre_feedforward_layernorm of it] side by side."""
+        x = x + self.post_attention_layernorm(h)
+        return torch.cat([x, self.pre_feedforward_layernorm(x)], dim=1)
+
+    def _add_norm_cat(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._add_norm(x, h), dim=1)
+
+    def _sandwich_mlp(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return x + self.post_feedforward_layernorm(m)
+
+    def _post_tp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel rank's layer after its heads' attention: o_proj and down_proj (every routed
+        expert's, in a sparse layer) give partial sums, each all-reduced (engine/tensor_parallel.py);
+        everything between them is row-local, or the MoE block's own numerics."""
+        tp = self.tp
+        assert tp is not None
+        is_det = get_context().numerics.is_deterministic
+        h = tp.all_reduce(rowwise(self._o_proj, attn), is_det)
+        x, normed = rowwise(self._sandwich_attn if self.is_sandwich else self._add_norm_cat, x, h).chunk(2, dim=1)
+        m = tp.all_reduce(self._sparse_mlp(normed) if self.is_sparse else rowwise(self.mlp, normed), is_det)
+        return rowwise(self._sandwich_mlp, x, m) if self.is_sandwich else x + m
+
+    def tp_row_functions(self, hidden: int) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
+        """The row-local functions _post_tp runs, with their input widths (for the probe)."""
+        fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = [
+            (self._o_proj, [self.self_attn.out_width]),
+            (self._sandwich_attn if self.is_sandwich else self._add_norm_cat, [hidden, hidden]),
+        ]
+        fns += self.mlp.row_functions() if isinstance(self.mlp, SparseMoE) else [(self.mlp, [hidden])]
+        if self.is_sandwich:
+            fns.append((self._sandwich_mlp, [hidden, hidden]))
+        return fns
 
     def forward_chained(
         self, ops: ModuleType, x: torch.Tensor, pending: Pending | None, cos: torch.Tensor, sin: torch.Tensor
@@ -418,7 +462,7 @@ class Rotary(nn.Module):
 class DecoderStack(nn.Module):
     """Embeddings, layers and the final norm: Hugging Face's `model.` prefix."""
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         full_i = sliding_i = 0
@@ -427,7 +471,7 @@ class DecoderStack(nn.Module):
             is_sliding = t == SLIDING
             idx = sliding_i if is_sliding else full_i
             spec = AttnSpec(is_sliding, idx, arch.sliding_window if is_sliding else None, arch.attn_scale)
-            layers.append(DecoderLayer(arch, spec, arch.is_sparse(i)))
+            layers.append(DecoderLayer(arch, spec, arch.is_sparse(i), tp))
             sliding_i += is_sliding
             full_i += not is_sliding
         self.layers = nn.ModuleList(layers)
@@ -435,12 +479,25 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, inv_freqs: dict[str, tuple[torch.Tensor, float]]) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        inv_freqs: dict[str, tuple[torch.Tensor, float]],
+        tp: TensorGroup | None = None,
+        shard: TpShard | None = None,
+    ) -> None:
+        """tp and shard: a tensor-parallel rank's group and share of the model (engine/tensor_parallel.py):
+        its layers hold their heads and intermediate rows, the LM head its vocabulary rows."""
         super().__init__()
+        self.tp = tp
+        self.vocab_rows = shard.vocab_rows if shard is not None else (0, arch.vocab_size)
+        self.vocab_size = arch.vocab_size
+        if shard is not None:
+            arch = shard.local_arch
         self.arch = arch
-        self.model = DecoderStack(arch)
+        self.model = DecoderStack(arch, tp)
         if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = nn.Linear(arch.hidden_size, self.vocab_rows[1] - self.vocab_rows[0], bias=False)
         self.rotary = Rotary(inv_freqs)
 
     def fuse_projections(self) -> None:
@@ -452,9 +509,12 @@ class CausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """The output projection's weight in the model's dtype (an FP8 lm_head dequantized)."""
+        """The output projection's weight in the model's dtype (an FP8 lm_head dequantized); a
+        tensor-parallel rank's: its vocabulary rows."""
         if self.arch.tie_word_embeddings:
-            return self.model.embed_tokens.weight
+            start, stop = self.vocab_rows
+            w = self.model.embed_tokens.weight
+            return w if stop - start == w.shape[0] else w[start:stop]
         return fp8.dense_weight(self.lm_head, self.model.embed_tokens.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -466,7 +526,7 @@ class CausalLM(nn.Module):
         ops = fused_ops_for(x)
         # CUDA: residual adds inside the following norms (DecoderLayer.forward_chained), as the step's
         # ForwardConfig says
-        if ops is not None and get_context().config.chain_residuals:
+        if ops is not None and get_context().config.chain_residuals and self.tp is None:
             pending: Pending | None = None
             for layer, t in zip(self.model.layers, self.arch.layer_types):
                 x, pending = cast(DecoderLayer, layer).forward_chained(ops, x, pending, *tables[t])
@@ -500,7 +560,9 @@ class CausalLM(nn.Module):
             fns.append((lambda x, c, s, lyr=layer: lyr._pre(x, c, s).flatten(1), [a.hidden_size, a.head_dim, a.head_dim]))
             fns += layer.self_attn.row_functions()
             width = layer.self_attn.out_width
-            if isinstance(layer.mlp, SparseMoE):
+            if self.tp is not None:
+                fns += layer.tp_row_functions(a.hidden_size)
+            elif isinstance(layer.mlp, SparseMoE):
                 fns.append((layer._post_sparse, [a.hidden_size, width]))
                 fns += layer.mlp.row_functions()
             else:
@@ -511,6 +573,11 @@ class CausalLM(nn.Module):
         return fns
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits for the given rows."""
+        """float32 logits for the given rows. A tensor-parallel group's: a collective, whose rank 0
+        gets every vocabulary row's logits and whose other ranks get their own rows' only (unused)."""
         w = self.lm_head_weight
-        return rowwise(lambda h: F.linear(h, w).float(), hidden)
+        out = rowwise(lambda h: F.linear(h, w).float(), hidden)
+        if self.tp is None:
+            return out
+        whole = self.tp.gather_vocab(out, self.vocab_size)
+        return out if whole is None else whole

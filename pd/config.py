@@ -133,6 +133,14 @@ class ServerConfig:
             "over the N ranks (attention stays data-parallel); the ranks step together and restart together"
         },
     )
+    tp: int = field(
+        default=1,
+        metadata={
+            "help": "tensor parallelism (dense and MoE models with per-head attention): each engine rank is a group of N processes (one GPU "
+            "each on CUDA) holding one model split Megatron-style; the group's first process schedules "
+            "and samples, the others follow its steps; single role only so far"
+        },
+    )
     routing: str = field(
         default="affinity",
         metadata={
@@ -305,6 +313,12 @@ class ServerConfig:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.dp < 1:
             raise ValueError(f"--dp must be >= 1, got {self.dp}")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.role != "single":
+            raise ValueError(f"--tp {self.tp} works with --role single only so far (the P/D handoff does not split KV heads)")
+        if self.tp > 1 and self.ep > 1:
+            raise ValueError("--tp and --ep do not compose yet")
         if self.ep not in (1, self.dp):
             raise ValueError(f"--ep must be 1 or equal to --dp (one expert-parallel group of every rank), got {self.ep}")
         if self.port is not None and not 0 <= self.port < 65536:

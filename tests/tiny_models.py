@@ -77,10 +77,10 @@ def _save_random(spec: dict[str, Any], folder: Path, seed: int, dtype: torch.dty
     model.to(dtype).save_pretrained(str(folder))
 
 
-def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
-    """Writes config.json + model.safetensors of a random tiny model (FAMILIES or MOE_FAMILIES); returns
-    the folder."""
-    _save_random({**COMMON, **(FAMILIES.get(family) or MOE_FAMILIES[family])}, folder, seed)
+def make_tiny(family: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Writes config.json + model.safetensors of a random tiny model (FAMILIES or MOE_FAMILIES, with the
+    config fields in overrides changed); returns the folder."""
+    _save_random({**COMMON, **(FAMILIES.get(family) or MOE_FAMILIES[family]), **overrides}, folder, seed)
     return folder
 
 

@@ -140,6 +140,7 @@ class Coordinator:
                 RestartPolicy.of(self.cfg),
                 group,
                 self.cfg.log_format,
+                self.cfg.tp,
             )
             for i in range(self.cfg.dp)
         ]

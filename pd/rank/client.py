@@ -145,11 +145,14 @@ class RankClient:
         restart_policy: RestartPolicy | None = None,
         group: RankGroup | None = None,
         log_format: str = "text",
+        tp: int = 1,
     ) -> None:
         """engine: what the rank builds its engine from (its device is resolved in the rank);
         role_config: pe|ce ranks' RoleConfig; restart_policy: None never restarts a dead process;
         group: the rank's expert-parallel group (its policy then decides restarts);
-        log_format: the rank process's log lines (the server's --log-format)."""
+        log_format: the rank process's log lines (the server's --log-format); tp: the rank's
+        tensor-parallel processes (its process starts the others, which die with it)."""
+        self.tp = tp
         self.index = index
         self.dp = dp
         self.engine = engine
@@ -224,6 +227,8 @@ class RankClient:
         )
         if self.group is not None:
             role_args += ["--ep", str(len(self.group.members)), "--ep-address", self.group.address]
+        if self.tp > 1:
+            role_args += ["--tp", str(self.tp)]
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

@@ -16,6 +16,13 @@ they agree whether any of them has work, and if so all run one engine step (a ra
 runs an empty forward, so every rank enters the same MoE exchanges). Idle, they poll every
 EP_IDLE_POLL_S instead of blocking, so a new request waits at most that long for its group.
 
+`--tp N`: the rank is a tensor-parallel group of N processes holding one model split across them
+(engine/tensor_parallel.py). This process is the group's first: it starts the other N - 1
+(pd/rank/tp_follower.py, its children, on the next GPUs: rank i's group takes GPUs i*N .. i*N + N-1),
+schedules and samples, and broadcasts every forward's plan; idle, it broadcasts an idle plan every
+TP_HEARTBEAT_S. A follower that dies fails this process's next collective, so the rank
+exits and the server restarts it, followers and all; a follower dies with this process.
+
 `--role pe|ce` adds a RankRole (pd/rank/prefill_role.py, pd/rank/decode_role.py): the P/D messages it takes, the threads
 it runs (KV sender or receiver) and what it does with the engine's outputs. A role's threads never touch
 the engine: they queue their news and ring `role.wake`; the role applies it on this thread in tick().
@@ -29,6 +36,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -37,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from engine.codec import from_wire
+from engine.codec import from_wire, to_wire
 from engine.config import EngineConfig
 from pd.config import LOG_FORMATS, RoleConfig
 from pd.http.request_log import install as install_logging
@@ -59,14 +68,16 @@ from pd.rank.role import RankRole, add_request, rejection
 if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed import is a RankFatal
     from engine.engine import LLMEngine
     from engine.expert_parallel import ExpertGroup
+    from engine.tensor_parallel import TensorGroup
 
 HEARTBEAT_S = 1.0
 BUSY_STATS_EVERY_S = 0.1
 EP_IDLE_POLL_S = 0.002  # an idle rank of an expert-parallel group: one `any` collective this often
+TP_HEARTBEAT_S = 1.0  # an idle first process of a tensor-parallel group: an idle plan this often
 log = logging.getLogger(__spec__.name)  # __name__ is "__main__" under python -m
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -79,18 +90,41 @@ def read_configs(engine_json: str, role_json: str | None) -> tuple[EngineConfig,
     return from_wire(EngineConfig, json.loads(engine_json)), role
 
 
-def engine_config(cfg: EngineConfig, rank: int, dp: int) -> EngineConfig:
-    """EngineConfig of this rank: its own GPU on CUDA, a share of the cores on the CPU."""
+def engine_config(cfg: EngineConfig, rank: int, dp: int, tp: int = 1, tp_rank: int = 0) -> EngineConfig:
+    """EngineConfig of this rank (of process tp_rank of its tensor-parallel group): its own GPU on CUDA,
+    a share of the cores on the CPU."""
     import torch
 
     device = cfg.device
     if device in ("auto", "cuda") and torch.cuda.is_available():
-        device = f"cuda:{rank % torch.cuda.device_count()}"
+        device = f"cuda:{(rank * tp + tp_rank) % torch.cuda.device_count()}"
     elif device == "auto":
         device = "cpu"
-    if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp))
+    if device == "cpu" and tp_rank == 0:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (dp * tp)))
     return replace(cfg, device=device)
+
+
+def start_followers(
+    cfg: EngineConfig, rank: int, dp: int, tp: int, log_format: str = "text"
+) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """The group's rendezvous address and its other N - 1 processes (pd/rank/tp_follower.py), each on
+    its own device and a share of the cores, logging as the rank does (log_format)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    procs = []
+    for k in range(1, tp):
+        follower = engine_config(cfg, rank, dp, tp, k)
+        env = os.environ.copy()
+        if follower.device == "cpu":
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (dp * tp)))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "pd.rank.tp_follower", "--tp-rank", str(k), "--tp", str(tp), "--address", address,
+             "--engine-config", json.dumps(to_wire(follower)), "--log-format", log_format],
+            env=env,
+        ))  # fmt: skip
+    return address, procs
 
 
 class RankWorker:
@@ -102,10 +136,14 @@ class RankWorker:
         outbox: zmq.Socket,
         role: RankRole | None = None,
         ep: ExpertGroup | None = None,
+        tp: TensorGroup | None = None,
     ) -> None:
-        """ep: the rank's expert-parallel group (the loop then steps in lockstep with its peers)."""
+        """ep: the rank's expert-parallel group (the loop then steps in lockstep with its peers); tp: its
+        tensor-parallel group, of which this process is the first (idle, it beats every TP_HEARTBEAT_S)."""
         self.rank = rank
         self.ep = ep
+        self.tp = tp
+        self.last_plan_s = time.monotonic()  # tp: when the followers last heard of this process
         self.engine = engine
         self.inbox = inbox
         self.outbox = outbox
@@ -175,7 +213,7 @@ class RankWorker:
             if self.ep is not None:
                 has_work = self.ep.any(has_work)  # NOTE: every rank of the group, every loop
             if has_work:
-                step_start_s = time.monotonic()
+                step_start_s = self.last_plan_s = time.monotonic()
                 outputs = self.engine.step()
                 # NOTE: approximate: a prompt prefilled in several chunks counts its earlier chunks as queueing.
                 queue_times_s = {
@@ -190,10 +228,14 @@ class RankWorker:
                 stats = self.stats() if finished or now - self.last_stats_s >= BUSY_STATS_EVERY_S else None
                 if outputs or stats is not None:
                     self.send(StepOutputs(tuple(outputs), stats, queue_times_s))
-            elif time.monotonic() - self.last_stats_s >= HEARTBEAT_S:
-                if os.getppid() != parent:
-                    return  # orphaned (PDEATHSIG is Linux-only)
-                self.send(RankStats(self.stats()))
+            else:
+                if self.tp is not None and time.monotonic() - self.last_plan_s >= TP_HEARTBEAT_S:
+                    self.engine.heartbeat()  # NOTE: a follower gone fails it: the rank exits and restarts
+                    self.last_plan_s = time.monotonic()
+                if time.monotonic() - self.last_stats_s >= HEARTBEAT_S:
+                    if os.getppid() != parent:
+                        return  # orphaned (PDEATHSIG is Linux-only)
+                    self.send(RankStats(self.stats()))
 
 
 def make_role(
@@ -226,11 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-config", required=True, help="the EngineConfig as JSON (engine/codec.py)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (the group is ranks 0..N-1)")
     p.add_argument("--ep-address", default=None, help="--ep N: the group's rendezvous (rank 0 hosts it)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes of this rank (this one is the first)")
     p.add_argument("--role", choices=("single", "pe", "ce"), default="single")
     p.add_argument("--role-config", default=None, help="pe|ce: the RoleConfig as JSON (engine/codec.py)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="the server's --log-format")
     args = p.parse_args(argv)
-    _die_with_parent()
+    die_with_parent()
     # The server drains on SIGTERM/SIGINT (a terminal's Ctrl-C reaches the whole group) and then tells
     # its ranks to stop: a rank ends on Shutdown, or with its server (PR_SET_PDEATHSIG), not on these.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -242,11 +285,20 @@ def main(argv: list[str] | None = None) -> int:
     outbox = ctx.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(args.outbox)
+    followers: list[subprocess.Popen[bytes]] = []
     try:
         from engine.engine import LLMEngine
 
         requested, role_config = read_configs(args.engine_config, args.role_config)
-        cfg = engine_config(requested, args.rank, args.dp)
+        cfg = engine_config(requested, args.rank, args.dp, args.tp)
+        tp = None
+        if args.tp > 1:
+            from engine.tensor_parallel import init_group as init_tp_group
+
+            if args.ep > 1 or args.role != "single":
+                raise ValueError("--tp N works with --role single and --ep 1 only")
+            address, followers = start_followers(requested, args.rank, args.dp, args.tp, args.log_format)
+            tp = init_tp_group(0, args.tp, address, cfg.torch_device())
         ep = None
         if args.ep > 1:
             from engine.expert_parallel import init_group
@@ -255,13 +307,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--ep N needs --dp N and --ep-address")
             ep = init_group(args.rank, args.ep, args.ep_address, cfg.torch_device())
         t0 = time.monotonic()
-        engine = LLMEngine(cfg)
+        engine = LLMEngine(cfg, tp)
         log.info(
             "engine %s on %s ready in %.1f s (numerics %s)",
             engine.model_name, cfg.device, time.monotonic() - t0, engine.numerics.value,
         )  # fmt: skip
         role = make_role(args.role, role_config, engine, ctx, outbox)
-        worker = RankWorker(args.rank, engine, inbox, outbox, role, ep)
+        worker = RankWorker(args.rank, engine, inbox, outbox, role, ep, tp)
         eos = tuple(sorted(engine.eos_token_ids))
         worker.send(
             RankReady(
@@ -279,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if role is not None:
                 role.close()
+        engine.close()  # the followers end
+        for f in followers:
+            f.wait(timeout=30)
     except KeyboardInterrupt:
         return 130
     except BaseException:
@@ -289,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         inbox.close(linger=0)
+        for f in followers:
+            if f.poll() is None:
+                f.kill()
     outbox.close(linger=2000)
     return 0
 

@@ -499,7 +499,7 @@ USER_FLAGS: dict[str, object] = {
     "--kv-host": "127.0.0.1", "--kv-advertise-host": None, "--kv-port-base": 8900, "--transport": "tcp",
     "--ipc-arena-gb": 4.0, "--handoff-lease-s": 30.0, "--prefill-timeout-s": 600.0,
     "--fallback-local-prefill": False, "--max-queued-requests": 256, "--queue-timeout-s": 120.0,
-    "--cluster-token-file": None, "--quantization": None,
+    "--cluster-token-file": None, "--quantization": None, "--tp": 1,
 }  # fmt: skip
 
 
