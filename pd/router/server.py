@@ -1,7 +1,7 @@
 """`pdserve router` (python -m pd.router.server): a stateless HTTP front over the CEs.
 
     pdserve router --decode-url http://ce-a:8888,http://ce-b:8888 --host 0.0.0.0 --port 8080
-    pdserve router --decode-url dns+http://pdserve-ce-headless:8888 # every address the name has
+    pdserve router --decode-url dns+http://pdserve-ce-headless:8888  # every address the name has
 
 A request goes to its conversation's CE (pd/router/backends.py: rendezvous hashing of the key the CE
 itself routes by, pd/router/key.py, bounded by load) and its answer streams back as it comes (SSE
