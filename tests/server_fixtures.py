@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextlib
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -37,6 +39,40 @@ def openai_client(url: str, timeout_s: float = 600) -> OpenAI:
     return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout_s)
 
 
+@contextlib.contextmanager
+def serving(*servers: ServerProcess | PDPair) -> Iterator[None]:
+    """Starts the servers side by side (they load at once), waits for each; ends them all on exit."""
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        yield
+    finally:
+        for s in servers:
+            s.terminate()
+        for s in servers:
+            s.stop()
+
+
+def story_prompts(n: int) -> list[str]:
+    """n short prompts whose greedy answers differ."""
+    return [f"Story {i}: the cat and the {'dog ' * (1 + i % 4)}" for i in range(n)]
+
+
+def greedy_completions(url: str, model: str, prompts: list[str], concurrency: int) -> list[tuple[str, list[float]]]:
+    """Each prompt's 16 greedy tokens and their logprobs, `concurrency` requests at a time."""
+    client = openai_client(url)
+
+    def one(prompt: str) -> tuple[str, list[float]]:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=1)
+        assert r.choices[0].logprobs is not None
+        return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs or [])
+
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, prompts))
+
+
 def module_ref_and_pair(*args: str) -> Callable[..., Iterator[tuple[ServerProcess, PDPair]]]:
     """A fixture named `servers` for the module: a single-engine reference server and a P/D pair with the
     same flags, started side by side, stopped after the module."""
@@ -46,17 +82,8 @@ def module_ref_and_pair(*args: str) -> Callable[..., Iterator[tuple[ServerProces
         logs = tmp_path_factory.mktemp("pd")
         ref = ServerProcess(*args, log_path=logs / "ref.log")
         pair = PDPair(*args, log_dir=logs)
-        try:
-            ref.start()
-            pair.start()
-            ref.wait_ready()
-            pair.wait_ready()
+        with serving(ref, pair):
             yield ref, pair
-        finally:
-            pair.terminate()
-            ref.terminate()
-            pair.stop()
-            ref.stop()
 
     return servers
 

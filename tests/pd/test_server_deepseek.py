@@ -7,19 +7,26 @@ bench/check_pd.py against a single engine over tcp."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
 from pd.tools.server_process import PDPair, ServerProcess
-from tests.server_fixtures import SMALL_DETERMINISTIC, openai_client, run_check_pd, wait_pair_idle
+from tests.server_fixtures import (
+    SMALL_DETERMINISTIC,
+    greedy_completions,
+    openai_client,
+    run_check_pd,
+    serving,
+    story_prompts,
+    wait_pair_idle,
+)
 from tests.tiny_models import make_servable
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [f"Story {i}: the cat and the {'dog ' * (1 + i % 4)}" for i in range(8)]
+PROMPTS = story_prompts(8)
 
 
 @pytest.fixture(scope="module")
@@ -39,29 +46,12 @@ def servers(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     ep = ServerProcess(*args, "--dp", "2", "--ep", "2", "--eplb-interval", "3", log_path=logs / "ep.log")
     pair = PDPair(*args, log_dir=logs)
     every = (ref, ep, pair)
-    try:
-        for s in every:
-            s.start()
-        for s in every:
-            s.wait_ready()
+    with serving(*every):
         yield ref, ep, pair
-    finally:
-        for s in every:
-            s.terminate()
-        for s in every:
-            s.stop()
 
 
 def completions(url: str, model: str, concurrency: int) -> list[tuple[str, list[float]]]:
-    client = openai_client(url)
-
-    def one(prompt: str) -> tuple[str, list[float]]:
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=1)
-        assert r.choices[0].logprobs is not None
-        return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs or [])
-
-    with cf.ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(one, PROMPTS))
+    return greedy_completions(url, model, PROMPTS, concurrency)
 
 
 def test_ep2_equals_ep1_bit_for_bit(servers, model: str) -> None:

@@ -8,7 +8,6 @@ fails the group's requests at once and the group comes back as one."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import signal
 import threading
@@ -21,13 +20,21 @@ import pytest
 
 from pd.config import ServerConfig
 from pd.tools.server_process import PDPair, ServerProcess, get_json
-from tests.server_fixtures import SMALL_DETERMINISTIC, openai_client, run_check_pd, wait_pair_idle
+from tests.server_fixtures import (
+    SMALL_DETERMINISTIC,
+    greedy_completions,
+    openai_client,
+    run_check_pd,
+    serving,
+    story_prompts,
+    wait_pair_idle,
+)
 from tests.tiny_models import make_servable
 
 pytestmark = pytest.mark.slow
 
 EPLB_INTERVAL = 3  # engine steps between rebalancings: several per request
-PROMPTS = [f"Story {i}: the cat and the {'dog ' * (1 + i % 4)}" for i in range(10)]
+PROMPTS = story_prompts(10)
 
 
 @pytest.fixture(scope="module")
@@ -63,29 +70,12 @@ def servers(
     oss_ref = ServerProcess(*oss, log_path=logs / "oss_ref.log")
     pair = PDPair(*oss, log_dir=logs, pe_args=("--dp", "2", "--ep", "2"))
     every = (ref, ep, oss_ref, pair)
-    try:
-        for s in every:
-            s.start()
-        for s in every:
-            s.wait_ready()
+    with serving(*every):
         yield ref, ep, oss_ref, pair
-    finally:
-        for s in every:
-            s.terminate()
-        for s in every:
-            s.stop()
 
 
 def completions(url: str, model: str, concurrency: int) -> list[tuple[str, list[float]]]:
-    client = openai_client(url)
-
-    def one(prompt: str) -> tuple[str, list[float]]:
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=1)
-        assert r.choices[0].logprobs is not None
-        return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs or [])
-
-    with cf.ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(one, PROMPTS))
+    return greedy_completions(url, model, PROMPTS, concurrency)
 
 
 def metrics_text(port: int) -> str:

@@ -7,7 +7,6 @@ comes back, follower and all, serving the same tokens, while the other rank serv
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import signal
 import threading
@@ -20,12 +19,18 @@ import pytest
 
 from pd.config import ServerConfig
 from pd.tools.server_process import ServerProcess, get_json
-from tests.server_fixtures import SMALL_DETERMINISTIC, openai_client
+from tests.server_fixtures import (
+    SMALL_DETERMINISTIC,
+    greedy_completions,
+    openai_client,
+    serving,
+    story_prompts,
+)
 from tests.tiny_models import make_servable
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [f"Story {i}: the cat and the {'dog ' * (1 + i % 4)}" for i in range(8)]
+PROMPTS = story_prompts(8)
 
 
 @pytest.fixture(scope="module")
@@ -42,29 +47,12 @@ def servers(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     args = ("--model", model, *SMALL_DETERMINISTIC)
     ref = ServerProcess(*args, log_path=logs / "ref.log")
     tp = ServerProcess(*args, "--dp", "2", "--tp", "2", "--rank-restart-backoff-s", "1", log_path=logs / "tp.log")
-    try:
-        for s in (ref, tp):
-            s.start()
-        for s in (ref, tp):
-            s.wait_ready()
+    with serving(ref, tp):
         yield ref, tp
-    finally:
-        for s in (ref, tp):
-            s.terminate()
-        for s in (ref, tp):
-            s.stop()
 
 
 def completions(url: str, model: str, concurrency: int) -> list[tuple[str, list[float]]]:
-    client = openai_client(url)
-
-    def one(prompt: str) -> tuple[str, list[float]]:
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=1)
-        assert r.choices[0].logprobs is not None
-        return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs or [])
-
-    with cf.ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(one, PROMPTS))
+    return greedy_completions(url, model, PROMPTS, concurrency)
 
 
 def assert_same(got: list[tuple[str, list[float]]], want: list[tuple[str, list[float]]]) -> None:
