@@ -21,6 +21,8 @@ the engine's deterministic mode does not take it.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -96,6 +98,31 @@ def _block_fp8_matmul_kernel(
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int  # divides 128
+    num_warps: int
+    num_stages: int
+
+
+TARGET_PROGRAMS = 132  # one program per multiprocessor of an H100 / H200 at least
+
+
+@cache
+def gemm_config(m: int, n: int, k: int) -> GemmConfig:
+    """The tiles for an [M, K] x [N, K] product: BLOCK_M the next power of two of M from 16 up to 128 (a
+    decode batch is one row tile, its weights read once); BLOCK_N 128, narrowed while the grid would leave
+    multiprocessors idle (a batch-64 step's [4096, 4096] weight is 32 column tiles of 128, 128 of 32);
+    8 warps for full 128x128 tiles, 4 below. K is unused: one 128-wide K block per step, always."""
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    block_n = 128
+    while block_n > 32 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < TARGET_PROGRAMS:
+        block_n //= 2
+    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return GemmConfig(block_m, block_n, num_warps, 3 if block_m == 128 else 4)
+
+
 def block_fp8_matmul(
     a8: torch.Tensor,
     a_scale: torch.Tensor,
@@ -103,11 +130,14 @@ def block_fp8_matmul(
     w_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    block_m: int = 64,
-    block_n: int = 128,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """a8 [M, K] with a_scale [M, ceil(K/128)], w8 [N, K] with w_scale_inv [ceil(N/128), ceil(K/128)]
-    -> [M, N] in out_dtype (+ bias [N]), as the module docstring computes it."""
+    -> [M, N] in out_dtype (+ bias [N]), as the module docstring computes it. The tile and launch
+    settings left None come from gemm_config."""
     m, k = a8.shape
     n = w8.shape[0]
     groups = triton.cdiv(k, GROUP)
@@ -116,6 +146,9 @@ def block_fp8_matmul(
             f"block_fp8_matmul: a {tuple(a8.shape)} scales {tuple(a_scale.shape)}, w {tuple(w8.shape)} scales "
             f"{tuple(w_scale_inv.shape)} do not fit 128-blocks"
         )
+    cfg = gemm_config(m, n, k)
+    block_m, block_n = block_m or cfg.block_m, block_n or cfg.block_n
+    num_warps, num_stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
     if GROUP % block_n or a8.stride(1) != 1 or w8.stride(1) != 1:
         raise ValueError("block_n must divide 128, and a8 and w8 need unit column strides")
     out = torch.empty(m, n, dtype=out_dtype, device=a8.device)
@@ -126,6 +159,7 @@ def block_fp8_matmul(
         a8, w8, out, a_scale.contiguous(), w_scale_inv.contiguous(), bias if bias is not None else out,
         m, n, k, a8.stride(0), w8.stride(0), out.stride(0), groups,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

@@ -52,6 +52,7 @@ MAX_ROWS = 8
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 TARGET_PROGRAMS = 132  # at least one program per multiprocessor of an H200
 LINE_BYTES = 128  # one L2 prefetch per cache line
+SCALE_BLOCK = 128  # an FP8 weight's scale block (engine/fp8.py BLOCK)
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,12 @@ def gemv_config(n: int, k: int, m: int, elem_bytes: int = 2) -> GemvConfig:
 
     BLOCK_K is one 16-byte run per thread and weight row (4 warps, fewer for a short K). BLOCK_N is 16
     up to M = 4, 8 above (ptxas for sm_90, bf16, BLOCK_K 1024: 126/168/255 registers at M = 1/2/4 with
-    16, 205 at M = 8 with 8, where 16 spills), halved while the grid would leave multiprocessors idle."""
+    16, 205 at M = 8 with 8, where 16 spills), halved while the grid would leave multiprocessors idle. An
+    FP8 weight (elem_bytes 1) takes half of that BLOCK_N: its 16-byte run is 16 elements, twice the float32
+    products per thread and weight row."""
     vec = 16 // elem_bytes
     num_warps = min(4, triton.next_power_of_2(triton.cdiv(k, vec * 32)))
-    block_n = 16 if m <= 4 else 8
+    block_n = (16 if m <= 4 else 8) * elem_bytes // 2 or 1
     while block_n > 1 and triton.cdiv(n, block_n) < TARGET_PROGRAMS:
         block_n //= 2
     return GemvConfig(block_n, vec * 32 * num_warps, num_warps)
@@ -106,10 +109,10 @@ def _x_tile(p, K, k_ok, EVEN_K: tl.constexpr, ACT: tl.constexpr, DTYPE: tl.const
 
 @triton.jit
 def _gemv_kernel(
-    X, W, BIAS, OUT, N, K, stride_x, stride_w, stride_o,
-    M: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    X, W, BIAS, OUT, SCALE, N, K, stride_x, stride_w, stride_o, stride_s,
+    M: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    LINE: tl.constexpr,
+    LINE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -130,14 +133,24 @@ def _gemv_kernel(
     accs: tl.tuple = ()  # one accumulator per row of x
     for _ in tl.static_range(M):
         accs = accs + (tl.zeros((BLOCK_K // VEC, BLOCK_N), dtype=tl.float32),)
+    if HAS_SCALE:  # a weight row's block row of scales; a thread's VEC run lies in one 128-column block
+        s_rows = SCALE + (tl.minimum(offs_n, N - 1) // SCALE_BLOCK) * stride_s
+        chunks = tl.arange(0, BLOCK_K // VEC) * VEC
+        s_cols = chunks // SCALE_BLOCK
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + kk < K
         w = _load_k(w_ptrs + k0, k_ok[:, None, :], EVEN_K)
+        if HAS_SCALE:
+            sc = tl.load(s_rows[None, :] + (k0 // SCALE_BLOCK + s_cols)[:, None],
+                         mask=(k0 + chunks < K)[:, None], other=0.0)  # fmt: skip
         new_accs: tl.tuple = ()
         for m in tl.static_range(M):
             x = _x_tile(X + m * stride_x + k0 + kk, K, k_ok, EVEN_K, ACT, dt)
             # each thread first sums its own VEC products, then adds them to its accumulator
-            new_accs = new_accs + (accs[m] + tl.sum(w * x[:, None, :], axis=2),)
+            part = tl.sum(w * x[:, None, :], axis=2)
+            if HAS_SCALE:
+                part = part * sc
+            new_accs = new_accs + (accs[m] + part,)
         accs = new_accs
     n_ok = offs_n < N
     if HAS_BIAS:
@@ -160,6 +173,7 @@ def _is_pow2(v: int) -> bool:
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None,
     out: torch.Tensor | None = None, pdl: bool = False, prefetch: int = 0, config: GemvConfig | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = act_in(x) @ weight.T (+ bias). x: [M, K] (act None) or [M, 2K] = [gate | up] (act "silu" or
     "gelu_tanh": the product's input is act(gate) * up, computed inside the kernel exactly as
@@ -170,7 +184,12 @@ def gemv(
     x's rows may be strided (its last axis contiguous). out: an [M, N] tensor of x's dtype, last axis
     contiguous, to write into. pdl: programmatic dependent launch (sm_90+ only; off on older GPUs and under
     TRITON_INTERPRET=1). prefetch: weight tiles per program prefetched into L2 before the kernel waits on the
-    previous one (0: none; GPU only, like pdl). config: overrides gemv_config (benchmarks)."""
+    previous one (0: none; GPU only, like pdl). config: overrides gemv_config (benchmarks).
+
+    scale: a float8_e4m3fn weight's block scales [ceil(N/128), ceil(K/128)] float32 (engine/fp8.py's
+    `weight_scale_inv`): weight[n, k] stands for weight[n, k] * scale[n // 128, k // 128]. Each thread's
+    16-element run of K lies in one block, so its partial sum is scaled once, in float32, before it is added
+    to the accumulator; x stays in its dtype (weights-only FP8: a decode row reads 1 byte per weight)."""
     if act not in ACTIVATIONS:
         raise ValueError(f"gemv: unknown activation {act!r} (known: {list(ACTIVATIONS)})")
     if x.dim() != 2 or weight.dim() != 2:
@@ -182,9 +201,19 @@ def gemv(
     if width != (2 * k if act else k):
         need = f"[M, 2 * {k}] = [gate | up]" if act else f"[M, {k}]"
         raise ValueError(f"gemv: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}: act={act} needs {need}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"gemv: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, "
-                         f"{None if bias is None else bias.dtype}")
+    if scale is not None:
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"gemv: scale is for a float8_e4m3fn weight, got {weight.dtype}")
+        if scale.shape != (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)) or scale.stride(-1) != 1:
+            raise ValueError(f"gemv: scale {tuple(scale.shape)} is not [{triton.cdiv(n, SCALE_BLOCK)}, "
+                             f"{triton.cdiv(k, SCALE_BLOCK)}] float32 with unit column stride")  # fmt: skip
+        if config is not None and config.block_k % SCALE_BLOCK:
+            raise ValueError(f"gemv: an FP8 weight needs block_k a multiple of {SCALE_BLOCK}, got {config}")
+    elif weight.dtype != x.dtype:
+        raise ValueError(f"gemv: x and weight must share a dtype (or weight is FP8 with its scale), got "
+                         f"{x.dtype}, {weight.dtype}")
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError(f"gemv: bias must be in x's dtype, got {x.dtype} and {bias.dtype}")
     if x.stride(-1) != 1 and x.numel() > 1:
         raise ValueError(f"gemv needs x's last axis contiguous, got strides {x.stride()}")
     if not weight.is_contiguous():
@@ -211,10 +240,12 @@ def gemv(
     pdl = pdl and gpu
     prefetch = min(prefetch, triton.cdiv(k, cfg.block_k)) if gpu else 0
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M=m, ACT=ACTIVATIONS[act], HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        x, weight, bias if bias is not None else weight, out, scale if scale is not None else weight, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), scale.stride(0) if scale is not None else 0,
+        M=m, ACT=ACTIVATIONS[act], HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=vec, PDL=pdl, PREFETCH=prefetch,
-        LINE=LINE_BYTES // weight.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LINE=LINE_BYTES // weight.element_size(), SCALE_BLOCK=SCALE_BLOCK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out

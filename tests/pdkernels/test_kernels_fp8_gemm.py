@@ -77,3 +77,30 @@ def test_fp8_linear_and_errors() -> None:
         block_fp8_matmul(a8, a_scale[:, :1], w8, w_scale)
     with pytest.raises(ValueError, match="block_n"):
         block_fp8_matmul(a8, a_scale, w8, w_scale, block_n=96)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 96, 128), (3, 200, 300), (8, 256, 1100)] + (
+    [(1, 4096, 4096), (8, 28672, 4096), (2, 4096, 14336)] if IS_CUDA else []))  # fmt: skip
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_fp8_gemv(m: int, n: int, k: int, has_bias: bool) -> None:
+    """The decode GEMV with an FP8 weight and its block scales (pdkernels/gemv.py `scale`): x stays in its
+    dtype, so the result is the product with the dequantized weight, to float32 accumulation and the
+    output's rounding; ragged N and K (partial scale blocks, a K tail inside a tile)."""
+    from pdkernels.gemv import GemvConfig, gemv
+
+    gen = torch.Generator().manual_seed(n + k + m)
+    dtype = torch.bfloat16 if IS_CUDA else torch.float32
+    w8, w_scale = (t.to(DEVICE) for t in quantize(torch.randn(n, k, generator=gen) * 0.05))
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype) if has_bias else None
+    config = None if IS_CUDA else GemvConfig(32, 512, 1)  # the interpreter runs programs one by one: wide tiles
+    out = gemv(x, w8, bias, config=config, scale=w_scale)
+    w = dequantize(w8, w_scale, torch.float64)
+    ref = x.double() @ w.t() + (bias.double() if bias is not None else 0)
+    bound = torch.finfo(dtype).eps * ref.abs() + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-30
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    with pytest.raises(ValueError, match="scale"):
+        gemv(x, w8, bias, config=config, scale=torch.ones(7, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="share a dtype"):
+        gemv(x, w8, bias, config=config)
