@@ -12,8 +12,8 @@ weight scale of that K block and added to a float32 accumulator:
 
     acc[m, n] = sum over k-blocks b of (A8[m, b] . W8[n, b]) * a_scale[m, b] * w_scale_inv[n / 128, b]
 
-BLOCK_K is the quantization block (128) so each K step has one scale per row and column; BLOCK_N divides
-128 so a column tile lies in one block row of W. Not batch-invariant (M decides nothing here, but the
+BLOCK_K is the quantization block (128) so each K step has one scale per row and column (a column's scale
+is its block row's, loaded as a vector: BLOCK_N may span several block rows). Not batch-invariant (M decides nothing here, but the
 launch's tile per shape is a plain heuristic, not a fixed function of (N, K) as pdkernels/bi_matmul.py's):
 the engine's deterministic mode does not take it.
 """
@@ -34,16 +34,23 @@ EPS = 1e-10  # the smallest group maximum a scale is computed from (an all-zero 
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_groups, eps, fp8_max, GROUP_SIZE: tl.constexpr):
+def _quant_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_groups, eps, fp8_max,
+    GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    """GROUPS groups of one row per program, as a [GROUPS, GROUP_SIZE] tile (16-byte loads, one max per group)."""
     row = tl.program_id(0)
-    g = tl.program_id(1)
-    cols = g * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = gs[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), eps) / fp8_max
-    q = tl.clamp(x / scale, -fp8_max, fp8_max)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / fp8_max
+    q = tl.clamp(x / scale[:, None], -fp8_max, fp8_max)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * num_groups + g, scale)
+    tl.store(s_ptr + row * num_groups + gs, scale, mask=gs < num_groups)
+
+
+QUANT_GROUPS = 8  # groups of a row per program of _quant_kernel
 
 
 def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +67,10 @@ def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.float32 if is_interpreted else torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
     if m:
-        _quant_kernel[(m, num_groups)](x, q, scales, k, x.stride(0), q.stride(0), num_groups, EPS, FP8_MAX, GROUP)
+        groups = min(QUANT_GROUPS, triton.next_power_of_2(num_groups))
+        _quant_kernel[(m, triton.cdiv(num_groups, groups))](
+            x, q, scales, k, x.stride(0), q.stride(0), num_groups, EPS, FP8_MAX, GROUP, groups, num_warps=4
+        )
     return q.to(torch.float8_e4m3fn), scales
 
 
@@ -82,7 +92,7 @@ def _block_fp8_matmul_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
-    w_s_row = (pid_n * BLOCK_N) // BLOCK_K  # the column tile's block row of W (BLOCK_N divides BLOCK_K)
+    w_s_rows = tl.minimum(cols, N - 1) // BLOCK_K  # each column's block row of W
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, num_k_groups):
         k = kb * BLOCK_K + ks
@@ -90,8 +100,8 @@ def _block_fp8_matmul_kernel(
         a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         a_s = tl.load(a_s_ptr + rows * num_k_groups + kb, mask=row_ok, other=0.0)
-        w_s = tl.load(w_s_ptr + w_s_row * num_k_groups + kb)
-        acc += tl.dot(a, w) * a_s[:, None] * w_s
+        w_s = tl.load(w_s_ptr + w_s_rows * num_k_groups + kb)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -101,7 +111,7 @@ def _block_fp8_matmul_kernel(
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int
-    block_n: int  # divides 128
+    block_n: int
     num_warps: int
     num_stages: int
 
@@ -149,8 +159,8 @@ def block_fp8_matmul(
     cfg = gemm_config(m, n, k)
     block_m, block_n = block_m or cfg.block_m, block_n or cfg.block_n
     num_warps, num_stages = num_warps or cfg.num_warps, num_stages or cfg.num_stages
-    if GROUP % block_n or a8.stride(1) != 1 or w8.stride(1) != 1:
-        raise ValueError("block_n must divide 128, and a8 and w8 need unit column strides")
+    if block_n not in (16, 32, 64, 128, 256) or a8.stride(1) != 1 or w8.stride(1) != 1:
+        raise ValueError("block_n must be a power of two from 16 to 256, and a8 and w8 need unit column strides")
     out = torch.empty(m, n, dtype=out_dtype, device=a8.device)
     if m == 0:
         return out

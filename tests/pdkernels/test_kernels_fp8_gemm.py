@@ -42,10 +42,13 @@ def test_per_token_group_quant(m: int, n: int, k: int) -> None:
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("has_bias", [False, True])
-@pytest.mark.parametrize("block_n", [128, 64])
+@pytest.mark.parametrize("block_n", [256, 128, 64])
 def test_block_fp8_matmul(m: int, n: int, k: int, has_bias: bool, block_n: int) -> None:
-    """Against float64 (dequantized A) @ (dequantized W).T: the kernel's products of FP8 values are exact,
-    so what remains is float32 accumulation across K blocks and the output's rounding."""
+    """Against float64 (dequantized A) @ (dequantized W).T: the products of FP8 values are exact; what
+    remains is the accumulation within a 128-wide K block, the float32 sum across blocks and the output's
+    rounding. Hopper's FP8 tensor cores do not accumulate in full float32 (DeepGEMM measures about 14
+    bits kept; the reason the kernel promotes to a float32 sum every 128 of K): the bound allows 2^-10 of
+    the sum of |products|, still a hundredth of what a wrong scale, row or block would cost."""
     gen = torch.Generator().manual_seed(n + k)
     w8, w_scale = (t.to(DEVICE) for t in quantize(torch.randn(n, k, generator=gen) * 0.05))
     a8, a_scale = per_token_group_quant((torch.randn(m, k, generator=gen) * 2).to(DEVICE))
@@ -55,7 +58,8 @@ def test_block_fp8_matmul(m: int, n: int, k: int, has_bias: bool, block_n: int) 
     a = a8.double() * _group_scales(a_scale.double(), k)
     w = dequantize(w8, w_scale, torch.float64)
     ref = a @ w.t() + (bias.double() if bias is not None else 0)
-    bound = torch.finfo(out_dtype).eps * ref.abs() + 1e-5 * (a.abs() @ w.abs().t()) + 1e-30
+    accumulation = 2**-10 if IS_CUDA else 1e-5
+    bound = torch.finfo(out_dtype).eps * ref.abs() + accumulation * (a.abs() @ w.abs().t()) + 1e-30
     assert out.shape == (m, n) and out.dtype == out_dtype
     assert bool(((out.double() - ref).abs() <= bound).all())
 
