@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -152,9 +154,42 @@ def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) ->
     return w.to(dtype)
 
 
+@cache
+def _fp8_tensor_cores(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)  # Ada and Hopper have FP8 tensor cores
+
+
+@cache
+def _kernel_module() -> ModuleType | None:
+    try:
+        from pdkernels import fp8_gemm
+    except ImportError:  # no triton
+        return None
+    return fp8_gemm
+
+
+def compute_kernels(x: torch.Tensor) -> ModuleType | None:
+    """pdkernels.fp8_gemm where FP8 runs on the tensor cores: x on a CUDA device with them (sm_89 and
+    later), triton there, inside a forward pass with default numerics. None elsewhere: the CPU, older
+    GPUs, `--deterministic` (batch-invariant products) and calls outside a step, where the weight is
+    dequantized to x's dtype and F.linear runs."""
+    if not x.is_cuda or not _fp8_tensor_cores(x.device.index if x.device.index is not None else 0):
+        return None
+    # NOTE: imported here: engine.context imports engine.config, which imports this module
+    from engine.context import current_context
+    from engine.numerics import Numerics
+
+    ctx = current_context()
+    if ctx is None or ctx.numerics is not Numerics.DEFAULT:
+        return None
+    return _kernel_module()
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear with an FP8 weight [out, in] and its block scales `weight_scale_inv` (bias, if any, in the
-    model's dtype): forward() dequantizes the weight to x's dtype and runs F.linear."""
+    model's dtype). forward(): on FP8 tensor cores (compute_kernels) the block-scaled FP8 GEMM with x
+    quantized per token group of 128; elsewhere the weight dequantized to x's dtype and F.linear. A
+    decode step's few rows take the FP8 GEMV instead (engine/model.py `linear`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | None = None) -> None:
         with torch.device("meta"):
@@ -177,6 +212,9 @@ class Fp8Linear(nn.Linear):
         return dequantize(self.weight, self.weight_scale_inv, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = compute_kernels(x)
+        if kernels is not None:
+            return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
 

@@ -146,7 +146,8 @@ def build_model(
             for name in names:
                 shard.check_fp8_blocks(name + ".weight")
         log.info(
-            "FP8 weights (128x128 blocks, %s): %d modules, dequantized at each matmul",
+            "FP8 weights (128x128 blocks, %s): %d modules; FP8 GEMM and GEMV on FP8 tensor cores, dequantized "
+            "products elsewhere",
             "as the checkpoint ships them" if keys is not None else "quantized at load", len(names),
         )  # fmt: skip
     if is_dummy:

@@ -416,8 +416,7 @@ class SparseMoE(nn.Module):
         num_tokens, k = x.shape[0], self.top_k
         weights, experts = self._route(x, numerics)
         self.rows_computed += num_tokens * k
-        # FP8 experts: no FP8 grouped kernel yet, they take the dequantizing path below
-        is_fusable = self.can_fuse and num_local == self.num_experts and not self.experts.is_fp8
+        is_fusable = self.can_fuse and num_local == self.num_experts
         kernels = _kernels() if x.is_cuda and is_fusable else None
         if kernels is not None and numerics in (Numerics.DEFAULT, Numerics.BATCH_INVARIANT):
             return self.fused_experts(kernels, x, experts, weights, numerics is Numerics.BATCH_INVARIANT)
@@ -442,6 +441,7 @@ class SparseMoE(nn.Module):
         return kernels.fused_moe(
             x, experts, weights, w.gate_up_proj, w.down_proj, w.gate_up_proj_bias, w.down_proj_bias,
             activation=self.activation, batch_invariant=batch_invariant, alpha=self.alpha, limit=self.limit,
+            w_gate_up_scale=w.gate_up_proj_scale_inv, w_down_scale=w.down_proj_scale_inv,
         )  # fmt: skip
 
     def _experts_sorted(

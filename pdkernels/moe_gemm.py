@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}
+SCALE_BLOCK = 128  # FP8 expert weights' scale block (engine/fp8.py BLOCK): BLOCK_K never exceeds it
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,13 @@ def gemm_config(m: int, num_experts: int, n: int, k: int, is_glu: bool, batch_in
 
 @triton.jit(do_not_specialize=["num_row_tiles"])
 def _grouped_gemm_kernel(
-    X, ROWS, W, BIAS, OUT, OFFS, num_row_tiles, num_experts, N, alpha, limit,
+    X, ROWS, W, BIAS, OUT, OFFS, W_SCALE, num_row_tiles, num_experts, N, alpha, limit,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
+    stride_se, stride_sn, stride_sk,
     K: tl.constexpr, ACT: tl.constexpr, HAS_ROWS: tl.constexpr, GATHER_DIV: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, E_POW2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -124,6 +127,9 @@ def _grouped_gemm_kernel(
     a_ptrs = X + src[:, None] * stride_xm + offs_k[None, :] * stride_xk
     b_ptrs = w_expert + offs_k[:, None] * stride_wk + cols[None, :].to(tl.int64) * stride_wn
     up_ptrs = b_ptrs + N * stride_wn  # a GLU's up rows follow its N gate rows
+    if HAS_SCALE:  # FP8 weights: each column's row of 128x128 block scales (gate's, then up's)
+        s_ptrs = W_SCALE + expert.to(tl.int64) * stride_se + (cols // SCALE_BLOCK) * stride_sn
+        s_up_ptrs = W_SCALE + expert.to(tl.int64) * stride_se + ((cols + N) // SCALE_BLOCK) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -134,6 +140,8 @@ def _grouped_gemm_kernel(
             k_ok = k0 + offs_k < K
             a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if HAS_SCALE:  # dequantized in registers to x's dtype (BLOCK_K divides the scale block)
+            b = (b.to(tl.float32) * tl.load(s_ptrs + (k0 // SCALE_BLOCK) * stride_sk)[None, :]).to(a.dtype)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -143,6 +151,9 @@ def _grouped_gemm_kernel(
                 b_up = tl.load(up_ptrs)
             else:
                 b_up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+            if HAS_SCALE:
+                s_up = tl.load(s_up_ptrs + (k0 // SCALE_BLOCK) * stride_sk)
+                b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a.dtype)
             if IEEE:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
             else:
@@ -239,6 +250,7 @@ def _launch_grouped(
     alpha: float,
     limit: float,
     batch_invariant: bool,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """grouped_matmul over num_rows rows. With rows: row r reads x[rows[r] // gather_div] if gather_div,
     else x[r] and its result is stored at row rows[r] (rows: a permutation of range(num_rows))."""
@@ -256,6 +268,14 @@ def _launch_grouped(
     n_out = n // 2 if is_glu else n
     if bias is not None and bias.shape != (num_experts, n):
         raise ValueError(f"bias must be [{num_experts}, {n}], got {tuple(bias.shape)}")
+    if w_scale is not None:
+        blocks = (num_experts, triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK))
+        if w.dtype != torch.float8_e4m3fn or w_scale.shape != blocks or (is_glu and n_out % SCALE_BLOCK):
+            raise ValueError(f"FP8 experts {tuple(w.shape)} {w.dtype} need float8_e4m3fn weights, block scales "
+                             f"{blocks} (got {tuple(w_scale.shape)}) and, for a GLU, gate rows a whole number "
+                             f"of {SCALE_BLOCK}-blocks")  # fmt: skip
+    elif w.dtype != x.dtype:
+        raise ValueError(f"expert weights {w.dtype} and rows {x.dtype} differ (FP8 weights need their scales)")
     out = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n_out == 0:
         return out
@@ -265,12 +285,12 @@ def _launch_grouped(
     grid = (num_row_tiles * triton.cdiv(n_out, cfg.block_n),)
     _grouped_gemm_kernel[grid](
         x, rows if rows is not None else expert_offsets, w, bias if bias is not None else w, out,
-        expert_offsets, num_row_tiles, num_experts, n_out, float(alpha), float(limit),
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        expert_offsets, w_scale if w_scale is not None else w, num_row_tiles, num_experts, n_out, float(alpha),
+        float(limit), x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        out.stride(0), out.stride(1), K=k,
+        out.stride(0), out.stride(1), *(w_scale.stride() if w_scale is not None else (0, 0, 0)), K=k,
         ACT=ACTIVATIONS[activation], HAS_ROWS=rows is not None, GATHER_DIV=gather_div,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None, HAS_SCALE=w_scale is not None, SCALE_BLOCK=SCALE_BLOCK,
         EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
         E_POW2=max(2, triton.next_power_of_2(num_experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -288,15 +308,17 @@ def grouped_matmul(
     alpha: float = 1.702,
     limit: float = 7.0,
     batch_invariant: bool = False,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (rows sorted by expert), w [E, N, K], expert_offsets [E + 1] int32 (non-decreasing, on
+    """x [M, K] (rows sorted by expert), w [E, N, K] (float8_e4m3fn with w_scale [E, N/128, K/128]: each
+    weight tile dequantized to x's dtype in registers before its product), expert_offsets [E + 1] int32 (non-decreasing, on
     x's device, expert_offsets[E] <= M), bias [E, N]. Rows expert_offsets[e]:expert_offsets[e + 1] of
     the result are x's rows times w[e].T (+ bias[e]); rows past expert_offsets[E] are left unspecified.
     activation None: [M, N]. "swiglu" / "swiglu_oai": w[e] holds gate rows [0, N/2) then up rows
     [N/2, N); the result is [M, N/2], the activation of (gate, up) taken from float32 accumulators
     after the bias. One launch, no host sync."""
     return _launch_grouped(x, w, expert_offsets, x.shape[0], None, 0, bias, activation, alpha, limit,
-                           batch_invariant)
+                           batch_invariant, w_scale)
 
 
 def _check_moe_shapes(
@@ -327,9 +349,12 @@ def fused_moe(
     batch_invariant: bool = False,
     alpha: float = 1.702,
     limit: float = 7.0,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], topk_ids / topk_weights [T, k] (global expert ids), w_gate_up [E_local, 2I, H] (gate
-    rows, then up rows), w_down [E_local, H, I], biases [E_local, 2I] / [E_local, H] -> [T, H]: each
+    rows, then up rows), w_down [E_local, H, I], biases [E_local, 2I] / [E_local, H] (FP8 weights with
+    their 128x128 block scales w_*_scale, as grouped_matmul takes them) -> [T, H]: each
     token's sum over its slots of weight * expert(x), for the slots whose expert is in [first_expert,
     first_expert + E_local); other slots (and ids < 0: padding) add nothing, and a token with none gets
     zeros. No host sync: a CUDA graph can capture it."""
@@ -343,8 +368,9 @@ def fused_moe(
     num_rows = order.shape[0]
     # gate/up reads token order[r] // k; down stores row r at order[r], the (token, slot) it belongs to
     h = _launch_grouped(x, w_gate_up, offsets, num_rows, order, top_k, b_gate_up, activation, alpha, limit,
-                        batch_invariant)
-    y = _launch_grouped(h, w_down, offsets, num_rows, order, 0, b_down, None, alpha, limit, batch_invariant)
+                        batch_invariant, w_gate_up_scale)
+    y = _launch_grouped(h, w_down, offsets, num_rows, order, 0, b_down, None, alpha, limit, batch_invariant,
+                        w_down_scale)
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, num_tokens, first_expert, num_local, hidden,

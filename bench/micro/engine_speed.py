@@ -114,6 +114,7 @@ class ModelFacts:
 
     arch: ModelArch
     elem_bytes: int
+    weight_bytes_per_param: float | None = None  # the linear weights' (FP8: 1 + a 128x128 block's scale); elem_bytes if None
 
     @property
     def attn_params(self) -> int:
@@ -157,8 +158,13 @@ class ModelFacts:
         return self.arch.vocab_size * self.arch.hidden_size
 
     @property
-    def weight_bytes(self) -> int:
-        return (self.linear_params + self.lm_head_params) * self.elem_bytes
+    def linear_bytes(self) -> float:
+        """Bytes per linear weight (the LM head stays in elem_bytes: checkpoints and --quantization keep it)."""
+        return self.elem_bytes if self.weight_bytes_per_param is None else self.weight_bytes_per_param
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.linear_params * self.linear_bytes + self.lm_head_params * self.elem_bytes
 
     def step_weight_bytes(self, experts_read: float | None = None, batch: int = 1) -> float:
         """The weights one decode step reads: all of a dense model's; a MoE's dense part and lm_head and
@@ -167,7 +173,8 @@ class ModelFacts:
         if not self.arch.sparse_layers:
             return float(self.weight_bytes)
         read = self.expected_experts_read(batch) if experts_read is None else experts_read
-        return (self.dense_params + self.lm_head_params + read * self.expert_params) * self.elem_bytes
+        return ((self.dense_params + read * self.expert_params) * self.linear_bytes
+                + self.lm_head_params * self.elem_bytes)
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
@@ -275,7 +282,23 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, tiny: bool) -> di
         "copy_bytes_per_s": copy_rate,
         "matmul_n": n,
         "matmul_flops_per_s": 2.0 * n**3 / mm_s,
+        **fp8_matmul_ceiling(device, n),
     }
+
+
+def fp8_matmul_ceiling(device: torch.device, n: int) -> dict[str, float]:
+    """torch._scaled_mm on n^3 float8_e4m3fn operands with per-tensor scales (cuBLAS's FP8 GEMM, the FP8
+    ceiling of the image), where the device has FP8 tensor cores; {} elsewhere."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return {}
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    try:
+        mm_s = time_op(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device, 3, 10)
+    except RuntimeError:
+        return {}
+    return {"fp8_matmul_flops_per_s": 2.0 * n**3 / mm_s}
 
 
 class Deadline:
@@ -298,7 +321,7 @@ def build_engine(folder: Path, args: argparse.Namespace, is_det: bool, forward: 
         model=str(folder), device=args.device, load_format="dummy", is_deterministic=is_det,
         max_num_seqs=max_seqs, max_num_batched_tokens=args.chunk, block_size=args.block_size,
         max_model_len=max_len, kv_cache_gb=kv_bytes / GiB, num_swa_slots=max_seqs + 1, seed=args.seed,
-        launch_ahead=args.launch_ahead, forward=forward, **extra,
+        launch_ahead=args.launch_ahead, forward=forward, quantization=args.quantization, **extra,
     ))
 
 
@@ -505,7 +528,9 @@ def finish_prefill_row(row: dict[str, Any], facts: ModelFacts, args: argparse.Na
     if row.get("status") == "ok":
         row["ms"] = row["time_s"] * 1e3
         row["tokens_per_s"] = row["tokens"] / row["time_s"]
-        row["frac_ceiling"] = row["flops"] / row["time_s"] / args.ceilings["matmul_flops_per_s"]
+        # FP8 weights against the FP8 matmul ceiling where the device has one (the CPU: the dtype's)
+        ceiling = args.ceilings.get("fp8_matmul_flops_per_s" if args.quantization else "", args.ceilings["matmul_flops_per_s"])
+        row["frac_ceiling"] = row["flops"] / row["time_s"] / ceiling
 
 
 # ---- transformers --------------------------------------------------------------------------------
@@ -796,8 +821,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def ceiling_lines(ceilings: dict[str, float]) -> str:
+    fp8 = ceilings.get("fp8_matmul_flops_per_s")
     return (f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e9:,.1f} GB/s (read + write), "
-            f"matmul {ceilings['matmul_flops_per_s'] / 1e12:,.3g} TFLOP/s ({ceilings['matmul_n']}^3)")
+            f"matmul {ceilings['matmul_flops_per_s'] / 1e12:,.3g} TFLOP/s ({ceilings['matmul_n']}^3)"
+            + (f", FP8 matmul (torch._scaled_mm) {fp8 / 1e12:,.4g} TFLOP/s" if fp8 else ""))
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -880,6 +907,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results"))
     p.add_argument("--tag", default="", help="suffix of the output file names")
     p.add_argument("--tiny", action="store_true", help="toy dims and grid: a CPU smoke test")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="the engine's --quantization: FP8 weights (dummy, quantized at load); decode rows count 1 "
+                        "byte per linear weight, prefill rows a FP8 matmul ceiling; no transformers side")
     p.add_argument("--merge", nargs="+", default=None, help="print one table from these result JSON files")
     p.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=EngineConfig.launch_ahead,
                    help="every mode: the engine's --launch-ahead (the -ahead and -fast modes turn it on)")
@@ -928,9 +958,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-models-") as scratch:
         for name in [m for m in args.models.split(",") if m]:
             folder = model_folder(name, args, Path(scratch))
-            args.model_name = Path(name).name
+            args.model_name = Path(name).name + ("-fp8" if args.quantization else "")
             arch = arch_from_hf(load_hf_config(folder))
-            facts = ModelFacts(arch, elem_bytes)
+            facts = ModelFacts(arch, elem_bytes, 1 + 4 / 128**2 if args.quantization == "fp8" else None)
             moe = (f", MoE: {arch.num_experts} experts, top {arch.num_experts_per_tok}, {len(arch.sparse_layers)} sparse layers, "
                    f"{facts.active_linear_params / 1e6:,.1f} M active" if arch.sparse_layers else "")
             print(f"\n== {args.model_name}: {facts.linear_params / 1e6:,.1f} M linear params{moe}, "
@@ -954,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
                     model_rows.append({"model": args.model_name, "mode": mode, "kind": "prefill", "tokens": 0,
                                        "status": f"error: {type(e).__name__}", "error": str(e)[:500]})
                     free_memory()
-            if args.hf:
+            if args.hf and not args.quantization:  # transformers has no dummy FP8 weights to load
                 hf_grid = {"batches": parse_ints(args.batches), "contexts": parse_ints(args.contexts),
                            "prefill": parse_ints(args.prefill)}
                 hf = run_hf(folder, facts, hf_grid, args, deadline)

@@ -339,3 +339,37 @@ def test_sparse_moe_fused_path_matches_its_torch_path(family: str, batch_invaria
         out = on_device.fused_experts(moe_gemm, x.to(DEVICE, DTYPE), experts.to(DEVICE), weights.to(DEVICE, DTYPE),
                                       batch_invariant)
     assert _rel_err(out.cpu(), ref) < TOL
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 33] + ([200] if IS_CUDA else []))
+def test_fp8_experts(batch_invariant: bool, num_tokens: int) -> None:
+    """FP8 expert weights with 128x128 block scales (engine/fp8.py quantize): fused_moe dequantizes each
+    weight tile in registers, so it matches fused_moe_reference on the dequantized weights to the
+    tolerance of the float path (the products then run in x's dtype, as with float weights); the
+    grouped GEMM alone likewise, gate and up blocks stacked (I a multiple of 128). Refusals: FP8 weights
+    without scales, scales of the wrong shape."""
+    from engine.fp8 import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(num_tokens + batch_invariant)
+    hidden, inter, num_experts, top_k = (256, 128, 4, 2) if not IS_CUDA else (1024, 256, 16, 4)
+    gu8, gu_s = (t.to(DEVICE) for t in quantize(torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.05))
+    d8, d_s = (t.to(DEVICE) for t in quantize(torch.randn(num_experts, hidden, inter, generator=gen) * 0.05))
+    x = _rand(gen, num_tokens, hidden)
+    ids, weights = _route(gen, num_tokens, num_experts, top_k)
+    dense = {"w_gate_up": dequantize(gu8, gu_s, DTYPE), "w_down": dequantize(d8, d_s, DTYPE)}
+    ref = fused_moe_reference(x, ids, weights, **dense, activation="swiglu")
+    out = fused_moe(x, ids, weights, gu8, d8, batch_invariant=batch_invariant, w_gate_up_scale=gu_s,
+                    w_down_scale=d_s)  # fmt: skip
+    assert out.shape == x.shape and out.dtype == x.dtype and not out.isnan().any()
+    assert _rel_err(out, ref) < TOL
+    offsets = torch.tensor([0, num_tokens, num_tokens, 2 * num_tokens, 2 * num_tokens], dtype=torch.int32)
+    rows = torch.cat([x, x])
+    got = grouped_matmul(rows, gu8, offsets.to(DEVICE), activation="swiglu", w_scale=gu_s)
+    want = torch.cat([rows[:num_tokens].double() @ dense["w_gate_up"][0].double().t(),
+                      rows[num_tokens:].double() @ dense["w_gate_up"][2].double().t()])
+    assert _rel_err(got, _glu64(want, "swiglu")) < TOL
+    with pytest.raises(ValueError, match="scales"):
+        grouped_matmul(rows, gu8, offsets.to(DEVICE), activation="swiglu")
+    with pytest.raises(ValueError, match="block scales"):
+        grouped_matmul(rows, gu8, offsets.to(DEVICE), activation="swiglu", w_scale=gu_s[:, :1])
