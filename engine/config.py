@@ -17,6 +17,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREFILL_SDPA_PATHS = ("fresh", "off", "flash", "cudnn")
 GEMV_MAX_ROWS = 8  # pdkernels/gemv.py MAX_ROWS
+FP8_GEMM_PATHS = ("auto", "triton", "dequantize")
 
 
 MAX_DEFAULT_MODEL_LEN = 32768  # the context without --max-model-len: the model's, at most this
@@ -68,7 +69,20 @@ class ForwardConfig:
                   "Hopper and later; same numbers): hides a launch and a tail per kernel"},
     )
 
+    fp8_gemm: str = field(
+        default="auto",
+        metadata={
+            "help": "FP8 weights (an FP8 checkpoint, --quantization fp8), default mode on FP8 tensor cores: auto "
+            "(cuBLAS's block-scaled FP8 GEMM on Hopper where N and K are whole 128-blocks, else the Triton "
+            "kernel; rows up to --gemv-rows through the FP8 GEMV), triton (the Triton kernel always), "
+            "dequantize (every product on the weight dequantized to the dtype: the reference path)",
+            "choices": FP8_GEMM_PATHS,
+        },
+    )
+
     def __post_init__(self) -> None:
+        if self.fp8_gemm not in FP8_GEMM_PATHS:
+            raise ValueError(f"fp8_gemm must be one of {FP8_GEMM_PATHS}, got {self.fp8_gemm!r}")
         if self.prefill_sdpa not in PREFILL_SDPA_PATHS:
             raise ValueError(f"prefill_sdpa must be one of {PREFILL_SDPA_PATHS}, got {self.prefill_sdpa!r}")
         if not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -168,11 +168,12 @@ def _kernel_module() -> ModuleType | None:
     return fp8_gemm
 
 
-def compute_kernels(x: torch.Tensor) -> ModuleType | None:
-    """pdkernels.fp8_gemm where FP8 runs on the tensor cores: x on a CUDA device with them (sm_89 and
-    later), triton there, inside a forward pass with default numerics. None elsewhere: the CPU, older
-    GPUs, `--deterministic` (batch-invariant products) and calls outside a step, where the weight is
-    dequantized to x's dtype and F.linear runs."""
+def compute_path(x: torch.Tensor) -> str | None:
+    """How an FP8 weight multiplies x: "triton" or "cublas" (ForwardConfig.fp8_gemm) where FP8 runs on the
+    tensor cores: x on a CUDA device with them (sm_89 and later), triton there, inside a forward pass with
+    default numerics. None elsewhere: the CPU, older GPUs, `--deterministic` (batch-invariant products),
+    fp8_gemm "dequantize" and calls outside a step; the weight is then dequantized to x's dtype and F.linear
+    runs."""
     if not x.is_cuda or not _fp8_tensor_cores(x.device.index if x.device.index is not None else 0):
         return None
     # NOTE: imported here: engine.context imports engine.config, which imports this module
@@ -180,9 +181,18 @@ def compute_kernels(x: torch.Tensor) -> ModuleType | None:
     from engine.numerics import Numerics
 
     ctx = current_context()
-    if ctx is None or ctx.numerics is not Numerics.DEFAULT:
+    if ctx is None or ctx.numerics is not Numerics.DEFAULT or ctx.config.fp8_gemm == "dequantize":
         return None
-    return _kernel_module()
+    kernels = _kernel_module()
+    if kernels is None:
+        return None
+    return "cublas" if ctx.config.fp8_gemm == "auto" and _has_cublas_blockwise(x.device) else "triton"
+
+
+@cache
+def _has_cublas_blockwise(device: torch.device) -> bool:
+    kernels = _kernel_module()
+    return kernels is not None and bool(kernels.cublas_blockwise_supported(device))
 
 
 class Fp8Linear(nn.Linear):
@@ -200,6 +210,7 @@ class Fp8Linear(nn.Linear):
             torch.empty(scale_shape((out_features, in_features)), dtype=torch.float32, device=device),
             requires_grad=False,
         )
+        self.cublas_scales: torch.Tensor | None = None  # prepare_kernels
 
     @classmethod
     def like(cls, lin: nn.Linear) -> Fp8Linear:
@@ -212,10 +223,22 @@ class Fp8Linear(nn.Linear):
         return dequantize(self.weight, self.weight_scale_inv, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = compute_kernels(x)
-        if kernels is not None:
-            return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
-        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        path = compute_path(x)
+        if path is None:
+            return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        kernels = cast(ModuleType, _kernel_module())
+        if path == "cublas" and self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0:
+            if self.cublas_scales is None:  # prepared at load (prepare_kernels); a module built later: here
+                self.prepare_kernels()
+            return kernels.scaled_mm_blockwise(x, self.weight, self.cublas_scales, self.bias)
+        return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+
+    def prepare_kernels(self) -> None:
+        """The block scales as cuBLAS's block-scaled GEMM reads them (pdkernels/fp8_gemm.py
+        prepare_weight_scales), on a device that has it; once the weights are loaded and fused."""
+        kernels = _kernel_module()
+        if self.weight.is_cuda and kernels is not None and _has_cublas_blockwise(self.weight.device):
+            self.cublas_scales = kernels.prepare_weight_scales(self.weight_scale_inv)
 
 
 def dense_weight(lin: nn.Linear, dtype: torch.dtype) -> torch.Tensor:

@@ -158,6 +158,9 @@ def build_model(
     model.rotary.build(max_positions, dtype, device)
     if device.type == "cuda":
         model.fuse_projections()
+        for module in model.modules():
+            if isinstance(module, fp8.Fp8Linear):
+                module.prepare_kernels()
     model.eval().requires_grad_(False)
     return model
 

@@ -95,8 +95,8 @@ def linear(lin: nn.Linear, x: torch.Tensor, act: str | None = None) -> torch.Ten
     it), everything else through F.linear. act (CUDA): x is [gate | up] and the input is act(gate) * up
     (fused_ops.silu_mul; inside the GEMV's kernel when it takes x)."""
     g = _gemv_for(x)
-    if isinstance(lin, fp8.Fp8Linear):  # the GEMV reads the FP8 weight where FP8 computes (fp8.compute_kernels)
-        if g is not None and fp8.compute_kernels(x) is not None:
+    if isinstance(lin, fp8.Fp8Linear):  # the GEMV reads the FP8 weight where FP8 computes (fp8.compute_path)
+        if g is not None and fp8.compute_path(x) is not None:
             return g.gemv(x, lin.weight, lin.bias, act=act, pdl=pdl.active(), scale=lin.weight_scale_inv)
     elif g is not None:
         return g.gemv(x, lin.weight, lin.bias, act=act, pdl=pdl.active())

@@ -35,7 +35,7 @@ EPS = 1e-10  # the smallest group maximum a scale is computed from (an all-zero 
 
 @triton.jit
 def _quant_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_groups, eps, fp8_max,
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_sm, stride_sg, num_groups, eps, fp8_max,
     GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr,
 ):  # fmt: skip
     """GROUPS groups of one row per program, as a [GROUPS, GROUP_SIZE] tile (16-byte loads, one max per group)."""
@@ -47,14 +47,18 @@ def _quant_kernel(
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / fp8_max
     q = tl.clamp(x / scale[:, None], -fp8_max, fp8_max)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * num_groups + gs, scale, mask=gs < num_groups)
+    tl.store(s_ptr + row * stride_sm + gs * stride_sg, scale, mask=gs < num_groups)
 
 
 QUANT_GROUPS = 8  # groups of a row per program of _quant_kernel
 
 
-def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant(x: torch.Tensor, rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> (x8 [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32).
+
+    rows_to > 1 (cuBLAS's block-scaled product, scaled_mm_blockwise): both have M rounded up to a multiple
+    of rows_to (the added rows unspecified) and the scales are stored column-major ([groups, M'] in
+    memory, its transpose returned), as cuBLAS reads 1x128 scales.
 
     NOTE: under TRITON_INTERPRET the kernel stores the scaled values in float32 and torch casts them: Triton
     3.6's interpreter rounds float32 to e4m3 wrongly where the rounding carries into the exponent (31.9 became
@@ -63,14 +67,19 @@ def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"per_token_group_quant takes [M, K] with unit column stride, got {tuple(x.shape)}")
     m, k = x.shape
     num_groups = triton.cdiv(k, GROUP)
+    rows = triton.cdiv(m, rows_to) * rows_to
     is_interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    q = torch.empty(m, k, dtype=torch.float32 if is_interpreted else torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    q = torch.empty(rows, k, dtype=torch.float32 if is_interpreted else torch.float8_e4m3fn, device=x.device)
+    if rows_to > 1:
+        scales = torch.empty(num_groups, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
     if m:
         groups = min(QUANT_GROUPS, triton.next_power_of_2(num_groups))
         _quant_kernel[(m, triton.cdiv(num_groups, groups))](
-            x, q, scales, k, x.stride(0), q.stride(0), num_groups, EPS, FP8_MAX, GROUP, groups, num_warps=4
-        )
+            x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), num_groups, EPS, FP8_MAX,
+            GROUP, groups, num_warps=4,
+        )  # fmt: skip
     return q.to(torch.float8_e4m3fn), scales
 
 
@@ -181,4 +190,54 @@ def fp8_linear(
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     a8, a_scale = per_token_group_quant(x2)
     out = block_fp8_matmul(a8, a_scale, w8, w_scale_inv, bias, out_dtype=x.dtype)
+    return out.view(*x.shape[:-1], w8.shape[0])
+
+
+# ---- cuBLAS's block-scaled FP8 product (Hopper) -----------------------------------------------------
+# torch's scaled_mm with BlockWise1x128 activations and BlockWise128x128 weights runs cuBLASLt's FP8 GEMM
+# with these very scales (DeepSeek-V3's recipe) on sm_90: the same numbers as block_fp8_matmul, to its
+# accumulation order, at cuBLAS's speed. It needs K and N whole 128-blocks, the activation scales
+# column-major with M a multiple of 4, and the weight scales [K/128, N/128] with K/128 a multiple of 4
+# (16-byte rows): prepare_weight_scales pads and transposes a weight's scales once, at load.
+
+CUBLAS_ROWS_TO = 4  # the activations' rows (and their scales' leading dimension) a multiple of 4
+
+
+def cublas_blockwise_supported(device: torch.device) -> bool:
+    """Whether this torch has torch.nn.functional.scaled_mm's block recipes and device is sm_90 (cuBLAS's
+    block-scaled FP8 GEMM exists for Hopper only)."""
+    import torch.nn.functional as F
+
+    return (
+        device.type == "cuda"
+        and hasattr(F, "scaled_mm")
+        and hasattr(F, "ScalingType")
+        and torch.cuda.get_device_capability(device) == (9, 0)
+    )
+
+
+def prepare_weight_scales(w_scale_inv: torch.Tensor) -> torch.Tensor:
+    """A weight's block scales [N/128, K/128] as scaled_mm_blockwise takes them: K/128 padded to a multiple
+    of 4 (padding never read: K is whole blocks), returned transposed, [K'/128, N/128]."""
+    kb = w_scale_inv.shape[1]
+    return torch.nn.functional.pad(w_scale_inv.float(), (0, -kb % CUBLAS_ROWS_TO)).contiguous().t()
+
+
+def scaled_mm_blockwise(
+    x: torch.Tensor, w8: torch.Tensor, w_scale_t: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] through an FP8 weight [N, K] (K and N multiples of 128) with prepare_weight_scales'
+    scales, by cuBLAS: x quantized per token group of 128 (per_token_group_quant, column-major scales),
+    torch.nn.functional.scaled_mm, the bias added after; in x's dtype."""
+    import torch.nn.functional as F
+
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    m = x2.shape[0]
+    a8, a_scale = per_token_group_quant(x2, rows_to=CUBLAS_ROWS_TO)
+    out = F.scaled_mm(
+        a8, w8.t(), a_scale, F.ScalingType.BlockWise1x128, w_scale_t, F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )[:m]  # fmt: skip
+    if bias is not None:
+        out = out + bias
     return out.view(*x.shape[:-1], w8.shape[0])

@@ -80,7 +80,15 @@ def large_m_row(name: str, m: int, n: int, k: int, sweep: bool) -> str:
     """M > 8: the block GEMM (activation quantization included, and without it) against bf16 F.linear and
     torch._scaled_mm, in TFLOP/s."""
     from engine.fp8 import dequantize
-    from pdkernels.fp8_gemm import block_fp8_matmul, fp8_linear, gemm_config, per_token_group_quant
+    from pdkernels.fp8_gemm import (
+        block_fp8_matmul,
+        cublas_blockwise_supported,
+        fp8_linear,
+        gemm_config,
+        per_token_group_quant,
+        prepare_weight_scales,
+        scaled_mm_blockwise,
+    )
 
     w, w8, s = weights(n, k)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
@@ -93,6 +101,13 @@ def large_m_row(name: str, m: int, n: int, k: int, sweep: bool) -> str:
     a8, a_s = per_token_group_quant(x)
     t_mm = timed(lambda: block_fp8_matmul(a8, a_s, w8, s))
     t_lin8 = timed(lambda: fp8_linear(x, w8, s))
+    t_cub = float("nan")
+    if cublas_blockwise_supported(DEV):
+        s_t = prepare_weight_scales(s)
+        try:
+            t_cub = timed(lambda: scaled_mm_blockwise(x, w8, s_t))
+        except RuntimeError as e:
+            print(f"  cuBLAS block-scaled: {e}"[:300])
     best = ""
     if sweep:
         base = gemm_config(m, n, k)

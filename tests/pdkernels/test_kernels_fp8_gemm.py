@@ -14,7 +14,14 @@ from tests.gpu_support import DEVICE, require_triton
 require_triton()
 
 from engine.fp8 import dequantize, quantize  # noqa: E402
-from pdkernels.fp8_gemm import block_fp8_matmul, fp8_linear, per_token_group_quant  # noqa: E402
+from pdkernels.fp8_gemm import (  # noqa: E402
+    block_fp8_matmul,
+    cublas_blockwise_supported,
+    fp8_linear,
+    per_token_group_quant,
+    prepare_weight_scales,
+    scaled_mm_blockwise,
+)
 
 pytestmark = pytest.mark.cuda
 IS_CUDA = DEVICE.type == "cuda"
@@ -108,3 +115,32 @@ def test_fp8_gemv(m: int, n: int, k: int, has_bias: bool) -> None:
         gemv(x, w8, bias, config=config, scale=torch.ones(7, 7, device=DEVICE))
     with pytest.raises(ValueError, match="share a dtype"):
         gemv(x, w8, bias, config=config)
+
+
+def test_column_major_scales_with_rows_rounded_up() -> None:
+    """rows_to (cuBLAS's layout): the same values and scales for the real rows, M rounded up to 4, the
+    scales column-major."""
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    q, s = per_token_group_quant(x)
+    q4, s4 = per_token_group_quant(x, rows_to=4)
+    assert q4.shape == (8, 300) and s4.shape == (8, 3) and s4.stride() == (1, 8)
+    assert torch.equal(q4[:5].float(), q.float()) and torch.equal(s4[:5], s)
+
+
+@pytest.mark.skipif(not cublas_blockwise_supported(DEVICE), reason="cuBLAS's block-scaled FP8 GEMM: Hopper, torch's scaled_mm")
+@pytest.mark.parametrize("m,n,k", [(1, 256, 384), (7, 512, 256), (64, 6144, 4096), (300, 4096, 14336)])
+def test_cublas_blockwise_matches_the_triton_kernel(m: int, n: int, k: int) -> None:
+    """The same quantized operands through cuBLAS (scaled_mm_blockwise) and block_fp8_matmul: equal to the
+    accumulation order (the bound of test_block_fp8_matmul), the bias added after."""
+    gen = torch.Generator().manual_seed(m + n)
+    w8, w_scale = (t.to(DEVICE) for t in quantize(torch.randn(n, k, generator=gen) * 0.05))
+    x = (torch.randn(m, k, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(DEVICE, torch.bfloat16)
+    out = scaled_mm_blockwise(x, w8, prepare_weight_scales(w_scale), bias)
+    a8, a_scale = per_token_group_quant(x)
+    a = a8.double() * _group_scales(a_scale.double(), k)
+    w = dequantize(w8, w_scale, torch.float64)
+    ref = a @ w.t() + bias.double()
+    bound = 2 * torch.finfo(torch.bfloat16).eps * ref.abs() + 2**-10 * (a.abs() @ w.abs().t()) + 1e-30
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert bool(((out.double() - ref).abs() <= bound).all())
