@@ -125,9 +125,9 @@ def large_m_row(name: str, m: int, n: int, k: int, sweep: bool) -> str:
     ref = F.linear(x.float(), dequantize(w8, s, torch.float32))
     err = rel_err(fp8_linear(x, w8, s), ref)
     tf = lambda t: 2 * m * n * k / t / 1e9  # noqa: E731
-    return (f"{name:8s} {m:5d} | {t_lin:8.3f} {t_smm:8.3f} {t_mm:8.3f} {t_lin8:8.3f} | {tf(t_lin):7.1f} "
-            f"{tf(t_smm):7.1f} {tf(t_mm):7.1f} {tf(t_lin8):7.1f} | {100 * t_smm / t_lin8:5.1f}% | "
-            f"{err:.4f}{best}")
+    return (f"{name:8s} {m:5d} | {t_lin:8.3f} {t_smm:8.3f} {t_mm:8.3f} {t_lin8:8.3f} {t_cub:8.3f} | "
+            f"{tf(t_lin):7.1f} {tf(t_smm):7.1f} {tf(t_mm):7.1f} {tf(t_lin8):7.1f} {tf(t_cub):7.1f} | "
+            f"{100 * t_smm / t_lin8:5.1f}% {100 * t_smm / t_cub:5.1f}% | {err:.4f}{best}")
 
 
 def main() -> None:
@@ -149,7 +149,8 @@ def main() -> None:
             print(lines[-1], flush=True)
     if any(m > 8 for m in ms):
         lines.append(f"{'shape':8s} {'M':>5s} | {'bf16 ms':>8s} {'smm ms':>8s} {'fp8 mm':>8s} {'fp8 lin':>8s} | "
-                     f"{'bf16 TF':>7s} {'smm TF':>7s} {'mm TF':>7s} {'lin TF':>7s} | lin/smm | max rel err")
+                     f"{'bf16 TF':>7s} {'smm TF':>7s} {'mm TF':>7s} {'lin TF':>7s} {'cub TF':>7s} | lin, cub of smm "
+                     "| max rel err")
     for m in (m for m in ms if m > 8):
         for name, (n, k) in SHAPES.items():
             lines.append(large_m_row(name, m, n, k, args.sweep))
