@@ -148,7 +148,8 @@ def main() -> None:
             lines.append(small_m_row(name, m, n, k, copy_gbs, args.sweep))
             print(lines[-1], flush=True)
     if any(m > 8 for m in ms):
-        lines.append(f"{'shape':8s} {'M':>5s} | {'bf16 ms':>8s} {'smm ms':>8s} {'fp8 mm':>8s} {'fp8 lin':>8s} | "
+        lines.append(f"{'shape':8s} {'M':>5s} | {'bf16 ms':>8s} {'smm ms':>8s} {'fp8 mm':>8s} {'fp8 lin':>8s} "
+                     f"{'cublk ms':>8s} | "
                      f"{'bf16 TF':>7s} {'smm TF':>7s} {'mm TF':>7s} {'lin TF':>7s} {'cub TF':>7s} | lin, cub of smm "
                      "| max rel err")
     for m in (m for m in ms if m > 8):
