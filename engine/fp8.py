@@ -169,8 +169,9 @@ def _kernel_module() -> ModuleType | None:
 
 
 def compute_path(x: torch.Tensor) -> str | None:
-    """How an FP8 weight multiplies x: "triton" or "cublas" (ForwardConfig.fp8_gemm) where FP8 runs on the
-    tensor cores: x on a CUDA device with them (sm_89 and later), triton there, inside a forward pass with
+    """How an FP8 weight multiplies x: "gemv" (pdkernels/gemv.py with the FP8 weight and its scales) for a
+    2-D x of at most ForwardConfig.gemv_rows rows, else "triton" or "cublas" (ForwardConfig.fp8_gemm), where
+    FP8 runs on the tensor cores: x on a CUDA device with them (sm_89 and later), triton there, inside a forward pass with
     default numerics. None elsewhere: the CPU, older GPUs, `--deterministic` (batch-invariant products),
     fp8_gemm "dequantize" and calls outside a step; the weight is then dequantized to x's dtype and F.linear
     runs."""
@@ -186,6 +187,8 @@ def compute_path(x: torch.Tensor) -> str | None:
     kernels = _kernel_module()
     if kernels is None:
         return None
+    if x.dim() == 2 and x.shape[0] <= ctx.config.gemv_rows:
+        return "gemv"
     return "cublas" if ctx.config.fp8_gemm == "auto" and _has_cublas_blockwise(x.device) else "triton"
 
 
@@ -226,12 +229,20 @@ class Fp8Linear(nn.Linear):
         path = compute_path(x)
         if path is None:
             return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        if path == "gemv":
+            return self.gemv(x)
         kernels = cast(ModuleType, _kernel_module())
         if path == "cublas" and self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0:
             if self.cublas_scales is None:  # prepared at load (prepare_kernels); a module built later: here
                 self.prepare_kernels()
             return kernels.scaled_mm_blockwise(x, self.weight, self.cublas_scales, self.bias)
         return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+
+    def gemv(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """x's few rows through the GEMV reading the FP8 weight (act: x is [gate | up], as gemv takes it)."""
+        from pdkernels import gemv, pdl
+
+        return gemv.gemv(x, self.weight, self.bias, act=act, pdl=pdl.active(), scale=self.weight_scale_inv)
 
     def prepare_kernels(self) -> None:
         """The block scales as cuBLAS's block-scaled GEMM reads them (pdkernels/fp8_gemm.py

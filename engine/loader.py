@@ -133,7 +133,8 @@ def build_model(
     shard = TpShard(tp.rank, tp.size, arch) if tp is not None else None
     with torch.device("meta"):
         model = CausalLM(arch, inv_freqs, tp, shard)
-    model.to_empty(device=device)
+    # dtypes and FP8 modules settled on the meta device, so the device holds only the final weights (a
+    # 30B MoE's FP8 experts, never their bf16 form first)
     model.to(dtype)
     for module in model.modules():
         if isinstance(module, ScoreGate):
@@ -150,6 +151,7 @@ def build_model(
             "products elsewhere",
             "as the checkpoint ships them" if keys is not None else "quantized at load", len(names),
         )  # fmt: skip
+    model.to_empty(device=device)
     if is_dummy:
         _init_random(model, arch, seed, shard)
     else:

@@ -94,12 +94,13 @@ def linear(lin: nn.Linear, x: torch.Tensor, act: str | None = None) -> torch.Ten
     """lin(x): a decode step's few rows through pdkernels/gemv.py (one kernel, no split-K reduction after
     it), everything else through F.linear. act (CUDA): x is [gate | up] and the input is act(gate) * up
     (fused_ops.silu_mul; inside the GEMV's kernel when it takes x)."""
-    g = _gemv_for(x)
-    if isinstance(lin, fp8.Fp8Linear):  # the GEMV reads the FP8 weight where FP8 computes (fp8.compute_path)
-        if g is not None and fp8.compute_path(x) is not None:
-            return g.gemv(x, lin.weight, lin.bias, act=act, pdl=pdl.active(), scale=lin.weight_scale_inv)
-    elif g is not None:
-        return g.gemv(x, lin.weight, lin.bias, act=act, pdl=pdl.active())
+    if isinstance(lin, fp8.Fp8Linear):  # FP8 weights choose their own products (fp8.compute_path)
+        if act is not None and fp8.compute_path(x) == "gemv":
+            return lin.gemv(x, act)
+    else:
+        g = _gemv_for(x)
+        if g is not None:
+            return g.gemv(x, lin.weight, lin.bias, act=act, pdl=pdl.active())
     if act is not None:
         x = cast(ModuleType, _fused_ops()).silu_mul(x, act)
     return lin(x)
