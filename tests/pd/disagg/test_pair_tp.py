@@ -22,7 +22,8 @@ from tests.tiny_models import make_servable
 pytestmark = pytest.mark.slow
 
 TOKEN = "pd-test-cluster-token-0123456789"
-ONLY = "chat long greedy,chat seeded sampling,chat prompt_logprobs,conversation greedy,concurrent"
+# what the handoff between TP sizes changes (the rest of check_pd's cases: tests/pd/disagg/test_pair_e2e.py)
+ONLY = "chat seeded sampling,chat prompt_logprobs,conversation greedy,concurrent conversations"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
 
     root = tmp_path_factory.mktemp("pair-tp")
     model = str(make_servable("gemma3_hybrid", root / "model", resolve_model("smollm2-135m-instruct")))
-    args = ("--model", model, *SMALL_DETERMINISTIC)
+    args = ("--model", model, *SMALL_DETERMINISTIC, "--block-size", "16")  # several pages: delta handoffs, cache hits
     env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": TOKEN}
     env.pop("PDSERVE_CLUSTER_TOKEN_FILE", None)
 
@@ -67,7 +68,7 @@ def test_check_pd_across_tp_sizes(servers: dict[str, ServerProcess], pe_tp: int,
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "DIFF" not in out and "FAIL" not in out and "5/5 cases identical" in out, out
-    assert wait_idle(ce.port, timeout_s=60)["pdserve_engine_handoffs_imported_total"] >= 10
+    assert "DIFF" not in out and "FAIL" not in out and "4/4 cases identical" in out, out
+    assert wait_idle(ce.port, timeout_s=60)["pdserve_engine_handoffs_imported_total"] >= 9  # every request of the 4 cases
     assert _metric(ce.port, "pdserve_handoff_skipped_tokens_total") > 0  # the CE group's decode cache
     assert wait_idle(pe.port, timeout_s=60)["pdserve_engine_cache_hit_tokens_total"] > 0  # the PE group's prefix cache
