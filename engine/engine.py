@@ -10,7 +10,8 @@ composed in, one job a module:
     engine/host_prefix_cache.py  the host prefix cache's memory: a prompt's cached prefix restored on
                                  admission, its full pages stored once computed (engine.prefix_cache)
     engine/handoff_io.py         export_sequence / import_sequence's memory (engine.handoff_io), beside
-                                 the ledger of every P/D phase (engine/handoff_ledger.py, engine.handoffs)
+                                 the ledger of every P/D phase (engine/handoff_ledger.py, engine.handoffs);
+                                 under --tp through engine/kv_shards.py (every KV head, re-sharded)
     engine/engine_stats.py       stats()
     engine/memory_plan.py        the KV memory's size at start (engine.memory)
     engine/faults.py             which failures are fatal: those propagate and the rank exits

@@ -41,7 +41,9 @@ forward on their own KV heads (`LLMEngine.follow`). Pages, block tables and slot
 they are the same on every rank; only rank 0 samples, and the tokens reach the other ranks as the
 next plan's input ids. The host prefix cache's copies (engine/host_prefix_cache.py) rank 0 made since
 the last forward go before it (PLAN_COPY), and every rank makes them on its own host pool and KV
-heads. An idle rank 0 broadcasts an idle plan now and then (`LLMEngine.heartbeat`: a follower's wait
+heads. A P/D handoff's export and import go the same way (PLAN_EXPORT, PLAN_IMPORT: engine/kv_shards.py
+gathers and scatters the sequence's pages and SWA state, so a handoff carries every KV head of the model
+whatever the group's size). An idle rank 0 broadcasts an idle plan now and then (`LLMEngine.heartbeat`: a follower's wait
 in the broadcast would otherwise time out), and a stop plan when it closes.
 
 The plan travels over a gloo group (on CUDA a second group beside the NCCL one: the plan is host
