@@ -10,7 +10,8 @@ composed in, one job a module:
     engine/host_prefix_cache.py  the host prefix cache's memory: a prompt's cached prefix restored on
                                  admission, its full pages stored once computed (engine.prefix_cache)
     engine/handoff_io.py         export_sequence / import_sequence's memory (engine.handoff_io), beside
-                                 the ledger of every P/D phase (engine/handoff_ledger.py, engine.handoffs)
+                                 the ledger of every P/D phase (engine/handoff_ledger.py, engine.handoffs);
+                                 under --tp through engine/kv_shards.py (every KV head, re-sharded)
     engine/engine_stats.py       stats()
     engine/memory_plan.py        the KV memory's size at start (engine.memory)
     engine/faults.py             which failures are fatal: those propagate and the rank exits
@@ -48,6 +49,7 @@ from engine.handoff_io import Alloc, HandoffIO
 from engine.handoff_ledger import HandoffLedger, Phase
 from engine.host_prefix_cache import HostPrefixCache
 from engine.kv_cache import KVCache, layout_of
+from engine.kv_shards import KVShards
 from engine.launch_ahead import LaunchAhead, LaunchedBatch
 from engine.loader import build_model
 from engine.memory_plan import plan_memory
@@ -59,7 +61,15 @@ from engine.runner import ModelRunner, StepPlan
 from engine.sampler import process_logits, sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
-from engine.tensor_parallel import PLAN_COPY, PLAN_IDLE, PLAN_STEP, PLAN_STOP, TensorGroup
+from engine.tensor_parallel import (
+    PLAN_COPY,
+    PLAN_EXPORT,
+    PLAN_IDLE,
+    PLAN_IMPORT,
+    PLAN_STEP,
+    PLAN_STOP,
+    TensorGroup,
+)
 
 log = logging.getLogger(__name__)
 # what a client hears of a failure that is not its request's fault (the log has the exception)
@@ -154,7 +164,13 @@ class LLMEngine:
         # every P/D state of a sequence
         self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
         retains = self.decode_cache is not None
-        self.handoff_io = HandoffIO(self.handoffs, self.scheduler, self.kv, self.grammars, retains_at_end=retains)
+        # --tp N: a handoff carries every KV head of the model, re-sharded by each group's rank 0
+        self.kv_shards = KVShards(tp, self.kv, self.arch.num_kv_heads) if tp is not None else None
+        self.handoff_io = HandoffIO(
+            self.handoffs, self.scheduler, self.kv, self.grammars, retains_at_end=retains, shards=self.kv_shards
+        )
+        # the layout a P/D handoff carries (the model's, whatever --tp; self.layout is this rank's share)
+        self.handoff_layout = self.handoff_io.layout
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -562,6 +578,9 @@ class LLMEngine:
             elif kind == PLAN_COPY:
                 assert self.prefix_cache is not None  # the same config as rank 0's
                 self.prefix_cache.replay([(c[0], c[1], c[2], c[3]) for c in plan], self.kv)
+            elif kind in (PLAN_EXPORT, PLAN_IMPORT):
+                assert self.kv_shards is not None
+                self.kv_shards.follow(kind, plan)
 
     def heartbeat(self) -> None:
         """Rank 0 of a tensor-parallel group, idle: tells the others it lives (an idle follower's wait for a
@@ -573,10 +592,6 @@ class LLMEngine:
         """Rank 0 of a tensor-parallel group: the other ranks' follow() returns."""
         if self.tp is not None and self.tp.is_leader:
             self.tp.send_plan(PLAN_STOP)
-
-    def _refuse_tp(self, what: str) -> None:
-        if self.tp is not None:
-            raise InvalidRequestError(f"{what} does not work with --tp yet (KV heads are split over the group)")
 
     # ---- export / import ----------------------------------------------------------------------
 
@@ -590,10 +605,10 @@ class LLMEngine:
         """A prefilled sequence's state (every token but the last is in the cache). device=None
         keeps the gathered pages on the engine's device (NCCL/IPC transports send from there).
         alloc(shape, dtype, device): where the gathered tensors go (e.g. a slice of the ipc
-        transport's exported arena), or None for new memory; used only with device=None.
+        transport's exported arena), or None for new memory; used only with device=None and
+        without --tp (a group's merged heads are new memory).
         skip_pages: pages the receiver holds already (its reservation's held tokens / block_size):
         only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page)."""
-        self._refuse_tp("the P/D handoff")
         return self.handoff_io.export(request_id, device, alloc, skip_pages)
 
     def finish_handoff(self, request_id: str) -> None:
@@ -609,7 +624,6 @@ class LLMEngine:
         decode cache hit, tokens verified) and exp.pages are written after them. A full handoff
         (first_page 0) into a reservation that held pages releases those (they stay cached) and
         writes every page into fresh ones: an indexed page is never overwritten."""
-        self._refuse_tp("the P/D handoff")
         self.validate(exp.request_id, exp.prompt_token_ids, exp.params)
         seq = self.handoff_io.import_(exp)
         detok = IncrementalDetokenizer(self.tokenizer, exp.params.stop)

@@ -7,7 +7,10 @@
              memory of its reservation (or fresh memory), its pages and state written there
 
 LLMEngine's export_sequence / import_sequence are the callers' door; the engine keeps what an import
-means for the request (its checks against the model, its detokenizer, an output if it has ended)."""
+means for the request (its checks against the model, its detokenizer, an output if it has ended).
+
+In a tensor-parallel group (rank 0 calls these) the pages and state move through engine/kv_shards.py:
+an export carries, and an import expects, every KV head of the model (`layout`), whatever the group's size."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from engine.grammar import GrammarCompiler
 from engine.handoff import SequenceExport
 from engine.handoff_ledger import HandoffLedger
 from engine.kv_cache import KVCache
+from engine.kv_shards import KVShards
 from engine.prompt_logprobs import PromptLogprobsCollector
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
@@ -30,7 +34,8 @@ Alloc = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | No
 
 
 class HandoffIO:
-    """Export and import of a sequence's memory in this engine's KV cache (kv)."""
+    """Export and import of a sequence's memory in this engine's KV cache (kv), or in its tensor-parallel
+    group's (shards: kv is then rank 0's share of the heads)."""
 
     def __init__(
         self,
@@ -40,10 +45,13 @@ class HandoffIO:
         grammars: GrammarCompiler,
         *,
         retains_at_end: bool,
+        shards: KVShards | None = None,
     ) -> None:
         self.ledger = ledger
         self.scheduler = scheduler
         self.kv = kv
+        self.shards = shards
+        self.layout = shards.layout if shards is not None else kv.layout  # what a handoff carries
         self.grammars = grammars
         self.retains_at_end = retains_at_end  # a CE with a decode cache: an import's pages stay cached
 
@@ -59,13 +67,17 @@ class HandoffIO:
         n_pages = kv.layout.num_pages(seq.num_computed)
         if not 0 <= skip_pages * kv.layout.block_size <= seq.num_computed:
             raise InvalidRequestError(f"cannot skip {skip_pages} pages of {seq.num_computed} computed tokens")
-        out = None
-        if alloc is not None and device is None and n_pages > skip_pages:
-            out = alloc((n_pages - skip_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
-        # on CUDA the gather also hashes the pages (the handoff's checksum, at no extra pass)
-        pages, pages_sum = kv.read_pages(seq.block_ids[skip_pages:n_pages], out=out, with_checksum=True)
-        state = kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
-        if state is not None and alloc is not None and device is None:
+        if self.shards is not None:  # the group's heads, merged on rank 0 (alloc's memory is not used)
+            pages, state = self.shards.read(seq.block_ids[skip_pages:n_pages], seq.state_slot)
+            pages_sum: torch.Tensor | None = None
+        else:
+            out = None
+            if alloc is not None and device is None and n_pages > skip_pages:
+                out = alloc((n_pages - skip_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
+            # on CUDA the gather also hashes the pages (the handoff's checksum, at no extra pass)
+            pages, pages_sum = kv.read_pages(seq.block_ids[skip_pages:n_pages], out=out, with_checksum=True)
+            state = kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
+        if state is not None and alloc is not None and device is None and self.shards is None:
             st = alloc(tuple(state.shape), state.dtype, state.device)
             state = st.copy_(state) if st is not None else state
         if device is not None:
@@ -86,7 +98,7 @@ class HandoffIO:
         num_tokens = len(exp.prompt_token_ids) + len(exp.output_token_ids)
         if exp.num_computed != num_tokens - 1:
             raise InvalidRequestError("an imported sequence must have every token but the last computed")
-        kv, lo = self.kv, self.kv.layout
+        kv, lo = self.kv, self.layout
         n_pages = lo.num_pages(exp.num_computed)
         if not 0 <= exp.first_page <= n_pages:
             raise InvalidRequestError(f"first page {exp.first_page} out of [0, {n_pages}]")
@@ -112,10 +124,13 @@ class HandoffIO:
             seq.matcher = self.grammars.matcher(exp.params.structured, list(exp.output_token_ids))
         self.ledger.import_(seq, exp.first_page)
         try:
-            if n_pages > exp.first_page:
-                kv.write_pages(seq.block_ids[exp.first_page : n_pages], exp.pages)
-            if exp.state is not None:
-                kv.write_state(seq.state_slot, exp.state.to(kv.device, lo.dtype))
+            if self.shards is not None:
+                self.shards.write(seq.block_ids[exp.first_page : n_pages], seq.state_slot, exp.pages, exp.state)
+            else:
+                if n_pages > exp.first_page:
+                    kv.write_pages(seq.block_ids[exp.first_page : n_pages], exp.pages)
+                if exp.state is not None:
+                    kv.write_state(seq.state_slot, exp.state.to(kv.device, lo.dtype))
         except BaseException:
             self.ledger.abort(seq.request_id)
             self.scheduler.finish(seq, "abort")

@@ -41,7 +41,9 @@ forward on their own KV heads (`LLMEngine.follow`). Pages, block tables and slot
 they are the same on every rank; only rank 0 samples, and the tokens reach the other ranks as the
 next plan's input ids. The host prefix cache's copies (engine/host_prefix_cache.py) rank 0 made since
 the last forward go before it (PLAN_COPY), and every rank makes them on its own host pool and KV
-heads. An idle rank 0 broadcasts an idle plan now and then (`LLMEngine.heartbeat`: a follower's wait
+heads. A P/D handoff's export and import go the same way (PLAN_EXPORT, PLAN_IMPORT: engine/kv_shards.py
+gathers and scatters the sequence's pages and SWA state, so a handoff carries every KV head of the model
+whatever the group's size). An idle rank 0 broadcasts an idle plan now and then (`LLMEngine.heartbeat`: a follower's wait
 in the broadcast would otherwise time out), and a stop plan when it closes.
 
 The plan travels over a gloo group (on CUDA a second group beside the NCCL one: the plan is host
@@ -64,7 +66,16 @@ from engine.errors import InvalidRequestError
 from engine.model_config import ModelArch
 from engine.rank_group import join_group, leave_group
 
-PLAN_STEP, PLAN_IDLE, PLAN_STOP, PLAN_COPY = 0, 1, 2, 3  # kinds of broadcast
+PLAN_STEP, PLAN_IDLE, PLAN_STOP, PLAN_COPY, PLAN_EXPORT, PLAN_IMPORT = 0, 1, 2, 3, 4, 5  # kinds of broadcast
+
+
+def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
+    """[first, first + count) of the model's KV heads that rank `rank` of `size` holds: an equal share
+    when size divides them, else (size a multiple of them) the one KV head its query heads read."""
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return rank * per, per
+    return rank * num_kv_heads // size, 1
 
 
 @dataclass
@@ -118,6 +129,31 @@ class TensorGroup:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
+
+    def gather(self, part: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's part (the same shape on each), in rank order, on rank 0; None on the others (a
+        collective)."""
+        import torch.distributed as dist
+
+        part = part.contiguous()
+        if self.rank != 0:
+            dist.gather(part, None, dst=0, group=self.group)
+            return None
+        parts = [torch.empty_like(part) for _ in range(self.size)]
+        dist.gather(part, parts, dst=0, group=self.group)
+        return parts
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None) -> torch.Tensor:
+        """Rank r's out filled with rank 0's parts[r] (parts: rank 0's, one per rank, shaped as out; None
+        on the others); a collective."""
+        import torch.distributed as dist
+
+        if self.rank != 0:
+            dist.scatter(out, None, src=0, group=self.group)
+        else:
+            assert parts is not None and len(parts) == self.size
+            dist.scatter(out, [p.contiguous() for p in parts], src=0, group=self.group)
+        return out
 
     def send_plan(self, kind: int, plan: Any = None) -> None:
         """Rank 0: broadcasts a plan (msgpack-encodable) of the given kind."""
@@ -214,10 +250,7 @@ class TpShard:
         if not kv:
             per = a.num_heads // n
             return r * per, per
-        if a.num_kv_heads >= n:
-            per = a.num_kv_heads // n
-            return r * per, per
-        return r * a.num_kv_heads // n, 1  # replicated: the KV head of this rank's query heads
+        return kv_heads_of(r, n, a.num_kv_heads)
 
     def slice_of(self, name: str, expert_layout: str = "stacked") -> Slice | None:
         """The slice of tensor `name` this rank holds (the weight's for its `_scale_inv`, in elements, not

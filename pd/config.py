@@ -138,7 +138,8 @@ class ServerConfig:
         metadata={
             "help": "tensor parallelism (dense and MoE models with per-head attention): each engine rank is a group of N processes (one GPU "
             "each on CUDA) holding one model split Megatron-style; the group's first process schedules "
-            "and samples, the others follow its steps; single role only so far"
+            "and samples, the others follow its steps; with --role pe|ce a handoff carries every KV head and "
+            "each group's first process re-shards them, so any --tp hands off to any --tp (over tcp)"
         },
     )
     routing: str = field(
@@ -315,8 +316,16 @@ class ServerConfig:
             raise ValueError(f"--dp must be >= 1, got {self.dp}")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
-        if self.tp > 1 and self.role != "single":
-            raise ValueError(f"--tp {self.tp} works with --role single only so far (the P/D handoff does not split KV heads)")
+        if self.tp > 1 and self.role == "pe" and self.transfer.transport != "tcp":
+            raise ValueError(
+                f"--tp {self.tp} with --role pe hands off over --transport tcp only so far, got --transport "
+                f"{self.transfer.transport}"
+            )
+        if self.tp > 1 and self.role == "ce" and set(self.transfer.accept_transports) != {"tcp"}:
+            raise ValueError(
+                f"--tp {self.tp} with --role ce takes handoffs over tcp only so far: pass --accept-transports tcp "
+                f"(got {','.join(self.transfer.accept_transports)})"
+            )
         if self.tp > 1 and self.ep > 1:
             raise ValueError("--tp and --ep do not compose yet")
         if self.ep not in (1, self.dp):

@@ -64,7 +64,7 @@ class DecodeRole:
         self.wake = self.lt.wake
         self.receiver = KVReceiver(
             token,
-            engine.layout,
+            engine.handoff_layout,
             self._on_handoff,
             self._on_complete,
             host=config.kv_host,

@@ -70,7 +70,7 @@ class PrefillRole:
         self.send = send
         token = load_token(token_file=config.token_file or None)
         self.sender = KVSender(
-            token, engine.layout, model=model_fingerprint(engine.folder), config=config.transfer
+            token, engine.handoff_layout, model=model_fingerprint(engine.folder), config=config.transfer
         )
         # ipc: the export is gathered straight into the transport's exported arena (and hashed on the way)
         self.export_alloc = self.sender.export_allocator

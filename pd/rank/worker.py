@@ -295,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.tp > 1:
             from engine.tensor_parallel import init_group as init_tp_group
 
-            if args.ep > 1 or args.role != "single":
-                raise ValueError("--tp N works with --role single and --ep 1 only")
+            if args.ep > 1:
+                raise ValueError("--tp N works with --ep 1 only")
             address, followers = start_followers(requested, args.rank, args.dp, args.tp, args.log_format)
             tp = init_tp_group(0, args.tp, address, cfg.torch_device())
         ep = None

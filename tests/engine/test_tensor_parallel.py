@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.fp8 import Fp8Linear
+from engine.handoff import SequenceExport
 from engine.request import SamplingParams
 from engine.tensor_parallel import PLAN_STEP, PLAN_STOP, TensorGroup, TpShard, close_group, init_group
 from tests.engine_utils import decode_logits, prompt_logits, random_prompts
@@ -213,6 +214,61 @@ def test_tp2_host_prefix_cache(group: Group, tiny_model_dir) -> None:
     (ref1, ref2), (got1, got2) = results
     _assert_tp_matches(ref1, got1, 8)
     _assert_tp_matches(ref2, got2, 8)
+
+
+def _prefill_and_export(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> list[SequenceExport]:
+    """The PE's part of a handoff: each prompt prefilled (prefill_only), exported, handed off."""
+    rids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(rids, prompts):
+        eng.add_request(rid, prompt, params, prefill_only=True)
+    ready: set[str] = set()
+    while len(ready) < len(rids):
+        ready |= {o.request_id for o in eng.step() if o.is_handoff_ready}
+    exports = [eng.export_sequence(rid) for rid in rids]
+    for rid in rids:
+        eng.finish_handoff(rid)
+    eng.check_idle()
+    return exports
+
+
+def _import_and_decode(eng: LLMEngine, exports: list[SequenceExport]) -> list[list[int]]:
+    """The CE's part: each export imported and decoded to its end; each request's output tokens."""
+    tokens: dict[str, list[int]] = {exp.request_id: [] for exp in exports}  # the first token comes out here
+    for exp in exports:
+        eng.import_sequence(exp)
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens[o.request_id] += o.new_token_ids
+    eng.check_idle()
+    return [tokens[exp.request_id] for exp in exports]
+
+
+@pytest.mark.parametrize("kind", ["gemma3_hybrid", "mqa"])
+def test_handoff_between_tp_sizes(group: Group, tiny_model_dir, odd_models: dict[str, Path], kind: str) -> None:
+    """The P/D handoff's memory between --tp 2 and --tp 1 (engine/kv_shards.py): a --tp 2 export carries
+    every KV head of the model in the --tp 1 layout, pages and SWA state within 1e-4 of a --tp 1 export
+    (heads in order); imported into --tp 1, and a --tp 1 export imported into --tp 2, each decodes the
+    tokens a --tp 1 engine generates. gemma3_hybrid: 2 KV heads split, sliding layers (prompts past the
+    24-token window); mqa: one KV head, replicated on both ranks."""
+    folder = odd_models["mqa"] if kind == "mqa" else tiny_model_dir(kind)
+    prompts = random_prompts([45, 70], seed=31)
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)  # seeded: varied tokens
+    single = _single(folder)
+    want = [s.output_token_ids for s in single.generate(prompts, params)]
+    assert len({t for w in want for t in w}) > 4
+    tp = group.engine_for(folder)
+    assert tp.handoff_layout == single.layout and tp.layout.num_kv_heads == 1
+    from_tp = _prefill_and_export(tp, prompts, params, "tp2")
+    from_single = _prefill_and_export(single, prompts, params, "tp1")
+    for a, b in zip(from_tp, from_single):
+        assert a.pages.shape == b.pages.shape == single.layout.page_shape(single.layout.num_pages(a.num_computed))
+        torch.testing.assert_close(a.pages, b.pages, rtol=0, atol=1e-4)
+        assert (a.state is None) == (b.state is None) == (kind == "mqa")
+        if a.state is not None and b.state is not None:
+            torch.testing.assert_close(a.state, b.state, rtol=0, atol=1e-4)
+        assert a.output_token_ids == b.output_token_ids
+    assert _import_and_decode(single, from_tp) == want
+    assert _import_and_decode(tp, from_single) == want
 
 
 def test_shard_slices_and_refusals(tmp_path: Path) -> None:
