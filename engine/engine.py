@@ -165,7 +165,9 @@ class LLMEngine:
         self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
         retains = self.decode_cache is not None
         # --tp N: a handoff carries every KV head of the model, re-sharded by each group's rank 0
-        self.kv_shards = KVShards(tp, self.kv, self.arch.num_kv_heads) if tp is not None else None
+        # latent pages (MLA) hold one latent per token, the same on every rank: one replicated "head"
+        handoff_heads = 1 if self.arch.is_mla else self.arch.num_kv_heads
+        self.kv_shards = KVShards(tp, self.kv, handoff_heads) if tp is not None else None
         self.handoff_io = HandoffIO(
             self.handoffs, self.scheduler, self.kv, self.grammars, retains_at_end=retains, shards=self.kv_shards
         )

@@ -208,21 +208,17 @@ class TpShard:
 
     def __post_init__(self) -> None:
         a, n = self.arch, self.size
-        if a.is_mla:
-            raise InvalidRequestError(
-                f"--tp {n}: tensor parallelism splits models with per-head attention (Llama, Qwen, Mistral, Gemma 3, "
-                "Qwen3-MoE, gpt-oss); latent attention (DeepSeek-V3) is not split yet"
-            )
         if a.num_heads % n:
             raise InvalidRequestError(f"--tp {n} must divide the model's {a.num_heads} attention heads")
         if a.num_kv_heads % n and n % a.num_kv_heads:
             raise InvalidRequestError(
                 f"--tp {n} must divide the model's {a.num_kv_heads} KV heads or be a multiple of them"
             )
-        if a.intermediate_size % n or a.moe_intermediate_size % n:
+        if a.intermediate_size % n or a.moe_intermediate_size % n or a.shared_intermediate_size % n:
             raise InvalidRequestError(
                 f"--tp {n} must divide the model's intermediate size {a.intermediate_size}"
                 + (f" and its experts' {a.moe_intermediate_size}" if a.sparse_layers else "")
+                + (f" and its shared experts' {a.shared_intermediate_size}" if a.shared_intermediate_size else "")
             )
 
     @property
@@ -235,6 +231,7 @@ class TpShard:
             num_kv_heads=max(1, a.num_kv_heads // n),
             intermediate_size=a.intermediate_size // n,
             moe_intermediate_size=a.moe_intermediate_size // n,
+            shared_intermediate_size=a.shared_intermediate_size // n,
         )
 
     @property
@@ -258,6 +255,10 @@ class TpShard:
         stores them (engine/loader.py; the model's own is "stacked")."""
         a, r = self.arch, self.rank
         base = name.removesuffix(fp8.SCALE_SUFFIX)
+        if a.is_mla:
+            mla = self._latent_attention_slice(base)
+            if mla is not None:
+                return mla
         d = a.head_dim
         if base.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             first, count = self._heads(kv=False)
@@ -277,10 +278,34 @@ class TpShard:
             return Slice.one(0, r * per, (r + 1) * per, a.intermediate_size)
         if base.endswith("mlp.down_proj.weight"):
             return Slice.one(1, r * per, (r + 1) * per, a.intermediate_size)
+        if a.shared_intermediate_size:  # DeepSeek-V3's shared experts: one dense SwiGLU, split like an MLP
+            shared, per_s = a.shared_intermediate_size, a.shared_intermediate_size // self.size
+            if base.endswith(("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")):
+                return Slice.one(0, r * per_s, (r + 1) * per_s, shared)
+            if base.endswith("mlp.shared_experts.down_proj.weight"):
+                return Slice.one(1, r * per_s, (r + 1) * per_s, shared)
         if base == "lm_head.weight":
             start, stop = self.vocab_rows
             return Slice.one(0, start, stop, a.vocab_size)
         return self._expert_slice(base, expert_layout)
+
+    def _latent_attention_slice(self, base: str) -> Slice | None:
+        """Latent attention (engine/mla.py) split by heads: the per-head query rows (q_b_proj, or q_proj
+        without a query LoRA) and kv_b_proj's per-head up-projection rows, o_proj's per-head value columns;
+        the latent's own projections and norms (q_a_proj, kv_a_proj_with_mqa, their layernorms) replicated,
+        so every rank computes and caches the same latents. None for the names it does not split."""
+        a = self.arch
+        first, count = self._heads(kv=False)
+        if base.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+            dq = a.qk_head_dim
+            return Slice.one(0, first * dq, (first + count) * dq, a.num_heads * dq)
+        if base.endswith("self_attn.kv_b_proj.weight"):
+            dkv = a.qk_nope_head_dim + a.v_head_dim
+            return Slice.one(0, first * dkv, (first + count) * dkv, a.num_heads * dkv)
+        if base.endswith("self_attn.o_proj.weight"):
+            dv = a.v_head_dim
+            return Slice.one(1, first * dv, (first + count) * dv, a.num_heads * dv)
+        return None
 
     def _expert_slice(self, base: str, layout: str) -> Slice | None:
         """Routed experts: each expert's intermediate rows [r I', (r+1) I') (see the module docstring)."""

@@ -130,19 +130,22 @@ def test_tp2_matches_tp1(group: Group, tiny_model_dir, family: str) -> None:
     _assert_tp_matches(ref, decode_logits(tp, prompts, 64), 64)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_tp2_moe_matches_tp1(group: Group, tiny_model_dir, family: str) -> None:
     """MoE layers under --tp 2: every expert's intermediate rows split, the router replicated, one
     all-reduce after the block. qwen3_moe: per-expert checkpoint tensors, a dense layer between sparse
     ones; gpt-oss: stacked experts in its interleaved layout with biases (the down bias added by rank 0),
-    attention sinks, o_proj bias, sliding layers. 32 greedy tokens identical, logits within 1e-4 (gpt-oss:
+    attention sinks, o_proj bias, sliding layers; deepseek_v3: latent attention split by heads (the
+    latent's projections replicated, every rank caching the same latents), its shared experts split like
+    an MLP, grouped routing replicated. 32 greedy tokens identical, logits within 1e-4 (gpt-oss:
     1e-4 + 1e-4 |logit|, the bar of its transformers test: its logits reach 9, and at --tp 1 alone the
     deterministic numerics or another chunking move them by up to 1.6e-4)."""
     folder = tiny_model_dir(family)
     prompts = random_prompts([33, 8, 61], seed=13)
     ref = decode_logits(_single(folder), prompts, 32)
     tp = group.engine_for(folder)
-    assert tp.model.sparse_layers()[0].experts.down_proj.shape[2] == 16  # 32 rows per expert, half here
+    sparse = tp.model.sparse_layers()[0]
+    assert sparse.experts.down_proj.shape[2] * 2 == _single(folder).model.sparse_layers()[0].experts.down_proj.shape[2]
     _assert_tp_matches(ref, decode_logits(tp, prompts, 32), 32, rtol=1e-4 if family == "gpt_oss" else 0.0)
 
 
@@ -243,13 +246,14 @@ def _import_and_decode(eng: LLMEngine, exports: list[SequenceExport]) -> list[li
     return [tokens[exp.request_id] for exp in exports]
 
 
-@pytest.mark.parametrize("kind", ["gemma3_hybrid", "mqa"])
+@pytest.mark.parametrize("kind", ["gemma3_hybrid", "mqa", "deepseek_v3"])
 def test_handoff_between_tp_sizes(group: Group, tiny_model_dir, odd_models: dict[str, Path], kind: str) -> None:
     """The P/D handoff's memory between --tp 2 and --tp 1 (engine/kv_shards.py): a --tp 2 export carries
     every KV head of the model in the --tp 1 layout, pages and SWA state within 1e-4 of a --tp 1 export
     (heads in order); imported into --tp 1, and a --tp 1 export imported into --tp 2, each decodes the
     tokens a --tp 1 engine generates. gemma3_hybrid: 2 KV heads split, sliding layers (prompts past the
-    24-token window); mqa: one KV head, replicated on both ranks."""
+    24-token window); mqa: one KV head, replicated on both ranks; deepseek_v3: latent pages, the same on
+    both ranks (exported from rank 0, written to both)."""
     folder = odd_models["mqa"] if kind == "mqa" else tiny_model_dir(kind)
     prompts = random_prompts([45, 70], seed=31)
     params = SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)  # seeded: varied tokens
@@ -263,7 +267,7 @@ def test_handoff_between_tp_sizes(group: Group, tiny_model_dir, odd_models: dict
     for a, b in zip(from_tp, from_single):
         assert a.pages.shape == b.pages.shape == single.layout.page_shape(single.layout.num_pages(a.num_computed))
         torch.testing.assert_close(a.pages, b.pages, rtol=0, atol=1e-4)
-        assert (a.state is None) == (b.state is None) == (kind == "mqa")
+        assert (a.state is None) == (b.state is None) == (kind != "gemma3_hybrid")  # sliding layers only
         if a.state is not None and b.state is not None:
             torch.testing.assert_close(a.state, b.state, rtol=0, atol=1e-4)
         assert a.output_token_ids == b.output_token_ids
@@ -298,5 +302,18 @@ def test_shard_slices_and_refusals(tmp_path: Path) -> None:
     assert per_expert is not None and (per_expert.dim, per_expert.ranges) == (1, ((16, 32),))
     assert TpShard(1, 2, moe).is_zero_here("model.layers.0.mlp.experts.down_proj_bias")
     mla = arch_from_hf(load_hf_config(make_tiny("deepseek_v3", tmp_path / "d")))
-    with pytest.raises(InvalidRequestError, match="latent attention"):
-        TpShard(0, 2, mla)
+    dq, dkv, dv = mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim, mla.v_head_dim
+    half = mla.num_heads // 2
+    q_b = TpShard(1, 2, mla).slice_of("model.layers.0.self_attn.q_b_proj.weight")
+    kv_b = TpShard(1, 2, mla).slice_of("model.layers.0.self_attn.kv_b_proj.weight")
+    o = TpShard(1, 2, mla).slice_of("model.layers.0.self_attn.o_proj.weight")
+    assert q_b is not None and (q_b.dim, q_b.ranges) == (0, ((half * dq, 2 * half * dq),))
+    assert kv_b is not None and (kv_b.dim, kv_b.ranges) == (0, ((half * dkv, 2 * half * dkv),))
+    assert o is not None and (o.dim, o.ranges) == (1, ((half * dv, 2 * half * dv),))
+    for replicated in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "q_a_proj.weight"):
+        assert TpShard(1, 2, mla).slice_of(f"model.layers.0.self_attn.{replicated}") is None
+    shared = TpShard(1, 2, mla).slice_of("model.layers.1.mlp.shared_experts.down_proj.weight")
+    s_full = mla.shared_intermediate_size
+    assert shared is not None and (shared.dim, shared.ranges) == (1, ((s_full // 2, s_full),))
+    with pytest.raises(InvalidRequestError, match="attention heads"):
+        TpShard(0, 3, mla)
