@@ -109,18 +109,11 @@ class TensorGroup:
     def gather_vocab(self, part: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Each rank's logits [rows, V'] of its vocabulary rows -> [rows, vocab_size] on rank 0, None on
         the others (a collective). The last rank's part is padded to V' for the gather."""
-        import torch.distributed as dist
-
         per = math.ceil(vocab_size / self.size)
         if part.shape[-1] < per:
             part = torch.nn.functional.pad(part, (0, per - part.shape[-1]))
-        part = part.contiguous()
-        if self.rank != 0:
-            dist.gather(part, None, dst=0, group=self.group)
-            return None
-        parts = [torch.empty_like(part) for _ in range(self.size)]
-        dist.gather(part, parts, dst=0, group=self.group)
-        return torch.cat(parts, dim=-1)[:, :vocab_size]
+        parts = self.gather(part)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
 
     def min_int(self, value: int) -> int:
         """The smallest value over the ranks (a collective)."""
