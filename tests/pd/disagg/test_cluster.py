@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.disagg.prefill_pool import hrw_order
+from pd.disagg.membership import hrw_order
 from pd.tools.server_process import free_port, get_json, group_alive, group_members, wait_idle
 from tests.server_fixtures import SMALL_DETERMINISTIC, openai_client
 

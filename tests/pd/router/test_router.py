@@ -25,7 +25,7 @@ import pytest
 
 from pd.api.chat import affinity_key
 from pd.api.protocol import parse_chat_request
-from pd.disagg.prefill_pool import hrw_order
+from pd.disagg.membership import hrw_order
 from pd.router.backends import Backend, BackendPool
 from pd.router.key import conversation_key
 from pd.tools.server_process import ServerProcess, free_port, get_json, wait_idle
@@ -361,8 +361,8 @@ def test_no_ce_answers(tmp_path: Path) -> None:
 async def test_dns_membership_follows_the_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """dns+http://NAME:PORT: every address NAME resolves to is a CE; looked up again, the CEs follow; a
     failed lookup keeps the CEs it had. (The resolver is replaced: no DNS server here; the real one is
-    pd.disagg.prefill_pool.resolve, tested there.)"""
-    from pd.router import backends
+    pd.disagg.membership.resolve, tested in tests/pd/disagg/test_prefill_pool.py.)"""
+    from pd.disagg import membership
 
     answers = {"ce.test": ["127.0.0.3", "127.0.0.4"]}
 
@@ -371,7 +371,7 @@ async def test_dns_membership_follows_the_name(monkeypatch: pytest.MonkeyPatch) 
             raise OSError(f"cannot resolve {host}")
         return answers[host]
 
-    monkeypatch.setattr(backends, "resolve", resolve)
+    monkeypatch.setattr(membership, "resolve", resolve)
     port = free_port()
     joined: list[str] = []
     left: list[str] = []
