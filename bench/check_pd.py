@@ -663,8 +663,9 @@ def main(argv: list[str] | None = None) -> int:
         return r, time.perf_counter() - t0
 
     results = []
-    with ThreadPoolExecutor(args.parallel) as ex:
-        running = [ex.submit(timed, i, name, run) for i, (name, run) in enumerate(cases)]
+    ex = ThreadPoolExecutor(args.parallel)
+    running = [ex.submit(timed, i, name, run) for i, (name, run) in enumerate(cases)]
+    try:
         for i, ((name, _), future) in enumerate(zip(cases, running)):  # printed in order, as each ends
             r, seconds = future.result()
             results.append(r)
@@ -675,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"       {d}")
             if r.error:
                 print(f"       {r.error}")
+    finally:  # Ctrl-C: the cases not started yet are dropped, not run to the end
+        ex.shutdown(wait=False, cancel_futures=True)
     bad = [r for r in results if not r.ok]
     total = sum(r.num_requests for r in results)
     print(f"{len(results) - len(bad)}/{len(results)} cases identical ({total} requests per side)")
