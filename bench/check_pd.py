@@ -11,7 +11,10 @@ reference's previous answer to both, so a difference shows at the turn it happen
 with logprobs, as lm-evaluation-harness's loglikelihood sends it) compare the values too, bit for bit:
 the PE computes them, the CE returns them. A model without a chat template gets the completions cases only.
 Prints one line per case and a summary; exits 1 on any difference or failed request. `--pd` may
-list several CEs of one cluster (comma-separated): the cases take them in turn.
+list several CEs of one cluster (comma-separated): the cases take them in turn. `--parallel N` runs N
+cases at once (both servers --deterministic: the batches they share do not change a token); on a CPU
+that takes a fraction of the time: --deterministic computes every matrix product over a multiple of 16
+rows (engine/numerics.py), so a decode step of one sequence costs what one of sixteen does.
 
     python bench/check_pd.py --ref http://127.0.0.1:8890 --pd http://127.0.0.1:8888
     python bench/check_pd.py --ref http://127.0.0.1:8890 --pd http://127.0.0.4:8888,http://127.0.0.5:8888
@@ -623,8 +626,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only", default=None, help="run only cases whose name contains this (or one of these, comma-separated)"
     )
+    p.add_argument(
+        "--parallel", type=int, default=1, help="cases at once (each case's own requests stay in order)"
+    )
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
+    if args.parallel < 1:
+        p.error("--parallel must be at least 1")
 
     from openai import OpenAI
 
@@ -645,21 +653,31 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [w for w in args.only.split(",") if w]
         cases = [c for c in cases if any(w in c[0] for w in wanted)]
     print(f"check_pd: {len(cases)} cases, model {model}\n  ref {args.ref}\n  pd  {', '.join(pd_urls)}")
-    results = []
-    for i, (name, run) in enumerate(cases):
+
+    def timed(i: int, name: str, run: Case) -> tuple[CaseResult, float]:
         t0 = time.perf_counter()
         try:
             r = run(ref, pds[i % len(pds)], model)
         except Exception as e:  # a failed request is a failed check, reported like a difference
             r = CaseResult(name, error=f"{type(e).__name__}: {e}")
-        results.append(r)
-        status = "ok  " if r.ok else "DIFF" if r.diffs else "FAIL"
-        via = f" via {pd_urls[i % len(pds)]}" if len(pds) > 1 else ""
-        print(f"{status} {name:<45} {r.num_requests:>3} request(s) {time.perf_counter() - t0:6.1f} s{via}")
-        for d in r.diffs[:10]:
-            print(f"       {d}")
-        if r.error:
-            print(f"       {r.error}")
+        return r, time.perf_counter() - t0
+
+    results = []
+    ex = ThreadPoolExecutor(args.parallel)
+    running = [ex.submit(timed, i, name, run) for i, (name, run) in enumerate(cases)]
+    try:
+        for i, ((name, _), future) in enumerate(zip(cases, running)):  # printed in order, as each ends
+            r, seconds = future.result()
+            results.append(r)
+            status = "ok  " if r.ok else "DIFF" if r.diffs else "FAIL"
+            via = f" via {pd_urls[i % len(pds)]}" if len(pds) > 1 else ""
+            print(f"{status} {name:<45} {r.num_requests:>3} request(s) {seconds:6.1f} s{via}")
+            for d in r.diffs[:10]:
+                print(f"       {d}")
+            if r.error:
+                print(f"       {r.error}")
+    finally:  # Ctrl-C: the cases not started yet are dropped, not run to the end
+        ex.shutdown(wait=False, cancel_futures=True)
     bad = [r for r in results if not r.ok]
     total = sum(r.num_requests for r in results)
     print(f"{len(results) - len(bad)}/{len(results)} cases identical ({total} requests per side)")

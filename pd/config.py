@@ -15,6 +15,7 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig
@@ -32,6 +33,71 @@ PREFILL_ENVELOPE_BYTES = 64 * 1024  # a /prefill body's fields beside the prompt
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the parsers pd/chat/reasoning.py implements (tested to agree)
 PE_ROUTING = ("affinity", "least-loaded", "round-robin")
 DNS_SCHEME = "dns+"
+
+
+# ---- the settings every pdserve HTTP process has (the server, `pdserve router`), declared once -----------
+
+
+def host_setting() -> Any:
+    return field(default="127.0.0.1", metadata={"help": "address the HTTP server binds"})
+
+
+def max_body_bytes_setting(more: str = "") -> Any:
+    return field(default=4 * 1024 * 1024, metadata={"help": "larger request bodies get 413" + more})
+
+
+def log_level_setting() -> Any:
+    return field(default="info", metadata={"help": "debug | info | warning | error"})
+
+
+def log_format_setting() -> Any:
+    return field(
+        default="text",
+        metadata={
+            "help": "text, or json: one JSON object per line (time, level, logger, message, request_id)",
+            "choices": LOG_FORMATS,
+        },
+    )
+
+
+def access_log_setting() -> Any:
+    return field(
+        default=False, metadata={"help": "log one line per HTTP request (address, request, status, time, id)"}
+    )
+
+
+def body_timeout_setting() -> Any:
+    return field(
+        default=30.0,
+        metadata={"flag": "body-timeout", "help": "a request body must arrive within this, else 408"},
+    )
+
+
+def shutdown_timeout_setting(process: str, meanwhile: str) -> Any:
+    return field(
+        default=30.0,
+        metadata={
+            "flag": "shutdown-timeout",
+            "help": f"on SIGTERM, requests in flight get this long to finish ({meanwhile}), then the "
+            f"{process} stops",
+        },
+    )
+
+
+def check_http_settings(
+    port: int | None, max_body_bytes: int, log_format: str, body_timeout_s: float, shutdown_timeout_s: float
+) -> None:
+    """The checks of the settings above (and --port's range); ValueError names the flag."""
+    if port is not None and not 0 <= port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    if max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be >= 1024, got {max_body_bytes}")
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {log_format!r}")
+    if body_timeout_s <= 0:
+        raise ValueError(f"--body-timeout must be > 0, got {body_timeout_s}")
+    if shutdown_timeout_s < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -120,7 +186,7 @@ class ServerConfig:
     served_model_name: str | None = field(
         default=None, metadata={"help": "the model name clients use; default: --model"}
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP server binds"})
+    host: str = host_setting()
     port: int | None = field(
         default=None,
         metadata={"help": f"HTTP port; default {DEFAULT_PORT} ({DEFAULT_PE_PORT} for --role pe)"},
@@ -161,12 +227,9 @@ class ServerConfig:
             "choices": REASONING_PARSERS,
         },
     )
-    max_body_bytes: int = field(
-        default=4 * 1024 * 1024,
-        metadata={
-            "help": "larger request bodies get 413; a prefill engine's /prefill takes what a decode engine "
-            "with the same flags may forward (twice this, plus the prompt as token ids)"
-        },
+    max_body_bytes: int = max_body_bytes_setting(
+        "; a prefill engine's /prefill takes what a decode engine with the same flags may forward (twice "
+        "this, plus the prompt as token ids)"
     )
     rank_start_timeout_s: float = field(
         default=600.0, metadata={"help": "engine ranks must be up within this"}
@@ -191,17 +254,9 @@ class ServerConfig:
     rank_restart_max_backoff_s: float = field(
         default=30.0, metadata={"help": "the longest wait before a rank's restart"}
     )
-    log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
-    log_format: str = field(
-        default="text",
-        metadata={
-            "help": "text, or json: one JSON object per line (time, level, logger, message, request_id)",
-            "choices": LOG_FORMATS,
-        },
-    )
-    access_log: bool = field(
-        default=False, metadata={"help": "log one line per HTTP request (address, request, status, time, id)"}
-    )
+    log_level: str = log_level_setting()
+    log_format: str = log_format_setting()
+    access_log: bool = access_log_setting()
     # ---- HTTP limits and security (every role) ----
     api_key: str | None = field(
         default=None,
@@ -226,18 +281,8 @@ class ServerConfig:
             "still arriving) is closed",
         },
     )
-    body_timeout_s: float = field(
-        default=30.0,
-        metadata={"flag": "body-timeout", "help": "a request body must arrive within this, else 408"},
-    )
-    shutdown_timeout_s: float = field(
-        default=30.0,
-        metadata={
-            "flag": "shutdown-timeout",
-            "help": "on SIGTERM, requests in flight get this long to finish (new ones get 503), then the "
-            "server stops",
-        },
-    )
+    body_timeout_s: float = body_timeout_setting()
+    shutdown_timeout_s: float = shutdown_timeout_setting("server", "new ones get 503")
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "engine (every rank)"})
     # ---- P/D (--role pe|ce) ----
     prefill_url: str = field(
@@ -330,10 +375,9 @@ class ServerConfig:
             raise ValueError("--tp and --ep do not compose yet")
         if self.ep not in (1, self.dp):
             raise ValueError(f"--ep must be 1 or equal to --dp (one expert-parallel group of every rank), got {self.ep}")
-        if self.port is not None and not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        check_http_settings(
+            self.port, self.max_body_bytes, self.log_format, self.body_timeout_s, self.shutdown_timeout_s
+        )
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
@@ -344,10 +388,8 @@ class ServerConfig:
             raise ValueError("--rank-restart-max must be >= 0 and --rank-restart-window-s > 0")
         if not 0 <= self.rank_restart_backoff_s <= self.rank_restart_max_backoff_s:
             raise ValueError("need 0 <= --rank-restart-backoff-s <= --rank-restart-max-backoff-s")
-        if min(self.timeout_keep_alive_s, self.body_timeout_s, self.prefill_auth_window_s) <= 0:
-            raise ValueError("--timeout-keep-alive, --body-timeout and --prefill-auth-window-s must be > 0")
-        if self.shutdown_timeout_s < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if min(self.timeout_keep_alive_s, self.prefill_auth_window_s) <= 0:
+            raise ValueError("--timeout-keep-alive and --prefill-auth-window-s must be > 0")
         if self.http_max_connections < 1:
             raise ValueError(f"--http-max-connections must be >= 1, got {self.http_max_connections}")
         if bool(self.ssl_keyfile) and not self.ssl_certfile:
@@ -359,8 +401,6 @@ class ServerConfig:
         if self.pe_load_slack < 0 or self.pe_dns_refresh_s <= 0:
             raise ValueError("--pe-load-slack must be >= 0 and --pe-dns-refresh-s > 0")
         parse_prefill_urls(self.prefill_url)  # raises ValueError naming a bad entry
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
 
     @property
     def http_port(self) -> int:

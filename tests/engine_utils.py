@@ -56,10 +56,9 @@ def hf_greedy(folder: Path, prompt: list[int], max_new_tokens: int, dtype=torch.
             return_dict_in_generate=True,
             pad_token_id=0,
         )
-        first = model(torch.tensor([prompt], device=device)).logits[0, -1].float()
     tokens = out.sequences[0, len(prompt) :].tolist()
-    logits = [x[0].float() for x in out.logits]
-    return tokens, logits, first
+    logits = [x[0].float() for x in out.logits]  # raw (unprocessed) logits; the first: the prompt's last position
+    return tokens, logits, logits[0]
 
 
 def compare_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor], tie_gap: float) -> str:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import re
+import socket
+import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -53,6 +56,31 @@ def serving(*servers: ServerProcess | PDPair) -> Iterator[None]:
             s.terminate()
         for s in servers:
             s.stop()
+
+
+def skip_unless_bindable(*hosts: str) -> None:
+    """Skips the test (or fixture) unless each loopback "host" (127.0.0.x) can be bound here."""
+    missing = []
+    for host in hosts:
+        try:
+            with socket.socket() as s:
+                s.bind((host, 0))
+        except OSError:
+            missing.append(host)
+    if missing:
+        pytest.skip(f"cannot bind {', '.join(missing)}: this machine's loopback is only 127.0.0.1")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of name's samples at url/metrics whose labels include these."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
 
 
 def story_prompts(n: int) -> list[str]:

@@ -26,36 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import ipaddress
 import itertools
 import logging
 import math
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 from pd.config import PE_ROUTING, Target, parse_prefill_urls
+from pd.disagg.membership import hrw_order, members
 from pd.disagg.metrics import ClusterMetrics
 from pd.disagg.prefill_client import PrefillClient
 
 log = logging.getLogger(__name__)
-
-
-async def resolve(host: str, port: int) -> list[str]:
-    """Every address host resolves to (sorted, so that the order does not depend on the resolver)."""
-    if _is_ip(host):
-        return [host]
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 class PrefillPool:
@@ -106,23 +88,8 @@ class PrefillPool:
 
     async def _refresh(self, targets: list[Target]) -> None:
         """Makes the clients match the targets (a dns target whose lookup fails keeps its PEs)."""
-        wanted: dict[str, str] = {}  # url -> the target it comes from
-        for t in targets:
-            if not t.dns:
-                wanted.setdefault(t.url, t.url)
-                continue
-            try:
-                addrs = await resolve(t.host, t.port)
-            except OSError as e:
-                self.dns_error = f"{t.url}: {e}"
-                known = [u for u, c in self.clients.items() if c.source == t.url]
-                log.warning("cannot resolve %s (keeping its %d PE(s)): %s", t.url, len(known), e)
-                addrs_urls = known
-            else:
-                self.dns_error = None
-                addrs_urls = [url_of(t.scheme, a, t.port) for a in addrs]
-            for url in addrs_urls:
-                wanted.setdefault(url, t.url)
+        known = {u: c.source for u, c in self.clients.items()}
+        wanted, self.dns_error = await members(targets, known, "PE")
         for url, source in wanted.items():
             if url not in self.clients:
                 await self._add(url, source)
@@ -259,17 +226,3 @@ class PrefillPool:
         if not client.retired:
             self.metrics.pe_inflight.labels(client.url).set(client.num_inflight)
 
-
-def url_of(scheme: str, address: str, port: int) -> str:
-    host = f"[{address}]" if ":" in address else address
-    return f"{scheme}://{host}:{port}"
-
-
-def hrw_order(key: str, urls: list[str]) -> list[str]:
-    """The urls by rendezvous weight for key, highest first (the same on every CE)."""
-    data = key.encode("utf-8", "surrogatepass")
-
-    def weight(url: str) -> bytes:
-        return hashlib.blake2b(data, digest_size=8, key=url.encode()[:64]).digest()
-
-    return sorted(urls, key=weight, reverse=True)

@@ -51,10 +51,9 @@ class VllmRequestSeries:
             buckets=ITL_BUCKETS_S, registry=r,
         )  # fmt: skip
         # vLLM's older name of the same observations (deprecated there, still read by older dashboards)
-        self.tpot_s = Histogram(
-            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", LABELS,
-            buckets=ITL_BUCKETS_S, registry=r,
-        )  # fmt: skip
+        r.register(
+            Alias(self.itl_s, "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.")
+        )
         self.e2e_s = Histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LABELS,
             buckets=REQUEST_LATENCY_BUCKETS_S, registry=r,
@@ -76,7 +75,27 @@ class VllmRequestSeries:
 
     def observe_token_gap(self, labels: tuple[str, str], gap_s: float) -> None:
         self.itl_s.labels(*labels).observe(gap_s)
-        self.tpot_s.labels(*labels).observe(gap_s)
+
+
+class Alias:
+    """A collector that exports another's series once more under a second name (vLLM keeps deprecated
+    names beside the new ones): the same samples, observed once."""
+
+    def __init__(self, source: Any, name: str, documentation: str) -> None:
+        self.source = source  # a collector: its collect() yields one metric family
+        self.name = name
+        self.documentation = documentation
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            yield renamed(family, self.name, self.documentation)
+
+
+def renamed(family: Metric, name: str, documentation: str) -> Metric:
+    """family's samples under another family name (a sample's suffix, _bucket, _total and the like, kept)."""
+    out = Metric(name, documentation, family.type, family.unit)
+    out.samples = [s._replace(name=name + s.name.removeprefix(family.name)) for s in family.samples]
+    return out
 
 
 class VllmEngineCollector:
@@ -98,11 +117,6 @@ class VllmEngineCollector:
         kv_usage = GaugeMetricFamily(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=LABELS
         )
-        gpu_usage = GaugeMetricFamily(
-            "vllm:gpu_cache_usage_perc",
-            "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
-            labels=LABELS,
-        )
         preemptions = CounterMetricFamily(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=LABELS
         )
@@ -113,9 +127,12 @@ class VllmEngineCollector:
             for key, family in gauges.items():
                 family.add_metric(labels, float(r.stats.get(key, 0)))
             kv_usage.add_metric(labels, float(r.stats.get("kv_usage", 0.0)))
-            gpu_usage.add_metric(labels, float(r.stats.get("kv_usage", 0.0)))
             preemptions.add_metric(labels, float(r.stats.get("num_preemptions_total", 0)))
         yield from gauges.values()
         yield kv_usage
-        yield gpu_usage
+        yield renamed(
+            kv_usage,
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+        )
         yield preemptions

@@ -2,13 +2,13 @@
 CE a request goes to.
 
 Choice: rendezvous (highest-random-weight) hashing of the conversation key over the CEs that are up,
-the same function and key the CEs use for the PEs (pd/disagg/prefill_pool.py), so every router replica
-given the same --decode-url list picks the same CE for a conversation without talking to the others, its
-turns meet the CE's decode cache, and a CE going away moves only its own conversations. Bounded load: a
-CE holding max(--load-floor, ceil((1 + --load-slack) * (all in flight + 1) / CEs up)) requests is passed
-over for the next in the conversation's order (reason "overflow"): the floor keeps conversations on their
-CE at low load, where the bound alone would spread them after one request in flight. A request without a
-key goes to the least loaded CE.
+the same function and key the CEs use for the PEs (pd/disagg/membership.py, which also resolves the
+dns+ entries for both), so every router replica given the same --decode-url list picks the same CE for a
+conversation without talking to the others, its turns meet the CE's decode cache, and a CE going away
+moves only its own conversations. Bounded load: a CE holding max(--load-floor, ceil((1 + --load-slack) *
+(all in flight + 1) / CEs up)) requests is passed over for the next in the conversation's order (reason
+"overflow"): the floor keeps conversations on their CE at low load, where the bound alone would spread
+them after one request in flight. A request without a key goes to the least loaded CE.
 
 Health: each CE's /health/ready is probed every --health-interval-s while it is up and with doubling
 backoff while it is down; a connection that fails under a request marks the CE down at once (the probe
@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from pd.config import Target, parse_targets
-from pd.disagg.prefill_pool import hrw_order, resolve, url_of
+from pd.disagg.membership import hrw_order, members
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 10.0
@@ -144,18 +144,7 @@ class BackendPool:
     async def _refresh(self, targets: list[Target]) -> None:
         """Makes the backends match the targets (a dns target whose lookup fails keeps its CEs)."""
         assert self._session is not None
-        wanted: dict[str, str] = {}  # url -> the target it comes from
-        for t in targets:
-            if not t.dns:
-                wanted.setdefault(t.url, t.url)
-                continue
-            try:
-                urls = [url_of(t.scheme, a, t.port) for a in await resolve(t.host, t.port)]
-            except OSError as e:
-                urls = [u for u, b in self.backends.items() if b.source == t.url]
-                log.warning("cannot resolve %s (keeping its %d CE(s)): %s", t.url, len(urls), e)
-            for url in urls:
-                wanted.setdefault(url, t.url)
+        wanted, _ = await members(targets, {u: b.source for u, b in self.backends.items()}, "CE")
         for url, source in wanted.items():
             if url not in self.backends:
                 b = Backend(url, source, self.on_state)

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pd.config import LOG_FORMATS, parse_targets
+from pd.config import (
+    access_log_setting,
+    body_timeout_setting,
+    check_http_settings,
+    host_setting,
+    log_format_setting,
+    log_level_setting,
+    max_body_bytes_setting,
+    parse_targets,
+    shutdown_timeout_setting,
+)
 from pd.flags import add_config_flag, from_flags, parse_args, parser_for
 
 
@@ -18,7 +28,7 @@ class RouterConfig:
             "must be given the same list"
         },
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "address the router listens on"})
+    host: str = host_setting()
     port: int = field(default=8080, metadata={"help": "port the router listens on"})
     load_slack: float = field(
         default=0.5,
@@ -41,49 +51,26 @@ class RouterConfig:
     connect_timeout_s: float = field(
         default=5.0, metadata={"help": "a CE that does not accept the connection within this is failed over"}
     )
-    max_body_bytes: int = field(
-        default=4 * 1024 * 1024, metadata={"help": "largest request body; larger ones get 413"}
-    )
-    body_timeout_s: float = field(
-        default=30.0,
-        metadata={"flag": "body-timeout", "help": "a request body must arrive within this, else 408"},
-    )
-    shutdown_timeout_s: float = field(
-        default=30.0,
-        metadata={
-            "flag": "shutdown-timeout",
-            "help": "on SIGTERM, requests in flight get this long to finish, then the router stops",
-        },
-    )
-    log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
-    log_format: str = field(
-        default="text",
-        metadata={"help": "text, or json: one JSON object per line", "choices": LOG_FORMATS},
-    )
-    access_log: bool = field(
-        default=False, metadata={"help": "log one line per HTTP request (address, request, status, time, id)"}
-    )
+    max_body_bytes: int = max_body_bytes_setting()
+    body_timeout_s: float = body_timeout_setting()
+    shutdown_timeout_s: float = shutdown_timeout_setting("router", "new connections are refused")
+    log_level: str = log_level_setting()
+    log_format: str = log_format_setting()
+    access_log: bool = access_log_setting()
 
     def __post_init__(self) -> None:
         if not self.decode_url:
             raise ValueError("--decode-url is required: the CEs to route to")
         parse_targets(self.decode_url, "--decode-url")  # raises ValueError naming a bad entry
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        check_http_settings(
+            self.port, self.max_body_bytes, self.log_format, self.body_timeout_s, self.shutdown_timeout_s
+        )
         if self.load_slack < 0 or self.load_floor < 0:
             raise ValueError(
                 f"--load-slack and --load-floor must be >= 0, got {self.load_slack}, {self.load_floor}"
             )
-        if min(self.health_interval_s, self.dns_refresh_s, self.connect_timeout_s, self.body_timeout_s) <= 0:
-            raise ValueError(
-                "--health-interval-s, --dns-refresh-s, --connect-timeout-s and --body-timeout must be > 0"
-            )
-        if self.shutdown_timeout_s < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if min(self.health_interval_s, self.dns_refresh_s, self.connect_timeout_s) <= 0:
+            raise ValueError("--health-interval-s, --dns-refresh-s and --connect-timeout-s must be > 0")
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None, prog: str = "pdserve router") -> RouterConfig:

@@ -2,7 +2,7 @@
 pinned by tag, a non-root user, no pip or apt cache left in a layer, the model cache on a volume, a
 health check on a route the server serves, extras that pyproject.toml defines, the build context its
 COPYs need), the entrypoint run as the image runs it, and its pip steps resolved against the package
-index (`pip install --dry-run` in a fresh venv) where the index is reachable."""
+index (`pip install --dry-run` into a fresh, empty venv) where the index is reachable."""
 
 from __future__ import annotations
 
@@ -214,11 +214,16 @@ def _reachable(url: str) -> bool:
 
 
 def _dry_run(venv: Path, argv: list[str]) -> dict:
-    """argv (a `pip install ...` of the Dockerfile) with --dry-run in venv, from the repository root: the
-    report of what it would install."""
+    """argv (a `pip install ...` of the Dockerfile) with --dry-run into venv, from the repository root: the
+    report of what it would install. The pip that runs is this environment's (`pip --python`), not one
+    seeded into the venv: ensurepip's bundled pip can be years older, and it took two to three times as
+    long on the same steps, to the same report (from an index without PEP 658 metadata both download
+    every wheel whole, torch's CUDA ones included)."""
     report = venv / "report.json"
+    python = venv / "bin" / "python"
+    assert argv[0] == "pip", argv
     out = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", *argv, "--dry-run", "--quiet", "--report", str(report)],
+        [sys.executable, "-m", "pip", "--python", str(python), *argv[1:], "--dry-run", "--quiet", "--report", str(report)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -230,8 +235,9 @@ def _dry_run(venv: Path, argv: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty venv (no pip in it either: nothing counts as installed already)."""
     path = tmp_path_factory.mktemp("docker-venv") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
     return path
 
 

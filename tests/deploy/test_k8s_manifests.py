@@ -12,7 +12,6 @@ import contextlib
 import io
 import json
 import re
-import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pd.router.config import RouterConfig
 from pd.router.server import Router as RouterState
 from pd.router.server import make_app as make_router_app
 from pd.server import make_app, make_prefill_app
+from tests.deploy.kustomize import K8S_DIR, kustomization, kustomize_build, listed_and_on_disk, resources
 from transfer.auth import load_token
 
 # the test extra's; a GPU machine's image may lack it (the rest of tests/deploy still runs there)
@@ -36,7 +36,6 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 pytestmark = pytest.mark.smoke  # kubernetes-validate and pyyaml at their lower bounds
 
-K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 DOCKERFILE = K8S_DIR.parent / "Dockerfile"
 # The oldest Kubernetes the base is meant for (README says so; its preStop is an exec of `sleep`, since
 # the `sleep` action is 1.30's), one between, and the newest whose schemas kubernetes-validate bundles.
@@ -57,20 +56,10 @@ def image_entrypoint() -> list[str]:
 
 
 def _kustomization() -> dict[str, Any]:
-    return yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    return kustomization(K8S_DIR)
 
 
-def _resources() -> list[tuple[str, dict[str, Any]]]:
-    """(file, document) for every document of every file kustomization.yaml lists."""
-    found = []
-    for name in _kustomization()["resources"]:
-        for doc in yaml.safe_load_all((K8S_DIR / name).read_text()):
-            if doc is not None:
-                found.append((name, doc))
-    return found
-
-
-RESOURCES = _resources()
+RESOURCES = resources(K8S_DIR)
 
 
 def _of_kind(kind: str) -> list[dict[str, Any]]:
@@ -256,8 +245,7 @@ def _selects(service: dict[str, Any], server: Pdserve) -> bool:
 
 
 def test_every_manifest_is_listed() -> None:
-    listed = set(_kustomization()["resources"])
-    on_disk = {p.name for p in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    listed, on_disk = listed_and_on_disk(K8S_DIR)
     assert listed == on_disk, "kustomization.yaml's resources and deploy/k8s/*.yaml differ"
     assert any(image["name"] == "pdserve" for image in _kustomization()["images"])
     images = {s.container["image"] for s in [*SERVERS, *ROUTERS]}
@@ -293,19 +281,11 @@ def test_the_schema_check_catches_a_misspelled_field() -> None:
 
 def test_kustomize_builds_the_base() -> None:
     """Where kustomize is at hand: the base renders, the image is set, and the output is valid too."""
-    if shutil.which("kustomize"):
-        cmd = ["kustomize", "build", str(K8S_DIR)]
-    elif shutil.which("kubectl"):
-        cmd = ["kubectl", "kustomize", str(K8S_DIR)]
-    else:
-        pytest.skip("neither kustomize nor kubectl is installed")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    docs = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    cmd, docs = kustomize_build(K8S_DIR)
     image = next(i for i in _kustomization()["images"] if i["name"] == "pdserve")
     for doc in docs:
         error = _schema_error(doc, SCHEMA_VERSIONS[-1])
-        assert error is None, f"{' '.join(cmd)}: {error}"
+        assert error is None, f"{cmd}: {error}"
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve", doc["metadata"]
         if doc["kind"] in WORKLOAD_KINDS:
             for c in doc["spec"]["template"]["spec"]["containers"]:

@@ -9,13 +9,9 @@ are checked against live servers in tests/pd/disagg/test_pair_e2e.py, with the d
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from pd.config import ServerConfig
 from pd.frontend.coordinator import Coordinator
@@ -23,23 +19,14 @@ from pd.router.config import RouterConfig
 from pd.router.server import Router
 from pd.router.server import make_app as make_router_app
 from pd.server import make_app, make_prefill_app
+from tests.deploy.kustomize import K8S_DIR, MONITORING_DIR, kustomize_build, listed_and_on_disk, resources
 from tests.deploy.test_grafana_dashboard import metric_names
 
-K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-MONITORING_DIR = K8S_DIR / "monitoring"
 _SERVICE_MATCHER = re.compile(r'\bservice="([^"]+)"')
 
 
-def _documents(folder: Path) -> list[dict[str, Any]]:
-    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    docs: list[dict[str, Any]] = []
-    for name in kustomization["resources"]:
-        docs.extend(doc for doc in yaml.safe_load_all((folder / name).read_text()) if doc)
-    return docs
-
-
-BASE = _documents(K8S_DIR)
-MONITORING = _documents(MONITORING_DIR)
+BASE = [doc for _, doc in resources(K8S_DIR)]
+MONITORING = [doc for _, doc in resources(MONITORING_DIR)]
 
 
 def _base(kind: str) -> list[dict[str, Any]]:
@@ -89,8 +76,8 @@ def scaling_queries() -> list[str]:
 
 
 def test_every_file_is_listed_and_only_custom_resources_are_here() -> None:
-    listed = set(yaml.safe_load((MONITORING_DIR / "kustomization.yaml").read_text())["resources"])
-    assert listed == {p.name for p in MONITORING_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    listed, on_disk = listed_and_on_disk(MONITORING_DIR)
+    assert listed == on_disk
     assert {(d["apiVersion"], d["kind"]) for d in MONITORING} == {
         ("monitoring.coreos.com/v1", "ServiceMonitor"),
         ("keda.sh/v1alpha1", "ScaledObject"),
@@ -138,14 +125,6 @@ def test_a_scaled_object_scales_a_workload_on_its_own_queue(scaled: dict[str, An
 
 
 def test_kustomize_builds_the_monitoring_folder() -> None:
-    if shutil.which("kustomize"):
-        cmd = ["kustomize", "build", str(MONITORING_DIR)]
-    elif shutil.which("kubectl"):
-        cmd = ["kubectl", "kustomize", str(MONITORING_DIR)]
-    else:
-        pytest.skip("neither kustomize nor kubectl is installed")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    _, docs = kustomize_build(MONITORING_DIR)
     assert len(docs) == len(MONITORING)
     assert all(d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve" for d in docs)

@@ -1,5 +1,6 @@
 """16 concurrent streams give exactly what the same requests give one at a time (greedy, --deterministic),
-and the KV pool is empty afterwards (seen through /metrics)."""
+and the KV pool is empty afterwards (seen through /metrics). The server: the session's SmolLM2
+single-engine server (tests/pd/conftest.py; --max-num-seqs 32, so the 16 run in one batch)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,16 @@ import pytest
 from openai import OpenAI
 
 from pd.tools.server_process import wait_idle
-from tests.server_fixtures import module_server, openai_client
+from tests.server_fixtures import openai_client
 
 MODEL = "smollm2-135m-instruct"
 
 pytestmark = pytest.mark.slow
 
 
-server = module_server(
-    "--model",
-    MODEL,
-    "--deterministic",
-    "--max-model-len",
-    "2048",
-    "--kv-cache-gb",
-    "0.25",
-    "--max-num-seqs",
-    "16",
-)
+@pytest.fixture(scope="module")
+def server(smollm_servers):
+    return smollm_servers[0]
 
 
 def stream_text(client: OpenAI, **kw) -> tuple[str, str | None]:

@@ -1,6 +1,5 @@
-"""End to end: the real `openai` client against `python -m pd.server` (SmolLM2-135M), one server for the
-module. Requests that are compared run alone, so their batches match without --deterministic (which
-test_server_concurrency.py covers)."""
+"""End to end: the real `openai` client against `python -m pd.server` (SmolLM2-135M, --deterministic), the
+session's single-engine server (tests/pd/conftest.py, shared with the other SmolLM2 server tests)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import pytest
 
 from pd.tools.server_process import get_json, rank_metrics
 from pd.tools.server_process import wait_idle as _wait_idle
-from tests.server_fixtures import SMALL_DETERMINISTIC, module_server, openai_client
+from tests.server_fixtures import openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +28,10 @@ WEATHER = {
 }
 
 
-server = module_server(
-    "--model",
-    MODEL,
-    *SMALL_DETERMINISTIC,
-)
+@pytest.fixture(scope="module")
+def server(smollm_servers):
+    """The session's SmolLM2 single-engine server (tests/pd/conftest.py), SMALL_DETERMINISTIC."""
+    return smollm_servers[0]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pd.tools.server_process import wait_idle
-from tests.server_fixtures import SMALL_DETERMINISTIC, module_ref_and_pair, wait_pair_idle
+from tests.server_fixtures import wait_pair_idle
 
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow
@@ -22,7 +22,10 @@ MODEL = "smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[3]
 TASKS = ROOT / "bench" / "lm_eval_tasks"
 
-servers = module_ref_and_pair("--model", MODEL, *SMALL_DETERMINISTIC)
+@pytest.fixture(scope="module")
+def servers(smollm_servers):
+    """The session's SmolLM2 reference and pair (tests/pd/conftest.py), SMALL_DETERMINISTIC."""
+    return smollm_servers
 
 
 def evaluate(url: str, model: str, task: str, **kw: Any) -> tuple[dict[str, Any], list[Any]]:

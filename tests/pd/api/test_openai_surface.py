@@ -24,13 +24,7 @@ from pd.chat.toolcalls import HermesParser
 from pd.errors import ApiError
 from pd.frontend.coordinator import load_tokenizer
 from pd.tools.server_process import ServerProcess, wait_idle
-from tests.server_fixtures import (
-    SMALL_DETERMINISTIC,
-    module_ref_and_pair,
-    openai_client,
-    run_check_pd,
-    wait_pair_idle,
-)
+from tests.server_fixtures import openai_client, wait_pair_idle
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +35,11 @@ PREFILLED = [QUESTION, {"role": "assistant", "content": PARTIAL}]
 CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 
-servers = module_ref_and_pair("--model", MODEL, *SMALL_DETERMINISTIC)
+
+@pytest.fixture(scope="module")
+def servers(smollm_servers):
+    """The session's SmolLM2 reference and pair (tests/pd/conftest.py), SMALL_DETERMINISTIC."""
+    return smollm_servers
 
 
 def both(servers: tuple[ServerProcess, Any]) -> list[str]:
@@ -513,16 +511,6 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(servers):
     assert all(a == answers[0] for a in answers)  # whole == streamed, single == pair
     wait_idle(ref.port)
     wait_pair_idle(pair)
-
-
-def test_check_pd_prompt_logprob_cases(servers, capsys):
-    """bench/check_pd.py's prompt-logprob cases (but the long prompt's, whose prefill takes a while on the
-    CPU): the values bit for bit, single engine against the pair."""
-    ref, pair = servers
-    only = "chat prompt_logprobs,prompt_logprobs n=2,echo logprobs"
-    assert run_check_pd(ref, pair, "--only", only, "--concurrency", "1") == 0
-    out = capsys.readouterr().out
-    assert "5/5 cases identical" in out, out
 
 
 def test_prompt_logprobs_refusals(servers):

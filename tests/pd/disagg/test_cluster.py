@@ -8,22 +8,19 @@ reach it again; `stop` leaves no process on any address and `status` then finds 
 from __future__ import annotations
 
 import os
-import re
 import signal
-import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from pd.disagg.prefill_pool import hrw_order
+from pd.disagg.membership import hrw_order
 from pd.tools.server_process import free_port, get_json, group_alive, group_members, wait_idle
-from tests.server_fixtures import SMALL_DETERMINISTIC, openai_client
+from tests.server_fixtures import SMALL_DETERMINISTIC, metric, openai_client, skip_unless_bindable
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +29,6 @@ PE_HOSTS = ("127.0.0.2", "127.0.0.3")
 CE_HOSTS = ("127.0.0.4", "127.0.0.5")
 FLAGS = (*SMALL_DETERMINISTIC, "--hicache-gb", "0.1")
 MODEL = "smollm2-135m-instruct"
-
-
-def can_bind(host: str) -> bool:
-    try:
-        with socket.socket() as s:
-            s.bind((host, 0))
-        return True
-    except OSError:
-        return False
 
 
 def run(script: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -79,18 +67,6 @@ class Cluster:
         return r
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of name's samples at url/metrics whose labels include these."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 def selected(c: Cluster, pe_host: str, reason: str | None = None) -> float:
     """Prefills the CEs sent to this PE (for this reason)."""
     labels = {"pe": c.pe_url(pe_host), **({"reason": reason} if reason else {})}
@@ -99,9 +75,7 @@ def selected(c: Cluster, pe_host: str, reason: str | None = None) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    missing = [h for h in (*PE_HOSTS, *CE_HOSTS) if not can_bind(h)]
-    if missing:
-        pytest.skip(f"cannot bind {', '.join(missing)}: this machine's loopback is only 127.0.0.1")
+    skip_unless_bindable(*PE_HOSTS, *CE_HOSTS)
     run_dir = tmp_path_factory.mktemp("cluster")
     env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir)}
     for k in ("PDSERVE_CLUSTER_TOKEN", "PDSERVE_CLUSTER_TOKEN_FILE"):

@@ -11,9 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pd.config import ServerConfig, Target, parse_prefill_urls
-from pd.disagg import prefill_pool
+from pd.disagg import membership
+from pd.disagg.membership import hrw_order, url_of
 from pd.disagg.metrics import ClusterMetrics
-from pd.disagg.prefill_pool import PrefillPool, hrw_order, url_of
+from pd.disagg.prefill_pool import PrefillPool
 from pd.tools.server_process import free_port
 
 TOKEN = b"pe-pool-test-token-0123456789abcdef"
@@ -148,7 +149,7 @@ async def test_dns_membership_follows_the_name(monkeypatch):
             raise OSError(f"cannot resolve {host}")
         return answers[host]
 
-    monkeypatch.setattr(prefill_pool, "resolve", resolve)
+    monkeypatch.setattr(membership, "resolve", resolve)
     port = free_port()
     pool = PrefillPool(
         f"http://127.0.0.9:{port},dns+http://pe.test:{port}", TOKEN, 5.0, ClusterMetrics(CollectorRegistry())
@@ -177,8 +178,8 @@ async def test_dns_membership_follows_the_name(monkeypatch):
 
 
 async def test_dns_resolves_a_real_name():
-    assert "127.0.0.1" in await prefill_pool.resolve("localhost", 80)
-    assert await prefill_pool.resolve("127.0.0.7", 80) == ["127.0.0.7"]
+    assert "127.0.0.1" in await membership.resolve("localhost", 80)
+    assert await membership.resolve("127.0.0.7", 80) == ["127.0.0.7"]
 
 
 async def test_a_draining_pe_is_left_out_at_once():

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import socket
 import sys
 import time
 import urllib.error
@@ -25,11 +23,11 @@ import pytest
 
 from pd.api.chat import affinity_key
 from pd.api.protocol import parse_chat_request
-from pd.disagg.prefill_pool import hrw_order
+from pd.disagg.membership import hrw_order
 from pd.router.backends import Backend, BackendPool
 from pd.router.key import conversation_key
 from pd.tools.server_process import ServerProcess, free_port, get_json, wait_idle
-from tests.server_fixtures import openai_client
+from tests.server_fixtures import metric, openai_client, skip_unless_bindable
 from tests.tiny_models import make_servable
 
 PE_HOST, CE_HOSTS, ROUTER_HOSTS = "127.0.0.2", ("127.0.0.3", "127.0.0.4"), ("127.0.0.5", "127.0.0.6")
@@ -113,15 +111,6 @@ def test_replicas_agree_and_the_load_bound() -> None:
 # ---- real processes -------------------------------------------------------------------------------------
 
 
-def can_bind(host: str) -> bool:
-    try:
-        with socket.socket() as s:
-            s.bind((host, 0))
-        return True
-    except OSError:
-        return False
-
-
 @dataclass
 class Cluster:
     pe: ServerProcess
@@ -137,23 +126,9 @@ class Cluster:
         return ce.start().wait_ready()
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of name's samples at url/metrics whose labels include these."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    missing = [h for h in (PE_HOST, *CE_HOSTS, *ROUTER_HOSTS) if not can_bind(h)]
-    if missing:
-        pytest.skip(f"cannot bind {', '.join(missing)}: this machine's loopback is only 127.0.0.1")
+    skip_unless_bindable(PE_HOST, *CE_HOSTS, *ROUTER_HOSTS)
     from engine.models import resolve_model
 
     model = make_servable("llama", tmp_path_factory.mktemp("tiny-llama"), resolve_model("smollm2-135m-instruct"))
@@ -361,8 +336,8 @@ def test_no_ce_answers(tmp_path: Path) -> None:
 async def test_dns_membership_follows_the_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """dns+http://NAME:PORT: every address NAME resolves to is a CE; looked up again, the CEs follow; a
     failed lookup keeps the CEs it had. (The resolver is replaced: no DNS server here; the real one is
-    pd.disagg.prefill_pool.resolve, tested there.)"""
-    from pd.router import backends
+    pd.disagg.membership.resolve, tested in tests/pd/disagg/test_prefill_pool.py.)"""
+    from pd.disagg import membership
 
     answers = {"ce.test": ["127.0.0.3", "127.0.0.4"]}
 
@@ -371,7 +346,7 @@ async def test_dns_membership_follows_the_name(monkeypatch: pytest.MonkeyPatch) 
             raise OSError(f"cannot resolve {host}")
         return answers[host]
 
-    monkeypatch.setattr(backends, "resolve", resolve)
+    monkeypatch.setattr(membership, "resolve", resolve)
     port = free_port()
     joined: list[str] = []
     left: list[str] = []

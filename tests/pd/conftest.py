@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from pd.tools.server_process import PDPair, ServerProcess
+from tests.server_fixtures import SMALL_DETERMINISTIC, serving
+
+SMOLLM = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, PDPair]]:
+    """SmolLM2-135M-Instruct with SMALL_DETERMINISTIC: a single-engine server and a P/D pair beside it,
+    started once for every module that asks (the OpenAI surface, lm-evaluation-harness, the single
+    server's end-to-end and concurrency tests, the pair's end-to-end tests) rather than once per module.
+    A test leaves them serving and idle; what it counts on a server's /metrics it counts as a
+    difference, not from zero."""
+    logs = tmp_path_factory.mktemp("smollm")
+    ref = ServerProcess("--model", SMOLLM, *SMALL_DETERMINISTIC, log_path=logs / "ref.log")
+    pair = PDPair("--model", SMOLLM, *SMALL_DETERMINISTIC, log_dir=logs)
+    with serving(ref, pair):
+        yield ref, pair
