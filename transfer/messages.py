@@ -47,6 +47,26 @@ class AuthOk:
 
 
 @dataclass(frozen=True)
+class Streams:
+    """S -> R, first after auth_ok on a control connection that stripes tcp payloads
+    (--kv-tcp-streams N > 1): its N-1 data connections, each already sent its Join with this key."""
+
+    TYPE: ClassVar[str] = "streams"
+    key: bytes
+    count: int
+
+
+@dataclass(frozen=True)
+class Join:
+    """S -> R, first after auth_ok on a data connection: the key of the control connection it
+    carries payload bytes for, and its place (0-based) among that one's data connections."""
+
+    TYPE: ClassVar[str] = "join"
+    key: bytes
+    index: int
+
+
+@dataclass(frozen=True)
 class Offer:
     """S -> R, per handoff: the encoded HandoffHeader, the transport and its fields."""
 
@@ -105,7 +125,7 @@ class Nack:
     reason: str
 
 
-ControlMessage = Hello | Auth | AuthOk | Offer | Ids | Sum | Ready | HandoffAck | Nack
+ControlMessage = Hello | Auth | AuthOk | Streams | Join | Offer | Ids | Sum | Ready | HandoffAck | Nack
 TYPES: dict[str, type[ControlMessage]] = {
-    c.TYPE: c for c in (Hello, Auth, AuthOk, Offer, Ids, Sum, Ready, HandoffAck, Nack)
+    c.TYPE: c for c in (Hello, Auth, AuthOk, Streams, Join, Offer, Ids, Sum, Ready, HandoffAck, Nack)
 }
