@@ -205,7 +205,11 @@ class TcpTransport(Transport):
         socks = [ch.sock] + [d.sock for d in ch.data[: len(runs) - 1]]
         if any(t.is_cuda for t in segments):
             await ch.run_blocking(
-                self.executor, self._each_stream, socks, lambda k: self._recv_device(socks[k], runs[k], k, len(runs))
+                self.executor,
+                self._each_stream,
+                socks,
+                lambda k: self._recv_device(socks[k], runs[k], k, len(runs)),
+                socket.SHUT_RD,
             )
             return None
         sums = await ch.run_blocking(
@@ -213,6 +217,7 @@ class TcpTransport(Transport):
             self._each_stream,
             socks,
             lambda k: self._recv_host(socks[k], runs[k], len(segments), k, len(runs)),
+            socket.SHUT_RD,
         )
         sizes = [t.numel() * t.element_size() for t in segments]
         return fold([(n, sum(per_stream[i] for per_stream in sums) & MASK64) for i, n in enumerate(sizes)])
@@ -267,10 +272,13 @@ class TcpTransport(Transport):
 
     # ---- striping ------------------------------------------------------------------------------
 
-    def _each_stream(self, socks: list[socket.socket], fn: Callable[[int], T]) -> list[T]:
+    def _each_stream(
+        self, socks: list[socket.socket], fn: Callable[[int], T], how: int = socket.SHUT_RDWR
+    ) -> list[T]:
         """[fn(k) for each socket k], all at once (one socket: on this thread). The first failure
-        shuts every socket down, so the other threads return at once rather than after the idle
-        timeout; it is raised once all have returned (no thread outlives the payload)."""
+        shuts every socket down (how: a receiver keeps writing, for its nack), so the other threads
+        return at once rather than after the idle timeout; it is raised once all have returned (no
+        thread outlives the payload)."""
         if len(socks) == 1:
             return [fn(0)]
         pool = self._pool()
@@ -280,7 +288,7 @@ class TcpTransport(Transport):
         if failed:
             for sock in socks:
                 with suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.shutdown(how)
             wait(futs)
             raise failed[0].exception()  # type: ignore[misc]
         return [f.result() for f in futs]
