@@ -1,4 +1,5 @@
-"""The P/D pair end to end (SmolLM2-135M, TCP handoff on loopback): a PE and a CE started on free ports
+"""The P/D pair end to end (SmolLM2-135M, TCP handoff on loopback, striped over 4 sockets: each page of
+5.9 MiB spans them all): a PE and a CE started on free ports
 next to a single-engine server, all --deterministic. The openai client against the CE; bench/check_pd.py
 against both (every case, streaming and 8 concurrent conversations included); the cluster token
 required on /prefill and on the KV receiver; both pools back to idle afterwards."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import orjson
@@ -40,7 +42,32 @@ ARGS = (
 LONG = "Background: " + " ".join(f"Fact {i}: the value of item {i} is {i * 7 % 13}." for i in range(60))
 
 
-servers = module_ref_and_pair(*ARGS)
+KV_TCP_STREAMS = 4
+servers = module_ref_and_pair(*ARGS, pe_args=("--kv-tcp-streams", str(KV_TCP_STREAMS)))
+
+
+def established_on_port(port: int) -> int:
+    """Established TCP connections whose local port is port (IPv4, this network namespace)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        count += int(local.rsplit(":", 1)[1], 16) == port and state == "01"
+    return count
+
+
+def test_handoffs_go_over_the_striped_sockets(servers):
+    """--kv-tcp-streams 4 on the PE: its kept connection to the CE's receiver is 4 sockets (the control
+    connection and 3 data connections), each one authenticated."""
+    ref, pair = servers
+    before = _cluster_counters(pair.url)["handoffs"]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=4, temperature=0)
+    got = openai_client(pair.url).chat.completions.create(**kw)
+    held = established_on_port(pair.kv_port)  # NOTE: before the receiver closes the idle ones (--keepalive-s)
+    assert held >= KV_TCP_STREAMS and held % KV_TCP_STREAMS == 0, held
+    assert _cluster_counters(pair.url)["handoffs"] == before + 1
+    want = openai_client(ref.url).chat.completions.create(**kw)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    wait_pair_idle(pair)
 
 
 @pytest.mark.smoke
