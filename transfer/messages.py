@@ -5,8 +5,8 @@ read by Channel.expect(cls), which decode with the one strict codec (engine/code
 missing field or a wrong type is a HandoffError(PROTOCOL), never a key read with a default.
 
 What a transport adds travels as plain maps that the transport itself checks (Offer.extra: nccl's
-communicator key and bootstrap id, ipc's host and CUDA IPC handles or arena offsets; Ready.fields:
-none of today's transports adds any): their shapes belong to the transport, not to this protocol.
+communicator key and bootstrap id, ipc's host and CUDA IPC handles or arena offsets, tcp's number of
+sockets when it stripes; Ready.fields: none of today's transports adds any): their shapes belong to the transport, not to this protocol.
 """
 
 from __future__ import annotations
