@@ -104,6 +104,8 @@ class TransferConfig:
             raise ValueError("max_workers must be >= 1")
         if not 1 <= self.tcp_streams <= MAX_TCP_STREAMS:
             raise ValueError(f"tcp_streams must be in [1, {MAX_TCP_STREAMS}], got {self.tcp_streams}")
+        if self.tcp_streams > 1 and self.transport != "tcp":
+            raise ValueError(f"tcp_streams {self.tcp_streams} stripes tcp payloads; transport is {self.transport!r}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 

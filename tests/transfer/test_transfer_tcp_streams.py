@@ -43,6 +43,8 @@ def test_config_bounds_the_number_of_streams() -> None:
     for bad in (0, MAX_TCP_STREAMS + 1):
         with pytest.raises(ValueError, match="tcp_streams"):
             TransferConfig(tcp_streams=bad)
+    with pytest.raises(ValueError, match="tcp_streams 2 stripes tcp payloads; transport is 'ipc'"):
+        TransferConfig(transport="ipc", tcp_streams=2)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
