@@ -347,9 +347,10 @@ class KVReceiver:
             ) from None
         waiting = self._joins.pop(msg.key)
         if sorted(waiting) != list(range(msg.count)):
+            err = HandoffError(PROTOCOL, f"data connections {sorted(waiting)} joined, 0..{msg.count - 1} announced")
             for j in waiting.values():
-                j.claimed.cancel()  # each then ends (TIMEOUT: unclaimed)
-            raise HandoffError(PROTOCOL, f"data connections {sorted(waiting)} joined, 0..{msg.count - 1} announced")
+                j.claimed.set_exception(err)  # each is nacked and closed
+            raise err
         joined = [waiting[i] for i in range(msg.count)]
         for j in joined:
             j.claimed.set_result(None)

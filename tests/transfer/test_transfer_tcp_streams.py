@@ -217,7 +217,7 @@ async def test_sender_fails_a_handoff_whose_stream_breaks() -> None:
 async def test_unclaimed_and_missing_data_connections_are_closed() -> None:
     """A data connection no control connection claims is closed after handshake_timeout_s; a control
     connection whose announced data connections do not all join is nacked (TIMEOUT) and closed, as is
-    one announcing an index twice (PROTOCOL)."""
+    one announcing an index twice or data connections of other indices (PROTOCOL), both ends."""
     cfg = streams(1, handshake_timeout_s=0.5)
     sink = Sink()
     async with receiver(sink, LAYOUT, config=cfg) as r:
@@ -236,7 +236,14 @@ async def test_unclaimed_and_missing_data_connections_are_closed() -> None:
             await ch.send(Join(b"t" * 16, 0))
         reply = await asyncio.wait_for(twice[1].recv(), 5)
         assert isinstance(reply, Nack) and reply.code == PROTOCOL and "twice" in reply.reason
+        control2 = await _open(r.address, "control2")
+        wrong = await _open(r.address, "wrong")
+        await wrong.send(Join(b"w" * 16, 1))  # index 1 of a count of 1
+        await control2.send(Streams(b"w" * 16, 1))
+        for ch in (control2, wrong):
+            reply = await asyncio.wait_for(ch.recv(), 5)
+            assert isinstance(reply, Nack) and reply.code == PROTOCOL and "[1] joined" in reply.reason
         await _wait_until(lambda: r.num_connections == 0, "the receiver closed every connection")
-        for ch in (lone, control, joined, *twice):
+        for ch in (lone, control, joined, *twice, control2, wrong):
             ch.close()
     assert r.counters["handoffs"] == 0
