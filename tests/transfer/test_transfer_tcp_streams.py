@@ -247,3 +247,21 @@ async def test_unclaimed_and_missing_data_connections_are_closed() -> None:
         for ch in (lone, control, joined, *twice, control2, wrong):
             ch.close()
     assert r.counters["handoffs"] == 0
+
+
+async def test_an_idled_out_connection_and_its_streams_are_replaced() -> None:
+    """The receiver closes a kept connection idle past its keepalive, data connections included: the
+    sender sees it, opens a new one with its streams, and the receiver holds just those afterwards."""
+    sink = Sink("a", "b")
+    sender = KVSender(TOKEN, LAYOUT, config=streams(3))
+    try:
+        async with receiver(sink, LAYOUT, config=streams(1, keepalive_s=0.3)) as r:
+            await sender.send(r.address, export(150, "a"))
+            assert r.num_connections == 3
+            await _wait_until(lambda: r.num_connections == 0, "the receiver idled out all three")
+            ack = await sender.send(r.address, export(150, "b"))
+            assert r.num_connections == 3
+    finally:
+        sender.close()
+    assert not ack.reused and sender.counters["connects"] == 2 and sink.errors == []
+    assert sorted(sink.delivered) == ["a", "b"]
