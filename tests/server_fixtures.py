@@ -101,15 +101,17 @@ def greedy_completions(url: str, model: str, prompts: list[str], concurrency: in
         return list(pool.map(one, prompts))
 
 
-def module_ref_and_pair(*args: str) -> Callable[..., Iterator[tuple[ServerProcess, PDPair]]]:
+def module_ref_and_pair(
+    *args: str, pe_args: tuple[str, ...] = ()
+) -> Callable[..., Iterator[tuple[ServerProcess, PDPair]]]:
     """A fixture named `servers` for the module: a single-engine reference server and a P/D pair with the
-    same flags, started side by side, stopped after the module."""
+    same flags (pe_args: the PE's own, after them), started side by side, stopped after the module."""
 
     @pytest.fixture(scope="module")
     def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, PDPair]]:
         logs = tmp_path_factory.mktemp("pd")
         ref = ServerProcess(*args, log_path=logs / "ref.log")
-        pair = PDPair(*args, log_dir=logs)
+        pair = PDPair(*args, log_dir=logs, pe_args=pe_args)
         with serving(ref, pair):
             yield ref, pair
 

@@ -12,6 +12,7 @@ from pdkernels.checksum import CHUNK_BYTES
 
 TRANSPORT_NAMES = ("tcp", "nccl", "ipc")
 GiB = 1 << 30
+MAX_TCP_STREAMS = 64  # per control connection; a receiver refuses more
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,17 @@ class TransferConfig:
         default=8 << 20,
         metadata={"help": "tcp: bytes per send/recv call and per pinned staging buffer (x2); a multiple of 1 MiB"},
     )
+    # tcp: a kept connection to a receiver brings tcp_streams - 1 more authenticated connections (its
+    # data connections, transfer/tcp.py) that a payload is striped over; 1: the payload on the
+    # control connection alone, as the protocol has always carried it
+    tcp_streams: int = field(
+        default=1,
+        metadata={
+            "help": "prefill, tcp: sockets a payload is striped over (each one authenticated);"
+            f" 1 to {MAX_TCP_STREAMS}",
+            "flag": "kv-tcp-streams",
+        },
+    )
     max_workers: int = field(
         default=8, metadata={"help": "threads for blocking payload I/O, checksums and NCCL/IPC waits"}
     )
@@ -90,6 +102,10 @@ class TransferConfig:
             raise ValueError(f"ipc_arena_gb must be >= 0, got {self.ipc_arena_gb}")
         if self.max_workers < 1:
             raise ValueError("max_workers must be >= 1")
+        if not 1 <= self.tcp_streams <= MAX_TCP_STREAMS:
+            raise ValueError(f"tcp_streams must be in [1, {MAX_TCP_STREAMS}], got {self.tcp_streams}")
+        if self.tcp_streams > 1 and self.transport != "tcp":
+            raise ValueError(f"tcp_streams {self.tcp_streams} stripes tcp payloads; transport is {self.transport!r}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 

@@ -5,8 +5,8 @@ read by Channel.expect(cls), which decode with the one strict codec (engine/code
 missing field or a wrong type is a HandoffError(PROTOCOL), never a key read with a default.
 
 What a transport adds travels as plain maps that the transport itself checks (Offer.extra: nccl's
-communicator key and bootstrap id, ipc's host and CUDA IPC handles or arena offsets; Ready.fields:
-none of today's transports adds any): their shapes belong to the transport, not to this protocol.
+communicator key and bootstrap id, ipc's host and CUDA IPC handles or arena offsets, tcp's number of
+sockets when it stripes; Ready.fields: none of today's transports adds any): their shapes belong to the transport, not to this protocol.
 """
 
 from __future__ import annotations
@@ -44,6 +44,26 @@ class AuthOk:
     mac: bytes
     model: str
     layout: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Streams:
+    """S -> R, first after auth_ok on a control connection that stripes tcp payloads
+    (--kv-tcp-streams N > 1): its N-1 data connections, each already sent its Join with this key."""
+
+    TYPE: ClassVar[str] = "streams"
+    key: bytes
+    count: int
+
+
+@dataclass(frozen=True)
+class Join:
+    """S -> R, first after auth_ok on a data connection: the key of the control connection it
+    carries payload bytes for, and its place (0-based) among that one's data connections."""
+
+    TYPE: ClassVar[str] = "join"
+    key: bytes
+    index: int
 
 
 @dataclass(frozen=True)
@@ -105,7 +125,7 @@ class Nack:
     reason: str
 
 
-ControlMessage = Hello | Auth | AuthOk | Offer | Ids | Sum | Ready | HandoffAck | Nack
+ControlMessage = Hello | Auth | AuthOk | Streams | Join | Offer | Ids | Sum | Ready | HandoffAck | Nack
 TYPES: dict[str, type[ControlMessage]] = {
-    c.TYPE: c for c in (Hello, Auth, AuthOk, Offer, Ids, Sum, Ready, HandoffAck, Nack)
+    c.TYPE: c for c in (Hello, Auth, AuthOk, Streams, Join, Offer, Ids, Sum, Ready, HandoffAck, Nack)
 }

@@ -32,6 +32,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ import torch
 from engine.handoff import KVLayout, SequenceExport
 from transfer.auth import server_handshake
 from transfer.checksum import payload_checksum
-from transfer.config import TransferConfig
+from transfer.config import MAX_TCP_STREAMS, TransferConfig
 from transfer.errors import (
     AUTH,
     BAD_HEADER,
@@ -60,7 +61,7 @@ from transfer.handoff import (
     check_segments,
     to_export,
 )
-from transfer.messages import AuthOk, HandoffAck, Ids, Offer, Ready, Sum
+from transfer.messages import AuthOk, ControlMessage, HandoffAck, Ids, Join, Offer, Ready, Streams, Sum
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -97,6 +98,15 @@ class _Throttled:
             msg += f" ({self._held} more not logged since the last such line)"
         self._logged_s, self._held = now, 0
         log.warning(msg, *args)
+
+
+@dataclass
+class _Joined:
+    """A data connection waiting for, then held by, the control connection it joined."""
+
+    ch: Channel
+    claimed: asyncio.Future[None]  # its control connection took it
+    released: asyncio.Future[None]  # its control connection ended
 
 
 class KVReceiver:
@@ -137,6 +147,9 @@ class KVReceiver:
         self._authenticated: set[asyncio.Task[None]] = set()
         # a slow peer without the token may hold at most this many slots: the rest stay for the PEs
         self.max_unauthenticated = max(1, self.config.max_connections // 2)
+        # data connections by their control connection's key and their index, until claimed
+        self._joins: dict[bytes, dict[int, _Joined]] = {}
+        self._joined = asyncio.Condition()  # notified as one joins
         self._refusals = _Throttled()
         self._evictions = _Throttled()
         self._auth_failures = _Throttled()
@@ -264,11 +277,18 @@ class KVReceiver:
 
     async def _serve(self, sock: socket.socket, peer: str) -> None:
         ch = Channel(sock, peer)
+        joined: list[_Joined] = []
         try:
             await self._authenticate(ch)
-            timeout = self.config.handshake_timeout_s  # the first offer comes right after auth_ok
-            while await self._handle(ch, timeout):
-                timeout = self.config.keepalive_s
+            msg = await self._next(ch, self.config.handshake_timeout_s)  # it comes right after auth_ok
+            if isinstance(msg, Join):
+                await self._serve_data(ch, msg)
+                return
+            if isinstance(msg, Streams):
+                joined = await self._claim(ch, msg)
+                msg = await self._next(ch, self.config.handshake_timeout_s)
+            while msg is not None and await self._handle(ch, msg):
+                msg = await self._next(ch, self.config.keepalive_s)
         except HandoffError as e:
             await ch.nack(e)
         except ConnectionError as e:  # the peer reset the connection (a PE dropping an aborted send)
@@ -277,7 +297,77 @@ class KVReceiver:
             log.exception("KV connection from %s failed", peer)
             await ch.nack(HandoffError(PROTOCOL, "internal error on the receiver"))
         finally:
-            ch.close()
+            ch.close()  # its data connections too; their tasks end now
+            for j in joined:
+                if not j.released.done():
+                    j.released.set_result(None)
+
+    # ---- data connections (tcp striping): joined to a control connection by its key -----------
+
+    async def _serve_data(self, ch: Channel, join: Join) -> None:
+        """Holds a data connection until its control connection claims it (within
+        handshake_timeout_s) and then until that one ends; reads nothing from it."""
+        if not (isinstance(join.key, bytes) and 0 < len(join.key) <= 64 and 0 <= join.index < MAX_TCP_STREAMS):
+            raise HandoffError(PROTOCOL, "malformed join")
+        loop = asyncio.get_running_loop()
+        entry = _Joined(ch, loop.create_future(), loop.create_future())
+        waiting = self._joins.setdefault(join.key, {})
+        if join.index in waiting:
+            raise HandoffError(PROTOCOL, f"data connection {join.index} joined twice")
+        waiting[join.index] = entry
+        async with self._joined:
+            self._joined.notify_all()
+        try:
+            await asyncio.wait_for(asyncio.shield(entry.claimed), self.config.handshake_timeout_s)
+        except asyncio.TimeoutError:
+            raise HandoffError(TIMEOUT, "no control connection claimed this data connection") from None
+        finally:
+            if not entry.claimed.done():
+                entry.claimed.cancel()
+            if self._joins.get(join.key, {}).get(join.index) is entry:
+                del self._joins[join.key][join.index]
+                if not self._joins[join.key]:
+                    del self._joins[join.key]
+        await entry.released
+
+    async def _claim(self, ch: Channel, msg: Streams) -> list[_Joined]:
+        """The data connections that joined with msg's key, attached to ch (Channel.data) in order."""
+        if not 1 <= msg.count < MAX_TCP_STREAMS:
+            raise HandoffError(PROTOCOL, f"{msg.count} data connections (at most {MAX_TCP_STREAMS - 1})")
+
+        def arrived() -> bool:
+            return len(self._joins.get(msg.key, {})) >= msg.count
+
+        try:
+            async with self._joined:
+                await asyncio.wait_for(self._joined.wait_for(arrived), self.config.handshake_timeout_s)
+        except asyncio.TimeoutError:
+            raise HandoffError(
+                TIMEOUT, f"{len(self._joins.get(msg.key, {}))} of {msg.count} data connections joined"
+            ) from None
+        waiting = self._joins.pop(msg.key)
+        if sorted(waiting) != list(range(msg.count)):
+            err = HandoffError(PROTOCOL, f"data connections {sorted(waiting)} joined, 0..{msg.count - 1} announced")
+            for j in waiting.values():
+                j.claimed.set_exception(err)  # each is nacked and closed
+            raise err
+        joined = [waiting[i] for i in range(msg.count)]
+        for j in joined:
+            j.claimed.set_result(None)
+        ch.data = [j.ch for j in joined]
+        return joined
+
+    async def _next(self, ch: Channel, timeout_s: float) -> ControlMessage | None:
+        """The next message, or None if the sender closed the connection or sent nothing for timeout_s."""
+        try:
+            return await asyncio.wait_for(ch.recv_or_eof(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        except HandoffError as e:
+            if e.code == PROTOCOL:  # a malformed message
+                self.counters["refused"] += 1
+                log.warning("refused handoff offer from %s: %s", ch.peer, printable(e, MESSAGE_CHARS))
+            raise
 
     async def _authenticate(self, ch: Channel) -> None:
         try:
@@ -303,20 +393,16 @@ class KVReceiver:
         self._authenticated.add(task)
         await ch.send(AuthOk(proof, self.model, self.layout.fields()))
 
-    async def _handle(self, ch: Channel, timeout_s: float) -> bool:
-        """One handoff: False if the sender closed the connection, or sent nothing for timeout_s,
-        before an offer; raises HandoffError (the caller nacks and closes) if the handoff fails."""
+    async def _handle(self, ch: Channel, msg: ControlMessage) -> bool:
+        """One handoff, from its offer msg; raises HandoffError (the caller nacks and closes) if the
+        handoff fails."""
         try:
-            offer = await asyncio.wait_for(ch.expect_or_eof(Offer), timeout_s)
-        except asyncio.TimeoutError:
-            return False
+            offer = ch.expected(msg, Offer)
         except HandoffError as e:
-            if e.code == PROTOCOL:  # not an offer, or a malformed one
+            if e.code == PROTOCOL:  # not an offer
                 self.counters["refused"] += 1
                 log.warning("refused handoff offer from %s: %s", ch.peer, printable(e, MESSAGE_CHARS))
             raise
-        if offer is None:
-            return False
         t0 = time.perf_counter()
         try:
             header, transport, extra = self._read_offer(offer)

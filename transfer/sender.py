@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 import time
 import uuid
@@ -47,7 +48,7 @@ from transfer.handoff import (
     peer_layout,
 )
 from transfer.ipc import IpcTransport
-from transfer.messages import HandoffAck, Ids, Offer, Ready, Sum
+from transfer.messages import HandoffAck, Ids, Join, Offer, Ready, Streams, Sum
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -289,16 +290,40 @@ class KVSender:
             idle.pop(0).ch.close()
 
     async def _open(self, addr: str) -> _Conn:
-        """A new connection to addr, authenticated (both ways) and told the receiver's engine."""
+        """A new connection to addr, authenticated (both ways) and told the receiver's engine, with
+        the transport's data connections joined to it (each authenticated alike)."""
         ch = await self._connect(addr)
         try:
             ok = await client_handshake(ch, self.token, self.sender_id)
             conn = _Conn(ch, peer_layout(ok.layout), ok.model)
+            count = self.transport.num_data_connections
+            if count:
+                key = secrets.token_bytes(16)
+                joins = [asyncio.ensure_future(self._join(addr, key, i)) for i in range(count)]
+                try:
+                    await asyncio.gather(*joins)
+                finally:  # NOTE: ch.close() closes those that joined, whatever happened to the rest
+                    ch.data = [j.result() for j in joins if j.done() and not j.cancelled() and not j.exception()]
+                    for j in joins:
+                        j.cancel()
+                        j.add_done_callback(_retrieved)
+                await ch.send(Streams(key, count))
         except BaseException:
             ch.close()
             raise
         self.counters["connects"] += 1
         return conn
+
+    async def _join(self, addr: str, key: bytes, index: int) -> Channel:
+        """A data connection: connected, authenticated, joined to the control connection of key."""
+        ch = await self._connect(addr)
+        try:
+            await client_handshake(ch, self.token, self.sender_id)
+            await ch.send(Join(key, index))
+        except BaseException:
+            ch.close()
+            raise
+        return ch
 
     async def _connect(self, addr: str) -> Channel:
         host, port = split_address(addr)

@@ -43,6 +43,12 @@ class Transport(ABC):
         self.config = config
         self.executor = io_executor(config.max_workers)
 
+    @property
+    def num_data_connections(self) -> int:
+        """Authenticated connections a sender opens beside each control connection for this
+        transport's payloads (Channel.data; tcp: --kv-tcp-streams - 1)."""
+        return 0
+
     # ---- sender side ---------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager

@@ -12,12 +12,17 @@ TransferConfig.keepalive_s without an offer, or S when it is done with the peer:
     R -> S  hello    Hello {v, nonce}                             (auth.py)
     S -> R  auth     Auth {v, sender, nonce, mac}
     R -> S  auth_ok  AuthOk {mac, model, layout}   | nack {code: auth}; R logs and closes
+  only with --kv-tcp-streams N > 1 (the connection then stripes tcp payloads over N sockets): S opens
+  N-1 more connections, each authenticated as above, and binds them to this one by a random key:
+    S -> R  join     Join {key, index}     (first message on each data connection; nothing follows)
+    S -> R  streams  Streams {key, count}  (first message here after auth_ok, once the joins are sent)
   per handoff:
     S -> R  offer    Offer {transport, header, extra} (S first checks R's model/layout itself)
     S -> R  ids      Ids {ids}  (only when the header announces a long prompt's ids: handoff.py)
     S -> R  sum      Sum {request_id, checksum}  (only when the header says its checksum follows)
     R -> S  ready    Ready {fields}                 | nack {code, reason}
-    S => R  payload  (tcp: raw bytes on this socket; nccl: a NCCL send; ipc: handles in the offer)
+    S => R  payload  (tcp: raw bytes on this socket and its data connections; nccl: a NCCL send;
+                      ipc: handles in the offer)
     R -> S  ack      HandoffAck {request_id, payload_bytes, recv_s, verify_s, phases} | nack {code, reason}
 
 Protocol version 2: every message decodes strictly; ready carries the transport's fields as a map.
@@ -94,6 +99,9 @@ class Channel:
         self.peer = peer
         self.max_frame_bytes = MAX_PREAUTH_BYTES
         self._loop = asyncio.get_running_loop()
+        # the data connections joined to this control connection (tcp striping); shut down and
+        # closed with it
+        self.data: list[Channel] = []
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -116,14 +124,15 @@ class Channel:
 
     async def expect(self, cls: type[M]) -> M:
         """The next message, which must be a cls; a nack becomes the HandoffError it carries."""
-        return self._expected(await self.recv(), cls)
+        return self.expected(await self.recv(), cls)
 
     async def expect_or_eof(self, cls: type[M]) -> M | None:
         """expect(cls), or None if the peer closed the connection between messages."""
         msg = await self.recv_or_eof()
-        return None if msg is None else self._expected(msg, cls)
+        return None if msg is None else self.expected(msg, cls)
 
-    def _expected(self, msg: ControlMessage, cls: type[M]) -> M:
+    def expected(self, msg: ControlMessage, cls: type[M]) -> M:
+        """msg if it is a cls; a nack becomes the HandoffError it carries, anything else PROTOCOL."""
         if isinstance(msg, cls):
             return msg
         if isinstance(msg, Nack):  # the peer's text, escaped; a code this side does not know is PROTOCOL
@@ -133,8 +142,10 @@ class Channel:
         raise HandoffError(PROTOCOL, f"expected {cls.TYPE} from {self.peer}, got {msg.TYPE!r}")
 
     def is_idle_open(self) -> bool:
-        """Whether the peer has neither closed the connection nor sent anything (checked without
-        waiting): a kept connection is reused only then."""
+        """Whether the peer has neither closed the connection (nor one of its data connections) nor
+        sent anything (checked without waiting): a kept connection is reused only then."""
+        if not all(d.is_idle_open() for d in self.data):
+            return False
         try:
             self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -192,11 +203,15 @@ class Channel:
             raise
 
     def shutdown(self) -> None:
+        for d in self.data:
+            d.shutdown()
         with suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.shutdown()
+        for d in self.data:
+            d.sock.close()
         self.sock.close()
 
 

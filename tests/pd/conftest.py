@@ -8,6 +8,7 @@ from pd.tools.server_process import PDPair, ServerProcess
 from tests.server_fixtures import SMALL_DETERMINISTIC, serving
 
 SMOLLM = "smollm2-135m-instruct"
+KV_TCP_STREAMS = 4  # the pair's PE stripes its handoffs (--kv-tcp-streams): every module sharing it covers that
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +20,7 @@ def smollm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S
     difference, not from zero."""
     logs = tmp_path_factory.mktemp("smollm")
     ref = ServerProcess("--model", SMOLLM, *SMALL_DETERMINISTIC, log_path=logs / "ref.log")
-    pair = PDPair("--model", SMOLLM, *SMALL_DETERMINISTIC, log_dir=logs)
+    pair = PDPair("--model", SMOLLM, *SMALL_DETERMINISTIC, log_dir=logs,
+                  pe_args=("--kv-tcp-streams", str(KV_TCP_STREAMS)))  # fmt: skip
     with serving(ref, pair):
         yield ref, pair

@@ -1,4 +1,5 @@
-"""The P/D pair end to end (SmolLM2-135M, TCP handoff on loopback): a PE and a CE started on free ports
+"""The P/D pair end to end (SmolLM2-135M, TCP handoff on loopback, striped over 4 sockets: each page of
+5.9 MiB spans them all): a PE and a CE started on free ports
 next to a single-engine server, all --deterministic. The openai client against the CE; bench/check_pd.py
 against both (every case, streaming and 8 concurrent conversations included); the cluster token
 required on /prefill and on the KV receiver; both pools back to idle afterwards."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import orjson
@@ -21,6 +23,7 @@ from tests.deploy.test_grafana_dashboard import (
     missing_metrics,
 )
 from tests.deploy.test_k8s_monitoring import scaling_queries
+from tests.pd.conftest import KV_TCP_STREAMS
 from tests.server_fixtures import metric, openai_client, run_check_pd, wait_pair_idle
 
 pytestmark = pytest.mark.slow
@@ -31,8 +34,33 @@ LONG = "Background: " + " ".join(f"Fact {i}: the value of item {i} is {i * 7 % 1
 
 @pytest.fixture(scope="module")
 def servers(smollm_servers):
-    """The session's SmolLM2 reference and pair (tests/pd/conftest.py), SMALL_DETERMINISTIC."""
+    """The session's SmolLM2 reference and pair (tests/pd/conftest.py), SMALL_DETERMINISTIC, the PE
+    striping its handoffs over KV_TCP_STREAMS sockets."""
     return smollm_servers
+
+
+def established_on_port(port: int) -> int:
+    """Established TCP connections whose local port is port (IPv4, this network namespace)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        count += int(local.rsplit(":", 1)[1], 16) == port and state == "01"
+    return count
+
+
+def test_handoffs_go_over_the_striped_sockets(servers):
+    """--kv-tcp-streams 4 on the PE: its kept connection to the CE's receiver is 4 sockets (the control
+    connection and 3 data connections), each one authenticated."""
+    ref, pair = servers
+    before = _cluster_counters(pair.url)["handoffs"]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=4, temperature=0)
+    got = openai_client(pair.url).chat.completions.create(**kw)
+    held = established_on_port(pair.kv_port)  # NOTE: before the receiver closes the idle ones (--keepalive-s)
+    assert held >= KV_TCP_STREAMS and held % KV_TCP_STREAMS == 0, held
+    assert _cluster_counters(pair.url)["handoffs"] == before + 1
+    want = openai_client(ref.url).chat.completions.create(**kw)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    wait_pair_idle(pair)
 
 
 @pytest.mark.smoke
