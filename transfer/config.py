@@ -15,7 +15,7 @@ TRANSPORT_NAMES = ("tcp", "nccl", "ipc", "nixl")  # nixl: the optional extra pds
 GiB = 1 << 30
 # what --transport nixl needs; the wheels' import names (the `nixl` package picks one of them)
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
-NIXL_MISSING = "--transport nixl needs NIXL: pip install 'pdserve[nixl]' (the nixl-cu12 wheel, UCX included)"
+NIXL_MISSING = "the nixl transport (--transport nixl) needs NIXL: pip install 'pdserve[nixl]' (the nixl-cu12 wheel, UCX included)"
 
 
 def nixl_installed() -> bool:

@@ -56,9 +56,17 @@ def load_nixl() -> ModuleType:
     """NIXL's Python API (nixl._api): the `nixl` package, or a backend wheel installed without it."""
     for name in NIXL_MODULES:
         try:
-            return importlib.import_module(f"{name}._api")
+            api = importlib.import_module(f"{name}._api")
         except ImportError:
             continue
+        # NIXL prints its log to stdout with a handler of its own: its lines go through ours instead
+        # (--log-format), warnings and up unless NIXL_LOG_LEVEL says otherwise
+        nixl_log = logging.getLogger("nixl")
+        nixl_log.handlers.clear()
+        nixl_log.propagate = True
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            nixl_log.setLevel(logging.WARNING)
+        return api
     raise HandoffError(TRANSPORT, NIXL_MISSING)
 
 
