@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from tests.transfer.support import FAST, LAYOUT_LATENT, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
-from transfer.config import NIXL_MODULES, TransferConfig
 from transfer.auth import client_handshake
+from transfer.config import NIXL_MODULES, TransferConfig
 from transfer.errors import AUTH, CHECKSUM, INCOMPLETE, TRANSPORT, HandoffError
 from transfer.messages import ControlMessage, Nack, Offer
 from transfer.receiver import KVReceiver
