@@ -23,7 +23,7 @@ import torch
 from tests.transfer.support import FAST, LAYOUT_LATENT, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
 from transfer.auth import client_handshake
 from transfer.config import NIXL_MODULES, TransferConfig
-from transfer.errors import AUTH, CHECKSUM, INCOMPLETE, TRANSPORT, HandoffError
+from transfer.errors import AUTH, CHECKSUM, INCOMPLETE, TIMEOUT, TRANSPORT, HandoffError
 from transfer.messages import ControlMessage, Nack, Offer
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
@@ -227,3 +227,49 @@ async def test_sender_process_killed_mid_payload() -> None:
             await asyncio.sleep(0.05)
         assert agent._held == {}
     assert sink.delivered == {} and [e.code for e in sink.errors] == [INCOMPLETE]
+
+
+DYING_RECEIVER = r"""
+import asyncio, dataclasses, os
+from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, Sink, receiver
+from transfer.nixl import NixlTransport
+
+class Dying(NixlTransport):
+    async def pull(self, ch, header, extra, segments, *, phases=None):
+        os._exit(0)  # ready (with the buffers' descriptors) is out; the process dies before the write
+
+async def main():
+    config = dataclasses.replace(FAST, transport="nixl")
+    async with receiver(Sink("req-1"), config=config, transports={"nixl": Dying(config)}) as r:
+        print(r.port, flush=True)
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+@needs_nixl
+async def test_receiver_process_killed_before_the_write() -> None:
+    """The sender's write to a receiver that died after ready fails the send (an error, never a hang)
+    and the sender keeps no remote agent; its next handoff to a live receiver goes through."""
+    assert NIXL is not None
+    config = dataclasses.replace(NIXL, idle_timeout_s=5.0)
+    proc = _run(DYING_RECEIVER)
+    assert proc.stdout is not None
+    port = int(await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline))
+    sender = KVSender(TOKEN, LAYOUT_SWA, config=config)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandoffError) as e:
+            await sender.send(f"127.0.0.1:{port}", make_export(num_prompt=200))
+        assert e.value.code in (TRANSPORT, TIMEOUT, INCOMPLETE) and time.monotonic() - t0 < 15, e.value
+        agent = sender.transport._agent  # type: ignore[attr-defined]
+        assert agent is None or agent._peers == {}
+        sink = Sink("req-1")
+        async with receiver(sink, config=config) as r:
+            await sender.send(r.address, make_export())
+        assert "req-1" in sink.delivered
+    finally:
+        sender.close()
+        proc.kill()
+        proc.wait()
