@@ -36,6 +36,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -132,6 +133,16 @@ class _Agent:
         timer.daemon = True
         timer.start()
 
+    def release(self, handle: Any, peer: str) -> bool:
+        """Releases a transfer (cancelling it if still in flight, where the backend can); False if it
+        could not be, and may still be moving memory."""
+        try:
+            handle.release()
+            return True
+        except Exception as e:
+            log.warning("nixl: releasing a transfer to %s failed: %r", peer, e)
+            return False
+
     def connect(self, metadata: bytes) -> str:
         """Loads a receiver's metadata (its agent and the buffers it registered); counts a write to it."""
         with self._lock:
@@ -217,60 +228,44 @@ class NixlTransport(Transport):
             reg = agent.register(segments, mem, device)
         except Exception as e:
             raise HandoffError(TRANSPORT, f"nixl: registering the payload failed: {e!r}") from None
-        done = False
+        in_flight = False  # a write NIXL could not release may still read the segments
         try:
             try:
                 peer = agent.connect(metadata)
             except Exception as e:
-                raise HandoffError(TRANSPORT, f"nixl: the receiver's agent metadata did not load: {e!r}") from None
+                raise HandoffError(
+                    TRANSPORT, f"nixl: the receiver's agent metadata did not load: {e!r}"
+                ) from None
+            a, src, handle = agent.agent, _descs(segments, device), None
             try:
-                done = self._post_and_wait(agent, _descs(segments, device), mem, remote, peer, deadline)
+                handle = _nixl_call(peer, lambda: a.initialize_xfer(
+                    "WRITE", a.get_xfer_descs(src, mem), a.get_xfer_descs(remote[1], remote[0]), peer
+                ))  # fmt: skip
+                self._wait(agent, handle, peer, deadline)
             finally:
+                if handle is not None:
+                    in_flight = not agent.release(handle, peer)
                 agent.disconnect(peer)
         finally:
-            if done:
-                agent.deregister(reg)
-            else:  # NOTE: a write NIXL could not cancel may still read the segments
+            if in_flight:
                 agent.hold(reg, segments, self.config.idle_timeout_s)
+            else:
+                agent.deregister(reg)
 
-    def _post_and_wait(
-        self,
-        agent: _Agent,
-        local: list[tuple[int, int, int]],
-        mem: str,
-        remote: tuple[str, list[tuple[int, int, int]]],
-        peer: str,
-        deadline: float,
-    ) -> bool:
-        """Posts the write and polls it to its end; False if it could not be released (it may still
-        read the local memory)."""
+    def _wait(self, agent: _Agent, handle: Any, peer: str, deadline: float) -> None:
+        """Posts the write and polls it to its end; raises HandoffError(TRANSPORT | TIMEOUT)."""
         a = agent.agent
-        handle = None
-        try:
-            dst = a.get_xfer_descs(remote[1], remote[0])
-            handle = a.initialize_xfer("WRITE", a.get_xfer_descs(local, mem), dst, peer)
-            state = a.transfer(handle)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise HandoffError(
-                        TIMEOUT, f"nixl: the write to {peer} did not complete within {self.config.idle_timeout_s:g} s"
-                    )
-                time.sleep(POLL_S)
-                state = a.check_xfer_state(handle)
-            if state != "DONE":
-                raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed ({state})")
-        except HandoffError:
-            raise
-        except Exception as e:  # NIXL's own errors (nixlBackendError, nixlRemoteDisconnectError, ...)
-            raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed: {e!r}") from None
-        finally:
-            if handle is not None:
-                try:
-                    handle.release()  # cancels a write still in flight, where the backend can
-                except Exception as e:
-                    log.warning("nixl: releasing a transfer to %s failed: %r", peer, e)
-                    return False
-        return True
+        state = _nixl_call(peer, a.transfer, handle)
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise HandoffError(
+                    TIMEOUT,
+                    f"nixl: the write to {peer} did not complete within {self.config.idle_timeout_s:g} s",
+                )
+            time.sleep(POLL_S)
+            state = _nixl_call(peer, a.check_xfer_state, handle)
+        if state != "DONE":
+            raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed ({state})")
 
     # ---- receiver ------------------------------------------------------------------------------
 
@@ -347,6 +342,14 @@ class NixlTransport(Transport):
         self._landing.clear()
         if self._agent is not None:
             self._agent.close()
+
+
+def _nixl_call(peer: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), NIXL's own errors (nixlBackendError, nixlRemoteDisconnectError, ...) as HandoffError."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed: {e!r}") from None
 
 
 def _read_ready(ready: dict[str, Any], segments: list[torch.Tensor]) -> tuple[bytes, str, list[tuple[int, int, int]]]:

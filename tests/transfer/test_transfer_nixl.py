@@ -273,3 +273,34 @@ async def test_receiver_process_killed_before_the_write() -> None:
         sender.close()
         proc.kill()
         proc.wait()
+
+
+@needs_nixl
+async def test_a_ready_naming_unregistered_memory_is_not_written() -> None:
+    """A receiver whose ready names memory outside what it registered: NIXL finds no registration for
+    it, the send fails with transport and nothing is written or delivered; the pair still hands off."""
+    assert NIXL is not None
+    from transfer.nixl import NixlTransport
+
+    class Shifted(NixlTransport):
+        shift = True
+
+        async def accept(self, ch, header, extra, segments):  # type: ignore[no-untyped-def]
+            reply = await super().accept(ch, header, extra, segments)
+            if self.shift:
+                addr, nbytes, dev = reply["descs"][0]
+                reply["descs"][0] = [addr + nbytes, nbytes, dev]  # just past the pages' buffer
+            return reply
+
+    transport = Shifted(NIXL)
+    sink = Sink("req-1")
+    async with receiver(sink, config=NIXL, transports={"nixl": transport}) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=NIXL)
+        with pytest.raises(HandoffError) as e:
+            await sender.send(r.address, make_export())
+        assert e.value.code == TRANSPORT and "nixl" in e.value.message
+        await asyncio.wait_for(sink.failed.wait(), 10)
+        transport.shift = False
+        await sender.send(r.address, make_export())
+        sender.close()
+    assert list(sink.delivered) == ["req-1"] and [x.code for x in sink.errors] == [INCOMPLETE]
