@@ -6,13 +6,22 @@ Every setting is one field with its default, type and help (metadata "help": pd/
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from pdkernels.checksum import CHUNK_BYTES
 
-TRANSPORT_NAMES = ("tcp", "nccl", "ipc")
+TRANSPORT_NAMES = ("tcp", "nccl", "ipc", "nixl")  # nixl: the optional extra pdserve[nixl]
 GiB = 1 << 30
 MAX_TCP_STREAMS = 64  # per control connection; a receiver refuses more
+# what --transport nixl needs; the wheels' import names (the `nixl` package picks one of them)
+NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
+NIXL_MISSING = "the nixl transport (--transport nixl) needs NIXL: pip install 'pdserve[nixl]' (the nixl-cu12 wheel, UCX included)"
+
+
+def nixl_installed() -> bool:
+    """Whether a NIXL wheel is installed (looked up, not imported)."""
+    return any(importlib.util.find_spec(m) is not None for m in NIXL_MODULES)
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,8 @@ class TransferConfig:
         names = (self.transport, *self.accept_transports)
         if any(n not in TRANSPORT_NAMES for n in names):
             raise ValueError(f"transports must be among {TRANSPORT_NAMES}, got {names}")
+        if self.transport == "nixl" and not nixl_installed():
+            raise ValueError(NIXL_MISSING)
         if (
             min(
                 self.send_timeout_s,

@@ -6,7 +6,8 @@ missing field or a wrong type is a HandoffError(PROTOCOL), never a key read with
 
 What a transport adds travels as plain maps that the transport itself checks (Offer.extra: nccl's
 communicator key and bootstrap id, ipc's host and CUDA IPC handles or arena offsets, tcp's number of
-sockets when it stripes; Ready.fields: none of today's transports adds any): their shapes belong to the transport, not to this protocol.
+sockets when it stripes; Ready.fields: nixl's agent metadata and the buffers' descriptors): their shapes
+belong to the transport, not to this protocol.
 """
 
 from __future__ import annotations
@@ -103,6 +104,15 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Written:
+    """S -> R, after ready, from a transport that writes into the receiver's buffers itself (nixl):
+    the write has completed on the sender's side; payload_bytes, what it wrote."""
+
+    TYPE: ClassVar[str] = "written"
+    payload_bytes: int
+
+
+@dataclass(frozen=True)
 class HandoffAck:
     """R -> S: the payload was verified and the engine took the sequence; where the receiver's time
     went (phases: its steps by name, in seconds)."""
@@ -125,7 +135,7 @@ class Nack:
     reason: str
 
 
-ControlMessage = Hello | Auth | AuthOk | Streams | Join | Offer | Ids | Sum | Ready | HandoffAck | Nack
+ControlMessage = Hello | Auth | AuthOk | Streams | Join | Offer | Ids | Sum | Ready | Written | HandoffAck | Nack
 TYPES: dict[str, type[ControlMessage]] = {
-    c.TYPE: c for c in (Hello, Auth, AuthOk, Streams, Join, Offer, Ids, Sum, Ready, HandoffAck, Nack)
+    c.TYPE: c for c in (Hello, Auth, AuthOk, Streams, Join, Offer, Ids, Sum, Ready, Written, HandoffAck, Nack)
 }

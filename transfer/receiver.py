@@ -494,11 +494,15 @@ class KVReceiver:
         t0 = time.perf_counter()
         phases["accept"] = t0 - t_accept
         want = header.checksum
-        if not transport.reads_in_place:  # the payload comes after ready, on this socket for tcp
-            await self._read_ids(ch, header)
-            want = await self._read_sum(ch, header)
-            await ch.send(Ready(reply))
-        pulling = asyncio.ensure_future(transport.pull(ch, header, extra, segments, phases=phases))
+        try:
+            if not transport.reads_in_place:  # the payload comes after ready, on this socket for tcp
+                await self._read_ids(ch, header)
+                want = await self._read_sum(ch, header)
+                await ch.send(Ready(reply))
+            pulling = asyncio.ensure_future(transport.pull(ch, header, extra, segments, phases=phases))
+        except BaseException:
+            transport.abandon(segments)
+            raise
         try:
             await asyncio.sleep(0)  # the pull starts: ipc launches its copy before anything below
             if transport.reads_in_place:  # the sender waits for nothing before the payload

@@ -30,6 +30,7 @@ _REGISTRY: dict[str, str] = {
     "tcp": "transfer.tcp:TcpTransport",
     "nccl": "transfer.nccl:NcclTransport",
     "ipc": "transfer.ipc:IpcTransport",
+    "nixl": "transfer.nixl:NixlTransport",  # the optional extra pdserve[nixl]
 }
 
 
@@ -81,6 +82,10 @@ class Transport(ABC):
         """Checks the offer's transport fields before ready; returns fields for the ready message."""
         return {}
 
+    def abandon(self, segments: list[torch.Tensor]) -> None:
+        """Undoes accept for segments whose pull will not run (the handoff failed in between)."""
+        return None
+
     @abstractmethod
     async def pull(
         self,
@@ -100,7 +105,7 @@ class Transport(ABC):
 
 
 def make_transport(name: str, config: TransferConfig, **kw: Any) -> Transport:
-    """The transport registered under name ("tcp" | "nccl" | "ipc"); kw go to its constructor (a test
+    """The transport registered under name ("tcp" | "nccl" | "ipc" | "nixl"); kw go to its constructor (a test
     passes a fake NCCL or IPC backend this way)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown transport {name!r}; known: {sorted(_REGISTRY)}")

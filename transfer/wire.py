@@ -22,7 +22,8 @@ TransferConfig.keepalive_s without an offer, or S when it is done with the peer:
     S -> R  sum      Sum {request_id, checksum}  (only when the header says its checksum follows)
     R -> S  ready    Ready {fields}                 | nack {code, reason}
     S => R  payload  (tcp: raw bytes on this socket and its data connections; nccl: a NCCL send;
-                      ipc: handles in the offer)
+                      ipc: handles in the offer; nixl: a one-sided write into the buffers that ready names)
+    S -> R  written  Written {payload_bytes}  (only nixl: its write has completed)
     R -> S  ack      HandoffAck {request_id, payload_bytes, recv_s, verify_s, phases} | nack {code, reason}
 
 Protocol version 2: every message decodes strictly; ready carries the transport's fields as a map.

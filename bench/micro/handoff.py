@@ -5,7 +5,9 @@ For each sequence length (tokens), one export of the layout of bench/configs/<la
   - raw TCP: the same number of bytes pushed through one plain socket to the same process, which
     recv_into()s them into a reused buffer (no framing, no checksum, no auth): the loopback ceiling;
   - on CUDA, also ipc (the receiver copies from the sender's GPU memory) against a device-to-device
-    copy of the same bytes, and tcp from/to GPU memory through the pinned staging buffers.
+    copy of the same bytes, and tcp from/to GPU memory through the pinned staging buffers;
+  - where the nixl extra is installed, nixl (a one-sided NIXL/UCX write; UCX_TLS picks the link),
+    against the raw socket from host memory and the device copy from GPU memory.
 Reported per row: milliseconds and GB/s of the whole send (connect, auth, sender checksum, payload,
 receiver verify, ack: `handoff`), the receiver's payload phase with and without its checksum pass
 (`payload+verify`, `payload`: for ipc, opening the handles and the copy), the sender's checksum
@@ -56,7 +58,7 @@ from engine.model_config import arch_from_hf  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from pdkernels.checksum import as_words, fold, torch_segment_sum
 from transfer.checksum import payload_checksum  # noqa: E402
-from transfer.config import TransferConfig  # noqa: E402
+from transfer.config import TransferConfig, nixl_installed  # noqa: E402
 from transfer.handoff import (  # noqa: E402
     HandoffHeader,
     allocate_payload,
@@ -276,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             senders["ipc"] = KVSender(
                 TOKEN, layout, config=TransferConfig(transport="ipc", send_timeout_s=600.0)
             )
+        if nixl_installed():  # the nixl extra: UCX picks its transport (shared memory, cuda_ipc, TCP)
+            senders["nixl"] = KVSender(
+                TOKEN, layout, config=TransferConfig(transport="nixl", send_timeout_s=600.0, idle_timeout_s=120.0)
+            )
         peer = torch.device(recv_device) if torch.device(recv_device) != device else None
         if peer is not None and nccl_version() is not None:
             senders["nccl"] = KVSender(
@@ -365,7 +371,7 @@ def measure(
         # the first send opens (and authenticates) the sender's connection, which later sends reuse
         acks = [_ack(loop, sender, addr, pool)[1] for _ in range(repeats + 1)]
         first, ack = acks[0], min(acks[1:], key=lambda a: a.elapsed_s)
-        if name == "tcp":
+        if name == "tcp" or (name == "nixl" and device.type != "cuda"):  # host memory: loopback's ceiling
             ceiling, ceiling_s = "raw tcp socket", raw_s
         elif name == "nccl" and p2p_s is not None:
             ceiling, ceiling_s = "nccl p2p", p2p_s

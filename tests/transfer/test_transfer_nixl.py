@@ -1,0 +1,306 @@
+"""The handoff over NIXL (--transport nixl): NIXL's UCX backend writes host tensors one-sided between
+two real processes on this machine (UCX's shared-memory and TCP transports), the control connection on
+127.0.0.1 as for tcp; and the ways it must fail without delivering anything (bad token, wrong checksum,
+a sender killed mid-write). Skipped where the nixl extra is not installed, except the tests of what
+happens without it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.transfer.support import FAST, LAYOUT_LATENT, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
+from transfer.auth import client_handshake
+from transfer.config import NIXL_MODULES, TransferConfig
+from transfer.errors import AUTH, CHECKSUM, INCOMPLETE, TIMEOUT, TRANSPORT, HandoffError
+from transfer.messages import ControlMessage, Nack, Offer
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
+from transfer.transport import make_transport
+from transfer.wire import Channel
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_NIXL = any(importlib.util.find_spec(m) is not None for m in NIXL_MODULES)
+NIXL = dataclasses.replace(FAST, transport="nixl") if HAS_NIXL else None
+needs_nixl = pytest.mark.skipif(NIXL is None, reason="the nixl extra (pip install 'pdserve[nixl]') is not installed")
+
+
+def _run(code: str, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], cwd=ROOT, stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+
+
+# ---- without the extra ------------------------------------------------------------------------------
+
+
+def _hide_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if no NIXL wheel were installed: a None entry in sys.modules is Python's own "not importable"."""
+    for m in NIXL_MODULES:
+        monkeypatch.setitem(sys.modules, m, None)
+
+
+def test_transport_nixl_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    _hide_nixl(monkeypatch)
+    with pytest.raises(ValueError, match=r"pip install 'pdserve\[nixl\]'"):
+        TransferConfig(transport="nixl")
+    with pytest.raises(HandoffError) as e:
+        make_transport("nixl", FAST)
+    assert e.value.code == TRANSPORT and "pdserve[nixl]" in e.value.message
+
+
+async def test_receiver_without_the_extra_refuses_a_nixl_offer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CE that accepts nixl (the default) but lacks the package nacks the offer, naming the extra."""
+    from transfer.handoff import make_header
+
+    _hide_nixl(monkeypatch)
+    sink = Sink("req-1")
+    async with receiver(sink) as r:
+        host, port = r.address.rsplit(":", 1)
+        reply = await _raw_nixl_offer(host, int(port), make_header(make_export(), LAYOUT_SWA).encode())
+    assert isinstance(reply, Nack) and reply.code == TRANSPORT and "pdserve[nixl]" in reply.reason
+    assert sink.offered == [] and sink.delivered == {}  # refused before anything was reserved
+
+
+async def _raw_nixl_offer(host: str, port: int, header: bytes) -> ControlMessage:
+    ch = Channel(socket.create_connection((host, port)), f"{host}:{port}")
+    try:
+        await client_handshake(ch, TOKEN, "raw-nixl-sender")
+        await ch.send(Offer("nixl", header))
+        return await ch.recv()
+    finally:
+        ch.close()
+
+
+# ---- over NIXL --------------------------------------------------------------------------------------
+
+SENDER = r"""
+import asyncio, dataclasses, json, sys
+from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, make_export
+from transfer.sender import KVSender
+
+async def main(addr):
+    sender = KVSender(TOKEN, LAYOUT_SWA, model="m", config=dataclasses.replace(FAST, transport="nixl"))
+    acks = []
+    for i, n in enumerate((100, 37, 5)):  # the first connects; the others reuse the connection
+        exp = dataclasses.replace(make_export(num_prompt=n, seed=i), request_id=f"r{i}")
+        ack = await sender.send(addr, exp)
+        acks.append({"id": ack.request_id, "transport": ack.transport, "bytes": ack.payload_bytes, "reused": ack.reused})
+    sender.close()
+    print(json.dumps(acks), flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@needs_nixl
+async def test_round_trip_between_two_processes() -> None:
+    assert NIXL is not None
+    sink = Sink("r0", "r1", "r2")
+    async with receiver(sink, model="m", config=NIXL) as r:
+        proc = _run(SENDER, r.address)
+        out, _ = await asyncio.get_running_loop().run_in_executor(None, proc.communicate, None, 120)
+        assert proc.returncode == 0
+        assert r._transports["nixl"]._agent._held == {}  # type: ignore[attr-defined]
+    acks = json.loads(out.splitlines()[-1])
+    assert [a["transport"] for a in acks] == ["nixl"] * 3 and [a["reused"] for a in acks] == [False, True, True]
+    for i, n in enumerate((100, 37, 5)):
+        exp = make_export(num_prompt=n, seed=i)
+        got = sink.delivered[f"r{i}"]
+        assert got.state is not None and exp.state is not None
+        assert torch.equal(got.pages, exp.pages) and torch.equal(got.state, exp.state)
+        assert acks[i]["bytes"] == got.pages.numel() * 4 + got.state.numel() * 4
+    assert r.counters["handoffs"] == 3 and sink.errors == []
+
+
+@needs_nixl
+async def test_concurrent_handoffs_bf16() -> None:
+    """Writes in flight at once to one receiver agent: each loads its buffers' metadata, the last one
+    done drops the remote agent."""
+    assert NIXL is not None
+    layout = dataclasses.replace(LAYOUT_SWA, dtype=torch.bfloat16)
+    exps = [
+        dataclasses.replace(make_export(layout, num_prompt=20 + 7 * i, seed=i), request_id=f"r{i}")
+        for i in range(4)
+    ]
+    sink = Sink(*[e.request_id for e in exps])
+    async with receiver(sink, layout, config=NIXL) as r:
+        sender = KVSender(TOKEN, layout, config=NIXL)
+        acks = await asyncio.gather(*[sender.send(r.address, e) for e in exps])
+        agent = sender.transport._agent  # type: ignore[attr-defined]
+        assert agent._peers == {} and agent._held == {}
+        sender.close()
+    assert all(a.transport == "nixl" for a in acks)
+    for e in exps:
+        assert torch.equal(sink.delivered[e.request_id].pages, e.pages)
+
+
+@needs_nixl
+async def test_wrong_or_missing_token_refused() -> None:
+    assert NIXL is not None
+    sink = Sink("req-1")
+    async with receiver(sink, config=NIXL) as r:
+        with pytest.raises(HandoffError) as e:
+            await KVSender(b"not-the-cluster-token-xyz", LAYOUT_SWA, config=NIXL).send(r.address, make_export())
+    assert e.value.code == AUTH and sink.offered == [] and sink.delivered == {}
+
+
+@needs_nixl
+async def test_wrong_checksum_refused() -> None:
+    """A header whose checksum does not match what the write delivered: nacked, nothing delivered."""
+    assert NIXL is not None
+    exp = make_export(LAYOUT_LATENT, num_prompt=40)
+    wrong = dataclasses.replace(exp, pages_sum=torch.tensor(12345))  # the header takes the export's sum
+    sink = Sink("req-1")
+    async with receiver(sink, LAYOUT_LATENT, config=NIXL) as r:
+        sender = KVSender(TOKEN, LAYOUT_LATENT, config=NIXL)
+        with pytest.raises(HandoffError) as e:
+            await sender.send(r.address, wrong)
+        assert e.value.code == CHECKSUM
+        ack = await sender.send(r.address, exp)  # the same pair still hands off
+        sender.close()
+    assert [x.code for x in sink.errors] == [CHECKSUM] and ack.transport == "nixl"
+    assert torch.equal(sink.delivered["req-1"].pages, exp.pages)
+
+
+KILLED_SENDER = r"""
+import asyncio, socket, sys
+from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, make_export
+from transfer.auth import client_handshake
+from transfer.handoff import make_header, payload_segments
+from transfer.messages import Offer, Ready
+from transfer.nixl import NixlTransport
+from transfer.wire import Channel
+
+async def main(port):
+    exp = make_export(num_prompt=200)
+    transport = NixlTransport(FAST)
+    transport.agent()  # started before connecting: the receiver's timeouts run from the offer
+    ch = Channel(socket.create_connection(("127.0.0.1", port)), "r")
+    await client_handshake(ch, TOKEN, "doomed")
+    await ch.send(Offer("nixl", make_header(exp, LAYOUT_SWA).encode()))
+    ready = await ch.expect(Ready)
+    pages = payload_segments(exp, LAYOUT_SWA)[0]
+    first = ready.fields["descs"][0]
+    # the pages only (the state never goes), then no `written`: the process dies mid-payload
+    transport._write([pages], ("DRAM", 0), ready.fields["agent"], ("DRAM", [tuple(first)]), None)
+    print("sent", flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main(int(sys.argv[1])))
+"""
+
+
+@needs_nixl
+async def test_sender_process_killed_mid_payload() -> None:
+    """The receiver fails the handoff (nothing delivered, on_error told) and holds its registered buffers
+    for idle_timeout_s (a write may still land), then releases them."""
+    assert NIXL is not None
+    config = dataclasses.replace(NIXL, idle_timeout_s=2.0)
+    sink = Sink("req-1")
+    async with KVReceiver(
+        TOKEN, LAYOUT_SWA, sink.on_handoff, sink.on_complete, on_error=sink.on_error, config=config
+    ) as r:
+        proc = _run(KILLED_SENDER, str(r.port))
+        assert proc.stdout is not None
+        line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
+        assert line.strip() == b"sent"
+        proc.kill()
+        proc.wait()
+        await asyncio.wait_for(sink.failed.wait(), 10)
+        agent = r._transports["nixl"]._agent  # type: ignore[attr-defined]
+        assert len(agent._held) == 1
+        t0 = time.monotonic()
+        while agent._held and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.05)
+        assert agent._held == {}
+    assert sink.delivered == {} and [e.code for e in sink.errors] == [INCOMPLETE]
+
+
+DYING_RECEIVER = r"""
+import asyncio, dataclasses, os
+from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, Sink, receiver
+from transfer.nixl import NixlTransport
+
+class Dying(NixlTransport):
+    async def pull(self, ch, header, extra, segments, *, phases=None):
+        os._exit(0)  # ready (with the buffers' descriptors) is out; the process dies before the write
+
+async def main():
+    config = dataclasses.replace(FAST, transport="nixl")
+    async with receiver(Sink("req-1"), config=config, transports={"nixl": Dying(config)}) as r:
+        print(r.port, flush=True)
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+@needs_nixl
+async def test_receiver_process_killed_before_the_write() -> None:
+    """The sender's write to a receiver that died after ready fails the send (an error, never a hang)
+    and the sender keeps no remote agent; its next handoff to a live receiver goes through."""
+    assert NIXL is not None
+    config = dataclasses.replace(NIXL, idle_timeout_s=5.0)
+    proc = _run(DYING_RECEIVER)
+    assert proc.stdout is not None
+    port = int(await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline))
+    sender = KVSender(TOKEN, LAYOUT_SWA, config=config)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandoffError) as e:
+            await sender.send(f"127.0.0.1:{port}", make_export(num_prompt=200))
+        assert e.value.code in (TRANSPORT, TIMEOUT, INCOMPLETE) and time.monotonic() - t0 < 15, e.value
+        agent = sender.transport._agent  # type: ignore[attr-defined]
+        assert agent is None or agent._peers == {}
+        sink = Sink("req-1")
+        async with receiver(sink, config=config) as r:
+            await sender.send(r.address, make_export())
+        assert "req-1" in sink.delivered
+    finally:
+        sender.close()
+        proc.kill()
+        proc.wait()
+
+
+@needs_nixl
+async def test_a_ready_naming_unregistered_memory_is_not_written() -> None:
+    """A receiver whose ready names memory outside what it registered: NIXL finds no registration for
+    it, the send fails with transport and nothing is written or delivered; the pair still hands off."""
+    assert NIXL is not None
+    from transfer.nixl import NixlTransport
+
+    class Shifted(NixlTransport):
+        shift = True
+
+        async def accept(self, ch, header, extra, segments):  # type: ignore[no-untyped-def]
+            reply = await super().accept(ch, header, extra, segments)
+            if self.shift:
+                addr, nbytes, dev = reply["descs"][0]
+                reply["descs"][0] = [addr + nbytes, nbytes, dev]  # just past the pages' buffer
+            return reply
+
+    transport = Shifted(NIXL)
+    sink = Sink("req-1")
+    async with receiver(sink, config=NIXL, transports={"nixl": transport}) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=NIXL)
+        with pytest.raises(HandoffError) as e:
+            await sender.send(r.address, make_export())
+        assert e.value.code == TRANSPORT and "nixl" in e.value.message
+        await asyncio.wait_for(sink.failed.wait(), 10)
+        transport.shift = False
+        await sender.send(r.address, make_export())
+        sender.close()
+    assert list(sink.delivered) == ["req-1"] and [x.code for x in sink.errors] == [INCOMPLETE]
