@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.micro.handoff import TOKEN, first_answer, layout_of, synthetic_export  # noqa: E402
+from bench.micro.handoff import TOKEN, first_answer, layout_of, reused_payload, synthetic_export  # noqa: E402
 from engine.handoff import KVLayout  # noqa: E402
 from transfer.config import TransferConfig  # noqa: E402
-from transfer.handoff import HandoffHeader, allocate_payload, payload_segments  # noqa: E402
+from transfer.handoff import payload_segments  # noqa: E402
 from transfer.receiver import KVReceiver  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
 from transfer.tcp import byte_view  # noqa: E402
@@ -74,14 +74,7 @@ def _raw_sinks(lst: socket.socket) -> None:
 def receiver_main(conn: Any, layout: dict[str, Any], device: str, token: bytes) -> None:
     lst = socket.create_server(("127.0.0.1", 0), backlog=64)
     threading.Thread(target=_raw_sinks, args=(lst,), daemon=True).start()
-    buffers: dict[tuple, list[torch.Tensor]] = {}
-
-    def on_handoff(h: HandoffHeader) -> list[torch.Tensor]:
-        key = (h.page_shape, h.state_shape if h.has_state else None)
-        if key not in buffers:
-            buffers.clear()
-            buffers[key] = allocate_payload(h, device)
-        return buffers[key]
+    on_handoff = reused_payload(device)
 
     async def main() -> None:
         cfg = TransferConfig(idle_timeout_s=120.0)
