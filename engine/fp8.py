@@ -25,7 +25,7 @@ result does not depend on its batch: deterministic mode holds as for float weigh
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -168,28 +168,41 @@ def _kernel_module() -> ModuleType | None:
     return fp8_gemm
 
 
+def _no_fp8_compute(x: torch.Tensor) -> str | None:
+    return None
+
+
+# How an FP8 weight multiplies x (see compute_path): engine/model.py installs the policy, which reads the
+# step's forward context; this module sits below engine.context in the layers (tests/test_layers.py), so it
+# asks through this hook. Until then (an Fp8Linear outside the engine's model) the weight is dequantized.
+_compute_policy: Callable[[torch.Tensor], str | None] = _no_fp8_compute
+
+
+def set_compute_policy(policy: Callable[[torch.Tensor], str | None]) -> None:
+    global _compute_policy
+    _compute_policy = policy
+
+
 def compute_path(x: torch.Tensor) -> str | None:
     """How an FP8 weight multiplies x: "gemv" (pdkernels/gemv.py with the FP8 weight and its scales) for a
     2-D x of at most ForwardConfig.gemv_rows rows, else "triton" or "cublas" (ForwardConfig.fp8_gemm), where
-    FP8 runs on the tensor cores: x on a CUDA device with them (sm_89 and later), triton there, inside a forward pass with
-    default numerics. None elsewhere: the CPU, older GPUs, `--deterministic` (batch-invariant products),
-    fp8_gemm "dequantize" and calls outside a step; the weight is then dequantized to x's dtype and F.linear
-    runs."""
+    FP8 runs on the tensor cores: x on a CUDA device with them (sm_89 and later), triton there, inside a
+    forward pass with default numerics. None elsewhere: the CPU, older GPUs, `--deterministic`
+    (batch-invariant products), fp8_gemm "dequantize" and calls outside a step; the weight is then
+    dequantized to x's dtype and F.linear runs. (The policy: engine/model.py fp8_compute_path.)"""
+    return _compute_policy(x)
+
+
+def kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """pdkernels.fp8_gemm where x's device has FP8 tensor cores (sm_89 and later) and triton is there."""
     if not x.is_cuda or not _fp8_tensor_cores(x.device.index if x.device.index is not None else 0):
         return None
-    # NOTE: imported here: engine.context imports engine.config, which imports this module
-    from engine.context import current_context
-    from engine.numerics import Numerics
+    return _kernel_module()
 
-    ctx = current_context()
-    if ctx is None or ctx.numerics is not Numerics.DEFAULT or ctx.config.fp8_gemm == "dequantize":
-        return None
-    kernels = _kernel_module()
-    if kernels is None:
-        return None
-    if x.dim() == 2 and x.shape[0] <= ctx.config.gemv_rows:
-        return "gemv"
-    return "cublas" if ctx.config.fp8_gemm == "auto" and _has_cublas_blockwise(x.device) else "triton"
+
+def has_cublas_blockwise(device: torch.device) -> bool:
+    """Whether cuBLAS's block-scaled FP8 GEMM runs on device (pdkernels/fp8_gemm.py)."""
+    return _has_cublas_blockwise(device)
 
 
 @cache

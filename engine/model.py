@@ -90,6 +90,22 @@ def _gemv_for(x: torch.Tensor) -> ModuleType | None:
     return _gemv_kernels()
 
 
+def fp8_compute_path(x: torch.Tensor) -> str | None:
+    """engine/fp8.py compute_path's policy: "gemv", "cublas" or "triton" inside a forward pass with default
+    numerics on a device with FP8 tensor cores (ForwardConfig.gemv_rows and fp8_gemm choose), else None."""
+    ctx = current_context()
+    if ctx is None or ctx.numerics is not Numerics.DEFAULT or ctx.config.fp8_gemm == "dequantize":
+        return None
+    if fp8.kernels_for(x) is None:
+        return None
+    if x.dim() == 2 and x.shape[0] <= ctx.config.gemv_rows:
+        return "gemv"
+    return "cublas" if ctx.config.fp8_gemm == "auto" and fp8.has_cublas_blockwise(x.device) else "triton"
+
+
+fp8.set_compute_policy(fp8_compute_path)
+
+
 def linear(lin: nn.Linear, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
     """lin(x): a decode step's few rows through pdkernels/gemv.py (one kernel, no split-K reduction after
     it), everything else through F.linear. act (CUDA): x is [gate | up] and the input is act(gate) * up
