@@ -213,7 +213,7 @@ def _has_cublas_blockwise(device: torch.device) -> bool:
 
 class Fp8Linear(nn.Linear):
     """nn.Linear with an FP8 weight [out, in] and its block scales `weight_scale_inv` (bias, if any, in the
-    model's dtype). forward(): on FP8 tensor cores (compute_kernels) the block-scaled FP8 GEMM with x
+    model's dtype). forward(): on FP8 tensor cores (compute_path) the block-scaled FP8 GEMM with x
     quantized per token group of 128; elsewhere the weight dequantized to x's dtype and F.linear. A
     decode step's few rows take the FP8 GEMV instead (engine/model.py `linear`)."""
 
