@@ -75,7 +75,8 @@ class ForwardConfig:
             "help": "FP8 weights (an FP8 checkpoint, --quantization fp8), default mode on FP8 tensor cores: auto "
             "(cuBLAS's block-scaled FP8 GEMM on Hopper where N and K are whole 128-blocks, else the Triton "
             "kernel; rows up to --gemv-rows through the FP8 GEMV), triton (the Triton kernel always), "
-            "dequantize (every product on the weight dequantized to the dtype: the reference path)",
+            "dequantize (every FP8 linear's product on its weight dequantized to the dtype: the reference path; "
+            "FP8 MoE experts keep the fused kernel, which dequantizes each weight tile in registers)",
             "choices": FP8_GEMM_PATHS,
         },
     )
