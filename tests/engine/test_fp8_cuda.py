@@ -2,7 +2,9 @@
 FP8 weight and its block scales, the block-scaled FP8 GEMM with activations quantized per token group of
 128, the grouped MoE GEMM dequantizing its FP8 tiles in registers, all under CUDA graphs, against the
 dequantizing path (`--fp8-gemm dequantize`: every FP8 product on the weight dequantized to the dtype)
-on the tiny FP8 checkpoints of tests/tiny_models.py. float32, so where no activation is quantized the two
+on the tiny FP8 checkpoints of tests/tiny_models.py (FP8 MoE experts take the fused kernel in both: the
+grouped GEMM against float64 is tests/pdkernels/test_kernels_moe_gpu.py's). float32, so where no activation
+is quantized the two
 paths agree to float tolerance; where the GEMM quantizes activations to e4m3 they differ by that rounding
 and no more."""
 
