@@ -130,16 +130,17 @@ TARGET_PROGRAMS = 132  # one program per multiprocessor of an H100 / H200 at lea
 
 @cache
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
-    """The tiles for an [M, K] x [N, K] product: BLOCK_M the next power of two of M from 16 up to 128 (a
+    """The tiles for an [M, K] x [N, K] product: BLOCK_M the next power of two of M from 16 up to 64 (a
     decode batch is one row tile, its weights read once); BLOCK_N 128, narrowed while the grid would leave
     multiprocessors idle (a batch-64 step's [4096, 4096] weight is 32 column tiles of 128, 128 of 32);
-    8 warps for full 128x128 tiles, 4 below. K is unused: one 128-wide K block per step, always."""
-    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    4 warps. K is unused: one 128-wide K block per step, always."""
+    # NOTE: 64 rows at most: at M = 8192 the sweep of bench/micro/fp8_gemm_probe.py on an H100 found 64x128
+    # tiles, 4 warps, 3 stages fastest for 3 of llama8b's 4 shapes (0.43 against 0.54 ms for 128x128, 8 warps)
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n = 128
     while block_n > 32 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < TARGET_PROGRAMS:
         block_n //= 2
-    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return GemmConfig(block_m, block_n, num_warps, 3 if block_m == 128 else 4)
+    return GemmConfig(block_m, block_n, 4, 3 if m >= 1024 else 4)
 
 
 def block_fp8_matmul(
