@@ -132,15 +132,12 @@ class LLMEngine:
         self.prefix_cache = HostPrefixCache.sized(  # None: --hicache-gb 0
             config, self.arch, self.kv, tp.size if tp else 1, records=tp is not None and tp.is_leader
         )
-        # NOTE: latent attention (engine/mla.py) has no decode kernel yet: its decode rows take the chunked
-        # path in torch, which reads block tables on the host, so no CUDA graphs either
-        has_decode_kernel = not self.arch.is_mla
         self.runner = ModelRunner(
             self.model,
             self.kv,
             self.numerics,
             config.forward,
-            max_decode_rows=config.max_num_seqs if has_decode_kernel else 0,
+            max_decode_rows=config.max_num_seqs,
             max_model_len=self.max_model_len,
             tp=tp,
         )
@@ -153,7 +150,7 @@ class LLMEngine:
         self.num_ep_steps = 0
         self.eplb = RebalanceStats()
         self.graph_stats: GraphCaptureStats | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.ep is None and tp is None and has_decode_kernel:
+        if self.device.type == "cuda" and not config.enforce_eager and self.ep is None and tp is None:
             # (no collectives in graphs)
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -29,8 +29,10 @@ releases); transformers rotates each pair and writes the pairs' first elements, 
 de-interleaved order, the same for q and k, so q.k is unchanged). This module does the same, so the cached
 k_rot is in that order, as transformers' cache holds it.
 
-CUDA runs this torch code (no Triton MLA kernel yet): an MLA model gets no decode kernel and no CUDA graphs
-(LLMEngine), and its chunks never take the Triton prefill kernel.
+On CUDA a step's decode rows (the last rows, ctx.decode: engine/decode.py) go through pdkernels/mla_decode.py:
+their latents stored through their block tables, the query absorbed, the paged latent kernel, the output
+un-absorbed; device tensors only, so CUDA graphs capture the step. Prompt chunks run this module's torch code
+everywhere (they never take the Triton prefill kernel).
 """
 
 from __future__ import annotations
@@ -171,8 +173,12 @@ class LatentAttention(nn.Module):
         ctx = get_context()
         num_heads, dq = self.num_heads, self.qk_head_dim
         q = packed[:, : num_heads * dq].view(-1, num_heads, dq)
-        _store_latents(ctx, spec.cache_index, packed[:, num_heads * dq :])
+        latents = packed[:, num_heads * dq :]
+        n = q.shape[0] - (ctx.decode.num_rows if ctx.decode is not None else 0)  # the chunks' tokens
+        _store_latents(ctx, spec.cache_index, latents[:n])
         out = q.new_empty(q.shape[0], num_heads, self.v_head_dim)
+        if ctx.decode is not None and ctx.decode.num_rows:
+            out[n:] = self._decode_rows(ctx, spec, q[n:], latents[n:].contiguous())
         absorbed: list[SeqChunk] = []
         for c in ctx.chunks:
             if self.absorbs(c.num_tokens, ctx.numerics):
@@ -186,6 +192,21 @@ class LatentAttention(nn.Module):
             idx = torch.cat(rows_of).to(q.device)
             out[idx] = self._attend_absorbed(ctx, spec, q[idx], absorbed)
         return out.flatten(1)
+
+    def _decode_rows(self, ctx: ForwardContext, spec: AttnSpec, q: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """CUDA decode rows (ctx.decode) in the paged latent kernel: their latents [rows, R + Dr] stored through
+        the block tables, queries q [rows, H, Dn + Dr] absorbed -> [rows, H, Dv]."""
+        from pdkernels.mla_decode import paged_latent_decode, store_latents
+
+        dec = ctx.decode
+        assert dec is not None
+        num_heads, dn, rank = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank
+        store_latents(latents, ctx.kv.pages, spec.cache_index, dec.block_table, dec.context_lens)
+        q_latent = run_rows(self.absorb_query, (q[..., :dn].flatten(1),), ctx.numerics).view(-1, num_heads, rank)
+        queries = torch.cat([q_latent, q[..., dn:]], dim=-1)  # [rows, H, R + Dr]
+        o_latent = paged_latent_decode(queries, ctx.kv.pages, spec.cache_index, dec.block_table, dec.context_lens,
+                                       rank, self.scale)  # fmt: skip
+        return run_rows(self.expand_output, (o_latent.flatten(1),), ctx.numerics).view(-1, num_heads, self.v_head_dim)
 
     def _expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [L, R + Dr] -> per-head keys [L, H, Dn + Dr] and values [L, H, Dv] (default mode only)."""

@@ -15,7 +15,8 @@ sequence's latents once per head tile (DeepSeek-V3's 128 heads of a rank: 8 tile
 and their fold are decode_attention.py's (`_split_bounds`, `_decode_reduce_kernel`): a function of the
 context length alone, so a row's output does not depend on its batch and deterministic mode uses the same
 kernels. A row with context length 0 (a padded row of a CUDA graph) gets zeros. The new token's latent must
-be in the pages already (engine/mla.py stores a chunk's latents before it attends).
+be in the pages already: `store_latents` writes a step's decode rows' latents through their block tables
+(engine/mla.py stores a prefill chunk's by page ids before it attends).
 """
 
 from __future__ import annotations
@@ -88,6 +89,42 @@ def _mla_split_kernel(
         tl.store(ACC + part[:, None] * BLOCK_R + offs_r[None, :], acc, mask=mask_h[:, None])
         tl.store(ML + part * 2, m_i, mask=mask_h)
         tl.store(ML + part * 2 + 1, l_i, mask=mask_h)
+
+
+@triton.jit
+def _store_latents_kernel(
+    NEW, LAT, BT, CTX,
+    stride_nb, stride_unit, stride_tok, stride_btb,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, UNIT_TOKENS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    n = tl.load(CTX + b)
+    if n > 0:  # a padded row (context length 0) writes nothing
+        pos = n - 1
+        unit = tl.load(BT + b.to(tl.int64) * stride_btb + pos // UNIT_TOKENS).to(tl.int64)
+        offs = tl.arange(0, BLOCK_W)
+        mask = offs < WIDTH
+        row = tl.load(NEW + b.to(tl.int64) * stride_nb + offs, mask=mask)
+        tl.store(LAT + unit * stride_unit + (pos % UNIT_TOKENS) * stride_tok + offs, row, mask=mask)
+
+
+def store_latents(
+    latents: torch.Tensor, cache: torch.Tensor, layer: int, block_table: torch.Tensor, context_lens: torch.Tensor
+) -> None:
+    """Each decode row's new latent [B, width] into its page: position context_lens[b] - 1, page
+    block_table[b, position // block_size]. A row with context length 0 (padding) is skipped, so it never
+    writes into a page that a real row owns."""
+    lat = cache[:, layer]
+    if latents.shape[0] == 0:
+        return
+    if latents.shape[-1] != lat.shape[-1] or latents.stride(-1) != 1 or lat.stride(-1) != 1:
+        raise ValueError(f"latents {tuple(latents.shape)} do not fit a pool {lat.shape[-1]} wide (unit stride both)")
+    width = lat.shape[-1]
+    _store_latents_kernel[(latents.shape[0],)](
+        latents, lat, block_table, context_lens,
+        latents.stride(0), lat.stride(0), lat.stride(2), block_table.stride(0),
+        WIDTH=width, BLOCK_W=triton.next_power_of_2(width), UNIT_TOKENS=lat.shape[2], num_warps=1,
+    )  # fmt: skip
 
 
 def paged_latent_decode(

@@ -10,7 +10,7 @@ In one run:
      - prefill of N tokens as one sequence, chunked by the engine's token budget: tokens/s and the
        fraction of the matmul ceiling, FLOPs = 2 x linear params x N + 2 x lm_head params (the last
        row only) + attention (4 x heads x head_dim per visible (query, key) pair, windowed on sliding
-       layers);
+       layers; latent attention: 2 x heads x (key width + value width), the latents expanded per head);
   3. the same workloads through transformers (static cache, SDPA, torch.compile while it compiles
      in time) and the ratio pdserve / transformers.
 One table at the end; everything, environment included, as JSON in --out.
@@ -74,6 +74,10 @@ TINY_MOE: dict[str, Any] = dict(
     num_experts=8, num_local_experts=8, num_experts_per_tok=2, experts_per_token=2, moe_intermediate_size=32,
     intermediate_size=32,
 )
+TINY_MLA: dict[str, Any] = dict(  # latent attention's widths (DeepSeek's ratios, shrunk)
+    kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+    n_group=2, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
+)
 TINY_DIMS: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=512, max_position_embeddings=2048,
@@ -119,6 +123,12 @@ class ModelFacts:
     @property
     def attn_params(self) -> int:
         a = self.arch
+        if a.is_mla:  # q (plain, or through its LoRA), kv_a (latent + rotary key), kv_b (W_UK, W_UV), o
+            q_width = a.num_heads * a.qk_head_dim
+            q = a.hidden_size * a.q_lora_rank + a.q_lora_rank * q_width if a.q_lora_rank else a.hidden_size * q_width
+            kv = a.hidden_size * (a.kv_lora_rank + a.qk_rope_head_dim)
+            kv += a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
+            return q + kv + a.num_heads * a.v_head_dim * a.hidden_size
         return a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
 
     @property
@@ -132,7 +142,8 @@ class ModelFacts:
         a = self.arch
         num_sparse = len(a.sparse_layers)
         mlps = (a.num_layers - num_sparse) * 3 * a.hidden_size * a.intermediate_size
-        return a.num_layers * self.attn_params + mlps + num_sparse * a.hidden_size * a.num_experts
+        shared = num_sparse * 3 * a.hidden_size * a.shared_intermediate_size  # DeepSeek's always-on experts
+        return a.num_layers * self.attn_params + mlps + shared + num_sparse * a.hidden_size * a.num_experts
 
     @property
     def linear_params(self) -> int:
@@ -178,7 +189,10 @@ class ModelFacts:
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
-        return 2 * self.arch.num_kv_heads * self.arch.head_dim * self.elem_bytes
+        a = self.arch
+        if a.is_mla:  # one latent per token: c_kv and the rotary key
+            return (a.kv_lora_rank + a.qk_rope_head_dim) * self.elem_bytes
+        return 2 * a.num_kv_heads * a.head_dim * self.elem_bytes
 
     def kv_read_bytes(self, context: int) -> int:
         """KV one sequence reads in one decode step at this context."""
@@ -199,7 +213,10 @@ class ModelFacts:
         else:
             win_pairs = window * (window + 1) / 2 + (n - window) * window
         pairs = sum(full_pairs if t == "full_attention" else win_pairs for t in a.layer_types)
-        return 2.0 * self.active_linear_params * n + 2.0 * self.lm_head_params + 4.0 * a.num_heads * a.head_dim * pairs
+        # per visible pair and head: q.k over the key's width, p.v over the value's (latent attention expands
+        # the latents per head for long chunks: keys Dn + Dr, values Dv wide)
+        pair_width = a.qk_head_dim + a.v_head_dim if a.is_mla else 2 * a.head_dim
+        return 2.0 * self.active_linear_params * n + 2.0 * self.lm_head_params + 2.0 * a.num_heads * pair_width * pairs
 
 
 # ---- timing helpers ------------------------------------------------------------------------------
@@ -863,8 +880,12 @@ def model_folder(name: str, args: argparse.Namespace, scratch: Path) -> Path:
     config = json.loads(((path / "config.json") if path.is_dir() else CONFIGS / f"{name}.json").read_text())
     if args.tiny:
         config.update(TINY_DIMS)
-        if "num_experts" in config or "num_local_experts" in config:  # MoE: 8 small experts, top 2
-            config.update({k: v for k, v in TINY_MOE.items() if k in config})
+        if "num_experts" in config or "num_local_experts" in config or "n_routed_experts" in config:
+            config.update({k: v for k, v in TINY_MOE.items() if k in config})  # MoE: 8 small experts, top 2
+        if "kv_lora_rank" in config:  # a null q_lora_rank (a plain q_proj) stays null
+            config.update({k: v for k, v in TINY_MLA.items() if k in config and config[k] is not None})
+            config["num_key_value_heads"] = config["num_attention_heads"]
+            config["head_dim"] = config["qk_rope_head_dim"]  # as DeepseekV3Config sets it
         n = config["num_hidden_layers"]
         if "layer_types" in config:
             config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]

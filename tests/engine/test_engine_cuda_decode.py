@@ -14,7 +14,7 @@ from engine.runner import ModelRunner
 from tests.engine_utils import decode_logits, random_prompts, small_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-FAMILIES = ["llama", "qwen3_hybrid", "gemma3_hybrid"]
+FAMILIES = ["llama", "qwen3_hybrid", "gemma3_hybrid", "deepseek_v3"]  # deepseek_v3: latent attention
 
 
 # the decode step's kernel choices: as configured by default; with the batch-1 GEMV and programmatic

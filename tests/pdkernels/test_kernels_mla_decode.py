@@ -1,6 +1,7 @@
 """The paged latent decode kernel (pdkernels/mla_decode.py) against attention written out in float64:
 latents in scattered pages, several splits of a long context, a padded row, heads that do not fill a tile,
-widths that are not powers of two; a row's output the same alone and in a batch, bit for bit. Skipped
+widths that are not powers of two; a row's output the same alone and in a batch, bit for bit; decode rows'
+new latents stored through their block tables, a padded row writing nothing. Skipped
 without CUDA; TRITON_INTERPRET=1 runs it on the CPU in float32 at small shapes."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from tests.gpu_support import DEVICE, DTYPE, require_triton
 
 require_triton()
 
-from pdkernels.mla_decode import paged_latent_decode  # noqa: E402
+from pdkernels.mla_decode import paged_latent_decode, store_latents  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 IS_CUDA = DEVICE.type == "cuda"
@@ -73,3 +74,21 @@ def test_a_row_alone_equals_the_row_in_a_batch_and_refusals() -> None:
         paged_latent_decode(q[..., :40].contiguous(), cache, 1, table, ctx, 32, 0.1)
     with pytest.raises(ValueError, match="latent cache"):
         paged_latent_decode(q, cache.expand(-1, -1, 2, -1, -1, -1), 1, table, ctx, 32, 0.1)
+
+
+def test_store_latents_writes_each_row_at_its_position_and_skips_padding() -> None:
+    gen = torch.Generator().manual_seed(7)
+    lens = [37, 0, 16, 1]  # a ragged page, a padded row, a full page, a first token
+    _, cache, table, ctx = _setup(gen, lens, 4, 32, 9)
+    table[1] = table[2]  # the padded row points at a page a real row owns: it must not write there
+    new = torch.randn(len(lens), cache.shape[-1], generator=gen).to(DEVICE, DTYPE)
+    before = cache.clone()
+    store_latents(new, cache, 1, table, ctx)
+    expect = before.clone()
+    for b, n in enumerate(lens):
+        if n:
+            page = int(table[b, (n - 1) // BLOCK])
+            expect[page, 1, 0, (n - 1) % BLOCK, 0] = new[b]
+    assert torch.equal(cache, expect)
+    with pytest.raises(ValueError, match="do not fit"):
+        store_latents(new[:, :-1].contiguous(), cache, 1, table, ctx)
