@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     layout = layout_of(args.layout)
     print(f"# {args.layout}: {layout.num_full_layers} full + {layout.num_swa_layers} sliding layers, "
-          f"{layout.page_bytes / 2**20:.1f} MiB per {layout.block_size}-token page, SWA state {layout.state_bytes / 2**20:.1f} MiB; "
+          f"{layout.page_bytes / 2**20:.1f} MiB per {layout.block_size}-token page "
+          f"({layout.page_bytes / max(1, layout.num_full_layers * layout.block_size):,.0f} B per token and full layer), SWA state {layout.state_bytes / 2**20:.1f} MiB; "
           f"sender {device}, receiver {recv_device}, torch threads {torch.get_num_threads()}, {os.cpu_count()} cores")  # fmt: skip
     if device.type != "cuda":
         print("# no CUDA: tcp over loopback only (ipc and the device-copy ceiling need a GPU)")
