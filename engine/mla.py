@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import fp8
-from engine.attention import AttnSpec, sdpa_attend, tiled_attend
+from engine.attention import AttnSpec, tiled_attend
 from engine.context import ForwardContext, SeqChunk, current_context, get_context
 from engine.model_config import ModelArch
 from engine.numerics import Numerics, run_rows
@@ -186,7 +186,7 @@ class LatentAttention(nn.Module):
                 continue
             rows = slice(c.token_start, c.token_start + c.num_tokens)
             keys, values = self._expand(_latents(ctx, spec.cache_index, c))
-            out[rows] = sdpa_attend(q[rows], keys, values, c.start_pos, 0, None, self.scale, ctx.kv.block_size)
+            out[rows] = causal_sdpa(q[rows], keys, values, self.scale)
         if absorbed:
             rows_of = [torch.arange(c.token_start, c.token_start + c.num_tokens) for c in absorbed]
             idx = torch.cat(rows_of).to(q.device)
@@ -235,6 +235,23 @@ class LatentAttention(nn.Module):
                 o_latent[rows] = latent_sdpa(queries[rows], keys, rank, c.start_pos, self.scale)
             first += c.num_tokens
         return run_rows(self.expand_output, (o_latent.flatten(1),), ctx.numerics).view(-1, num_heads, self.v_head_dim)
+
+
+def causal_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk's expanded attention: queries q [n, H, Dn + Dr], the last n of the L positions of keys
+    [L, H, Dn + Dr] and values [L, H, Dv] -> [n, H, Dv]. The causal mask aligned to the bottom right
+    (torch's causal_lower_right: no mask tensor, so torch's fused kernels take it); on CUDA the values padded
+    to the keys' width, since torch's flash kernel wants one width for all three."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, num_keys, dv = q.shape[0], keys.shape[0], values.shape[-1]
+    if q.is_cuda and dv < q.shape[-1]:
+        values = F.pad(values, (0, q.shape[-1] - dv))
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=causal_lower_right(n, num_keys), scale=scale,
+    )  # fmt: skip
+    return out[0, ..., :dv].transpose(0, 1)
 
 
 def latent_sdpa(queries: torch.Tensor, latents: torch.Tensor, rank: int, q_pos0: int, scale: float) -> torch.Tensor:
