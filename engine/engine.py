@@ -63,9 +63,11 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
 from engine.tensor_parallel import (
     PLAN_COPY,
+    PLAN_EXCHANGE,
     PLAN_EXPORT,
     PLAN_IDLE,
     PLAN_IMPORT,
+    PLAN_REBALANCE,
     PLAN_STEP,
     PLAN_STOP,
     TensorGroup,
@@ -144,10 +146,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             tp=tp,
         )
-        # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges)
+        # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges); with
+        # --tp, the world's (engine/world.py): every process of every tensor-parallel group
         self.ep = expert_parallel.current()
-        if self.ep is not None and tp is not None:
-            raise InvalidRequestError("--tp and --ep do not compose yet")
         if self.ep is not None and not self.arch.sparse_layers:
             raise InvalidRequestError(f"--ep {self.ep.size} needs a mixture-of-experts model; {config.model} is dense")
         self.num_ep_steps = 0
@@ -279,15 +280,20 @@ class LLMEngine:
         In an expert-parallel group every call runs exactly one forward, an empty one when nothing was
         scheduled (the peers' MoE layers wait for this rank's rows), and a failed forward is fatal
         (its peers are left mid-exchange: the group restarts). Every eplb_interval calls, the group
-        rebalances its experts (engine/eplb.py)."""
+        rebalances its experts (engine/eplb.py). Under --tp (engine/world.py) the group's other processes
+        are told to do the same (PLAN_EXCHANGE, PLAN_REBALANCE), as they are told each forward."""
         if self.ep is None:
             return self._step()
         num_forwards = self.runner.num_forwards
         outputs = self._step()
         if self.runner.num_forwards == num_forwards:
+            if self.tp is not None:
+                self.tp.send_plan(PLAN_EXCHANGE)
             self.model.idle_exchange(self.numerics)
         self.num_ep_steps += 1
         if self.config.eplb_interval and self.num_ep_steps % self.config.eplb_interval == 0:
+            if self.tp is not None:
+                self.tp.send_plan(PLAN_REBALANCE)
             self._rebalance_experts()
         return outputs
 
@@ -583,6 +589,10 @@ class LLMEngine:
             elif kind in (PLAN_EXPORT, PLAN_IMPORT):
                 assert self.kv_shards is not None
                 self.kv_shards.follow(kind, plan)
+            elif kind == PLAN_EXCHANGE:
+                self.model.idle_exchange(self.numerics)
+            elif kind == PLAN_REBALANCE:
+                self._rebalance_experts()
 
     def heartbeat(self) -> None:
         """Rank 0 of a tensor-parallel group, idle: tells the others it lives (an idle follower's wait for a
