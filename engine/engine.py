@@ -38,7 +38,7 @@ from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig, EngineStats
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_stats import engine_stats
+from engine.engine_stats import MoeCounters, engine_stats, moe_counters
 from engine.eplb import RebalanceStats, rebalance_layer
 from engine.errors import InvalidRequestError
 from engine.faults import raise_if_fatal
@@ -63,6 +63,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
 from engine.tensor_parallel import (
     PLAN_COPY,
+    PLAN_COUNTERS,
     PLAN_EXCHANGE,
     PLAN_EXPORT,
     PLAN_IDLE,
@@ -593,6 +594,8 @@ class LLMEngine:
                 self.model.idle_exchange(self.numerics)
             elif kind == PLAN_REBALANCE:
                 self._rebalance_experts()
+            elif kind == PLAN_COUNTERS:
+                self._group_moe_counters()
 
     def heartbeat(self) -> None:
         """Rank 0 of a tensor-parallel group, idle: tells the others it lives (an idle follower's wait for a
@@ -650,7 +653,25 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
+        if self.tp is not None and self.ep is not None and self.tp.is_leader:
+            return engine_stats(self, self._group_moe_counters())
         return engine_stats(self)
+
+    def _group_moe_counters(self) -> MoeCounters | None:
+        """--tp with --ep: every process of the group routes and computes its share of the tokens, so the
+        engine rank's MoE counters are the sum of its processes' (a plan and a gather: rank 0 gets them,
+        the others None)."""
+        assert self.tp is not None
+        if self.tp.is_leader:
+            self.tp.send_plan(PLAN_COUNTERS)
+        counts, rows = moe_counters(self.model)
+        flat = torch.tensor([n for c in counts for n in c] + rows, dtype=torch.int64, device=self.device)
+        parts = self.tp.gather(flat)
+        if parts is None:
+            return None
+        total = torch.stack(parts).sum(0).tolist()
+        num_experts = self.arch.num_experts
+        return [total[i * num_experts : (i + 1) * num_experts] for i in range(len(rows))], total[len(counts) * num_experts :]
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""

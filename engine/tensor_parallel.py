@@ -67,7 +67,8 @@ from engine.model_config import ModelArch
 from engine.rank_group import join_group, leave_group
 
 PLAN_STEP, PLAN_IDLE, PLAN_STOP, PLAN_COPY, PLAN_EXPORT, PLAN_IMPORT = 0, 1, 2, 3, 4, 5  # kinds of broadcast
-PLAN_EXCHANGE, PLAN_REBALANCE = 6, 7  # under --ep (engine/world.py): an empty MoE exchange; expert rebalancing
+# under --ep (engine/world.py): an empty MoE exchange; expert rebalancing; the MoE counters gathered for stats
+PLAN_EXCHANGE, PLAN_REBALANCE, PLAN_COUNTERS = 6, 7, 8
 
 
 def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:

@@ -177,7 +177,7 @@ def _assert_matches(ref: list[torch.Tensor], got: list[torch.Tensor], steps: int
 def test_dp2_tp2_ep4_matches_single_engine(world: World, references: dict[str, Logits], tiny_model_dir, family: str) -> None:
     """Both engine ranks' greedy tokens identical to one `--tp 1 --ep 1` engine's, every step's logits
     within 1e-4; the other rank stops early and runs empty exchanges for the rest. Each process holds two
-    whole experts (not a tensor-parallel split of each). qwen3_moe: a dense layer between sparse ones;
+    whole experts (not a tensor-parallel split of each); the rank's stats count each of its tokens once. qwen3_moe: a dense layer between sparse ones;
     deepseek_v3: latent attention split by heads, shared experts split like an MLP beside the routed ones,
     grouped routing."""
     mine, theirs, (n, their_n) = CASES[family]
@@ -194,6 +194,12 @@ def test_dp2_tp2_ep4_matches_single_engine(world: World, references: dict[str, L
     assert moe.experts.gate_up_proj.shape[0] == 2  # 8 experts over 4 processes
     assert moe.experts.down_proj.shape[2] == eng.arch.moe_intermediate_size  # each held whole
     assert moe.rows_computed > 0
+    # the rank's expert load counts each of its tokens once (k slots), whichever process routed it
+    num_tokens = sum(len(p) for p in mine) + len(mine) * (n - 1)
+    stats = eng.stats()
+    assert [sum(c) for c in stats.moe_tokens_per_expert] == [num_tokens * eng.arch.num_experts_per_tok] * len(
+        eng.arch.sparse_layers
+    )
 
 
 def test_deterministic_bit_identical_across_batches_and_rebalancing(world: World, tiny_model_dir) -> None:

@@ -20,7 +20,13 @@ import pytest
 
 from pd.config import ServerConfig
 from pd.tools.server_process import ServerProcess, get_json
-from tests.server_fixtures import SMALL_DETERMINISTIC, greedy_completions, openai_client, serving, story_prompts
+from tests.server_fixtures import (
+    SMALL_DETERMINISTIC,
+    greedy_completions,
+    openai_client,
+    serving,
+    story_prompts,
+)
 from tests.tiny_models import make_servable
 
 pytestmark = pytest.mark.slow
