@@ -22,7 +22,9 @@ zero rows). A rank that dies breaks its peers' collectives (gloo sees the closed
 would wait, so the server kills the whole group at once, pd/rank/client.py) and the group is
 restarted as one.
 
-torch.distributed carries it (engine/rank_group.py): gloo on the CPU, NCCL on CUDA.
+torch.distributed carries it (engine/rank_group.py): gloo on the CPU, NCCL on CUDA. With `--tp N` the
+group is every process of every engine rank (`--ep` = `--dp` x N, engine/world.py): `rank` and `size` are
+then the world's, and only each tensor-parallel group's first process takes part in `any`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ What each rank holds (`TpShard`, the loader reads only these slices of the check
                      would stall one rank of an EP split), and computes a token's result as --tp 1
                      does up to the order of one sum. Its limit: I' / N rows per expert per rank (small
                      matmuls at a large N, and FP8 experts need I' / N to be whole 128-blocks).
+                     With --ep (engine/world.py, TpShard.splits_experts False) the experts are instead held
+                     whole and split across every process of every group, each process routing its share
+                     of the group's tokens.
 
 A layer then communicates twice: one all-reduce (sum) of o_proj's partial [tokens, hidden], one of
 down_proj's. In deterministic mode the sum is an all-gather and an add in rank order, so a row's
