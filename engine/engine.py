@@ -670,8 +670,8 @@ class LLMEngine:
         if parts is None:
             return None
         total = torch.stack(parts).sum(0).tolist()
-        num_experts = self.arch.num_experts
-        return [total[i * num_experts : (i + 1) * num_experts] for i in range(len(rows))], total[len(counts) * num_experts :]
+        e = self.arch.num_experts
+        return [total[i * e : (i + 1) * e] for i in range(len(rows))], total[len(rows) * e :]
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""

@@ -491,7 +491,8 @@ class SparseMoE(nn.Module):
     def _combine(self, per_assignment: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
         """[tokens * k, hidden] weighted rows in (token, slot) order -> [tokens, hidden]: a token's k
         slots added in slot order, in float32."""
-        per_slot = per_assignment.view(num_tokens, self.top_k, per_assignment.shape[-1])  # (no tokens: a share may be empty)
+        # (the width given: a process's share of the tokens may be empty, engine/world.py)
+        per_slot = per_assignment.view(num_tokens, self.top_k, per_assignment.shape[-1])
         total = per_slot[:, 0].float()
         for slot in range(1, self.top_k):
             total = total + per_slot[:, slot]

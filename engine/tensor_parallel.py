@@ -332,8 +332,8 @@ class TpShard:
 
     def is_zero_here(self, name: str) -> bool:
         """A row-parallel projection's bias: added once, by rank 0 (the all-reduce sums the ranks)."""
-        row_parallel = ("self_attn.o_proj.bias", ".mlp.experts.down_proj_bias") if self.splits_experts else "self_attn.o_proj.bias"
-        return self.rank != 0 and name.endswith(row_parallel)
+        row_parallel = ("self_attn.o_proj.bias", ".mlp.experts.down_proj_bias")
+        return self.rank != 0 and name.endswith(row_parallel if self.splits_experts else row_parallel[0])
 
     def check_fp8_blocks(self, name: str) -> None:
         """Refuses a split of FP8 weight `name` that cuts one of its 128-wide blocks."""
