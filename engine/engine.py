@@ -18,7 +18,8 @@ composed in, one job a module:
 
 In a tensor-parallel group (engine/tensor_parallel.py) every rank builds the same engine on its share
 of the model; rank 0 serves (add_request, step, ...) and broadcasts each forward's plan, and the others
-call follow(), which runs those forwards until rank 0 closes().
+call follow(), which runs those forwards until rank 0 closes(). With --ep too (engine/world.py) rank 0 also
+tells them of its empty MoE exchanges and expert rebalancing, and gathers their MoE counters for stats().
 """
 
 from __future__ import annotations
