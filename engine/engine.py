@@ -18,7 +18,8 @@ composed in, one job a module:
 
 In a tensor-parallel group (engine/tensor_parallel.py) every rank builds the same engine on its share
 of the model; rank 0 serves (add_request, step, ...) and broadcasts each forward's plan, and the others
-call follow(), which runs those forwards until rank 0 closes().
+call follow(), which runs those forwards until rank 0 closes(). With --ep too (engine/world.py) rank 0 also
+tells them of its empty MoE exchanges and expert rebalancing, and gathers their MoE counters for stats().
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig, EngineStats
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
 from engine.decode_cache import DecodeCache
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_stats import engine_stats
+from engine.engine_stats import MoeCounters, engine_stats, moe_counters
 from engine.eplb import RebalanceStats, rebalance_layer
 from engine.errors import InvalidRequestError
 from engine.faults import raise_if_fatal
@@ -63,9 +64,12 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SeqStatus, Sequence
 from engine.tensor_parallel import (
     PLAN_COPY,
+    PLAN_COUNTERS,
+    PLAN_EXCHANGE,
     PLAN_EXPORT,
     PLAN_IDLE,
     PLAN_IMPORT,
+    PLAN_REBALANCE,
     PLAN_STEP,
     PLAN_STOP,
     TensorGroup,
@@ -141,10 +145,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             tp=tp,
         )
-        # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges)
+        # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges); with
+        # --tp, the world's (engine/world.py): every process of every tensor-parallel group
         self.ep = expert_parallel.current()
-        if self.ep is not None and tp is not None:
-            raise InvalidRequestError("--tp and --ep do not compose yet")
         if self.ep is not None and not self.arch.sparse_layers:
             raise InvalidRequestError(f"--ep {self.ep.size} needs a mixture-of-experts model; {config.model} is dense")
         self.num_ep_steps = 0
@@ -276,15 +279,20 @@ class LLMEngine:
         In an expert-parallel group every call runs exactly one forward, an empty one when nothing was
         scheduled (the peers' MoE layers wait for this rank's rows), and a failed forward is fatal
         (its peers are left mid-exchange: the group restarts). Every eplb_interval calls, the group
-        rebalances its experts (engine/eplb.py)."""
+        rebalances its experts (engine/eplb.py). Under --tp (engine/world.py) the group's other processes
+        are told to do the same (PLAN_EXCHANGE, PLAN_REBALANCE), as they are told each forward."""
         if self.ep is None:
             return self._step()
         num_forwards = self.runner.num_forwards
         outputs = self._step()
         if self.runner.num_forwards == num_forwards:
+            if self.tp is not None:
+                self.tp.send_plan(PLAN_EXCHANGE)
             self.model.idle_exchange(self.numerics)
         self.num_ep_steps += 1
         if self.config.eplb_interval and self.num_ep_steps % self.config.eplb_interval == 0:
+            if self.tp is not None:
+                self.tp.send_plan(PLAN_REBALANCE)
             self._rebalance_experts()
         return outputs
 
@@ -580,6 +588,12 @@ class LLMEngine:
             elif kind in (PLAN_EXPORT, PLAN_IMPORT):
                 assert self.kv_shards is not None
                 self.kv_shards.follow(kind, plan)
+            elif kind == PLAN_EXCHANGE:
+                self.model.idle_exchange(self.numerics)
+            elif kind == PLAN_REBALANCE:
+                self._rebalance_experts()
+            elif kind == PLAN_COUNTERS:
+                self._group_moe_counters()
 
     def heartbeat(self) -> None:
         """Rank 0 of a tensor-parallel group, idle: tells the others it lives (an idle follower's wait for a
@@ -637,7 +651,25 @@ class LLMEngine:
     # ---- introspection ------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
+        if self.tp is not None and self.ep is not None and self.tp.is_leader:
+            return engine_stats(self, self._group_moe_counters())
         return engine_stats(self)
+
+    def _group_moe_counters(self) -> MoeCounters | None:
+        """--tp with --ep: every process of the group routes and computes its share of the tokens, so the
+        engine rank's MoE counters are the sum of its processes' (a plan and a gather: rank 0 gets them,
+        the others None)."""
+        assert self.tp is not None
+        if self.tp.is_leader:
+            self.tp.send_plan(PLAN_COUNTERS)
+        counts, rows = moe_counters(self.model)
+        flat = torch.tensor([n for c in counts for n in c] + rows, dtype=torch.int64, device=self.device)
+        parts = self.tp.gather(flat)
+        if parts is None:
+            return None
+        total = torch.stack(parts).sum(0).tolist()
+        e = self.arch.num_experts
+        return [total[i * e : (i + 1) * e] for i in range(len(rows))], total[len(rows) * e :]
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""

@@ -33,8 +33,13 @@ class StatsSource(Protocol):
     eplb: RebalanceStats
 
 
-def engine_stats(engine: StatsSource) -> EngineStats:
-    """A snapshot of engine's counters and occupancy (LLMEngine.stats)."""
+# per MoE layer: tokens per logical expert, rows the experts computed
+MoeCounters = tuple[list[list[int]], list[int]]
+
+
+def engine_stats(engine: StatsSource, moe_counters: MoeCounters | None = None) -> EngineStats:
+    """A snapshot of engine's counters and occupancy (LLMEngine.stats). moe_counters: the MoE layers'
+    counters when the model's own are not the engine rank's (`--tp` with `--ep`: summed over the group)."""
     blocks, slots = engine.blocks, engine.slots
     total = blocks.num_blocks
     return EngineStats(
@@ -52,19 +57,27 @@ def engine_stats(engine: StatsSource) -> EngineStats:
         num_fed_ahead_total=engine.ahead.num_fed_ahead,
         **_prefix_cache_stats(engine.prefix_cache),
         **_decode_cache_stats(engine.decode_cache),
-        **_moe_stats(engine.model, engine.arch, engine.eplb),
+        **_moe_stats(engine.model, engine.arch, engine.eplb, moe_counters),
     )
 
 
-def _moe_stats(model: CausalLM, arch: ModelArch, eplb: RebalanceStats) -> dict[str, Any]:
+def moe_counters(model: CausalLM) -> MoeCounters:
+    """This process's MoE counters (engine/moe.py SparseMoE.tokens_per_expert, rows_computed)."""
     mlps = model.sparse_layers()
-    if not mlps:
-        return {}
     counts = [m.tokens_per_expert.tolist() if m.tokens_per_expert is not None else [0] * m.num_experts for m in mlps]
+    return counts, [m.rows_computed for m in mlps]
+
+
+def _moe_stats(
+    model: CausalLM, arch: ModelArch, eplb: RebalanceStats, counters: MoeCounters | None
+) -> dict[str, Any]:
+    if not model.sparse_layers():
+        return {}
+    counts, rows = counters if counters is not None else moe_counters(model)
     return dict(
         moe_layers=arch.sparse_layers,
         moe_tokens_per_expert=tuple(tuple(c) for c in counts),
-        moe_rows_computed=tuple(m.rows_computed for m in mlps),
+        moe_rows_computed=tuple(rows),
         eplb_rebalances_total=eplb.num_rebalances,
         eplb_experts_moved_total=eplb.num_experts_moved,
         eplb_seconds_total=eplb.seconds,

@@ -22,7 +22,9 @@ zero rows). A rank that dies breaks its peers' collectives (gloo sees the closed
 would wait, so the server kills the whole group at once, pd/rank/client.py) and the group is
 restarted as one.
 
-torch.distributed carries it (engine/rank_group.py): gloo on the CPU, NCCL on CUDA.
+torch.distributed carries it (engine/rank_group.py): gloo on the CPU, NCCL on CUDA. With `--tp N` the
+group is every process of every engine rank (`--ep` = `--dp` x N, engine/world.py): `rank` and `size` are
+then the world's, and only each tensor-parallel group's first process takes part in `any`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class ExpertGroup:
     size: int
     device: torch.device
     group: Any = None  # the torch.distributed process group (None: the default group)
+    # the processes that schedule, one per engine rank, which agree in any() whether to step (None: the
+    # whole group; under --tp, engine/world.py: each tensor-parallel group's first process)
+    schedulers: Any = None
 
     def local_experts(self, num_experts: int) -> tuple[int, int]:
         """(first slot, number of slots) of this rank's experts."""
@@ -52,11 +57,11 @@ class ExpertGroup:
         return self.rank * per, per
 
     def any(self, flag: bool) -> bool:
-        """Whether any rank's flag is set (a collective: every rank calls it)."""
+        """Whether any scheduling process's flag is set (a collective: every one of them calls it)."""
         import torch.distributed as dist
 
         t = torch.tensor([int(flag)], dtype=torch.int32, device=self.comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group if self.schedulers is None else self.schedulers)
         return bool(t.item())
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
@@ -106,12 +111,17 @@ def init_group(
     rank: int, size: int, address: str, device: torch.device, timeout_s: float = 120.0
 ) -> ExpertGroup:
     """Joins the group at address (host:port; rank 0 hosts the store), once per process."""
+    join_group(rank, size, address, device, timeout_s)
+    return adopt(ExpertGroup(rank, size, device))
+
+
+def adopt(group: ExpertGroup) -> ExpertGroup:
+    """Makes group the process's expert-parallel group (its process groups made already: engine/world.py)."""
     global _current
     if _current is not None:
         raise RuntimeError("this process is in an expert-parallel group already")
-    join_group(rank, size, address, device, timeout_s)
-    _current = ExpertGroup(rank, size, device)
-    return _current
+    _current = group
+    return group
 
 
 def close_group() -> None:

@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from engine import fp8
+from engine import expert_parallel, fp8
 from engine.errors import InvalidRequestError
 from engine.model import CausalLM
 from engine.model_config import ModelArch, rope_inv_freq
@@ -130,7 +130,9 @@ def build_model(
     """The model with its weights; with fp8_format, the modules fp8_modules picks hold FP8 weights; with
     tp, this tensor-parallel rank's share of it."""
     inv_freqs = {t: rope_inv_freq(hf_config, t, arch.head_dim) for t in set(arch.layer_types)}
-    shard = TpShard(tp.rank, tp.size, arch) if tp is not None else None
+    shard = None
+    if tp is not None:  # under --ep too (engine/world.py): the routed experts held whole, split across its group
+        shard = TpShard(tp.rank, tp.size, arch, splits_experts=expert_parallel.current() is None)
     with torch.device("meta"):
         model = CausalLM(arch, inv_freqs, tp, shard)
     # dtypes and FP8 modules settled on the meta device, so the device holds only the final weights (a

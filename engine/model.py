@@ -332,6 +332,7 @@ class DecoderLayer(nn.Module):
                 topk_groups=arch.topk_groups,
                 scaling=arch.routed_scaling_factor,
                 shared_intermediate_size=arch.shared_intermediate_size,
+                tp_share=(tp.rank, tp.size) if tp is not None else (0, 1),
             )
         else:
             self.mlp = MLP(arch)
@@ -403,8 +404,26 @@ class DecoderLayer(nn.Module):
         is_det = get_context().numerics.is_deterministic
         h = tp.all_reduce(rowwise(self._o_proj, attn), is_det)
         x, normed = rowwise(self._sandwich_attn if self.is_sandwich else self._add_norm_cat, x, h).chunk(2, dim=1)
-        m = tp.all_reduce(self._sparse_mlp(normed) if self.is_sparse else rowwise(self.mlp, normed), is_det)
+        if isinstance(self.mlp, SparseMoE) and self.mlp.ep is not None:
+            m = self._expert_parallel_mlp(self.mlp, normed, is_det)
+        else:
+            m = tp.all_reduce(self._sparse_mlp(normed) if self.is_sparse else rowwise(self.mlp, normed), is_det)
         return rowwise(self._sandwich_mlp, x, m) if self.is_sandwich else x + m
+
+    def _expert_parallel_mlp(self, moe: SparseMoE, normed: torch.Tensor, is_det: bool) -> torch.Tensor:
+        """A sparse layer under --tp with --ep (engine/world.py): each process's routed share of the tokens
+        (whole experts, across the expert-parallel group) and its split of the shared experts, both summed
+        over the group in one all-reduce, then added as a single rank adds them (routed + shared): the
+        routed sum is one value and zeros, so a token's result does not depend on which process had it."""
+        tp = self.tp
+        assert tp is not None
+        numerics = get_context().numerics
+        routed = moe.forward_share(normed, numerics)
+        if moe.shared_experts is None:
+            return tp.all_reduce(routed, is_det)
+        shared = run_rows(moe.shared_experts, (normed,), numerics)
+        summed_routed, summed_shared = tp.all_reduce(torch.cat([routed, shared], dim=1), is_det).chunk(2, dim=1)
+        return summed_routed + summed_shared
 
     def tp_row_functions(self, hidden: int) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
         """The row-local functions _post_tp runs, with their input widths (for the probe)."""

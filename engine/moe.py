@@ -279,6 +279,10 @@ class SparseMoE(nn.Module):
     `mlp.router` (gpt-oss) instead of `mlp.gate`. "sigmoid_group_topk" (DeepSeek-V3): the gate is a
     ScoreGate (num_groups, topk_groups, scaling), and shared_intermediate_size > 0 adds SharedExperts.
 
+    Under --tp with --ep (tp_share, engine/world.py) each process of a tensor-parallel group computes the
+    routed experts of its share of the group's tokens only (forward_share), the group's all-reduce
+    after the block adding the shares.
+
     In an expert-parallel group (engine/expert_parallel.py) the module holds only its rank's slots,
     `experts` [num_local, ...], and forward() exchanges rows with the other ranks; `placement` maps
     each logical expert to its physical slot (slot s lives on rank s // num_local), the identity until
@@ -305,6 +309,7 @@ class SparseMoE(nn.Module):
         topk_groups: int = 1,
         scaling: float = 1.0,
         shared_intermediate_size: int = 0,
+        tp_share: tuple[int, int] = (0, 1),
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -322,6 +327,9 @@ class SparseMoE(nn.Module):
         # the Triton path fuses SiLU-SwiGLU and gpt-oss's (pdkernels/moe_gemm.py ACTIVATIONS)
         self.can_fuse = activation == "swiglu_oai" or act is F.silu
         self.ep = ep
+        # --tp with --ep (engine/world.py): (this process, of how many) of its tensor-parallel group, which all
+        # hold the same tokens; each routes and dispatches its share of them (forward_share)
+        self.tp_share = tp_share
         self.first_local, self.num_local = (
             ep.local_experts(num_experts) if ep is not None else (0, num_experts)
         )
@@ -405,6 +413,19 @@ class SparseMoE(nn.Module):
             return routed
         return routed + run_rows(self.shared_experts, (x,), numerics)
 
+    def forward_share(self, x: torch.Tensor, numerics: Numerics) -> torch.Tensor:
+        """Under --tp with --ep: the routed experts' output for this process's share of x's tokens (rows
+        [t T / N, (t + 1) T / N) for process t of N), zeros for the other rows; shared experts left out.
+        Summed over the tensor-parallel group (one value and zeros: exact) it is every token's routed
+        output, each (token, expert) computed once in the whole expert-parallel group. A collective:
+        every process of the expert-parallel group calls it, in the same layer order."""
+        assert self.ep is not None
+        t, n = self.tp_share
+        lo, hi = t * x.shape[0] // n, (t + 1) * x.shape[0] // n
+        out = x.new_zeros(x.shape)
+        out[lo:hi] = self._forward_ep(x[lo:hi], numerics)
+        return out
+
     def _forward_routed(
         self, x: torch.Tensor, numerics: Numerics, first_expert: int, num_local_experts: int | None
     ) -> torch.Tensor:
@@ -470,7 +491,8 @@ class SparseMoE(nn.Module):
     def _combine(self, per_assignment: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
         """[tokens * k, hidden] weighted rows in (token, slot) order -> [tokens, hidden]: a token's k
         slots added in slot order, in float32."""
-        per_slot = per_assignment.view(num_tokens, self.top_k, -1)
+        # (the width given: a process's share of the tokens may be empty, engine/world.py)
+        per_slot = per_assignment.view(num_tokens, self.top_k, per_assignment.shape[-1])
         total = per_slot[:, 0].float()
         for slot in range(1, self.top_k):
             total = total + per_slot[:, slot]

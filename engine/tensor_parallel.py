@@ -24,6 +24,9 @@ What each rank holds (`TpShard`, the loader reads only these slices of the check
                      would stall one rank of an EP split), and computes a token's result as --tp 1
                      does up to the order of one sum. Its limit: I' / N rows per expert per rank (small
                      matmuls at a large N, and FP8 experts need I' / N to be whole 128-blocks).
+                     With --ep (engine/world.py, TpShard.splits_experts False) the experts are instead held
+                     whole and split across every process of every group, each process routing its share
+                     of the group's tokens.
 
 A layer then communicates twice: one all-reduce (sum) of o_proj's partial [tokens, hidden], one of
 down_proj's. In deterministic mode the sum is an all-gather and an add in rank order, so a row's
@@ -67,6 +70,8 @@ from engine.model_config import ModelArch
 from engine.rank_group import join_group, leave_group
 
 PLAN_STEP, PLAN_IDLE, PLAN_STOP, PLAN_COPY, PLAN_EXPORT, PLAN_IMPORT = 0, 1, 2, 3, 4, 5  # kinds of broadcast
+# under --ep (engine/world.py): an empty MoE exchange; expert rebalancing; the MoE counters gathered for stats
+PLAN_EXCHANGE, PLAN_REBALANCE, PLAN_COUNTERS = 6, 7, 8
 
 
 def kv_heads_of(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
@@ -130,10 +135,10 @@ class TensorGroup:
 
         part = part.contiguous()
         if self.rank != 0:
-            dist.gather(part, None, dst=0, group=self.group)
+            dist.gather(part, None, group=self.group, group_dst=0)
             return None
         parts = [torch.empty_like(part) for _ in range(self.size)]
-        dist.gather(part, parts, dst=0, group=self.group)
+        dist.gather(part, parts, group=self.group, group_dst=0)
         return parts
 
     def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None) -> torch.Tensor:
@@ -142,10 +147,10 @@ class TensorGroup:
         import torch.distributed as dist
 
         if self.rank != 0:
-            dist.scatter(out, None, src=0, group=self.group)
+            dist.scatter(out, None, group=self.group, group_src=0)
         else:
             assert parts is not None and len(parts) == self.size
-            dist.scatter(out, [p.contiguous() for p in parts], src=0, group=self.group)
+            dist.scatter(out, [p.contiguous() for p in parts], group=self.group, group_src=0)
         return out
 
     def send_plan(self, kind: int, plan: Any = None) -> None:
@@ -153,21 +158,21 @@ class TensorGroup:
         import torch.distributed as dist
 
         data = msgpack.packb(plan) if plan is not None else b""
-        dist.broadcast(torch.tensor([kind, len(data)], dtype=torch.int64), src=0, group=self.control)
+        dist.broadcast(torch.tensor([kind, len(data)], dtype=torch.int64), group=self.control, group_src=0)
         if data:
-            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.control)
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), group=self.control, group_src=0)
 
     def receive_plan(self) -> tuple[int, Any]:
         """The other ranks: the next plan rank 0 broadcasts, (kind, plan or None)."""
         import torch.distributed as dist
 
         head = torch.empty(2, dtype=torch.int64)
-        dist.broadcast(head, src=0, group=self.control)
+        dist.broadcast(head, group=self.control, group_src=0)
         kind, size = (int(v) for v in head.tolist())
         if not size:
             return kind, None
         data = torch.empty(size, dtype=torch.uint8)
-        dist.broadcast(data, src=0, group=self.control)
+        dist.broadcast(data, group=self.control, group_src=0)
         return kind, msgpack.unpackb(data.numpy().tobytes())
 
 
@@ -198,6 +203,9 @@ class TpShard:
     rank: int
     size: int
     arch: ModelArch  # the whole model's
+    # False under --ep (engine/world.py): the routed experts are split across the expert-parallel group,
+    # each held whole, so this rank loads them unsplit (and its share of them, engine/loader.py)
+    splits_experts: bool = True
 
     def __post_init__(self) -> None:
         a, n = self.arch, self.size
@@ -207,10 +215,11 @@ class TpShard:
             raise InvalidRequestError(
                 f"--tp {n} must divide the model's {a.num_kv_heads} KV heads or be a multiple of them"
             )
-        if a.intermediate_size % n or a.moe_intermediate_size % n or a.shared_intermediate_size % n:
+        expert_rows = a.moe_intermediate_size if self.splits_experts else 0
+        if a.intermediate_size % n or expert_rows % n or a.shared_intermediate_size % n:
             raise InvalidRequestError(
                 f"--tp {n} must divide the model's intermediate size {a.intermediate_size}"
-                + (f" and its experts' {a.moe_intermediate_size}" if a.sparse_layers else "")
+                + (f" and its experts' {a.moe_intermediate_size}" if a.sparse_layers and expert_rows else "")
                 + (f" and its shared experts' {a.shared_intermediate_size}" if a.shared_intermediate_size else "")
             )
 
@@ -223,7 +232,7 @@ class TpShard:
             num_heads=a.num_heads // n,
             num_kv_heads=max(1, a.num_kv_heads // n),
             intermediate_size=a.intermediate_size // n,
-            moe_intermediate_size=a.moe_intermediate_size // n,
+            moe_intermediate_size=a.moe_intermediate_size // n if self.splits_experts else a.moe_intermediate_size,
             shared_intermediate_size=a.shared_intermediate_size // n,
         )
 
@@ -301,7 +310,10 @@ class TpShard:
         return None
 
     def _expert_slice(self, base: str, layout: str) -> Slice | None:
-        """Routed experts: each expert's intermediate rows [r I', (r+1) I') (see the module docstring)."""
+        """Routed experts: each expert's intermediate rows [r I', (r+1) I') (see the module docstring); None
+        (whole experts) under --ep."""
+        if not self.splits_experts:
+            return None
         full = self.arch.moe_intermediate_size
         per = full // self.size
         lo, hi = self.rank * per, (self.rank + 1) * per
@@ -320,7 +332,8 @@ class TpShard:
 
     def is_zero_here(self, name: str) -> bool:
         """A row-parallel projection's bias: added once, by rank 0 (the all-reduce sums the ranks)."""
-        return self.rank != 0 and name.endswith(("self_attn.o_proj.bias", ".mlp.experts.down_proj_bias"))
+        row_parallel = ("self_attn.o_proj.bias", ".mlp.experts.down_proj_bias")
+        return self.rank != 0 and name.endswith(row_parallel if self.splits_experts else row_parallel[0])
 
     def check_fp8_blocks(self, name: str) -> None:
         """Refuses a split of FP8 weight `name` that cuts one of its 128-wide blocks."""
@@ -367,15 +380,22 @@ def current() -> TensorGroup | None:
 
 def init_group(rank: int, size: int, address: str, device: torch.device, timeout_s: float = 120.0) -> TensorGroup:
     """Joins the group at address (host:port; rank 0 hosts the store), once per process."""
-    global _current
     import torch.distributed as dist
 
     if _current is not None:
         raise RuntimeError("this process is in a tensor-parallel group already")
     join_group(rank, size, address, device, timeout_s)
     control = dist.new_group(backend="gloo") if device.type == "cuda" else None
-    _current = TensorGroup(rank, size, device, control=control)
-    return _current
+    return adopt(TensorGroup(rank, size, device, control=control))
+
+
+def adopt(group: TensorGroup) -> TensorGroup:
+    """Makes group the process's tensor-parallel group (its process groups made already: engine/world.py)."""
+    global _current
+    if _current is not None:
+        raise RuntimeError("this process is in a tensor-parallel group already")
+    _current = group
+    return group
 
 
 def close_group() -> None:

@@ -196,7 +196,8 @@ class ServerConfig:
         default=1,
         metadata={
             "help": "expert parallelism for MoE models: --ep N with --dp N splits every MoE layer's experts "
-            "over the N ranks (attention stays data-parallel); the ranks step together and restart together"
+            "over the N ranks (attention stays data-parallel); the ranks step together and restart together. "
+            "With --tp: --ep = --dp x --tp, the experts split over every process of every rank"
         },
     )
     tp: int = field(
@@ -371,10 +372,13 @@ class ServerConfig:
                 f"--tp {self.tp} with --role ce takes handoffs over tcp only so far: pass --accept-transports tcp "
                 f"(got {','.join(self.transfer.accept_transports)})"
             )
-        if self.tp > 1 and self.ep > 1:
-            raise ValueError("--tp and --ep do not compose yet")
-        if self.ep not in (1, self.dp):
-            raise ValueError(f"--ep must be 1 or equal to --dp (one expert-parallel group of every rank), got {self.ep}")
+        if self.ep not in (1, self.dp * self.tp):
+            world = "--dp" if self.tp == 1 else f"--dp x --tp = {self.dp * self.tp}"
+            raise ValueError(
+                f"--ep must be 1 or equal to {world} (one expert-parallel group of every engine process), got {self.ep}"
+            )
+        if self.tp > 1 and self.ep > 1 and self.role != "single":
+            raise ValueError(f"--tp with --ep serves --role single only so far, got --role {self.role}")
         check_http_settings(
             self.port, self.max_body_bytes, self.log_format, self.body_timeout_s, self.shutdown_timeout_s
         )

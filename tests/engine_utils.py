@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,9 +80,12 @@ def random_prompts(lengths: list[int], seed: int, vocab: int = 512) -> list[list
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def decode_logits(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[torch.Tensor]]:
+def decode_logits(
+    eng: LLMEngine, prompts: list[list[int]], max_tokens: int, agree: Callable[[bool], bool] = bool
+) -> dict[str, list[torch.Tensor]]:
     """Greedy generation of every prompt at once (request ids r0, r1, ...): each request's logits at
-    every sampled step, as float32 on the CPU. The engine ends idle."""
+    every sampled step, as float32 on the CPU. The engine ends idle. agree: whether to step, from whether
+    this engine has work (an expert-parallel group's ExpertGroup.any: its schedulers step together)."""
     captured: dict[str, list[torch.Tensor]] = {}
     run = eng.runner.run
 
@@ -95,7 +99,7 @@ def decode_logits(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     try:
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        while eng.has_unfinished():
+        while agree(eng.has_unfinished()):
             eng.step()
     finally:
         eng.runner.run = run  # type: ignore[method-assign]

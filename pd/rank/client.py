@@ -6,7 +6,9 @@ process re-registers with RankReady on the same sockets and the rank is up again
 The ranks of an expert-parallel group (`--ep N`) live and die together (RankGroup): they meet in
 collectives every step, so when one dies the others are killed at once (no rank is left waiting in a
 collective), every in-flight request of the group fails (503), and the group is started again as one,
-with a fresh rendezvous address, under one RestartPolicy.
+with a fresh rendezvous address, under one RestartPolicy. Under `--tp` a rank's process is its
+tensor-parallel group's first: a follower that dies fails that process's next collective, it exits,
+and the group goes down and comes back as above (its followers die with their ranks' processes).
 
 Outputs are delivered per request to the asyncio.Queue given at submit, as (request_id, event) pairs,
 where event is a RequestOutput, a RequestRejected, or a RankDown; P/D ranks add Reserved (CE, then
@@ -226,7 +228,8 @@ class RankClient:
             [] if self.role_config is None else ["--role-config", json.dumps(to_wire(self.role_config))]
         )
         if self.group is not None:
-            role_args += ["--ep", str(len(self.group.members)), "--ep-address", self.group.address]
+            # every process of every member: --dp x --tp (engine/world.py)
+            role_args += ["--ep", str(len(self.group.members) * self.tp), "--ep-address", self.group.address]
         if self.tp > 1:
             role_args += ["--tp", str(self.tp)]
         self.proc = await asyncio.create_subprocess_exec(

@@ -1,6 +1,8 @@
 """A tensor-parallel follower: one process of an engine rank's `--tp N` group other than its first.
 
-    python -m pd.rank.tp_follower --tp-rank K --tp N --address HOST:PORT --engine-config JSON
+    python -m pd.rank.tp_follower --tp-rank K --tp N --address HOST:PORT [--dp-rank I --dp D] --engine-config JSON
+
+(`--dp-rank`/`--dp` under `--ep`: the group joins the world of every rank's processes, engine/world.py.)
 
 Started by the group's first process (pd/rank/worker.py), which schedules; this one joins the group,
 builds its share of the engine and runs the forwards the first process broadcasts
@@ -29,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp-rank", type=int, required=True, help="this process's place in the group (1..N-1)")
     p.add_argument("--tp", type=int, required=True, help="the group's size")
     p.add_argument("--address", required=True, help="the group's rendezvous (the first process hosts it)")
+    p.add_argument("--dp-rank", type=int, default=None, help="--ep: the engine rank whose group this is; --address "
+                   "is then the world's rendezvous (engine/world.py: engine rank 0's first process hosts it)")
+    p.add_argument("--dp", type=int, default=1, help="--ep: the engine ranks of the world")
     p.add_argument("--engine-config", required=True, help="the EngineConfig as JSON (engine/codec.py), device resolved")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="the server's --log-format")
     args = p.parse_args(argv)
@@ -44,17 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     from engine.engine import LLMEngine
-    from engine.tensor_parallel import close_group, init_group
+    from engine.tensor_parallel import init_group
+    from engine.world import join_world, leave_world
 
     cfg = from_wire(EngineConfig, json.loads(args.engine_config))
-    tp = init_group(args.tp_rank, args.tp, args.address, cfg.torch_device())
     try:
+        if args.dp_rank is None:
+            tp = init_group(args.tp_rank, args.tp, args.address, cfg.torch_device())
+        else:
+            tp, _ = join_world(args.dp_rank, args.dp, args.tp_rank, args.tp, args.address, cfg.torch_device())
         LLMEngine(cfg, tp).follow()
     except BaseException:
         log.exception("tensor-parallel follower %d failed", args.tp_rank)
         return 1
     finally:
-        close_group()
+        leave_world()
     return 0
 
 

@@ -16,6 +16,9 @@ they agree whether any of them has work, and if so all run one engine step (a ra
 runs an empty forward, so every rank enters the same MoE exchanges). Idle, they poll every
 EP_IDLE_POLL_S instead of blocking, so a new request waits at most that long for its group.
 
+`--tp N` with `--ep`: one world of every rank's processes (engine/world.py): the rank's followers join it at
+the `--ep-address` too, and the group's first process takes part in the loop above for the group.
+
 `--tp N`: the rank is a tensor-parallel group of N processes holding one model split across them
 (engine/tensor_parallel.py). This process is the group's first: it starts the other N - 1
 (pd/rank/tp_follower.py, its children, on the next GPUs: rank i's group takes GPUs i*N .. i*N + N-1),
@@ -106,13 +109,17 @@ def engine_config(cfg: EngineConfig, rank: int, dp: int, tp: int = 1, tp_rank: i
 
 
 def start_followers(
-    cfg: EngineConfig, rank: int, dp: int, tp: int, log_format: str = "text"
+    cfg: EngineConfig, rank: int, dp: int, tp: int, log_format: str = "text", world_address: str | None = None
 ) -> tuple[str, list[subprocess.Popen[bytes]]]:
     """The group's rendezvous address and its other N - 1 processes (pd/rank/tp_follower.py), each on
-    its own device and a share of the cores, logging as the rank does (log_format)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    its own device and a share of the cores, logging as the rank does (log_format). world_address
+    (--ep): the group joins the world of every rank's processes there instead (engine/world.py)."""
+    address = world_address
+    if address is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+    world = [] if world_address is None else ["--dp-rank", str(rank), "--dp", str(dp)]
     procs = []
     for k in range(1, tp):
         follower = engine_config(cfg, rank, dp, tp, k)
@@ -121,7 +128,7 @@ def start_followers(
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (dp * tp)))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "pd.rank.tp_follower", "--tp-rank", str(k), "--tp", str(tp), "--address", address,
-             "--engine-config", json.dumps(to_wire(follower)), "--log-format", log_format],
+             *world, "--engine-config", json.dumps(to_wire(follower)), "--log-format", log_format],
             env=env,
         ))  # fmt: skip
     return address, procs
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inbox", required=True, help="ZeroMQ address the server pushes requests to")
     p.add_argument("--outbox", required=True, help="ZeroMQ address the rank pushes outputs to")
     p.add_argument("--engine-config", required=True, help="the EngineConfig as JSON (engine/codec.py)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (the group is ranks 0..N-1)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel processes: --dp x --tp (every process of every rank)")
     p.add_argument("--ep-address", default=None, help="--ep N: the group's rendezvous (rank 0 hosts it)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes of this rank (this one is the first)")
     p.add_argument("--role", choices=("single", "pe", "ce"), default="single")
@@ -291,20 +298,22 @@ def main(argv: list[str] | None = None) -> int:
 
         requested, role_config = read_configs(args.engine_config, args.role_config)
         cfg = engine_config(requested, args.rank, args.dp, args.tp)
-        tp = None
-        if args.tp > 1:
+        tp = ep = None
+        if args.ep > 1 and (args.ep != args.dp * args.tp or not args.ep_address):
+            raise ValueError("--ep N needs N = --dp x --tp and --ep-address")
+        if args.tp > 1 and args.ep > 1:  # one world of every rank's processes (engine/world.py)
+            from engine.world import join_world
+
+            _, followers = start_followers(requested, args.rank, args.dp, args.tp, args.log_format, args.ep_address)
+            tp, ep = join_world(args.rank, args.dp, 0, args.tp, args.ep_address, cfg.torch_device())
+        elif args.tp > 1:
             from engine.tensor_parallel import init_group as init_tp_group
 
-            if args.ep > 1:
-                raise ValueError("--tp N works with --ep 1 only")
             address, followers = start_followers(requested, args.rank, args.dp, args.tp, args.log_format)
             tp = init_tp_group(0, args.tp, address, cfg.torch_device())
-        ep = None
-        if args.ep > 1:
+        elif args.ep > 1:
             from engine.expert_parallel import init_group
 
-            if args.ep != args.dp or not args.ep_address:
-                raise ValueError("--ep N needs --dp N and --ep-address")
             ep = init_group(args.rank, args.ep, args.ep_address, cfg.torch_device())
         t0 = time.monotonic()
         engine = LLMEngine(cfg, tp)

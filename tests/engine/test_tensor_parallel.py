@@ -301,6 +301,12 @@ def test_shard_slices_and_refusals(tmp_path: Path) -> None:
     per_expert = TpShard(1, 2, moe).slice_of("model.layers.0.mlp.experts.5.down_proj.weight")
     assert per_expert is not None and (per_expert.dim, per_expert.ranges) == (1, ((16, 32),))
     assert TpShard(1, 2, moe).is_zero_here("model.layers.0.mlp.experts.down_proj_bias")
+    whole = TpShard(1, 2, moe, splits_experts=False)  # --ep (engine/world.py): experts held whole, each bias too
+    assert whole.slice_of("model.layers.0.mlp.experts.gate_up_proj") is None
+    assert whole.slice_of("model.layers.0.mlp.experts.5.down_proj.weight") is None
+    assert whole.local_arch.moe_intermediate_size == moe.moe_intermediate_size == 32
+    assert not whole.is_zero_here("model.layers.0.mlp.experts.down_proj_bias")
+    assert whole.is_zero_here("model.layers.0.self_attn.o_proj.bias")
     mla = arch_from_hf(load_hf_config(make_tiny("deepseek_v3", tmp_path / "d")))
     dq, dkv, dv = mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim, mla.v_head_dim
     half = mla.num_heads // 2

@@ -84,7 +84,7 @@ def test_config_refuses_what_tp_does_not_do_yet() -> None:
         ServerConfig(role="ce", tp=2)
     tcp = TransferConfig(accept_transports=("tcp",))
     assert ServerConfig(role="pe", tp=2).tp == ServerConfig(role="ce", tp=2, transfer=tcp).tp == 2
-    with pytest.raises(ValueError, match="--tp and --ep"):
+    with pytest.raises(ValueError, match="--ep must be 1 or equal to --dp x --tp = 4"):  # test_server_tp_ep.py
         ServerConfig(dp=2, ep=2, tp=2)
     with pytest.raises(ValueError, match="--tp must be >= 1"):
         ServerConfig(tp=0)
