@@ -1,18 +1,37 @@
 """A P/D pair handing off over NIXL (SmolLM2-135M; `--transport nixl` on the PE, the CE accepting it as
 by default): NIXL's UCX backend writes the PE's export into the CE's receive buffers (host memory on
 this machine: UCX's shared-memory or TCP transports), and bench/check_pd.py finds the pair's tokens
-identical to a single engine's, both --deterministic. Skipped where the nixl extra is not installed."""
+identical to a single engine's, both --deterministic; then test_pair_faults.py's faults on this pair: an abort
+while the PE prefills, the PE's lease running out on a receiver that never acks, an abort while the KV is in
+transfer, the PE killed mid-request and restarted. Skipped where the nixl extra is not installed."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
+import os
+import signal
+import time
 import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
 
+import aiohttp
+import orjson
 import pytest
+import torch
 
-from pd.tools.server_process import PDPair, ServerProcess
+from engine.kv_cache import layout_of
+from engine.model_config import arch_from_hf, load_hf_config
+from engine.models import resolve_model
+from pd.tools.server_process import PDPair, ServerProcess, rank_metrics, signed_headers
+from tests.pd.disagg import test_pair_faults as faults
 from tests.server_fixtures import SMALL_DETERMINISTIC, run_check_pd, serving, wait_pair_idle
-from transfer.config import NIXL_MODULES
+from transfer.config import NIXL_MODULES, TransferConfig
+from transfer.handoff import allocate_payload, model_fingerprint
+from transfer.nixl import NixlTransport
+from transfer.receiver import KVReceiver
 
 pytestmark = [
     pytest.mark.slow,
@@ -58,3 +77,97 @@ def test_check_pd_over_nixl(servers, capsys) -> None:
     wait_pair_idle(pair)
     handoffs = _handoffs_by_transport(pair.url)
     assert handoffs.get("nixl", 0) >= 9 and set(handoffs) == {"nixl"}, handoffs
+
+
+# ---- the pair's faults over nixl (tests/pd/disagg/test_pair_faults.py's, on this pair) ------------------
+
+
+class StallNixl(NixlTransport):
+    """A receiver's nixl transport that registers its buffers and sends ready, then never waits for the write."""
+
+    def __init__(self, config: TransferConfig) -> None:
+        super().__init__(config)
+        self.pulling = asyncio.Event()
+
+    async def pull(self, ch: Any, header: Any, extra: Any, segments: Any, **kw: Any) -> int | None:
+        self.pulling.set()
+        await asyncio.sleep(3600)
+        return None
+
+
+@contextlib.asynccontextmanager
+async def stalling_nixl_receiver(pair: PDPair) -> AsyncIterator[tuple[KVReceiver, StallNixl]]:
+    folder = resolve_model(faults.MODEL)
+    layout = layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
+    config = TransferConfig(idle_timeout_s=600, handshake_timeout_s=30)
+    stall = StallNixl(config)
+    r = KVReceiver(pair.token.encode(), layout, lambda h: allocate_payload(h), lambda h, e: None,
+                   model=model_fingerprint(folder), config=config, transports={"nixl": stall})  # fmt: skip
+    try:
+        async with r:
+            yield r, stall
+    finally:
+        stall.close()
+
+
+def test_abort_while_the_pe_prefills(servers) -> None:
+    _, pair = servers
+    time.sleep(1.5)  # an idle rank's stats are at most a heartbeat (1 s) old
+    sent = rank_metrics(pair.pe.port)["pdserve_engine_handoffs_sent_total"]
+    s = faults.RawStream(pair.url, [{"role": "user", "content": "Over nixl. " + faults.LONG}], 8, temperature=0)
+    faults.wait_for(lambda: faults.pe_has_it(pair), 60, "the PE to take the request")
+    s.close()
+    faults.idle(pair.ce.port, pair.pe.port)
+    time.sleep(1.5)
+    assert rank_metrics(pair.pe.port)["pdserve_engine_handoffs_sent_total"] == sent
+    assert faults.ask(pair.url)
+
+
+async def test_pe_lease_expires_on_a_receiver_that_never_acks(servers) -> None:
+    """The PE's nixl write lands in the stalled receiver's buffers; no ack comes, the lease (3 s) runs
+    out: a 502 timeout, the PE's sequence freed."""
+    _, pair = servers
+    async with stalling_nixl_receiver(pair) as (r, stall):
+        data = orjson.dumps(faults.prefill_body(r.address, 3.0))
+        async with aiohttp.ClientSession() as s:
+            async with s.post(pair.pe.url + "/prefill", data=data, headers=signed_headers(pair.token, data)) as resp:
+                body = await resp.json()
+            assert stall.pulling.is_set()
+            assert resp.status == 502 and body["error"]["code"] == "timeout", body
+    await asyncio.to_thread(faults.idle, pair.pe.port)
+    assert rank_metrics(pair.pe.port)["pdserve_engine_handoff_failures_total"] >= 1
+
+
+async def test_abort_while_the_kv_is_in_transfer(servers) -> None:
+    _, pair = servers
+    async with stalling_nixl_receiver(pair) as (r, stall):
+        data = orjson.dumps(faults.prefill_body(r.address, 600.0))
+        async with aiohttp.ClientSession() as s:
+            post = asyncio.create_task(
+                s.post(pair.pe.url + "/prefill", data=data, headers=signed_headers(pair.token, data))
+            )
+            await asyncio.wait_for(stall.pulling.wait(), 120)
+            m = await asyncio.to_thread(rank_metrics, pair.pe.port)
+            assert m["pdserve_engine_num_handoffs_inflight"] == 1
+            post.cancel()  # the caller goes away mid-transfer
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
+        await asyncio.to_thread(faults.idle, pair.pe.port)  # the PE freed the sequence without an ack
+
+
+def test_pe_killed_during_a_request_then_back(servers) -> None:
+    """Last in the module: the PE is killed mid-request and restarted; the pair serves over nixl again."""
+    ref, pair = servers
+    s = faults.RawStream(pair.url, [{"role": "user", "content": "Killed over nixl. " + faults.LONG}], 8, temperature=0)
+    faults.wait_for(lambda: faults.pe_has_it(pair), 60, "the PE to take the request")
+    assert pair.pe.proc is not None
+    os.killpg(pair.pe.proc.pid, signal.SIGKILL)
+    resp = s.response()  # an error, not a hang
+    assert resp.status in (502, 503), resp.status
+    s.close()
+    faults.idle(pair.ce.port)
+    pair.restart_pe()
+    before = _handoffs_by_transport(pair.url).get("nixl", 0)
+    assert faults.ask(pair.url, "Back over nixl?") == faults.ask(ref.url, "Back over nixl?")
+    assert _handoffs_by_transport(pair.url).get("nixl", 0) == before + 1
+    faults.idle(pair.ce.port, pair.pe.port)
