@@ -1,0 +1,157 @@
+"""A streamed handoff (--kv-stream; wire.py: open, parts, final offer) over real sockets on 127.0.0.1:
+the receiver gets the same sequence as from one offer, over one socket and striped; a delta handoff
+streams from its first page; a corrupt part, a sender gone mid-stream and a final offer that disagrees
+with the open fail without delivering anything."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from engine.handoff import SequenceExport
+from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
+from transfer import sender as sender_module
+from transfer.config import TransferConfig
+from transfer.errors import BAD_HEADER, CHECKSUM, INCOMPLETE, TRANSPORT, HandoffError
+from transfer.handoff import HandoffHeader, stream_plan
+from transfer.sender import Ack, KVSender, PagesPart
+
+NUM_PROMPT = 16 * 7 + 5  # 8 pages of 16 tokens: 7 may stream, the 8th (the last prompt token's) goes at the end
+
+
+def plan_of(exp: SequenceExport, first_page: int = 0) -> HandoffHeader:
+    return stream_plan(
+        exp.request_id, exp.prompt_token_ids, exp.params, exp.seed, LAYOUT_SWA, first_page=first_page
+    )
+
+
+def final_of(exp: SequenceExport, first_page: int) -> SequenceExport:
+    """The export that ends a stream whose parts carried pages up to first_page (of exp's pages from exp.first_page)."""
+    cut = first_page - exp.first_page
+    return dataclasses.replace(exp, pages=exp.pages[cut:].clone(), first_page=first_page)
+
+
+async def stream_in_parts(sender: KVSender, addr: str, exp: SequenceExport, cuts: list[int]) -> Ack:
+    """Streams exp's pages in parts ending at the pages `cuts` (absolute), then the rest; returns the Ack."""
+    parts: asyncio.Queue[PagesPart | SequenceExport] = asyncio.Queue()
+    lo = exp.first_page
+    for hi in cuts:
+        parts.put_nowait(PagesPart(lo, exp.pages[lo - exp.first_page : hi - exp.first_page].clone()))
+        lo = hi
+    parts.put_nowait(final_of(exp, lo))
+    return await sender.stream(addr, plan_of(exp, exp.first_page), parts)
+
+
+def same(a: SequenceExport, b: SequenceExport) -> None:
+    assert a.prompt_token_ids == b.prompt_token_ids and a.output_token_ids == b.output_token_ids
+    assert a.first_page == b.first_page and a.num_computed == b.num_computed
+    assert torch.equal(a.pages, b.pages)
+    assert a.state is not None and b.state is not None and torch.equal(a.state, b.state)
+
+
+@pytest.mark.parametrize("tcp_streams", [1, 3])
+async def test_a_streamed_handoff_delivers_the_whole_sequence(tcp_streams):
+    exp = make_export(num_prompt=NUM_PROMPT)
+    sink = Sink("req-1")
+    config = dataclasses.replace(FAST, tcp_streams=tcp_streams)
+    async with receiver(sink, config=config) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=config)
+        try:
+            ack = await stream_in_parts(sender, r.address, exp, [2, 3, 7])
+        finally:
+            sender.close()
+    assert ack.num_streamed_pages == 7 and ack.payload_bytes == LAYOUT_SWA.payload_bytes(NUM_PROMPT)
+    same(sink.delivered["req-1"], exp)
+    assert r.counters["handoffs"] == 1 and r.counters["bytes"] == ack.payload_bytes and not sink.errors
+
+
+async def test_a_streamed_delta_handoff_starts_at_its_first_page_and_long_prompts_send_ids():
+    exp = make_export(num_prompt=16 * 80 + 3)  # past IDS_INLINE_MAX: the ids follow the open and the final offer
+    exp = dataclasses.replace(exp, pages=exp.pages[5:].clone(), first_page=5)
+    sink = Sink("req-1")
+    async with receiver(sink) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+        try:
+            ack = await stream_in_parts(sender, r.address, exp, [6, 40, 80])
+            ack2 = await stream_in_parts(sender, r.address, exp, [])  # nothing streamed: the final is all
+        finally:
+            sender.close()
+    assert ack.num_streamed_pages == 75 and ack2.num_streamed_pages == 0
+    same(sink.delivered["req-1"], exp)
+    assert sender.counters["reuses"] == 1  # the connection carried both
+
+
+async def test_a_corrupt_part_fails_the_handoff_and_delivers_nothing(monkeypatch):
+    """A part whose bytes are not those its checksum was computed over (a bit flipped on the way)."""
+    real = sender_module.part_checksum
+    monkeypatch.setattr(sender_module, "part_checksum", lambda part: real(part) ^ 1)
+    exp = make_export(num_prompt=NUM_PROMPT)
+    sink = Sink("req-1")
+    async with receiver(sink) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+        try:
+            with pytest.raises(HandoffError) as e:
+                await stream_in_parts(sender, r.address, exp, [3])
+        finally:
+            sender.close()
+        await asyncio.wait_for(sink.failed.wait(), 5)
+    assert e.value.code == CHECKSUM and "pages [0, 3)" in e.value.message
+    assert not sink.delivered and [x.code for x in sink.errors] == [CHECKSUM]
+
+
+async def test_a_sender_gone_mid_stream_fails_the_handoff_on_the_receiver():
+    """The PE aborts (or dies) after two parts: its connection closes; the receiver tells on_error (the
+    CE's reservation is reserved again) and delivers nothing."""
+    exp = make_export(num_prompt=NUM_PROMPT)
+    sink = Sink("req-1")
+    async with receiver(sink) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+        parts: asyncio.Queue[PagesPart | SequenceExport] = asyncio.Queue()
+        sent: list[int] = []
+        task = asyncio.ensure_future(sender.stream(r.address, plan_of(exp), parts, on_part=sent.append))
+        parts.put_nowait(PagesPart(0, exp.pages[:2].clone()))
+        parts.put_nowait(PagesPart(2, exp.pages[2:4].clone()))
+        while len(sent) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        sender.close()
+        await asyncio.wait_for(sink.failed.wait(), 5)
+    assert not sink.delivered and [x.code for x in sink.errors] == [INCOMPLETE]
+
+
+async def test_a_final_offer_that_disagrees_with_the_open_is_refused():
+    exp = make_export(num_prompt=NUM_PROMPT)
+    sink = Sink("req-1")
+    async with receiver(sink) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+        parts: asyncio.Queue[PagesPart | SequenceExport] = asyncio.Queue()
+        parts.put_nowait(PagesPart(0, exp.pages[:3].clone()))
+        other = dataclasses.replace(final_of(exp, 3), prompt_token_ids=list(range(100, 100 + NUM_PROMPT)))
+        parts.put_nowait(other)
+        try:
+            with pytest.raises(HandoffError) as e:
+                await sender.stream(r.address, plan_of(exp), parts)
+        finally:
+            sender.close()
+        await asyncio.wait_for(sink.failed.wait(), 5)
+    assert e.value.code == BAD_HEADER and not sink.delivered
+
+
+async def test_only_a_transport_that_carries_parts_streams():
+    with pytest.raises(ValueError, match="--kv-stream on"):
+        TransferConfig(transport="nccl", stream="on")
+    assert TransferConfig().streams_handoffs and not TransferConfig(transport="ipc").streams_handoffs
+    assert not TransferConfig(stream="off").streams_handoffs
+    exp = make_export(num_prompt=NUM_PROMPT)
+    sender = KVSender(TOKEN, LAYOUT_SWA, config=TransferConfig(transport="ipc"))
+    try:
+        with pytest.raises(HandoffError) as e:
+            await sender.stream("127.0.0.1:1", plan_of(exp), asyncio.Queue())
+    finally:
+        sender.close()
+    assert e.value.code == TRANSPORT
