@@ -279,7 +279,12 @@ class PrefillRole:
         return 1.0
 
     def stats(self) -> dict[str, int]:
-        return {**self.counters, "num_handoffs_inflight": self.engine.handoffs.num_exported}
+        num_streaming = sum(1 for job in self.jobs.values() if job.stream is not None)
+        return {
+            **self.counters,
+            "num_handoffs_inflight": self.engine.handoffs.num_exported,
+            "num_handoffs_streaming": num_streaming,  # streamed handoffs opened, not acknowledged yet
+        }
 
     def close(self) -> None:
         for job in self.jobs.values():
