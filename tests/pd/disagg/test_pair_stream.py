@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
+
 from pd.tools.server_process import rank_metrics
 from tests.pd.conftest import PE_CHUNK_TOKENS
 from tests.server_fixtures import openai_client, wait_pair_idle
+
+pytestmark = pytest.mark.slow  # the session's servers
 
 MODEL = "smollm2-135m-instruct"
 # about 1,400 tokens: 6 chunks of PE_CHUNK_TOKENS on the PE, 11 pages of 128 tokens that can go early
