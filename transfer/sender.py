@@ -99,6 +99,20 @@ class PagesPart:
     written: Any = None
 
 
+class StreamParts:
+    """What a streamed handoff sends (KVSender.stream), in order: PagesParts, then the SequenceExport
+    that ends it. put() on the sender's event loop (from another thread: loop.call_soon_threadsafe)."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue[PagesPart | SequenceExport] = asyncio.Queue()
+        self.ended = asyncio.Event()  # the export is in: the prefill is over
+
+    def put(self, item: PagesPart | SequenceExport) -> None:
+        self.items.put_nowait(item)
+        if isinstance(item, SequenceExport):
+            self.ended.set()
+
+
 def part_checksum(part: PagesPart) -> int:
     """payload_checksum of the part's pages alone (from the gather's sum when there is one)."""
     nbytes = part.pages.numel() * part.pages.element_size()
@@ -301,19 +315,42 @@ class KVSender:
         self,
         addr: str,
         plan: HandoffHeader,
-        parts: asyncio.Queue[PagesPart | SequenceExport],
+        parts: StreamParts,
         *,
         timeout_s: float | None = None,
         on_part: Callable[[int], None] | None = None,
     ) -> Ack:
         """Hands off a sequence while it is prefilled: opens the handoff with plan (stream_plan()), sends
         each PagesPart taken from parts as it comes (in page order, from plan.first_page on), then the
-        SequenceExport that ends the queue (its first_page: the page after the parts) as an offer of the
-        rest. timeout_s bounds the final offer to its ack (the lease); before it, the sender's prefill
-        sets the pace. on_part(num_pages): told after each part went. Returns the Ack or raises
+        SequenceExport that ends them (its first_page: the page after the parts) as an offer of the rest.
+        timeout_s (the lease) runs from the export's arrival, the prefill's end, to the ack, parts still
+        in flight included; before it the prefill sets the pace and a part that stalls fails after
+        idle_timeout_s. on_part(num_pages): told after each part went. Returns the Ack or raises
         HandoffError; cancelling it closes the connection (the receiver drops what it got)."""
         if not self.transport.carries_parts:
             raise HandoffError(TRANSPORT, f"transport {self.transport.name!r} does not carry streamed handoffs")
+        timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
+        inner = asyncio.ensure_future(self._stream(addr, plan, parts, on_part))
+        inner.add_done_callback(_retrieved)
+        ended = asyncio.ensure_future(parts.ended.wait())
+        try:
+            await asyncio.wait({inner, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not inner.done():
+                try:
+                    return await asyncio.wait_for(inner, timeout)
+                except asyncio.TimeoutError:
+                    raise HandoffError(
+                        TIMEOUT, f"no ack from {addr} for {plan.request_id!r} within {timeout:.1f} s of the prefill's end"
+                    ) from None
+            return inner.result()
+        finally:
+            ended.cancel()
+            if not inner.done():
+                inner.cancel()
+
+    async def _stream(
+        self, addr: str, plan: HandoffHeader, parts: StreamParts, on_part: Callable[[int], None] | None
+    ) -> Ack:
         t0 = time.perf_counter()
         conn = await self._open_stream(addr, plan)
         ok = False
@@ -322,7 +359,7 @@ class KVSender:
             next_page, num_streamed = plan.first_page, 0
             loop = asyncio.get_running_loop()
             while True:
-                item = await parts.get()
+                item = await parts.items.get()
                 if isinstance(item, SequenceExport):
                     break
                 n = item.pages.shape[0]
@@ -341,16 +378,8 @@ class KVSender:
             export = item
             if export.first_page != next_page:
                 raise HandoffError(PROTOCOL, f"the final export starts at page {export.first_page}, not {next_page}")
-            timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
             t_final = time.perf_counter()
-            try:
-                ack = await asyncio.wait_for(
-                    self._final(conn, export, t0, num_streamed), timeout
-                )
-            except asyncio.TimeoutError:
-                raise HandoffError(
-                    TIMEOUT, f"no ack from {addr} for {plan.request_id!r} within {timeout:.1f} s"
-                ) from None
+            ack = await self._final(conn, export, t0, num_streamed)
             ok = True
         except OSError as e:
             raise HandoffError(TRANSPORT, f"connection to the KV receiver at {addr} failed: {e!r}") from None
@@ -359,9 +388,7 @@ class KVSender:
                 self._keep(addr, conn)
             else:
                 conn.ch.close()
-        return dataclasses.replace(
-            ack, payload_bytes=plan.payload_bytes, final_s=time.perf_counter() - t_final
-        )
+        return dataclasses.replace(ack, payload_bytes=plan.payload_bytes, final_s=time.perf_counter() - t_final)
 
     async def _open_stream(self, addr: str, plan: HandoffHeader) -> _Conn:
         """A connection on which plan's open was taken (ready received); a kept connection the receiver

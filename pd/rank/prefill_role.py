@@ -22,7 +22,6 @@ PrefillResult. Nothing a PE rank computes streams to the HTTP process; it answer
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import time
@@ -43,7 +42,7 @@ from pd.rank.role import add_request, rejection
 from transfer.auth import load_token
 from transfer.errors import ENGINE_ERROR, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader, model_fingerprint, stream_plan
-from transfer.sender import Ack, KVSender, PagesPart
+from transfer.sender import Ack, KVSender, PagesPart, StreamParts
 
 if TYPE_CHECKING:
     from engine.engine import LLMEngine
@@ -59,7 +58,8 @@ class _Stream:
     """A streamed handoff in flight: the engine thread puts its parts and then the export on `parts`
     (through the loop's call_soon_threadsafe); the loop thread notes each part sent in `sent`."""
 
-    parts: asyncio.Queue[PagesPart | SequenceExport]
+
+    parts: StreamParts
     next_page: int  # the first page not gathered yet
     sent: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, pages) per part sent
 
@@ -163,7 +163,7 @@ class PrefillRole:
                 if st is None:
                     job.sending = self.lt.submit(self._send_one(job.msg, export))
                 else:  # the rest of a streamed handoff
-                    self.lt.loop.call_soon_threadsafe(st.parts.put_nowait, export)
+                    self.lt.loop.call_soon_threadsafe(st.parts.put, export)
             elif o.is_finished:
                 del self.jobs[o.request_id]
                 if job.sending is not None:  # a stream opened during the prefill: closed, the CE drops it
@@ -214,10 +214,10 @@ class PrefillRole:
             plan = stream_plan(
                 rid, msg.prompt_token_ids, msg.params, msg.seed or 0, self.engine.handoff_layout, self.model, first
             )
-            st = job.stream = _Stream(asyncio.Queue(), first)
+            st = job.stream = _Stream(StreamParts(), first)
             job.sending = self.lt.submit(self._stream_one(msg, plan, st))
         st.next_page = first + pages.shape[0]
-        self.lt.loop.call_soon_threadsafe(st.parts.put_nowait, PagesPart(first, pages, pages_sum, written))
+        self.lt.loop.call_soon_threadsafe(st.parts.put, PagesPart(first, pages, pages_sum, written))
 
     def tick(self) -> None:
         for sent in self.lt.drain():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ from engine.handoff import SequenceExport
 from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
 from transfer import sender as sender_module
 from transfer.config import TransferConfig
-from transfer.errors import BAD_HEADER, CHECKSUM, INCOMPLETE, TRANSPORT, HandoffError
+from transfer.errors import BAD_HEADER, CHECKSUM, INCOMPLETE, TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader, stream_plan
-from transfer.sender import Ack, KVSender, PagesPart
+from transfer.receiver import KVReceiver
+from transfer.sender import Ack, KVSender, PagesPart, StreamParts
 
 NUM_PROMPT = 16 * 7 + 5  # 8 pages of 16 tokens: 7 may stream, the 8th (the last prompt token's) goes at the end
 
@@ -36,12 +38,12 @@ def final_of(exp: SequenceExport, first_page: int) -> SequenceExport:
 
 async def stream_in_parts(sender: KVSender, addr: str, exp: SequenceExport, cuts: list[int]) -> Ack:
     """Streams exp's pages in parts ending at the pages `cuts` (absolute), then the rest; returns the Ack."""
-    parts: asyncio.Queue[PagesPart | SequenceExport] = asyncio.Queue()
+    parts = StreamParts()
     lo = exp.first_page
     for hi in cuts:
-        parts.put_nowait(PagesPart(lo, exp.pages[lo - exp.first_page : hi - exp.first_page].clone()))
+        parts.put(PagesPart(lo, exp.pages[lo - exp.first_page : hi - exp.first_page].clone()))
         lo = hi
-    parts.put_nowait(final_of(exp, lo))
+    parts.put(final_of(exp, lo))
     return await sender.stream(addr, plan_of(exp, exp.first_page), parts)
 
 
@@ -109,11 +111,11 @@ async def test_a_sender_gone_mid_stream_fails_the_handoff_on_the_receiver():
     sink = Sink("req-1")
     async with receiver(sink) as r:
         sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
-        parts: asyncio.Queue[PagesPart | SequenceExport] = asyncio.Queue()
+        parts = StreamParts()
         sent: list[int] = []
         task = asyncio.ensure_future(sender.stream(r.address, plan_of(exp), parts, on_part=sent.append))
-        parts.put_nowait(PagesPart(0, exp.pages[:2].clone()))
-        parts.put_nowait(PagesPart(2, exp.pages[2:4].clone()))
+        parts.put(PagesPart(0, exp.pages[:2].clone()))
+        parts.put(PagesPart(2, exp.pages[2:4].clone()))
         while len(sent) < 2:
             await asyncio.sleep(0.01)
         task.cancel()
@@ -129,10 +131,9 @@ async def test_a_final_offer_that_disagrees_with_the_open_is_refused():
     sink = Sink("req-1")
     async with receiver(sink) as r:
         sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
-        parts: asyncio.Queue[PagesPart | SequenceExport] = asyncio.Queue()
-        parts.put_nowait(PagesPart(0, exp.pages[:3].clone()))
-        other = dataclasses.replace(final_of(exp, 3), prompt_token_ids=list(range(100, 100 + NUM_PROMPT)))
-        parts.put_nowait(other)
+        parts = StreamParts()
+        parts.put(PagesPart(0, exp.pages[:3].clone()))
+        parts.put(dataclasses.replace(final_of(exp, 3), prompt_token_ids=list(range(100, 100 + NUM_PROMPT))))
         try:
             with pytest.raises(HandoffError) as e:
                 await sender.stream(r.address, plan_of(exp), parts)
@@ -151,7 +152,41 @@ async def test_only_a_transport_that_carries_parts_streams():
     sender = KVSender(TOKEN, LAYOUT_SWA, config=TransferConfig(transport="ipc"))
     try:
         with pytest.raises(HandoffError) as e:
-            await sender.stream("127.0.0.1:1", plan_of(exp), asyncio.Queue())
+            await sender.stream("127.0.0.1:1", plan_of(exp), StreamParts())
     finally:
         sender.close()
     assert e.value.code == TRANSPORT
+
+
+async def test_the_lease_runs_from_the_prefills_end():
+    """A prefill longer than the lease streams on (the lease starts with the export); a receiver that
+    then never acks fails the send with timeout, lease_s after the export arrived."""
+    exp = make_export(num_prompt=NUM_PROMPT)
+    sink = Sink("req-1")
+    stall = asyncio.Event()
+
+    async def on_complete(header: HandoffHeader, export: SequenceExport) -> None:
+        if stall.is_set():
+            await asyncio.sleep(30)
+        sink.on_complete(header, export)
+
+    async with KVReceiver(TOKEN, LAYOUT_SWA, sink.on_handoff, on_complete, on_error=sink.on_error, config=FAST) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+        try:
+            parts = StreamParts()
+            task = asyncio.ensure_future(sender.stream(r.address, plan_of(exp), parts, timeout_s=0.5))
+            parts.put(PagesPart(0, exp.pages[:4].clone()))
+            await asyncio.sleep(1.0)  # the rest of the prefill: twice the lease
+            parts.put(final_of(exp, 4))
+            ack = await task
+            assert ack.num_streamed_pages == 4 and "req-1" in sink.delivered
+            stall.set()
+            parts = StreamParts()
+            parts.put(PagesPart(0, exp.pages[:4].clone()))
+            parts.put(final_of(exp, 4))
+            t0 = time.monotonic()
+            with pytest.raises(HandoffError) as e:
+                await sender.stream(r.address, plan_of(exp), parts, timeout_s=0.5)
+            assert e.value.code == TIMEOUT and time.monotonic() - t0 < 5
+        finally:
+            sender.close()
