@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from pdkernels.checksum import CHUNK_BYTES
 
-TRANSPORT_NAMES = ("tcp", "nccl", "ipc", "nixl")
+TRANSPORT_NAMES = ("tcp", "nccl", "ipc", "nixl")  # nixl: the optional extra pdserve[nixl]
 STREAM_CHOICES = ("auto", "on", "off")
-STREAM_TRANSPORTS = ("tcp",)  # the transports whose push/pull carry a streamed handoff's parts  # nixl: the optional extra pdserve[nixl]
+STREAM_TRANSPORTS = ("tcp",)  # the transports whose push/pull carry a streamed handoff's parts
 GiB = 1 << 30
 MAX_TCP_STREAMS = 64  # per control connection; a receiver refuses more
 # what --transport nixl needs; the wheels' import names (the `nixl` package picks one of them)

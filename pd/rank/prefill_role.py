@@ -58,7 +58,6 @@ class _Stream:
     """A streamed handoff in flight: the engine thread puts its parts and then the export on `parts`
     (through the loop's call_soon_threadsafe); the loop thread notes each part sent in `sent`."""
 
-
     parts: StreamParts
     next_page: int  # the first page not gathered yet
     sent: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, pages) per part sent
@@ -109,7 +108,6 @@ class PrefillRole:
             "handoff_pages_sent_before_prefill_end_total": 0,  # of them, pages gone before the prefill ended
         }
         self.is_streaming = config.transfer.streams_handoffs
-        self.model = model_fingerprint(engine.folder)
 
     # ---- engine thread --------------------------------------------------------------------------
 
@@ -212,7 +210,7 @@ class PrefillRole:
         if st is None:
             msg = job.msg
             plan = stream_plan(
-                rid, msg.prompt_token_ids, msg.params, msg.seed or 0, self.engine.handoff_layout, self.model, first
+                rid, msg.prompt_token_ids, msg.params, msg.seed or 0, self.engine.handoff_layout, self.sender.model, first
             )
             st = job.stream = _Stream(StreamParts(), first)
             job.sending = self.lt.submit(self._stream_one(msg, plan, st))
