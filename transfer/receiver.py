@@ -20,6 +20,10 @@ match this engine, ask the CE whether it expects the request and where the paylo
 receive into those buffers, verify the checksum, and only then hand the sequence over (on_complete).
 The sender is told ack (on_complete returned) or nack with the reason. A payload that is cut short,
 late or corrupt is never handed over: the CE hears about it through on_error instead.
+
+A streamed handoff (an `open` instead of an offer: the sender is still prefilling, wire.py) is asked for
+in on_handoff by its open's header, takes its pages in parts, each verified as it lands, and ends with an
+offer of the rest, handled as above; what on_complete gets is the whole sequence, as from one offer.
 """
 
 from __future__ import annotations

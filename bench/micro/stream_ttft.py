@@ -78,10 +78,15 @@ def prompts(n: int, tokens: int) -> list[list[int]]:
     return [[200 + k, *body] for k in range(n)]
 
 
-def measure(url: str, model: str, runs: int, start: int, tokens: int) -> list[float]:
+def measure(url: str, model: str, runs: int, start: int, tokens: int, label: str) -> list[float]:
     ps = prompts(start + runs + 1, tokens)[start:]
-    ttft_s(url, model, ps[0])  # warm-up
-    return [ttft_s(url, model, p) for p in ps[1:]]
+    out = []
+    for i, p in enumerate(ps):
+        t = ttft_s(url, model, p)
+        print(f"  {label}: {'warm-up' if i == 0 else f'run {i}'} TTFT {t:.3f} s", flush=True)
+        if i:
+            out.append(t)
+    return out
 
 
 def main() -> int:
@@ -102,11 +107,13 @@ def main() -> int:
     results: dict[str, Any] = {"tokens": args.tokens, "chunk": args.chunk, "runs": args.runs, "logs": str(logs)}
     print(f"prompt {args.tokens} tokens, chunks of {args.chunk}, {args.runs} timed runs each (logs: {logs})")
     with ServerProcess(*common, log_path=logs / "single.log", ready_timeout_s=900) as single:
-        results["single"] = {"ttft_s": measure(single.url, args.model, args.runs, 0, args.tokens)}
+        results["single"] = {"ttft_s": measure(single.url, args.model, args.runs, 0, args.tokens, "single")}
     for i, mode in enumerate(args.modes.split(",")):
+        (logs / f"pair_{mode}").mkdir()
         with PDPair(*common, log_dir=logs / f"pair_{mode}", pe_args=("--kv-stream", mode), ready_timeout_s=900) as pair:
             before = phase_sums(pair.url)
-            ttfts = measure(pair.url, args.model, args.runs, (i + 1) * (args.runs + 1), args.tokens)
+            start = (i + 1) * (args.runs + 1)
+            ttfts = measure(pair.url, args.model, args.runs, start, args.tokens, f"pair {mode}")
             after = phase_sums(pair.url)
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         n = d.get("transfer_count", 0.0)
