@@ -6,8 +6,8 @@ then a pair for each --modes entry. Every server prefills in chunks of --chunk t
 and the PE alike) and has no host prefix cache (--hicache-gb 0); each request is a prompt of --tokens
 token ids of its own (a distinct first token: no cache hits anywhere), sent to /v1/completions with
 max_tokens 2 (1 would end on the PE: no handoff), ignore_eos and stream on; TTFT is the time to the
-first streamed token. After one warm-up request,
---runs requests are timed per configuration; the median is reported. For the pairs, the CE's
+first streamed token. After one warm-up request of WARMUP_TOKENS tokens, --runs requests are timed per
+configuration; the median is reported. For the pairs, the CE's
 /metrics give the handoff's two phases per request: `transfer` (the whole handoff: streamed, from its
 open after the first chunk; else from the export) and `transfer_after_prefill` (the PE's first token to
 the CE's ack: what the handoff adds to TTFT), and their ratio.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pd.tools.server_process import PDPair, ServerProcess  # noqa: E402
 
 TTFT_BAR = 1.15
+WARMUP_TOKENS = 512
 AFTER_BAR = 0.15
 
 
@@ -78,14 +80,23 @@ def prompts(n: int, tokens: int) -> list[list[int]]:
     return [[200 + k, *body] for k in range(n)]
 
 
+def warm_up(url: str, model: str, tokens: int, label: str) -> None:
+    """One request of min(tokens, WARMUP_TOKENS) tokens (a prompt of its own), untimed."""
+    n = min(tokens, WARMUP_TOKENS)
+    t = ttft_s(url, model, prompts(1, n)[0][::-1])
+    print(f"  {label}: warm-up ({n} tokens) TTFT {t:.3f} s", flush=True)
+
+
 def measure(url: str, model: str, runs: int, start: int, tokens: int, label: str) -> list[float]:
-    ps = prompts(start + runs + 1, tokens)[start:]
+    """TTFTs of `runs` prompts of `tokens` (prompts()[start:start + runs])."""
     out = []
-    for i, p in enumerate(ps):
-        t = ttft_s(url, model, p)
-        print(f"  {label}: {'warm-up' if i == 0 else f'run {i}'} TTFT {t:.3f} s", flush=True)
-        if i:
-            out.append(t)
+    for i, p in enumerate(prompts(start + runs, tokens)[start:]):
+        load = os.getloadavg()[0]
+        out.append(ttft_s(url, model, p))
+        print(
+            f"  {label}: run {i + 1} TTFT {out[-1]:.3f} s (host load average {load:.1f} -> {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
     return out
 
 
@@ -107,17 +118,19 @@ def main() -> int:
     results: dict[str, Any] = {"tokens": args.tokens, "chunk": args.chunk, "runs": args.runs, "logs": str(logs)}
     print(f"prompt {args.tokens} tokens, chunks of {args.chunk}, {args.runs} timed runs each (logs: {logs})")
     with ServerProcess(*common, log_path=logs / "single.log", ready_timeout_s=900) as single:
+        warm_up(single.url, args.model, args.tokens, "single")
         results["single"] = {"ttft_s": measure(single.url, args.model, args.runs, 0, args.tokens, "single")}
     for i, mode in enumerate(args.modes.split(",")):
         (logs / f"pair_{mode}").mkdir()
         with PDPair(*common, log_dir=logs / f"pair_{mode}", pe_args=("--kv-stream", mode), ready_timeout_s=900) as pair:
+            warm_up(pair.url, args.model, args.tokens, f"pair {mode}")
             before = phase_sums(pair.url)
-            start = (i + 1) * (args.runs + 1)
+            start = (i + 1) * args.runs
             ttfts = measure(pair.url, args.model, args.runs, start, args.tokens, f"pair {mode}")
             after = phase_sums(pair.url)
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         n = d.get("transfer_count", 0.0)
-        # the warm-up's handoff is in the difference too: n is runs + 1
+        # NOTE: the warm-up's handoff is counted before `before`: n is runs
         transfer = d.get("transfer_sum", 0.0) / n if n else float("nan")
         after_prefill = d.get("transfer_after_prefill_sum", 0.0) / n if n else float("nan")
         prefill = d.get("prefill_sum", 0.0) / n if n else float("nan")
