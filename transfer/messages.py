@@ -103,6 +103,14 @@ class Part:
 
 
 @dataclass(frozen=True)
+class KeepAlive:
+    """S -> R, during a streamed handoff while no part is due (the sender's next chunk still computes):
+    the sender is alive, so the receiver's wait for the next message starts again."""
+
+    TYPE: ClassVar[str] = "keepalive"
+
+
+@dataclass(frozen=True)
 class Ids:
     """S -> R, right after an offer whose header announces a long prompt's ids: them, packed."""
 
@@ -161,9 +169,23 @@ class Nack:
 
 
 ControlMessage = (
-    Hello | Auth | AuthOk | Streams | Join | Offer | Open | Part | Ids | Sum | Ready | Written | HandoffAck | Nack
+    Hello
+    | Auth
+    | AuthOk
+    | Streams
+    | Join
+    | Offer
+    | Open
+    | Part
+    | KeepAlive
+    | Ids
+    | Sum
+    | Ready
+    | Written
+    | HandoffAck
+    | Nack
 )
 TYPES: dict[str, type[ControlMessage]] = {
     c.TYPE: c
-    for c in (Hello, Auth, AuthOk, Streams, Join, Offer, Open, Part, Ids, Sum, Ready, Written, HandoffAck, Nack)
+    for c in (Hello, Auth, AuthOk, Streams, Join, Offer, Open, Part, KeepAlive, Ids, Sum, Ready, Written, HandoffAck, Nack)
 }

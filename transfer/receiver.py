@@ -74,6 +74,7 @@ from transfer.messages import (
     HandoffAck,
     Ids,
     Join,
+    KeepAlive,
     Offer,
     Open,
     Part,
@@ -523,6 +524,8 @@ class KVReceiver:
                 ) from None
             if msg is None:
                 raise HandoffError(INCOMPLETE, f"request {plan.request_id!r}: the sender closed the stream")
+            if isinstance(msg, KeepAlive):  # the sender's prefill goes on
+                continue
             if not isinstance(msg, Part):
                 break
             t = time.perf_counter()

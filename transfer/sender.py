@@ -51,7 +51,7 @@ from transfer.handoff import (
     peer_layout,
 )
 from transfer.ipc import IpcTransport
-from transfer.messages import HandoffAck, Ids, Join, Offer, Open, Part, Ready, Streams, Sum
+from transfer.messages import HandoffAck, Ids, Join, KeepAlive, Offer, Open, Part, Ready, Streams, Sum
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -129,6 +129,7 @@ def _retrieved(fut: asyncio.Future[Any]) -> None:
 
 
 MAX_IDLE_PER_PEER = 8  # kept connections per receiver address
+KEEPALIVE_BEATS = 4  # a streamed handoff waiting for its next part sends a keepalive this often per keepalive_s
 
 
 @dataclass
@@ -359,7 +360,11 @@ class KVSender:
             next_page, num_streamed = plan.first_page, 0
             loop = asyncio.get_running_loop()
             while True:
-                item = await parts.items.get()
+                try:  # NOTE: a chunk may compute longer than the receiver waits for a message: beat
+                    item = await asyncio.wait_for(parts.items.get(), self.config.keepalive_s / KEEPALIVE_BEATS)
+                except asyncio.TimeoutError:
+                    await ch.send(KeepAlive())
+                    continue
                 if isinstance(item, SequenceExport):
                     break
                 n = item.pages.shape[0]

@@ -31,6 +31,8 @@ TransferConfig.keepalive_s without an offer, or S when it is done with the peer:
     R -> S  ready    Ready {}  (buffers for the whole payload)  | nack {code, reason}
     S -> R  part     Part {first_page, num_pages, checksum, extra}, then that part's payload bytes:
                      as often as chunks of the prefill complete pages, in page order
+    S -> R  keepalive  KeepAlive {}  (between parts, every keepalive_s / 4 without one: R waits up to
+                     keepalive_s for each message of a stream)
     S -> R  offer    the final one: the handoff's header, for the pages after the parts; then ids, ready,
                      the rest of the payload (those pages and the SWA state) and ack, as above
 

@@ -190,3 +190,31 @@ async def test_the_lease_runs_from_the_prefills_end():
             assert e.value.code == TIMEOUT and time.monotonic() - t0 < 5
         finally:
             sender.close()
+
+
+async def test_a_chunk_longer_than_the_receivers_wait_is_bridged_by_keepalives():
+    """The receiver waits keepalive_s for each message of a stream; a sender whose next part takes longer
+    (a long chunk) sends keepalives meanwhile, and a sender that sends nothing is dropped."""
+    exp = make_export(num_prompt=NUM_PROMPT)
+    sink = Sink("req-1")
+    config = dataclasses.replace(FAST, keepalive_s=0.6)
+    async with receiver(sink, config=config) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=config)
+        try:
+            parts = StreamParts()
+            task = asyncio.ensure_future(sender.stream(r.address, plan_of(exp), parts))
+            parts.put(PagesPart(0, exp.pages[:4].clone()))
+            await asyncio.sleep(2.0)  # the next chunk: three times the receiver's wait
+            parts.put(final_of(exp, 4))
+            assert (await task).num_streamed_pages == 4 and "req-1" in sink.delivered
+        finally:
+            sender.close()
+        silent = KVSender(TOKEN, LAYOUT_SWA, config=dataclasses.replace(config, keepalive_s=60.0))
+        try:
+            parts = StreamParts()
+            task = asyncio.ensure_future(silent.stream(r.address, plan_of(exp), parts))
+            await asyncio.wait_for(sink.failed.wait(), 5)  # beats every 15 s: too late for the receiver
+            assert [e.code for e in sink.errors] == [TIMEOUT]
+            task.cancel()
+        finally:
+            silent.close()
