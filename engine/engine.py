@@ -624,6 +624,13 @@ class LLMEngine:
         only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page)."""
         return self.handoff_io.export(request_id, device, alloc, skip_pages)
 
+    def export_pages(self, request_id: str, first_page: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A sequence's pages from first_page on that its prefill has completed, while later chunks are
+        still to run (a streamed handoff's parts): (pages, their checksum sum or None), or None when no
+        new page is complete. Pages stay on the engine's device; the page of the last prompt token is
+        left to export_sequence."""
+        return self.handoff_io.export_pages(request_id, first_page)
+
     def finish_handoff(self, request_id: str) -> None:
         """The exported sequence now lives elsewhere: free it here without a further output."""
         if self.handoffs.hand_off(request_id) is not None:

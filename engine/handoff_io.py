@@ -91,6 +91,26 @@ class HandoffIO:
             prompt_logprobs=seq.prompt_logprobs.result() if seq.prompt_logprobs is not None else None,
         )
 
+    def export_pages(self, request_id: str, first_page: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """LLMEngine.export_pages: copies of a prefilling sequence's computed pages from first_page on,
+        short of the page of its last prompt token (that one, and everything after, goes with export()),
+        and their checksum sum where the gather computes it (CUDA); None when there are none yet.
+
+        NOTE: a page is copied only once every position of it is computed: no later chunk writes it. On
+        CUDA the gather is queued on the engine's stream behind the forwards that wrote the pages; a
+        reader on another stream waits on an event recorded after this call."""
+        seq = self.ledger.parked(request_id) or self.scheduler.find(request_id)
+        if seq is None:
+            raise InvalidRequestError(f"request {request_id!r} is not a sequence of this engine")
+        bs = self.kv.layout.block_size
+        last = min(seq.num_computed, seq.num_prompt_tokens - 1) // bs
+        if last <= first_page or not self.layout.has_pages:
+            return None
+        block_ids = seq.block_ids[first_page:last]
+        if self.shards is not None:  # the group's heads, merged on rank 0
+            return self.shards.read(block_ids, -1)[0], None
+        return self.kv.read_pages(block_ids, with_checksum=True)
+
     def import_(self, exp: SequenceExport) -> Sequence:
         """The imported sequence, decoding in memory the ledger gave it, its pages and state written.
         Raises, holding nothing, if exp does not match this engine's layout or the write fails

@@ -139,6 +139,9 @@ class PrefillResult:
     payload_bytes: int = 0
     transport: str = ""
     skipped_tokens: int = 0  # leading tokens not sent: the receiver held their pages
+    transfer_after_prefill_s: float = 0.0  # first token sampled -> the CE's ack (what the handoff adds to TTFT)
+    streamed_pages: int = 0  # pages sent in parts while the prompt was prefilled (--kv-stream)
+    early_pages: int = 0  # of them, pages whose bytes had gone when the prefill ended
     code: str | None = None
     message: str = ""
     output: RequestOutput | None = None
@@ -318,3 +321,6 @@ class PrefillReply:
     transport: str
     output: RequestOutput | None = None
     skipped_tokens: int = 0  # leading tokens whose pages were not sent (the CE held them)
+    transfer_after_prefill_s: float = 0.0  # first token sampled on the PE -> the CE's ack
+    streamed_pages: int = 0  # pages sent while the prompt was prefilled (--kv-stream)
+    early_pages: int = 0  # of them, pages whose bytes had gone when the prefill ended

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pdkernels.checksum import CHUNK_BYTES
 
 TRANSPORT_NAMES = ("tcp", "nccl", "ipc", "nixl")  # nixl: the optional extra pdserve[nixl]
+STREAM_CHOICES = ("auto", "on", "off")
+STREAM_TRANSPORTS = ("tcp",)  # the transports whose push/pull carry a streamed handoff's parts
 GiB = 1 << 30
 MAX_TCP_STREAMS = 64  # per control connection; a receiver refuses more
 # what --transport nixl needs; the wheels' import names (the `nixl` package picks one of them)
@@ -76,6 +78,18 @@ class TransferConfig:
             "flag": "kv-tcp-streams",
         },
     )
+    # prefill: a long prompt's handoff overlaps its prefill (wire.py: open, parts, final offer): the pages
+    # each chunk completes go while the next chunks compute; only the last page(s) and the SWA state
+    # are left after the prefill. auto: on where the transport carries parts (tcp), off elsewhere
+    stream: str = field(
+        default="auto",
+        metadata={
+            "help": "prefill: send each prefill chunk's completed KV pages while the prompt is still being"
+            " prefilled; auto: on for tcp (the transport that carries it), off for the others",
+            "choices": STREAM_CHOICES,
+            "flag": "kv-stream",
+        },
+    )
     max_workers: int = field(
         default=8, metadata={"help": "threads for blocking payload I/O, checksums and NCCL/IPC waits"}
     )
@@ -117,8 +131,20 @@ class TransferConfig:
             raise ValueError(f"tcp_streams must be in [1, {MAX_TCP_STREAMS}], got {self.tcp_streams}")
         if self.tcp_streams > 1 and self.transport != "tcp":
             raise ValueError(f"tcp_streams {self.tcp_streams} stripes tcp payloads; transport is {self.transport!r}")
+        if self.stream not in STREAM_CHOICES:
+            raise ValueError(f"stream must be one of {STREAM_CHOICES}, got {self.stream!r}")
+        if self.stream == "on" and self.transport not in STREAM_TRANSPORTS:
+            raise ValueError(
+                f"--kv-stream on streams handoffs over {', '.join(STREAM_TRANSPORTS)}; transport is"
+                f" {self.transport!r} (--kv-stream off or auto)"
+            )
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+    @property
+    def streams_handoffs(self) -> bool:
+        """Whether a prefill engine streams its handoffs (stream, resolved for the transport)."""
+        return self.stream == "on" or (self.stream == "auto" and self.transport in STREAM_TRANSPORTS)
 
     @property
     def ipc_arena_bytes(self) -> int:

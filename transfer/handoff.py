@@ -459,6 +459,59 @@ def make_header(
     )
 
 
+def stream_plan(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    seed: int,
+    layout: KVLayout,
+    model: str = "",
+    first_page: int = 0,
+) -> HandoffHeader:
+    """The header of a streamed handoff as far as it is known while its prompt is prefilled (an `open`'s,
+    wire.py): every size is the handoff's, the first token is a placeholder (0), there are no logprobs
+    and the checksum follows. A receiver sizes its buffers and takes the reservation by it; the final
+    offer's header must agree with it (check_final)."""
+    lo = layout.fields()
+    num_computed = len(prompt_token_ids)
+    return HandoffHeader(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt_token_ids),
+        output_token_ids=(0,),
+        num_computed=num_computed,
+        params=dataclasses.replace(params, prompt_logprobs=None),
+        seed=seed,
+        model=model,
+        swa_fill=min(num_computed, lo["window"]),
+        num_pages=layout.num_pages(num_computed) - first_page,
+        page_bytes=layout.page_bytes,
+        state_bytes=layout.state_bytes,
+        payload_bytes=layout.payload_bytes(num_computed) - first_page * layout.page_bytes,
+        checksum=0,
+        first_page=first_page,
+        checksum_follows=True,
+        **lo,
+    )
+
+
+def check_final(plan: HandoffHeader, header: HandoffHeader, num_streamed_pages: int) -> None:
+    """Raises HandoffError(BAD_HEADER) unless header (a streamed handoff's final offer) is for plan's
+    sequence and carries exactly the pages after the num_streamed_pages that went in parts."""
+    diffs = [
+        k
+        for k in ("request_id", "num_computed", "model", *KVLayout.FIELDS)
+        if getattr(header, k) != getattr(plan, k)
+    ]
+    if len(header.prompt_token_ids) != len(plan.prompt_token_ids):
+        diffs.append("prompt length")
+    if header.first_page != plan.first_page + num_streamed_pages:
+        diffs.append(f"first_page {header.first_page} (after {num_streamed_pages} streamed pages)")
+    if diffs:
+        raise HandoffError(
+            BAD_HEADER, f"request {plan.request_id!r}: the final offer differs from the open in {', '.join(diffs)}"
+        )
+
+
 def allocate_payload(
     header: HandoffHeader, device: torch.device | str = "cpu", pin_memory: bool = False
 ) -> list[torch.Tensor]:

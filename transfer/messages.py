@@ -78,6 +78,39 @@ class Offer:
 
 
 @dataclass(frozen=True)
+class Open:
+    """S -> R: a streamed handoff begins while its prompt is still being prefilled (--kv-stream).
+    header: the encoded HandoffHeader as far as it is known then (stream_plan(): the first token a
+    placeholder, no logprobs, the checksum following), which the receiver checks and sizes its
+    buffers by; `part`s of its pages follow, then the offer of the rest, whose header is the handoff's."""
+
+    TYPE: ClassVar[str] = "open"
+    transport: str
+    header: bytes
+
+
+@dataclass(frozen=True)
+class Part:
+    """S -> R, after an open's ready: the pages [first_page, first_page + num_pages) of the sequence
+    follow as payload bytes (checksum: payload_checksum of those pages alone; extra: the transport's
+    offer fields for them)."""
+
+    TYPE: ClassVar[str] = "part"
+    first_page: int
+    num_pages: int
+    checksum: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    """S -> R, during a streamed handoff while no part is due (the sender's next chunk still computes):
+    the sender is alive, so the receiver's wait for the next message starts again."""
+
+    TYPE: ClassVar[str] = "keepalive"
+
+
+@dataclass(frozen=True)
 class Ids:
     """S -> R, right after an offer whose header announces a long prompt's ids: them, packed."""
 
@@ -135,7 +168,24 @@ class Nack:
     reason: str
 
 
-ControlMessage = Hello | Auth | AuthOk | Streams | Join | Offer | Ids | Sum | Ready | Written | HandoffAck | Nack
+ControlMessage = (
+    Hello
+    | Auth
+    | AuthOk
+    | Streams
+    | Join
+    | Offer
+    | Open
+    | Part
+    | KeepAlive
+    | Ids
+    | Sum
+    | Ready
+    | Written
+    | HandoffAck
+    | Nack
+)
 TYPES: dict[str, type[ControlMessage]] = {
-    c.TYPE: c for c in (Hello, Auth, AuthOk, Streams, Join, Offer, Ids, Sum, Ready, Written, HandoffAck, Nack)
+    c.TYPE: c
+    for c in (Hello, Auth, AuthOk, Streams, Join, Offer, Open, Part, KeepAlive, Ids, Sum, Ready, Written, HandoffAck, Nack)
 }

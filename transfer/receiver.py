@@ -20,11 +20,16 @@ match this engine, ask the CE whether it expects the request and where the paylo
 receive into those buffers, verify the checksum, and only then hand the sequence over (on_complete).
 The sender is told ack (on_complete returned) or nack with the reason. A payload that is cut short,
 late or corrupt is never handed over: the CE hears about it through on_error instead.
+
+A streamed handoff (an `open` instead of an offer: the sender is still prefilling, wire.py) is asked for
+in on_handoff by its open's header, takes its pages in parts, each verified as it lands, and ends with an
+offer of the rest, handled as above; what on_complete gets is the whole sequence, as from one offer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import logging
@@ -45,6 +50,7 @@ from transfer.errors import (
     AUTH,
     BAD_HEADER,
     CHECKSUM,
+    INCOMPLETE,
     MESSAGE_CHARS,
     PROTOCOL,
     REJECTED,
@@ -57,11 +63,25 @@ from transfer.errors import (
 from transfer.handoff import (
     HandoffHeader,
     PackedIds,
+    check_final,
     check_layout,
     check_segments,
     to_export,
 )
-from transfer.messages import AuthOk, ControlMessage, HandoffAck, Ids, Join, Offer, Ready, Streams, Sum
+from transfer.messages import (
+    AuthOk,
+    ControlMessage,
+    HandoffAck,
+    Ids,
+    Join,
+    KeepAlive,
+    Offer,
+    Open,
+    Part,
+    Ready,
+    Streams,
+    Sum,
+)
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -396,6 +416,8 @@ class KVReceiver:
     async def _handle(self, ch: Channel, msg: ControlMessage) -> bool:
         """One handoff, from its offer msg; raises HandoffError (the caller nacks and closes) if the
         handoff fails."""
+        if isinstance(msg, Open):
+            return await self._handle_stream(ch, msg)
         try:
             offer = ch.expected(msg, Offer)
         except HandoffError as e:
@@ -418,27 +440,121 @@ class KVReceiver:
         try:
             ack = await self._receive(ch, header, transport, extra, segments, phases)
         except BaseException as e:  # incl. cancellation (shutdown): the reservation must be released
-            if isinstance(e, HandoffError):
-                err = e
-            elif isinstance(e, asyncio.CancelledError):
-                err = HandoffError(TIMEOUT, "the receiver shut down mid-handoff")
-            else:
-                err = HandoffError(PROTOCOL, f"receiver failed: {e!r}")
-            self.counters["failed"] += 1
-            log.warning(
-                "handoff %s from %s failed: %s",
-                printable(header.request_id),
-                ch.peer,
-                printable(err, MESSAGE_CHARS),
-            )
-            if self.on_error is not None:
-                with suppress(Exception):
-                    await _call(self.on_error, header, err)
+            await self._failed(ch, header, e)
             raise
         self.counters["handoffs"] += 1
         self.counters["bytes"] += header.payload_bytes
         await ch.send(ack)
         return True
+
+    async def _failed(self, ch: Channel, header: HandoffHeader, e: BaseException) -> None:
+        """An accepted handoff failed (e): counted, logged, and on_error told (nothing was delivered)."""
+        if isinstance(e, HandoffError):
+            err = e
+        elif isinstance(e, asyncio.CancelledError):
+            err = HandoffError(TIMEOUT, "the receiver shut down mid-handoff")
+        else:
+            err = HandoffError(PROTOCOL, f"receiver failed: {e!r}")
+        self.counters["failed"] += 1
+        log.warning(
+            "handoff %s from %s failed: %s",
+            printable(header.request_id),
+            ch.peer,
+            printable(err, MESSAGE_CHARS),
+        )
+        if self.on_error is not None:
+            with suppress(Exception):
+                await _call(self.on_error, header, err)
+
+    # ---- a streamed handoff (--kv-stream on the sender; wire.py's open and part) --------------
+
+    async def _handle_stream(self, ch: Channel, msg: Open) -> bool:
+        """A streamed handoff, from its open: buffers for the whole payload sized by the open's header
+        (the reservation taken by it), the pages' parts received and verified one by one as the sender's
+        prefill makes them, then the final offer's payload (the remaining pages and the state) as any
+        offer's. The sequence is delivered only after the final payload is verified too; a failure in any
+        phase is on_error's, as for an offer."""
+        t0 = time.perf_counter()
+        try:
+            plan, transport, _ = self._read_offer(Offer(msg.transport, msg.header))
+            if not transport.carries_parts:
+                raise HandoffError(TRANSPORT, f"transport {transport.name!r} does not carry streamed handoffs")
+            t_offer = time.perf_counter()
+            segments = await _call(self.on_handoff, plan)
+            if segments is None:
+                raise HandoffError(UNEXPECTED, f"request {plan.request_id!r} is not expected here")
+        except HandoffError as refused:
+            self.counters["refused"] += 1
+            log.warning("refused streamed handoff from %s: %s", ch.peer, printable(refused, MESSAGE_CHARS))
+            raise
+        phases = {"decode": t_offer - t0, "on_handoff": time.perf_counter() - t_offer}
+        try:
+            ack = await self._stream(ch, plan, transport, segments, phases)
+        except BaseException as e:
+            await self._failed(ch, plan, e)
+            raise
+        self.counters["handoffs"] += 1
+        self.counters["bytes"] += plan.payload_bytes
+        await ch.send(ack)
+        return True
+
+    async def _stream(
+        self,
+        ch: Channel,
+        plan: HandoffHeader,
+        transport: Transport,
+        segments: list[torch.Tensor],
+        phases: dict[str, float],
+    ) -> HandoffAck:
+        """The parts, then the final offer's payload into what they left of segments:
+
+            segments[0]  | part | part | ... | the final offer's pages |   segments[1]: the state (final)
+                         ^ plan.first_page    ^ final header's first_page = plan.first_page + streamed
+        """
+        check_segments(plan, segments)
+        await self._read_ids(ch, plan)
+        await ch.send(Ready({}))
+        pages, done, parts_s = segments[0], 0, 0.0
+        while True:
+            try:
+                msg = await asyncio.wait_for(ch.recv_or_eof(), self.config.keepalive_s)
+            except asyncio.TimeoutError:
+                raise HandoffError(
+                    TIMEOUT, f"request {plan.request_id!r}: nothing streamed for {self.config.keepalive_s:g} s"
+                ) from None
+            if msg is None:
+                raise HandoffError(INCOMPLETE, f"request {plan.request_id!r}: the sender closed the stream")
+            if isinstance(msg, KeepAlive):  # the sender's prefill goes on
+                continue
+            if not isinstance(msg, Part):
+                break
+            t = time.perf_counter()
+            n = msg.num_pages
+            if msg.first_page != plan.first_page + done or n < 1 or done + n >= plan.num_pages:
+                raise HandoffError(
+                    PROTOCOL,
+                    f"request {plan.request_id!r}: a part of pages [{msg.first_page}, {msg.first_page + n}) after"
+                    f" {done} of {plan.num_pages} pages from page {plan.first_page} (the last always goes at the end)",
+                )
+            view = pages[done : done + n]
+            await transport.accept(ch, plan, msg.extra, [view])
+            got = await transport.pull(ch, plan, msg.extra, [view])
+            if got is None:  # hash where the bytes are
+                got = await asyncio.get_running_loop().run_in_executor(transport.executor, payload_checksum, [view])
+            if got != msg.checksum:
+                raise HandoffError(
+                    CHECKSUM, f"request {plan.request_id!r}: pages [{msg.first_page}, {msg.first_page + n}):"
+                    f" checksum {got:#x} != the sender's {msg.checksum:#x}",
+                )
+            done += n
+            parts_s += time.perf_counter() - t
+        offer = ch.expected(msg, Offer)
+        header, final_transport, extra = self._read_offer(offer)
+        if final_transport is not transport:
+            raise HandoffError(PROTOCOL, f"request {plan.request_id!r}: opened over {transport.name}, ends over {final_transport.name}")
+        check_final(plan, header, done)
+        phases["parts"] = parts_s
+        return await self._receive(ch, header, transport, extra, [pages[done:], *segments[1:]], phases, (plan, segments))
 
     async def _read_ids(self, ch: Channel, header: HandoffHeader) -> None:
         """The prompt's token ids, when the header announced them instead of carrying them."""
@@ -484,9 +600,11 @@ class KVReceiver:
         extra: dict[str, Any],
         segments: list[torch.Tensor],
         phases: dict[str, float],
+        streamed: tuple[HandoffHeader, list[torch.Tensor]] | None = None,
     ) -> HandoffAck:
         """Receive, verify, deliver; returns the ack (with where the receiver's time went, phases).
-        Nothing reaches on_complete unverified."""
+        Nothing reaches on_complete unverified. streamed: a streamed handoff's open header and whole
+        buffers (segments are then what its parts left of them): what is delivered is the whole."""
         rid = header.request_id
         t_accept = time.perf_counter()
         check_segments(header, segments)
@@ -524,6 +642,11 @@ class KVReceiver:
         verify_s = time.perf_counter() - t0 - recv_s
         if checksum != want:
             raise HandoffError(CHECKSUM, f"request {rid!r}: payload checksum {checksum:#x} != the sender's {want:#x}")
+        if streamed is not None:
+            plan, whole = streamed
+            if header.prompt_token_ids != plan.prompt_token_ids:
+                raise HandoffError(BAD_HEADER, f"request {rid!r}: the final offer's prompt differs from the open's")
+            export = dataclasses.replace(export, first_page=plan.first_page, pages=whole[0])
         t_complete = time.perf_counter()
         try:
             await _call(self.on_complete, header, export)

@@ -14,6 +14,7 @@ still have taken the sequence (its ack was lost): the coordinator's abort of the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import secrets
 import socket
@@ -26,7 +27,9 @@ from typing import Any
 import torch
 
 from engine.handoff import KVLayout, SequenceExport, TokenLogprob
+from pdkernels.checksum import MASK64, fold
 from transfer.auth import client_handshake
+from transfer.checksum import payload_checksum
 from transfer.config import TransferConfig
 from transfer.errors import (
     INCOMPLETE,
@@ -48,7 +51,7 @@ from transfer.handoff import (
     peer_layout,
 )
 from transfer.ipc import IpcTransport
-from transfer.messages import HandoffAck, Ids, Join, Offer, Ready, Streams, Sum
+from transfer.messages import HandoffAck, Ids, Join, KeepAlive, Offer, Open, Part, Ready, Streams, Sum
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
 
@@ -72,12 +75,50 @@ class Ack:
     ack_wait_s: float = 0.0  # push done to ack received (ipc: the receiver's copy and checks)
     reused: bool = False  # went over a kept connection (no connect, no handshake)
     receiver_phases: dict[str, float] = field(default_factory=dict)  # the receiver's steps, by name
+    # a streamed handoff (KVSender.stream): its pages sent in parts before the final offer, and
+    # how long the final offer took to its ack (the rest: elapsed_s covers from the open)
+    num_streamed_pages: int = 0
+    final_s: float = 0.0
 
     @property
     def phases(self) -> dict[str, float]:
         """The sender's phases by name, in order."""
         names = ("checksum_s", "connect_s", "offer_s", "ready_wait_s", "push_s", "ack_wait_s")
         return {n.removesuffix("_s"): getattr(self, n) for n in names}
+
+
+@dataclass(frozen=True)
+class PagesPart:
+    """Pages [first_page, first_page + len(pages)) of a sequence whose prompt is still being prefilled,
+    for KVSender.stream. pages_sum: their checksum sum when the gather computed it (CUDA, as
+    SequenceExport.pages_sum); written: a CUDA event recorded after the gather (None on the CPU)."""
+
+    first_page: int
+    pages: torch.Tensor
+    pages_sum: torch.Tensor | None = None
+    written: Any = None
+
+
+class StreamParts:
+    """What a streamed handoff sends (KVSender.stream), in order: PagesParts, then the SequenceExport
+    that ends it. put() on the sender's event loop (from another thread: loop.call_soon_threadsafe)."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue[PagesPart | SequenceExport] = asyncio.Queue()
+        self.ended = asyncio.Event()  # the export is in: the prefill is over
+
+    def put(self, item: PagesPart | SequenceExport) -> None:
+        self.items.put_nowait(item)
+        if isinstance(item, SequenceExport):
+            self.ended.set()
+
+
+def part_checksum(part: PagesPart) -> int:
+    """payload_checksum of the part's pages alone (from the gather's sum when there is one)."""
+    nbytes = part.pages.numel() * part.pages.element_size()
+    if part.pages_sum is not None:
+        return fold([(nbytes, int(part.pages_sum) & MASK64)])
+    return payload_checksum([part.pages])
 
 
 def _retrieved(fut: asyncio.Future[Any]) -> None:
@@ -88,6 +129,7 @@ def _retrieved(fut: asyncio.Future[Any]) -> None:
 
 
 MAX_IDLE_PER_PEER = 8  # kept connections per receiver address
+KEEPALIVE_BEATS = 4  # a streamed handoff waiting for its next part sends a keepalive this often per keepalive_s
 
 
 @dataclass
@@ -266,6 +308,162 @@ class KVSender:
             ack_wait_s=ack_wait_s,
             reused=reused,
             receiver_phases=ack.phases,
+        )
+
+    # ---- a streamed handoff (wire.py: open, parts, then the final offer) -----------------------
+
+    async def stream(
+        self,
+        addr: str,
+        plan: HandoffHeader,
+        parts: StreamParts,
+        *,
+        timeout_s: float | None = None,
+        on_part: Callable[[int], None] | None = None,
+    ) -> Ack:
+        """Hands off a sequence while it is prefilled: opens the handoff with plan (stream_plan()), sends
+        each PagesPart taken from parts as it comes (in page order, from plan.first_page on), then the
+        SequenceExport that ends them (its first_page: the page after the parts) as an offer of the rest.
+        timeout_s (the lease) runs from the export's arrival, the prefill's end, to the ack, parts still
+        in flight included; before it the prefill sets the pace and a part that stalls fails after
+        idle_timeout_s. on_part(num_pages): told after each part went. Returns the Ack or raises
+        HandoffError; cancelling it closes the connection (the receiver drops what it got)."""
+        if not self.transport.carries_parts:
+            raise HandoffError(TRANSPORT, f"transport {self.transport.name!r} does not carry streamed handoffs")
+        timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
+        inner = asyncio.ensure_future(self._stream(addr, plan, parts, on_part))
+        inner.add_done_callback(_retrieved)
+        ended = asyncio.ensure_future(parts.ended.wait())
+        try:
+            await asyncio.wait({inner, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not inner.done():
+                try:
+                    return await asyncio.wait_for(inner, timeout)
+                except asyncio.TimeoutError:
+                    raise HandoffError(
+                        TIMEOUT, f"no ack from {addr} for {plan.request_id!r} within {timeout:.1f} s of the prefill's end"
+                    ) from None
+            return inner.result()
+        finally:
+            ended.cancel()
+            if not inner.done():
+                inner.cancel()
+
+    async def _stream(
+        self, addr: str, plan: HandoffHeader, parts: StreamParts, on_part: Callable[[int], None] | None
+    ) -> Ack:
+        t0 = time.perf_counter()
+        conn = await self._open_stream(addr, plan)
+        ok = False
+        try:
+            ch = conn.ch
+            next_page, num_streamed = plan.first_page, 0
+            loop = asyncio.get_running_loop()
+            while True:
+                try:  # NOTE: a chunk may compute longer than the receiver waits for a message: beat
+                    item = await asyncio.wait_for(parts.items.get(), self.config.keepalive_s / KEEPALIVE_BEATS)
+                except asyncio.TimeoutError:
+                    await ch.send(KeepAlive())
+                    continue
+                if isinstance(item, SequenceExport):
+                    break
+                n = item.pages.shape[0]
+                if item.first_page != next_page:
+                    raise HandoffError(PROTOCOL, f"part of page {item.first_page}, page {next_page} is next")
+                if item.written is not None:  # NOTE: the copy out reads what the gather wrote
+                    torch.cuda.current_stream(item.pages.device).wait_event(item.written)
+                checksum = await loop.run_in_executor(self.transport.executor, part_checksum, item)
+                extra = await self.transport.offer(ch, [item.pages])
+                await ch.send(Part(item.first_page, n, checksum, extra))
+                await self.transport.push(ch, [item.pages], {})
+                next_page += n
+                num_streamed += n
+                if on_part is not None:
+                    on_part(n)
+            export = item
+            if export.first_page != next_page:
+                raise HandoffError(PROTOCOL, f"the final export starts at page {export.first_page}, not {next_page}")
+            t_final = time.perf_counter()
+            ack = await self._final(conn, export, t0, num_streamed)
+            ok = True
+        except OSError as e:
+            raise HandoffError(TRANSPORT, f"connection to the KV receiver at {addr} failed: {e!r}") from None
+        finally:
+            if ok:
+                self._keep(addr, conn)
+            else:
+                conn.ch.close()
+        return dataclasses.replace(ack, payload_bytes=plan.payload_bytes, final_s=time.perf_counter() - t_final)
+
+    async def _open_stream(self, addr: str, plan: HandoffHeader) -> _Conn:
+        """A connection on which plan's open was taken (ready received); a kept connection the receiver
+        had closed is replaced, as in send()."""
+        for _ in range(MAX_IDLE_PER_PEER + 1):
+            conn, reused = self._kept(addr), True
+            if conn is None:
+                conn, reused = await self._open(addr), False
+            try:
+                try:
+                    check_layout(plan, conn.layout, conn.model)
+                except HandoffError as e:
+                    theirs = printable(e.message, MESSAGE_CHARS)
+                    raise HandoffError(LAYOUT, f"the receiver at {addr} serves another engine: {theirs}") from None
+                await conn.ch.send(Open(self.transport.name, plan.encode()))
+                if not plan.ids_inline:
+                    await conn.ch.send(Ids(plan.ids_bytes()))
+                await conn.ch.expect(Ready)
+                return conn
+            except (HandoffError, OSError) as e:
+                conn.ch.close()
+                if reused and (isinstance(e, OSError) or e.code == INCOMPLETE):
+                    self.counters["stale"] += 1
+                    continue
+                if isinstance(e, OSError):
+                    raise HandoffError(TRANSPORT, f"connection to the KV receiver at {addr} failed: {e!r}") from None
+                raise
+            except BaseException:
+                conn.ch.close()
+                raise
+        raise HandoffError(TRANSPORT, f"the receiver at {addr} keeps closing connections")
+
+    async def _final(self, conn: _Conn, export: SequenceExport, t0: float, num_streamed: int) -> Ack:
+        """A streamed handoff's final offer (the export: the pages after the parts, the state) to its ack."""
+        loop = asyncio.get_running_loop()
+        t_sum = time.perf_counter()
+        header = await loop.run_in_executor(
+            self.transport.executor, make_header, export, self.layout, self.model, tuple(export.output_logprobs)
+        )
+        segments = payload_segments(export, self.layout)
+        ch = conn.ch
+        marks = [time.perf_counter()]
+        extra = await self.transport.offer(ch, segments)
+        await ch.send(Offer(self.transport.name, header.encode(), extra))
+        if not header.ids_inline:
+            await ch.send(Ids(header.ids_bytes()))
+        marks.append(time.perf_counter())
+        ready = await ch.expect(Ready)
+        marks.append(time.perf_counter())
+        await self.transport.push(ch, segments, ready.fields)
+        marks.append(time.perf_counter())
+        ack = await ch.expect(HandoffAck)
+        marks.append(time.perf_counter())
+        if ack.request_id != header.request_id:
+            raise HandoffError(PROTOCOL, f"ack for {printable(repr(ack.request_id))}, sent {header.request_id!r}")
+        offer_s, ready_wait_s, push_s, ack_wait_s = (b - a for a, b in zip(marks, marks[1:]))
+        return Ack(
+            request_id=header.request_id,
+            transport=self.transport.name,
+            payload_bytes=header.payload_bytes,
+            elapsed_s=marks[-1] - t0,
+            checksum_s=marks[0] - t_sum,
+            recv_s=ack.recv_s,
+            verify_s=ack.verify_s,
+            offer_s=offer_s,
+            ready_wait_s=ready_wait_s,
+            push_s=push_s,
+            ack_wait_s=ack_wait_s,
+            receiver_phases=ack.phases,
+            num_streamed_pages=num_streamed,
         )
 
     def _kept(self, addr: str) -> _Conn | None:

@@ -114,6 +114,7 @@ class _Staging:
 
 class TcpTransport(Transport):
     name = "tcp"
+    carries_parts = True
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)

@@ -39,6 +39,9 @@ class Transport(ABC):
     # The receiver reads the payload where the sender keeps it (ipc): its pull starts before the
     # ready goes out, since the sender sends nothing after it.
     reads_in_place: ClassVar[bool] = False
+    # A streamed handoff's parts (--kv-stream, wire.py) can go over it: a part's bytes follow its `part`
+    # message at once (push / pull of that part's pages alone, no ready in between).
+    carries_parts: ClassVar[bool] = False
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config

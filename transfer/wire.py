@@ -25,6 +25,16 @@ TransferConfig.keepalive_s without an offer, or S when it is done with the peer:
                       ipc: handles in the offer; nixl: a one-sided write into the buffers that ready names)
     S -> R  written  Written {payload_bytes}  (only nixl: its write has completed)
     R -> S  ack      HandoffAck {request_id, payload_bytes, recv_s, verify_s, phases} | nack {code, reason}
+  a streamed handoff (--kv-stream, tcp; the sender's prefill is still running) instead:
+    S -> R  open     Open {transport, header}  (the header as far as known: transfer.handoff.stream_plan)
+    S -> R  ids      (as after an offer)
+    R -> S  ready    Ready {}  (buffers for the whole payload)  | nack {code, reason}
+    S -> R  part     Part {first_page, num_pages, checksum, extra}, then that part's payload bytes:
+                     as often as chunks of the prefill complete pages, in page order
+    S -> R  keepalive  KeepAlive {}  (between parts, every keepalive_s / 4 without one: R waits up to
+                     keepalive_s for each message of a stream)
+    S -> R  offer    the final one: the handoff's header, for the pages after the parts; then ids, ready,
+                     the rest of the payload (those pages and the SWA state) and ack, as above
 
 Protocol version 2: every message decodes strictly; ready carries the transport's fields as a map.
 """

@@ -71,7 +71,13 @@ from bench.load.loadgen.cli import (  # noqa: E402
     server_model,
     trace_from_args,
 )
-from bench.load.loadgen.report import format_itl_split, format_table, results_doc, write_outputs  # noqa: E402
+from bench.load.loadgen.report import (  # noqa: E402
+    format_itl_split,
+    format_table,
+    format_ttft_phases,
+    results_doc,
+    write_outputs,
+)
 from bench.load.loadgen.runner import LoadConfig, run_load, warm_up  # noqa: E402
 from bench.load.loadgen.summary import summarize  # noqa: E402
 
@@ -134,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         rows = [(r["label"], r["summary"]) for r in doc["runs"]]
         print("\n" + format_table(rows) + "\n\n" + format_itl_split(rows))
+        phases = format_ttft_phases(rows)
+        if phases:
+            print("\n" + phases)
     errors = sum(r["summary"]["num_errors"] for r in doc["runs"])
     return 1 if errors else 0
 

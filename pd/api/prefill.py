@@ -93,6 +93,9 @@ async def _prefill(co: Coordinator, msg: Prefill) -> web.Response:
         metrics.handoff_s.labels(transport).observe(ev.transfer_s)
         metrics.ttft_phase_s.labels("prefill").observe(ev.prefill_s)
         metrics.ttft_phase_s.labels("transfer").observe(ev.transfer_s)
+        metrics.ttft_phase_s.labels("transfer_after_prefill").observe(ev.transfer_after_prefill_s)
+        metrics.handoff_streamed_pages.labels(transport).inc(ev.streamed_pages)
+        metrics.handoff_early_pages.labels(transport).inc(ev.early_pages)
     elif ev.output is None:
         metrics.handoff_failures.labels(transport, ev.code or "unknown").inc()
         if ev.code == "rejected":
@@ -110,5 +113,8 @@ async def _prefill(co: Coordinator, msg: Prefill) -> web.Response:
         transport,
         ev.output,
         ev.skipped_tokens,
+        ev.transfer_after_prefill_s,
+        ev.streamed_pages,
+        ev.early_pages,
     )
     return json_response(to_wire(reply))

@@ -176,6 +176,9 @@ class DecodePath:
             m, t = self.metrics, res.transport
             m.ttft_phase_s.labels("prefill").observe(res.prefill_s)
             m.ttft_phase_s.labels("transfer").observe(res.transfer_s)
+            m.ttft_phase_s.labels("transfer_after_prefill").observe(res.transfer_after_prefill_s)
+            m.handoff_streamed_pages.labels(t).inc(res.streamed_pages)
+            m.handoff_early_pages.labels(t).inc(res.early_pages)
             m.handoffs.labels(t).inc()
             m.handoff_bytes.labels(t).inc(res.payload_bytes)
             m.handoff_skipped_tokens.labels(t).inc(res.skipped_tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-TTFT_PHASES = ("queue", "prefill", "transfer", "first_decode")
+TTFT_PHASES = ("queue", "prefill", "transfer", "transfer_after_prefill", "first_decode")
 
 
 class ClusterMetrics:
@@ -18,7 +18,9 @@ class ClusterMetrics:
         self.ttft_phase_s = Histogram(
             "pdserve_ttft_phase_seconds",
             "TTFT split: queue (arrival to decode memory reserved), prefill (PE: request to first token), "
-            "transfer (KV handoff to the CE's ack), first_decode (ack to the first token out of the CE)",
+            "transfer (the whole KV handoff to the CE's ack; streamed (--kv-stream): from its first part, "
+            "overlapping the prefill), transfer_after_prefill (PE's first token to the CE's ack: what the "
+            "handoff adds to TTFT), first_decode (ack to the first token out of the CE)",
             ["phase"],
             buckets=_PHASE_BUCKETS_S,
             registry=r,
@@ -29,6 +31,18 @@ class ClusterMetrics:
         self.handoff_skipped_tokens = Counter(
             "pdserve_handoff_skipped_tokens",
             "Leading prompt tokens whose KV pages were not handed off: the CE's decode cache held them",
+            ["transport"],
+            registry=r,
+        )
+        self.handoff_streamed_pages = Counter(
+            "pdserve_handoff_streamed_pages",
+            "KV pages handed off in parts while their prompt was still being prefilled (--kv-stream)",
+            ["transport"],
+            registry=r,
+        )
+        self.handoff_early_pages = Counter(
+            "pdserve_handoff_early_pages",
+            "Of the streamed pages, those whose bytes had gone before the prefill ended",
             ["transport"],
             registry=r,
         )

@@ -9,6 +9,10 @@ from tests.server_fixtures import SMALL_DETERMINISTIC, serving
 
 SMOLLM = "smollm2-135m-instruct"
 KV_TCP_STREAMS = 4  # the pair's PE stripes its handoffs (--kv-tcp-streams): every module sharing it covers that
+# the pair's PE prefills in chunks of this many tokens: a longer prompt streams its handoff (--kv-stream,
+# on for tcp), its pages going while later chunks compute; --deterministic keeps the tokens those of the
+# reference's one-chunk prefill
+PE_CHUNK_TOKENS = 256
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +25,7 @@ def smollm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S
     logs = tmp_path_factory.mktemp("smollm")
     ref = ServerProcess("--model", SMOLLM, *SMALL_DETERMINISTIC, log_path=logs / "ref.log")
     pair = PDPair("--model", SMOLLM, *SMALL_DETERMINISTIC, log_dir=logs,
-                  pe_args=("--kv-tcp-streams", str(KV_TCP_STREAMS)))  # fmt: skip
+                  pe_args=("--kv-tcp-streams", str(KV_TCP_STREAMS),
+                           "--max-num-batched-tokens", str(PE_CHUNK_TOKENS)))  # fmt: skip
     with serving(ref, pair):
         yield ref, pair

@@ -83,6 +83,22 @@ def format_itl_split(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
     return _grid(head, body)
 
 
+TTFT_PHASES = ("queue", "prefill", "transfer", "transfer_after_prefill", "first_decode")
+
+
+def format_ttft_phases(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """One line per run of a P/D endpoint: the mean of each TTFT phase its /metrics observed during the run
+    (transfer: the whole handoff, which a streamed one overlaps with the prefill; transfer after prefill:
+    what the handoff added to TTFT). "" when no run has them."""
+    if not any(s.get("ttft_phases_ms") for _, s in rows):
+        return ""
+    head = ("run", *(f"{p.replace('_', ' ')} ms" for p in TTFT_PHASES))
+    body = [
+        (label, *(_f((s.get("ttft_phases_ms") or {}).get(p), ".1f") for p in TTFT_PHASES)) for label, s in rows
+    ]
+    return "TTFT phases (P/D, means from the endpoint's /metrics)\n" + _grid(head, body)
+
+
 def run_doc(
     run: RunResult,
     slo_ttft_ms: float | None,
@@ -98,7 +114,10 @@ def run_doc(
         "config": asdict(cfg),
         "started_unix_s": run.started_unix_s,
         "host_loadavg_1m": run.host_loadavg_1m,
-        "summary": summarize(run.requests, slo_ttft_ms, slo_itl_ms, long_prompt_tokens),
+        "summary": {
+            **summarize(run.requests, slo_ttft_ms, slo_itl_ms, long_prompt_tokens),
+            "ttft_phases_ms": run.ttft_phases_ms,
+        },
         "requests": [asdict(r) for r in run.requests],
     }
 
@@ -134,6 +153,9 @@ def write_outputs(
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [(r["label"], r["summary"]) for r in doc["runs"]]
     table = format_table(rows) + "\n\n" + format_itl_split(rows)
+    phases = format_ttft_phases(rows)
+    if phases:
+        table += "\n\n" + phases
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
     (out_dir / "summary.txt").write_text(table + "\n")
     if plots:

@@ -192,14 +192,28 @@ def test_gaps_split_by_overlap_with_long_prefills() -> None:
 
 
 class FakeEndpoint:
-    """Streams max_tokens one-word chunks, then usage (prompt tokens = words in the messages)."""
+    """Streams max_tokens one-word chunks, then usage (prompt tokens = words in the messages). With
+    phase_s set, /metrics counts each answer's TTFT phases as a P/D coordinator's would."""
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
+        self.phase_s: dict[str, float] = {}
+        self.phase_totals: dict[str, list[float]] = {}
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        lines = ["# TYPE pdserve_ttft_phase_seconds histogram"]
+        for phase, (total, count) in self.phase_totals.items():
+            lines.append(f'pdserve_ttft_phase_seconds_sum{{phase="{phase}"}} {total}')
+            lines.append(f'pdserve_ttft_phase_seconds_count{{phase="{phase}"}} {count}')
+        return web.Response(text="\n".join(lines) + "\n")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        for phase, seconds in self.phase_s.items():
+            t = self.phase_totals.setdefault(phase, [0.0, 0.0])
+            t[0] += seconds
+            t[1] += 1
         text = body["messages"][-1]["content"]
         if "FAIL" in text:
             return web.json_response({"error": {"message": "boom"}}, status=500)
@@ -240,6 +254,7 @@ async def fake():
     ep = FakeEndpoint()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", ep.chat)
+    app.router.add_get("/metrics", ep.metrics)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     ep.url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
@@ -320,6 +335,27 @@ async def test_outputs_json_table_and_plots(fake, tmp_path: Path) -> None:
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     tokens = sum(n for r in saved["runs"][0]["requests"] for _, n in plots.token_times(r))
     assert tokens == saved["runs"][0]["summary"]["completion_tokens"]
+
+
+async def test_a_pd_endpoints_ttft_phases_are_in_the_report(fake, tmp_path: Path) -> None:
+    """The run's own requests' TTFT phases (the /metrics difference over the run), in results.json and
+    the table; none for an endpoint that exports none."""
+    cfg = runner.LoadConfig(fake.url, "m", concurrency=1, label="pd")
+    plain = await runner.run_load(cfg, [_conv("a", "x")])
+    assert plain.ttft_phases_ms is None
+    fake.phase_s = {"prefill": 1.0, "transfer": 0.5, "transfer_after_prefill": 0.25}
+    await runner.run_load(cfg, [_conv("a", "x", "y")])  # counted before the next run: not in its means
+    fake.phase_s = {"prefill": 0.2, "transfer": 0.1, "transfer_after_prefill": 0.01}
+    run = await runner.run_load(cfg, [_conv("a", "x", "y"), _conv("b", "z")])
+    want = {"prefill": 200.0, "transfer": 100.0, "transfer_after_prefill": 10.0}
+    assert run.ttft_phases_ms == pytest.approx(want)
+    doc = report.results_doc([plain, run], {"source": "test"}, None, None, ["replay.py"])
+    table = report.write_outputs(tmp_path, doc, plots=False)
+    saved = json.loads((tmp_path / "results.json").read_text())["runs"][1]["summary"]["ttft_phases_ms"]
+    assert saved["prefill"] == pytest.approx(200.0)
+    phases = table.split("TTFT phases")[1].splitlines()
+    assert "transfer after prefill ms" in phases[1]
+    assert [c.strip() for c in phases[-1].split("|")][:5] == ["pd", "-", "200.0", "100.0", "10.0"]
 
 
 @pytest.fixture

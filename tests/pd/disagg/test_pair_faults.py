@@ -1,9 +1,10 @@
 """Faults of the P/D pair (SmolLM2-135M, TCP): after each one both sides' pools are back to idle and the
 next request succeeds.
 
-- a real pair (CE with a small KV pool and a queue limit of 1): abort while the PE prefills, abort while
-  decoding, abort while waiting for CE memory (and 429 past the queue limit), the PE killed during a
-  request (an error, never a hang; the CE sees the restarted PE and serves again);
+- a real pair (CE with a small KV pool and a queue limit of 1; the PE prefills in chunks of 128 tokens,
+  so a long prompt's handoff streams): abort while the PE prefills, abort while the handoff streams,
+  abort while decoding, abort while waiting for CE memory (and 429 past the queue limit), the PE killed
+  while its handoff streams (an error, never a hang; the CE sees the restarted PE and serves again);
 - the real PE driven directly: its lease runs out on a receiver that never acks; the caller aborts
   while the KV is in transfer;
 - a second CE whose "PE" is a proxy in this process, which forwards to the real PE or misbehaves: a
@@ -194,7 +195,7 @@ def cluster(tmp_path_factory):
     pair = PDPair(
         *ARGS,
         log_dir=logs,
-        pe_args=("--kv-cache-gb", "0.25", "--handoff-lease-s", "20"),
+        pe_args=("--kv-cache-gb", "0.25", "--handoff-lease-s", "20", "--max-num-batched-tokens", "128"),
         ce_args=("--kv-cache-gb", "0.1", "--max-queued-requests", "1", "--queue-timeout-s", "120"),
     )
     pair.start()
@@ -309,6 +310,26 @@ def pe_has_it(pair: PDPair) -> bool:
     return rank_metrics(pair.pe.port).get("pdserve_num_requests_inflight", 0) > 0
 
 
+def pe_streams(pair: PDPair) -> bool:
+    """The PE has opened a streamed handoff (pages of the prompt sent, its prefill not done)."""
+    return rank_metrics(pair.pe.port).get("pdserve_engine_num_handoffs_streaming", 0) > 0
+
+
+def test_abort_while_the_handoff_streams(cluster):
+    """The client goes away after the PE began sending pages of a prompt it still prefills: both sides
+    free everything (the CE's reservation and the blocks it held: wait_idle) and nothing is handed off."""
+    pair = cluster[0]
+    time.sleep(1.5)  # an idle rank's stats are at most a heartbeat (1 s) old
+    sent = rank_metrics(pair.pe.port)["pdserve_engine_handoffs_sent_total"]
+    s = RawStream(pair.url, [{"role": "user", "content": "Stream. " + LONG}], 8, temperature=0)
+    wait_for(lambda: pe_streams(pair), 60, "the PE to stream the handoff")
+    s.close()
+    idle(pair.ce.port, pair.pe.port)
+    time.sleep(1.5)
+    assert rank_metrics(pair.pe.port)["pdserve_engine_handoffs_sent_total"] == sent
+    assert ask(pair.url)
+
+
 def test_abort_while_the_pe_prefills(cluster):
     pair = cluster[0]
     time.sleep(1.5)  # an idle rank's stats are at most a heartbeat (1 s) old
@@ -388,10 +409,10 @@ def urllib_text(url: str) -> str:
         return r.read().decode()
 
 
-def test_pe_killed_during_a_request_then_back(cluster):
+def test_pe_killed_while_its_handoff_streams_then_back(cluster):
     pair = cluster[0]
     s = RawStream(pair.url, [{"role": "user", "content": "Again. " + LONG}], 8, temperature=0)
-    wait_for(lambda: pe_has_it(pair), 60, "the PE to take the request")
+    wait_for(lambda: pe_streams(pair), 60, "the PE to stream the handoff")
     assert pair.pe.proc is not None
     os.killpg(pair.pe.proc.pid, signal.SIGKILL)
     resp = s.response()  # an error, not a hang

@@ -5,7 +5,8 @@ The model: a tiny Gemma 3 (2 KV heads, split at --tp 2; sliding-window layers, w
 per head too) with SmolLM2's tokenizer and chat template. bench/check_pd.py finds each pair's tokens
 identical to a single engine at the PE's --tp (the prompt logprobs, which the PE computes, bit for bit),
 long prompts, seeded sampling, conversations whose later turns hit the PE's prefix cache and the CE's
-decode cache (a delta handoff), and conversations at once."""
+decode cache (a delta handoff), and conversations at once; the PEs prefill in small chunks, so the long
+prompts' handoffs stream (--kv-stream)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         return ServerProcess(*args, *more, log_path=root / f"{name}.log", env=env)
 
     s = {"ref1": server("ref1"), "ref2": server("ref2", "--tp", "2")}
-    s["pe1"], s["pe2"] = server("pe1", "--role", "pe"), server("pe2", "--role", "pe", "--tp", "2")
+    # the PEs prefill in chunks of 64 tokens: a long prompt's handoff streams (--kv-stream), its pages
+    # merged from the group's heads after each chunk, from the first page the CE lacks, cache hits included
+    chunked = ("--role", "pe", "--max-num-batched-tokens", "64")
+    s["pe1"], s["pe2"] = server("pe1", *chunked), server("pe2", *chunked, "--tp", "2")
     for name, pe, tp in (("ce12", "pe1", "2"), ("ce21", "pe2", "1"), ("ce22", "pe2", "2")):
         s[name] = server(
             name, "--role", "ce", "--tp", tp, "--accept-transports", "tcp", "--prefill-url", s[pe].url,
@@ -71,4 +75,5 @@ def test_check_pd_across_tp_sizes(servers: dict[str, ServerProcess], pe_tp: int,
     assert "DIFF" not in out and "FAIL" not in out and "4/4 cases identical" in out, out
     assert wait_idle(ce.port, timeout_s=60)["pdserve_engine_handoffs_imported_total"] >= 9  # every request of the 4 cases
     assert _metric(ce.port, "pdserve_handoff_skipped_tokens_total") > 0  # the CE group's decode cache
+    assert _metric(ce.port, "pdserve_handoff_streamed_pages_total") > 0  # pages sent while the PE prefilled
     assert wait_idle(pe.port, timeout_s=60)["pdserve_engine_cache_hit_tokens_total"] > 0  # the PE group's prefix cache
