@@ -227,16 +227,6 @@ def both(on_ref: Callable[[], Output], on_pd: Callable[[], Output]) -> tuple[Out
         return on_ref(), pd.result()
 
 
-def in_turns(run: Case, turns: int) -> Case:
-    """Marks a case whose requests go one after another, `turns` of them (main starts these first)."""
-    run.turns = turns  # type: ignore[attr-defined]
-    return run
-
-
-def turns_of(run: Case) -> int:
-    return int(getattr(run, "turns", 1))
-
-
 def single(name: str, kind: str, stream: bool = False, values: bool = False, **kw: Any) -> tuple[str, Case]:
     """One request to both sides; values: its logprob values must match too, bit for bit."""
     call = chat if kind == "chat" else complete
@@ -270,7 +260,7 @@ def conversation(name: str, question: str, turns: int, stream: bool, **kw: Any) 
             ]
         return res
 
-    return name, in_turns(run, turns)
+    return name, run
 
 
 def text_conversation(name: str, prompt: str, turns: int, stream: bool, **kw: Any) -> tuple[str, Case]:
@@ -289,7 +279,7 @@ def text_conversation(name: str, prompt: str, turns: int, stream: bool, **kw: An
             text = text + a.choices[0][0] + "\n"
         return res
 
-    return name, in_turns(run, turns)
+    return name, run
 
 
 def concurrent(name: str, inner: list[tuple[str, Case]], concurrency: int) -> tuple[str, Case]:
@@ -307,7 +297,7 @@ def concurrent(name: str, inner: list[tuple[str, Case]], concurrency: int) -> tu
                 res.diffs.append(f"{r.name}: {r.error}")
         return res
 
-    return name, in_turns(run, max(turns_of(c[1]) for c in inner))
+    return name, run
 
 
 def chat_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]]:
@@ -674,11 +664,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     ex = ThreadPoolExecutor(args.parallel)
-    # NOTE: the cases of several turns start first: started last, their later turns would run alone at the
-    # end, with nothing to share their batches (the same cases, the same requests, in less time)
-    first = sorted(range(len(cases)), key=lambda i: -turns_of(cases[i][1]))
-    submitted = {i: ex.submit(timed, i, *cases[i]) for i in first}
-    running = [submitted[i] for i in range(len(cases))]
+    running = [ex.submit(timed, i, name, run) for i, (name, run) in enumerate(cases)]
     try:
         for i, ((name, _), future) in enumerate(zip(cases, running)):  # printed in order, as each ends
             r, seconds = future.result()
