@@ -8,11 +8,14 @@ import re
 import socket
 import urllib.request
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 from openai import OpenAI
 
 from pd.tools.server_process import PDPair, ServerProcess, wait_idle
+
+T = TypeVar("T")
 
 # A small deterministic server: what the identity tests (single engine and P/D pairs) run with.
 SMALL_DETERMINISTIC = (
@@ -81,6 +84,13 @@ def metric(url: str, name: str, **labels: str) -> float:
         if all(have.get(k) == v for k, v in labels.items()):
             total += float(m.group(2))
     return total
+
+
+def at_once(*calls: Callable[[], T]) -> list[T]:
+    """Each call's result, the calls run at once (requests to --deterministic servers: sharing batches
+    changes no token)."""
+    with cf.ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
 def story_prompts(n: int) -> list[str]:

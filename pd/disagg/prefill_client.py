@@ -36,7 +36,9 @@ from transfer.errors import MESSAGE_CHARS, printable
 
 log = logging.getLogger(__name__)
 HEALTH_EVERY_S = 2.0
-MAX_BACKOFF_S = 10.0
+# NOTE: a PE that starts beside its CE (or is restarted) is seen within this of its readiness; a probe
+# every 2 s of a dead one is what an up one gets anyway
+MAX_BACKOFF_S = 2.0
 KEEPALIVE_S = 2.0  # an idle pooled connection is closed here before the PE's --timeout-keep-alive (5 s)
 
 

@@ -30,7 +30,7 @@ from pd.config import Target, parse_targets
 from pd.disagg.membership import hrw_order, members
 
 log = logging.getLogger(__name__)
-MAX_BACKOFF_S = 10.0
+MAX_BACKOFF_S = 2.0  # a CE that starts or comes back is seen within this of its readiness
 PROBE_TIMEOUT_S = 5.0
 
 

@@ -65,7 +65,7 @@ def test_ep2_equals_ep1_bit_for_bit(servers, model: str) -> None:
 
 def test_pd_pair_matches_single_engine(servers, capsys) -> None:
     ref, _, pair = servers
-    assert run_check_pd(ref, pair, "--concurrency", "4") == 0
+    assert run_check_pd(ref, pair, "--concurrency", "4", "--parallel", "8") == 0
     out = capsys.readouterr().out
     assert "DIFF" not in out and "FAIL" not in out
     wait_pair_idle(pair)

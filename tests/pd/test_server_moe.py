@@ -123,7 +123,7 @@ def test_metrics_show_the_experts_load(servers) -> None:
 
 def test_gpt_oss_pd_pair_with_an_ep2_pe_matches_single_engine(servers, capsys) -> None:
     _, _, ref, pair = servers
-    assert run_check_pd(ref, pair, "--concurrency", "4") == 0
+    assert run_check_pd(ref, pair, "--concurrency", "4", "--parallel", "8") == 0
     out = capsys.readouterr().out
     assert "DIFF" not in out and "FAIL" not in out
     wait_pair_idle(pair)

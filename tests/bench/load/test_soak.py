@@ -25,8 +25,8 @@ def test_soak_survives_a_rank_kill(tmp_path: Path) -> None:
     with ServerProcess(*args, log_path=tmp_path / "server.log") as server:
         (run_dir / f"server-{server.port}.pid").write_text(f"{server.pid}\n")
         soak = subprocess.run(
-            [sys.executable, "-m", "bench.load.soak", "--url", server.url, "--minutes", "0.3"]
-            + ["--run-dir", str(run_dir), "--kill-every-s", "10", "--force", "--out", str(out)],
+            [sys.executable, "-m", "bench.load.soak", "--url", server.url, "--minutes", "0.2"]
+            + ["--run-dir", str(run_dir), "--kill-every-s", "6", "--force", "--out", str(out)],
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -328,34 +329,45 @@ def forced(
     return [(name, args) for name, args in (parts[k] for k in sorted(parts))], content, finish
 
 
+def forced_at_once(
+    requests: list[tuple[str, Any, bool, dict[str, Any]]],
+) -> list[tuple[list[tuple[str, str]], str | None, str | None]]:
+    """forced(url, choice, stream, **extra) for each request, all at once (the servers are --deterministic:
+    the batches they share change no token); the answers in the requests' order."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: forced(r[0], r[1], r[2], **r[3]), requests))
+
+
 def test_named_tool_choice_is_a_call_that_follows_the_schema(servers):
     answers = []
-    for url in both(servers):
-        for stream in (False, True):
-            calls, content, finish = forced(url, NAMED, stream, max_tokens=60)
-            ((name, arguments),) = calls
-            assert name == "get_weather" and valid_arguments(name, arguments), arguments
-            assert not content and finish == "stop"  # vLLM's (and OpenAI's) for a named function
-            answers.append(calls)
-    assert all(a == answers[0] for a in answers)  # whole == streamed, single == pair
+    requests = [(url, NAMED, stream, dict(max_tokens=60)) for url in both(servers) for stream in (False, True)]
+    for calls, content, finish in forced_at_once(requests):
+        ((name, arguments),) = calls
+        assert name == "get_weather" and valid_arguments(name, arguments), arguments
+        assert not content and finish == "stop"  # vLLM's (and OpenAI's) for a named function
+        answers.append(calls)
+    assert len(answers) == 4 and all(a == answers[0] for a in answers)  # whole == streamed, single == pair
 
 
 def test_required_tool_choice_calls_tools_that_exist(servers):
     answers, firsts = [], []
     single, pair = both(servers)
     # each answer whole from one server and streamed from the other (about 100 tokens each under the grammar:
-    # every combination would double this test's minute)
-    for url, stream in ((single, False), (pair, True)):
-        # SmolLM2 calls both tools (about 100 tokens with the grammar's whitespace)
-        calls, content, finish = forced(url, "required", stream, max_tokens=200)
+    # every combination would double this test's time); all four at once
+    # SmolLM2 calls both tools (about 100 tokens with the grammar's whitespace)
+    every = dict(max_tokens=200)
+    # parallel_tool_calls false: an array of one (maxItems 1), so the answer stops after one call
+    one = dict(max_tokens=200, parallel_tool_calls=False)
+    requests = [(single, "required", False, every), (pair, "required", True, every)]
+    requests += [(single, "required", True, one), (pair, "required", False, one)]
+    got = forced_at_once(requests)
+    for calls, content, finish in got[:2]:
         assert calls and all(valid_arguments(name, args) for name, args in calls), calls
         assert not content and finish == "tool_calls"
         answers.append(calls)
-    for url, stream in ((single, True), (pair, False)):
-        # parallel_tool_calls false: an array of one (maxItems 1), so the answer stops after one call
-        one, content, finish = forced(url, "required", stream, max_tokens=200, parallel_tool_calls=False)
-        assert len(one) == 1 and valid_arguments(*one[0]) and not content and finish == "tool_calls"
-        firsts.append(one)
+    for calls, content, finish in got[2:]:
+        assert len(calls) == 1 and valid_arguments(*calls[0]) and not content and finish == "tool_calls"
+        firsts.append(calls)
     assert answers[0] == answers[1] and firsts[0] == firsts[1]
 
 

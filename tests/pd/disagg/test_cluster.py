@@ -140,7 +140,7 @@ def test_check_pd_through_both_ces(cluster: Cluster, capsys: pytest.CaptureFixtu
     ref = f"http://127.0.0.1:{cluster.ref_port}"
     # the multi-turn cases (all of them run against a pair in test_pd_e2e.py)
     only = "conversation greedy,conversation seeded stream"
-    code = check_pd.main(["--ref", ref, "--pd", pd, "--max-tokens", "8", "--only", only])
+    code = check_pd.main(["--ref", ref, "--pd", pd, "--max-tokens", "8", "--only", only, "--parallel", "2"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "2/2 cases identical" in out and all(f"via {cluster.ce_url(h)}" in out for h in CE_HOSTS), out

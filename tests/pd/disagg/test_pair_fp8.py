@@ -45,7 +45,7 @@ def test_check_pd_fp8(servers, capsys) -> None:
     # the weights are what differs from the other pairs: greedy, streamed, sampled, long and multi-turn chats,
     # and conversations at once (the API's other cases run on SmolLM2's pair, tests/pd/disagg/test_pair_e2e.py)
     only = "chat short,chat seeded sampling,chat long,conversation greedy,completion multi-turn,concurrent"
-    code = run_check_pd(ref, pair, "--concurrency", "4", "--only", only)
+    code = run_check_pd(ref, pair, "--concurrency", "4", "--only", only, "--parallel", "9")
     out = capsys.readouterr().out
     assert code == 0, out
     assert "DIFF" not in out and "FAIL" not in out and "9/9 cases identical" in out, out

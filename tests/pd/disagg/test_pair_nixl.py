@@ -70,7 +70,7 @@ def test_check_pd_over_nixl(servers, capsys) -> None:
     # greedy short and long, a conversation (delta handoffs) and conversations at once (writes in flight
     # together); the API's other cases run on the tcp pair (tests/pd/disagg/test_pair_e2e.py)
     only = "chat short greedy,chat long greedy,conversation greedy,concurrent"
-    code = run_check_pd(ref, pair, "--concurrency", "4", "--only", only)
+    code = run_check_pd(ref, pair, "--concurrency", "4", "--only", only, "--parallel", "4")
     out = capsys.readouterr().out
     assert code == 0, out
     assert "DIFF" not in out and "FAIL" not in out, out

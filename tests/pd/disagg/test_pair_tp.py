@@ -68,7 +68,7 @@ def test_check_pd_across_tp_sizes(servers: dict[str, ServerProcess], pe_tp: int,
 
     ref, ce, pe = servers[f"ref{pe_tp}"], servers[f"ce{pe_tp}{ce_tp}"], servers[f"pe{pe_tp}"]
     code = check_pd.main(
-        ["--ref", ref.url, "--pd", ce.url, "--max-tokens", "8", "--concurrency", "2", "--only", ONLY]
+        ["--ref", ref.url, "--pd", ce.url, "--max-tokens", "8", "--concurrency", "2", "--only", ONLY, "--parallel", "4"]
     )
     out = capsys.readouterr().out
     assert code == 0, out
