@@ -487,11 +487,13 @@ class StallTransport(TcpTransport):
 
 
 @contextlib.asynccontextmanager
-async def stalling_receiver(pair: PDPair):
+async def stalling_receiver(pair: PDPair, stall_cls: Any = StallTransport, name: str = "tcp"):
+    """A KVReceiver for the pair's model whose transport `name` is stall_cls (its pull never returns:
+    `pulling` is set when it starts)."""
     folder = resolve_model(MODEL)
     layout = layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
     config = TransferConfig(idle_timeout_s=600, handshake_timeout_s=30)
-    stall = StallTransport(config)
+    stall = stall_cls(config)
     r = KVReceiver(
         pair.token.encode(),
         layout,
@@ -499,10 +501,13 @@ async def stalling_receiver(pair: PDPair):
         lambda h, e: None,
         model=model_fingerprint(folder),
         config=config,
-        transports={"tcp": stall},
+        transports={name: stall},
     )
-    async with r:
-        yield r, stall
+    try:
+        async with r:
+            yield r, stall
+    finally:
+        stall.close()
 
 
 def prefill_body(receiver: str, lease_s: float) -> dict[str, Any]:

@@ -14,24 +14,17 @@ import os
 import signal
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-import torch
 
-from engine.kv_cache import layout_of
-from engine.model_config import arch_from_hf, load_hf_config
-from engine.models import resolve_model
 from pd.tools.server_process import PDPair, ServerProcess, rank_metrics, signed_headers
 from tests.pd.disagg import test_pair_faults as faults
 from tests.server_fixtures import SMALL_DETERMINISTIC, run_check_pd, serving, wait_pair_idle
 from transfer.config import NIXL_MODULES, TransferConfig
-from transfer.handoff import allocate_payload, model_fingerprint
 from transfer.nixl import NixlTransport
-from transfer.receiver import KVReceiver
 
 pytestmark = [
     pytest.mark.slow,
@@ -95,19 +88,8 @@ class StallNixl(NixlTransport):
         return None
 
 
-@contextlib.asynccontextmanager
-async def stalling_nixl_receiver(pair: PDPair) -> AsyncIterator[tuple[KVReceiver, StallNixl]]:
-    folder = resolve_model(faults.MODEL)
-    layout = layout_of(arch_from_hf(load_hf_config(folder)), 128, torch.float32)
-    config = TransferConfig(idle_timeout_s=600, handshake_timeout_s=30)
-    stall = StallNixl(config)
-    r = KVReceiver(pair.token.encode(), layout, lambda h: allocate_payload(h), lambda h, e: None,
-                   model=model_fingerprint(folder), config=config, transports={"nixl": stall})  # fmt: skip
-    try:
-        async with r:
-            yield r, stall
-    finally:
-        stall.close()
+def stalling_nixl_receiver(pair: PDPair) -> Any:
+    return faults.stalling_receiver(pair, StallNixl, "nixl")
 
 
 def test_abort_while_the_pe_prefills(servers) -> None:
