@@ -25,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -294,24 +294,23 @@ class PrefillRole:
     # ---- loop thread ----------------------------------------------------------------------------
 
     async def _send_one(self, msg: Prefill, export: SequenceExport) -> None:
-        try:
-            ack = await self.sender.send(msg.receiver, export, timeout_s=msg.lease_s)
-        except HandoffError as e:
-            self.lt.post(_Sent(msg.request_id, None, e))
-        except Exception as e:
-            self.lt.post(_Sent(msg.request_id, None, HandoffError(TRANSPORT, repr(e))))
-        else:
-            self.lt.post(_Sent(msg.request_id, ack, None, time.monotonic()))
+        await self._post_sent(msg.request_id, self.sender.send(msg.receiver, export, timeout_s=msg.lease_s))
 
     async def _stream_one(self, msg: Prefill, plan: HandoffHeader, st: _Stream) -> None:
         def on_part(num_pages: int) -> None:
             st.sent.append((time.monotonic(), num_pages))
 
+        sending = self.sender.stream(msg.receiver, plan, st.parts, timeout_s=msg.lease_s, on_part=on_part)
+        await self._post_sent(msg.request_id, sending)
+
+    async def _post_sent(self, request_id: str, sending: Awaitable[Ack]) -> None:
+        """Awaits a handoff and posts its end to the loop thread: the ack, or the error (any other
+        exception as a HandoffError(TRANSPORT))."""
         try:
-            ack = await self.sender.stream(msg.receiver, plan, st.parts, timeout_s=msg.lease_s, on_part=on_part)
+            ack = await sending
         except HandoffError as e:
-            self.lt.post(_Sent(msg.request_id, None, e))
+            self.lt.post(_Sent(request_id, None, e))
         except Exception as e:
-            self.lt.post(_Sent(msg.request_id, None, HandoffError(TRANSPORT, repr(e))))
+            self.lt.post(_Sent(request_id, None, HandoffError(TRANSPORT, repr(e))))
         else:
-            self.lt.post(_Sent(msg.request_id, ack, None, time.monotonic()))
+            self.lt.post(_Sent(request_id, ack, None, time.monotonic()))

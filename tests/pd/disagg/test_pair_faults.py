@@ -473,17 +473,24 @@ def test_a_killed_rank_is_restarted_and_the_pair_serves_through_it(cluster, side
 # ---- the real PE driven directly: lease and abort in transfer -----------------------------------------
 
 
-class StallTransport(TcpTransport):
-    """A receiver's TCP transport that takes the offer, then never reads the payload."""
+def stalled(transport_cls: Any) -> Any:
+    """A receiver's transport_cls that takes the offer and sends ready, then never finishes its pull
+    (`pulling` is set when it starts)."""
 
-    def __init__(self, config: TransferConfig) -> None:
-        super().__init__(config)
-        self.pulling = asyncio.Event()
+    class Stall(transport_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, config: TransferConfig) -> None:
+            super().__init__(config)
+            self.pulling = asyncio.Event()
 
-    async def pull(self, ch: Any, header: Any, extra: Any, segments: Any, **kw: Any) -> int | None:
-        self.pulling.set()
-        await asyncio.sleep(3600)
-        return None
+        async def pull(self, ch: Any, header: Any, extra: Any, segments: Any, **kw: Any) -> int | None:
+            self.pulling.set()
+            await asyncio.sleep(3600)
+            return None
+
+    return Stall
+
+
+StallTransport = stalled(TcpTransport)
 
 
 @contextlib.asynccontextmanager

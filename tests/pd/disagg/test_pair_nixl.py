@@ -23,7 +23,7 @@ import pytest
 from pd.tools.server_process import PDPair, ServerProcess, rank_metrics, signed_headers
 from tests.pd.disagg import test_pair_faults as faults
 from tests.server_fixtures import SMALL_DETERMINISTIC, run_check_pd, serving, wait_pair_idle
-from transfer.config import NIXL_MODULES, TransferConfig
+from transfer.config import NIXL_MODULES
 from transfer.nixl import NixlTransport
 
 pytestmark = [
@@ -75,21 +75,8 @@ def test_check_pd_over_nixl(servers, capsys) -> None:
 # ---- the pair's faults over nixl (tests/pd/disagg/test_pair_faults.py's, on this pair) ------------------
 
 
-class StallNixl(NixlTransport):
-    """A receiver's nixl transport that registers its buffers and sends ready, then never waits for the write."""
-
-    def __init__(self, config: TransferConfig) -> None:
-        super().__init__(config)
-        self.pulling = asyncio.Event()
-
-    async def pull(self, ch: Any, header: Any, extra: Any, segments: Any, **kw: Any) -> int | None:
-        self.pulling.set()
-        await asyncio.sleep(3600)
-        return None
-
-
 def stalling_nixl_receiver(pair: PDPair) -> Any:
-    return faults.stalling_receiver(pair, StallNixl, "nixl")
+    return faults.stalling_receiver(pair, faults.stalled(NixlTransport), "nixl")
 
 
 def test_abort_while_the_pe_prefills(servers) -> None:
