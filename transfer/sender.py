@@ -14,13 +14,14 @@ still have taken the sequence (its ack was lost): the coordinator's abort of the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import secrets
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,15 +251,8 @@ class KVSender:
         conn, reused = self._kept(addr), True
         if conn is None:
             conn, reused = await self._open(addr), False
-        ok = False
-        try:
-            try:
-                check_layout(header, conn.layout, conn.model)
-            except HandoffError as e:
-                theirs = printable(e.message, MESSAGE_CHARS)  # quotes the receiver's model name
-                raise HandoffError(
-                    LAYOUT, f"the receiver at {addr} serves another engine: {theirs}"
-                ) from None
+        with self._holding(addr, conn):
+            _check_receiver(addr, header, conn)
             marks.append(time.perf_counter())
             ch = conn.ch
             extra = await self.transport.offer(ch, segments)
@@ -284,14 +278,6 @@ class KVSender:
                 raise HandoffError(
                     PROTOCOL, f"ack for {printable(repr(ack.request_id))}, sent {header.request_id!r}"
                 )
-            ok = True
-        except OSError as e:
-            raise HandoffError(TRANSPORT, f"connection to the KV receiver at {addr} failed: {e!r}") from None
-        finally:
-            if ok:
-                self._keep(addr, conn)
-            else:
-                conn.ch.close()
         connect_s, offer_s, ready_wait_s, push_s, ack_wait_s = (b - a for a, b in zip(marks, marks[1:]))
         return Ack(
             request_id=header.request_id,
@@ -354,8 +340,7 @@ class KVSender:
     ) -> Ack:
         t0 = time.perf_counter()
         conn = await self._open_stream(addr, plan)
-        ok = False
-        try:
+        with self._holding(addr, conn):
             ch = conn.ch
             next_page, num_streamed = plan.first_page, 0
             loop = asyncio.get_running_loop()
@@ -385,15 +370,21 @@ class KVSender:
                 raise HandoffError(PROTOCOL, f"the final export starts at page {export.first_page}, not {next_page}")
             t_final = time.perf_counter()
             ack = await self._final(conn, export, t0, num_streamed)
-            ok = True
-        except OSError as e:
-            raise HandoffError(TRANSPORT, f"connection to the KV receiver at {addr} failed: {e!r}") from None
-        finally:
-            if ok:
-                self._keep(addr, conn)
-            else:
-                conn.ch.close()
         return dataclasses.replace(ack, payload_bytes=plan.payload_bytes, final_s=time.perf_counter() - t_final)
+
+    @contextlib.contextmanager
+    def _holding(self, addr: str, conn: _Conn) -> Iterator[None]:
+        """One handoff's use of conn: kept for the next handoff if the body completes, closed if it
+        raises (an OSError raised as HandoffError(TRANSPORT))."""
+        try:
+            yield
+        except OSError as e:
+            conn.ch.close()
+            raise HandoffError(TRANSPORT, f"connection to the KV receiver at {addr} failed: {e!r}") from None
+        except BaseException:
+            conn.ch.close()
+            raise
+        self._keep(addr, conn)
 
     async def _open_stream(self, addr: str, plan: HandoffHeader) -> _Conn:
         """A connection on which plan's open was taken (ready received); a kept connection the receiver
@@ -403,11 +394,7 @@ class KVSender:
             if conn is None:
                 conn, reused = await self._open(addr), False
             try:
-                try:
-                    check_layout(plan, conn.layout, conn.model)
-                except HandoffError as e:
-                    theirs = printable(e.message, MESSAGE_CHARS)
-                    raise HandoffError(LAYOUT, f"the receiver at {addr} serves another engine: {theirs}") from None
+                _check_receiver(addr, plan, conn)
                 await conn.ch.send(Open(self.transport.name, plan.encode()))
                 if not plan.ids_inline:
                     await conn.ch.send(Ids(plan.ids_bytes()))
@@ -556,3 +543,12 @@ class KVSender:
                 conn.ch.close()
         self._idle.clear()
         self.transport.close()
+
+
+def _check_receiver(addr: str, header: HandoffHeader, conn: _Conn) -> None:
+    """Raises HandoffError(LAYOUT) if the receiver on conn serves another engine than header's."""
+    try:
+        check_layout(header, conn.layout, conn.model)
+    except HandoffError as e:
+        theirs = printable(e.message, MESSAGE_CHARS)  # quotes the receiver's model name
+        raise HandoffError(LAYOUT, f"the receiver at {addr} serves another engine: {theirs}") from None
