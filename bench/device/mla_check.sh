@@ -11,7 +11,7 @@
 #   3. bench/micro/handoff.py: a 16k-token handoff of DeepSeek-V3's latent pages and llama8b's (bytes per
 #      token and layer, tcp and ipc against their ceilings).
 # Logs under $OUT, a summary last ($OUT/summary.txt); each step has its own limit (TESTS_S, ENGINE_S,
-# HANDOFF_S).   bash bench/device/mla_check.sh      (carry .whl and .dev)
+# HANDOFF_S); SKIP_TESTS=1, SKIP_ENGINE=1, SKIP_HANDOFF=1 leave a step out.   bash bench/device/mla_check.sh      (carry .whl and .dev)
 set -u
 OUT=${OUT:-/tmp/mla_check}
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -30,6 +30,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     grep -hE "^(FAILED|ERROR) " "$OUT/tests.log" "$OUT/tests_decode.log" | cut -c1-240 | head -20 | tee -a "$SUMMARY"
 fi
 
+if [ "${SKIP_ENGINE:-0}" != 1 ]; then
 t0=$(date +%s)
 timeout -k 10 "${ENGINE_S:-330}" $PY bench/micro/engine_speed.py --models "${MODELS:-deepseek_v2_lite,deepseek_v3_5l}" \
     --modes default --batches 1,64 --contexts 1024,8192 --prefill 8192 --hf --no-hf-compile --hicache-gb 0 \
@@ -38,7 +39,9 @@ say "engine_speed: rc $? in $(( $(date +%s) - t0 )) s"
 grep -E "^== " "$OUT/engine.log" | tee -a "$SUMMARY"
 sed -n '/^ceilings/,$p' "$OUT/engine.log" | tee -a "$SUMMARY"
 grep -E "Error|error:" "$OUT/engine.log" | sort | uniq -c | head -8 | tee -a "$SUMMARY"
+fi
 
+[ "${SKIP_HANDOFF:-0}" = 1 ] && exit 0
 t0=$(date +%s)
 for layout in deepseek_v3 llama8b; do
     timeout -k 5 "${HANDOFF_S:-60}" $PY bench/micro/handoff.py --layout $layout --tokens 16384 --repeats 3 \
