@@ -17,6 +17,10 @@ for every handoff. A sender keeps a receiver's agent loaded while a write to it 
 drops it after the last one, so buffers the receiver has deregistered are never addressable from here
 and a long-lived sender does not accumulate their descriptors.
 
+The agents run without NIXL's progress thread (it polls with no delay: a whole core per rank, busy
+or idle); a sender's wait polls its write, and a receiver drives its worker from a thread only while it
+expects a write (UCX's message-based transports, tcp among them, need the target to make progress).
+
 NOTE: after a failure, a buffer a write may still reach stays registered and referenced for
 idle_timeout_s (the sender's bound on its own write) before it is released: a late one-sided write
 into freed memory would corrupt whatever lives there next (UCX's shared-memory transports write
@@ -99,7 +103,7 @@ class _Agent:
         self.api = api
         self.name = f"pdserve/{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         conf = api.nixl_agent_config(
-            backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            enable_prog_thread=False, backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
         self.agent = api.nixl_agent(self.name, conf)
         if "UCX" not in self.agent.backends:
@@ -161,6 +165,23 @@ class _Agent:
                     self.agent.remove_remote_agent(name)
                 except Exception as e:
                     log.warning("nixl: dropping remote agent %s failed: %r", name, e)
+
+    def progress_while(self) -> threading.Event:
+        """Drives the agent's UCX worker from a thread until the returned event is set: the side a write
+        lands on must make progress for transports that carry it in messages (UCX's tcp), and the agent
+        runs no progress thread of its own (NIXL's spins a core whether or not anything moves)."""
+        stop = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(POLL_S):
+                try:
+                    self.agent.get_new_notifs()  # progresses the backend's worker (thread-safe: STRICT)
+                except Exception as e:  # the write's own wait reports what went wrong
+                    log.debug("nixl: progress failed: %r", e)
+                    return
+
+        threading.Thread(target=run, name="nixl-progress", daemon=True).start()
+        return stop
 
     def close(self) -> None:
         with self._lock:
@@ -306,6 +327,7 @@ class NixlTransport(Transport):
         reg, _ = self._landing.pop(id(segments))
         agent = self.agent()
         done = False
+        progress = agent.progress_while()
         try:
             try:
                 msg = await asyncio.wait_for(ch.expect(Written), self.config.idle_timeout_s)
@@ -322,6 +344,7 @@ class NixlTransport(Transport):
                 )
             done = True
         finally:
+            progress.set()
             if done:
                 agent.deregister(reg)
             else:  # NOTE: the sender's write may still land in these buffers

@@ -304,3 +304,29 @@ async def test_a_ready_naming_unregistered_memory_is_not_written() -> None:
         await sender.send(r.address, make_export())
         sender.close()
     assert list(sink.delivered) == ["req-1"] and [x.code for x in sink.errors] == [INCOMPLETE]
+
+
+IDLE_AGENT = r"""
+import dataclasses, resource, time
+from tests.transfer.support import FAST
+from transfer.nixl import NixlTransport
+
+t = NixlTransport(dataclasses.replace(FAST, transport="nixl"))
+t.agent()
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+time.sleep(2.0)
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+print((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), flush=True)
+t.close()
+"""
+
+
+@needs_nixl
+def test_an_idle_agent_leaves_the_cpu_alone() -> None:
+    """NIXL's progress thread spins a whole core for as long as the agent lives (each rank's, PE and CE):
+    the transport runs none, and drives the worker only while a write is expected (the round trips above
+    pass without it). A spinning thread shows about 2 s of CPU time over these 2 s, even on busy cores."""
+    proc = _run(IDLE_AGENT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert float(out.splitlines()[-1]) < 0.5, out
