@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The local CPU build; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,dev]'
+	# nixl: the --transport nixl tests run on the CPU too (UCX's shared memory and TCP)
+	$(BIN)/pip install -q -e '.[test,dev,nixl]'
 	touch $(STAMP)
 
 setup: $(STAMP)
