@@ -13,7 +13,7 @@ from pdkernels.checksum import CHUNK_BYTES
 
 TRANSPORT_NAMES = ("tcp", "nccl", "ipc", "nixl")  # nixl: the optional extra pdserve[nixl]
 STREAM_CHOICES = ("auto", "on", "off")
-STREAM_TRANSPORTS = ("tcp",)  # the transports whose push/pull carry a streamed handoff's parts
+STREAM_TRANSPORTS = ("tcp", "nixl")  # the transports whose push/pull carry a streamed handoff's parts
 GiB = 1 << 30
 MAX_TCP_STREAMS = 64  # per control connection; a receiver refuses more
 # what --transport nixl needs; the wheels' import names (the `nixl` package picks one of them)
@@ -80,12 +80,12 @@ class TransferConfig:
     )
     # prefill: a long prompt's handoff overlaps its prefill (wire.py: open, parts, final offer): the pages
     # each chunk completes go while the next chunks compute; only the last page(s) and the SWA state
-    # are left after the prefill. auto: on where the transport carries parts (tcp), off elsewhere
+    # are left after the prefill. auto: on where the transport carries parts (tcp, nixl), off elsewhere
     stream: str = field(
         default="auto",
         metadata={
             "help": "prefill: send each prefill chunk's completed KV pages while the prompt is still being"
-            " prefilled; auto: on for tcp (the transport that carries it), off for the others",
+            " prefilled; auto: on for tcp and nixl (the transports that carry it), off for the others",
             "choices": STREAM_CHOICES,
             "flag": "kv-stream",
         },

@@ -10,6 +10,11 @@ UCX_TLS allows); the control connection carries only what NIXL needs to find the
     S -> R  written  {payload_bytes}
     R       checksums the buffers where they are (the header's checksum), acks or nacks as for tcp
 
+A streamed handoff (--kv-stream): the open's ready carries the same fields for the whole page buffer
+(registered until the parts end); the sender writes each part at its page offset in it and only then
+sends the `part` message (no fields), which the receiver checks where the bytes landed; the final
+offer is an offer as above.
+
 One NIXL agent per transport, i.e. per process and role (a rank sends or receives, not both), made on
 the first handoff. Memory is registered per handoff: the receive buffers are the ones the CE's
 on_handoff gives (transfer.handoff.allocate_payload), the sender's the export's own tensors, both new
@@ -192,6 +197,8 @@ class _Agent:
 
 class NixlTransport(Transport):
     name = "nixl"
+    carries_parts = True
+    writes_parts = True  # a streamed handoff's parts: written into the buffer its open registered
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)
@@ -199,6 +206,7 @@ class NixlTransport(Transport):
         self._agent: _Agent | None = None
         self._agent_lock = threading.Lock()
         self._landing: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # receiver: by id of the segments
+        self._streams: dict[int, tuple[Any, torch.Tensor, threading.Event]] = {}  # receiver: by id of the pages
 
     def agent(self) -> _Agent:
         with self._agent_lock:
@@ -218,16 +226,31 @@ class NixlTransport(Transport):
         return {}
 
     async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
+        metadata, remote_mem, remote = _read_ready(ready, len(segments))
+        for (_, n, _), t in zip(remote, segments):
+            if n != t.numel() * t.element_size():
+                raise HandoffError(PROTOCOL, f"nixl: a receive buffer of {n} bytes for a {t.numel() * t.element_size()}-byte segment")
+        await self._push(ch, segments, metadata, (remote_mem, remote))
+        await ch.send(Written(sum(n for _, n, _ in remote)))
+
+    async def write_part(self, ch: Channel, pages: torch.Tensor, offset: int, opened: dict[str, Any]) -> None:
+        metadata, remote_mem, ((addr, size, device),) = _read_ready(opened, 1)
+        page_bytes = pages[0].numel() * pages.element_size()
+        start, n = offset * page_bytes, pages.numel() * pages.element_size()
+        if start + n > size:
+            raise HandoffError(PROTOCOL, f"nixl: pages [{offset}, {offset + pages.shape[0]}) beyond a {size}-byte stream buffer")
+        await self._push(ch, [pages], metadata, (remote_mem, [(addr + start, n, device)]))
+
+    async def _push(
+        self, ch: Channel, segments: list[torch.Tensor], metadata: bytes, remote: tuple[str, list[tuple[int, int, int]]]
+    ) -> None:
+        """Writes segments into the receiver's buffers remote (memory type, descriptors) and waits for it."""
         mem, device = _mem_type(segments)
-        metadata, remote_mem, remote = _read_ready(ready, segments)
         produced = None
         if mem == "VRAM":
             produced = torch.cuda.Event()  # NOTE: recorded on the export's producer stream
             produced.record(torch.cuda.current_stream(segments[0].device))
-        await ch.run_blocking(
-            self.executor, self._write, segments, (mem, device), metadata, (remote_mem, remote), produced
-        )
-        await ch.send(Written(sum(n for _, n, _ in remote)))
+        await ch.run_blocking(self.executor, self._write, segments, (mem, device), metadata, remote, produced)
 
     def _write(
         self,
@@ -351,6 +374,28 @@ class NixlTransport(Transport):
                 agent.hold(reg, segments, self.config.idle_timeout_s)
         return None  # the receiver hashes the buffers where they are
 
+    async def open_stream(self, ch: Channel, header: HandoffHeader, pages: torch.Tensor) -> dict[str, Any]:
+        """Registers a streamed handoff's whole page buffer; the parts are written into it and the
+        worker driven until end_stream."""
+        mem, device = _mem_type([pages])
+        descs = _descs([pages], device)
+        reg, metadata = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self._register_landing, [pages], mem, device
+        )
+        self._streams[id(pages)] = (reg, pages, self.agent().progress_while())
+        return {"agent": metadata, "mem": mem, "descs": [list(d) for d in descs]}
+
+    def end_stream(self, pages: torch.Tensor, *, clean: bool) -> None:
+        stream = self._streams.pop(id(pages), None)
+        if stream is None:
+            return
+        reg, _, progress = stream
+        progress.set()
+        if clean:
+            self.agent().deregister(reg)
+        else:  # NOTE: a part's write may still land in pages
+            self.agent().hold(reg, [pages], self.config.idle_timeout_s)
+
     def abandon(self, segments: list[torch.Tensor]) -> None:
         """Deregisters buffers accept registered whose pull never ran (the handoff failed before ready
         went out: the sender never learnt where they are)."""
@@ -363,6 +408,11 @@ class NixlTransport(Transport):
             if self._agent is not None:
                 self._agent.deregister(reg)
         self._landing.clear()
+        for reg, _, progress in self._streams.values():
+            progress.set()
+            if self._agent is not None:
+                self._agent.deregister(reg)
+        self._streams.clear()
         if self._agent is not None:
             self._agent.close()
 
@@ -375,21 +425,19 @@ def _nixl_call(peer: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed: {e!r}") from None
 
 
-def _read_ready(ready: dict[str, Any], segments: list[torch.Tensor]) -> tuple[bytes, str, list[tuple[int, int, int]]]:
-    """The receiver's agent metadata, memory type and buffer descriptors from its ready fields, checked
-    against the segments to write. Raises HandoffError(PROTOCOL)."""
+def _read_ready(ready: dict[str, Any], count: int) -> tuple[bytes, str, list[tuple[int, int, int]]]:
+    """The receiver's agent metadata, memory type and count buffer descriptors from its ready fields.
+    Raises HandoffError(PROTOCOL)."""
     metadata, their_mem, descs = ready.get("agent"), ready.get("mem"), ready.get("descs")
     if not isinstance(metadata, bytes) or not metadata or set(ready) != {"agent", "mem", "descs"}:
         raise HandoffError(PROTOCOL, f"nixl: a ready without agent metadata (fields {sorted(map(str, ready))[:8]})")
     if their_mem not in ("DRAM", "VRAM"):
         raise HandoffError(PROTOCOL, "nixl: a ready with an unknown memory type")
-    if not isinstance(descs, list) or len(descs) != len(segments):
-        raise HandoffError(PROTOCOL, f"nixl: a ready naming other than {len(segments)} buffers")
+    if not isinstance(descs, list) or len(descs) != count:
+        raise HandoffError(PROTOCOL, f"nixl: a ready naming other than {count} buffers")
     remote = []
-    for d, t in zip(descs, segments):
+    for d in descs:
         if not (isinstance(d, list) and len(d) == 3 and all(isinstance(x, int) and x >= 0 for x in d)):
             raise HandoffError(PROTOCOL, "nixl: a malformed buffer descriptor in ready")
-        if d[1] != t.numel() * t.element_size():
-            raise HandoffError(PROTOCOL, f"nixl: a receive buffer of {d[1]} bytes for a {t.numel() * t.element_size()}-byte segment")
         remote.append((d[0], d[1], d[2]))
     return metadata, their_mem, remote

@@ -513,8 +513,33 @@ class KVReceiver:
         """
         check_segments(plan, segments)
         await self._read_ids(ch, plan)
-        await ch.send(Ready({}))
-        pages, done, parts_s = segments[0], 0, 0.0
+        pages = segments[0]
+        if transport.writes_parts:
+            opened = await transport.open_stream(ch, plan, pages)
+            try:
+                await ch.send(Ready(opened))
+                msg, done, parts_s = await self._parts(ch, plan, transport, pages)
+            except BaseException:
+                transport.end_stream(pages, clean=False)  # NOTE: a write may still be landing
+                raise
+            transport.end_stream(pages, clean=True)  # every part's write had ended before its message
+        else:
+            await ch.send(Ready({}))
+            msg, done, parts_s = await self._parts(ch, plan, transport, pages)
+        offer = ch.expected(msg, Offer)
+        header, final_transport, extra = self._read_offer(offer)
+        if final_transport is not transport:
+            raise HandoffError(PROTOCOL, f"request {plan.request_id!r}: opened over {transport.name}, ends over {final_transport.name}")
+        check_final(plan, header, done)
+        phases["parts"] = parts_s
+        return await self._receive(ch, header, transport, extra, [pages[done:], *segments[1:]], phases, (plan, segments))
+
+    async def _parts(
+        self, ch: Channel, plan: HandoffHeader, transport: Transport, pages: torch.Tensor
+    ) -> tuple[ControlMessage, int, float]:
+        """A stream's parts into pages, each verified, up to the first other message: that message, the
+        pages received and the seconds spent on them."""
+        done, parts_s = 0, 0.0
         while True:
             try:
                 msg = await asyncio.wait_for(ch.recv_or_eof(), self.config.keepalive_s)
@@ -537,8 +562,10 @@ class KVReceiver:
                     f" {done} of {plan.num_pages} pages from page {plan.first_page} (the last always goes at the end)",
                 )
             view = pages[done : done + n]
-            await transport.accept(ch, plan, msg.extra, [view])
-            got = await transport.pull(ch, plan, msg.extra, [view])
+            got = None  # writes_parts: the bytes are there already
+            if not transport.writes_parts:
+                await transport.accept(ch, plan, msg.extra, [view])
+                got = await transport.pull(ch, plan, msg.extra, [view])
             if got is None:  # hash where the bytes are
                 got = await asyncio.get_running_loop().run_in_executor(transport.executor, payload_checksum, [view])
             if got != msg.checksum:
@@ -548,13 +575,7 @@ class KVReceiver:
                 )
             done += n
             parts_s += time.perf_counter() - t
-        offer = ch.expected(msg, Offer)
-        header, final_transport, extra = self._read_offer(offer)
-        if final_transport is not transport:
-            raise HandoffError(PROTOCOL, f"request {plan.request_id!r}: opened over {transport.name}, ends over {final_transport.name}")
-        check_final(plan, header, done)
-        phases["parts"] = parts_s
-        return await self._receive(ch, header, transport, extra, [pages[done:], *segments[1:]], phases, (plan, segments))
+        return msg, done, parts_s
 
     async def _read_ids(self, ch: Channel, header: HandoffHeader) -> None:
         """The prompt's token ids, when the header announced them instead of carrying them."""

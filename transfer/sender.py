@@ -339,7 +339,7 @@ class KVSender:
         self, addr: str, plan: HandoffHeader, parts: StreamParts, on_part: Callable[[int], None] | None
     ) -> Ack:
         t0 = time.perf_counter()
-        conn = await self._open_stream(addr, plan)
+        conn, opened = await self._open_stream(addr, plan)
         with self._holding(addr, conn):
             ch = conn.ch
             next_page, num_streamed = plan.first_page, 0
@@ -358,9 +358,13 @@ class KVSender:
                 if item.written is not None:  # NOTE: the copy out reads what the gather wrote
                     torch.cuda.current_stream(item.pages.device).wait_event(item.written)
                 checksum = await loop.run_in_executor(self.transport.executor, part_checksum, item)
-                extra = await self.transport.offer(ch, [item.pages])
-                await ch.send(Part(item.first_page, n, checksum, extra))
-                await self.transport.push(ch, [item.pages], {})
+                if self.transport.writes_parts:  # the bytes land first, the part message says so
+                    await self.transport.write_part(ch, item.pages, num_streamed, opened)
+                    await ch.send(Part(item.first_page, n, checksum))
+                else:
+                    extra = await self.transport.offer(ch, [item.pages])
+                    await ch.send(Part(item.first_page, n, checksum, extra))
+                    await self.transport.push(ch, [item.pages], {})
                 next_page += n
                 num_streamed += n
                 if on_part is not None:
@@ -386,9 +390,9 @@ class KVSender:
             raise
         self._keep(addr, conn)
 
-    async def _open_stream(self, addr: str, plan: HandoffHeader) -> _Conn:
-        """A connection on which plan's open was taken (ready received); a kept connection the receiver
-        had closed is replaced, as in send()."""
+    async def _open_stream(self, addr: str, plan: HandoffHeader) -> tuple[_Conn, dict[str, Any]]:
+        """A connection on which plan's open was taken, and its ready's fields; a kept connection the
+        receiver had closed is replaced, as in send()."""
         for _ in range(MAX_IDLE_PER_PEER + 1):
             conn, reused = self._kept(addr), True
             if conn is None:
@@ -398,8 +402,8 @@ class KVSender:
                 await conn.ch.send(Open(self.transport.name, plan.encode()))
                 if not plan.ids_inline:
                     await conn.ch.send(Ids(plan.ids_bytes()))
-                await conn.ch.expect(Ready)
-                return conn
+                ready = await conn.ch.expect(Ready)
+                return conn, ready.fields
             except (HandoffError, OSError) as e:
                 conn.ch.close()
                 if reused and (isinstance(e, OSError) or e.code == INCOMPLETE):

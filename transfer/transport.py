@@ -42,6 +42,10 @@ class Transport(ABC):
     # A streamed handoff's parts (--kv-stream, wire.py) can go over it: a part's bytes follow its `part`
     # message at once (push / pull of that part's pages alone, no ready in between).
     carries_parts: ClassVar[bool] = False
+    # Its parts are written one-sided before their `part` message goes (nixl): the open's ready says
+    # where (open_stream's fields), the sender writes each part there (write_part), and the receiver
+    # only checks the bytes where they landed.
+    writes_parts: ClassVar[bool] = False
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
@@ -73,6 +77,11 @@ class Transport(ABC):
     async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
         """Moves the payload after the receiver is ready; raises HandoffError."""
 
+    async def write_part(self, ch: Channel, pages: torch.Tensor, offset: int, opened: dict[str, Any]) -> None:
+        """writes_parts: writes pages at page offset of the receiver's stream buffer (opened: its open's
+        ready fields) and returns once they are there; raises HandoffError."""
+        raise NotImplementedError
+
     def forget(self, peer: str) -> None:
         """Drops per-peer state (an NCCL communicator the receiver no longer knows)."""
         return None
@@ -84,6 +93,16 @@ class Transport(ABC):
     ) -> dict[str, Any]:
         """Checks the offer's transport fields before ready; returns fields for the ready message."""
         return {}
+
+    async def open_stream(self, ch: Channel, header: HandoffHeader, pages: torch.Tensor) -> dict[str, Any]:
+        """writes_parts: makes pages (a streamed handoff's whole page buffer) writable by the sender;
+        returns the open's ready fields. Held until end_stream."""
+        return {}
+
+    def end_stream(self, pages: torch.Tensor, *, clean: bool) -> None:
+        """writes_parts: the stream's parts are over (clean: every write the sender began has ended;
+        else one may still land in pages)."""
+        return None
 
     def abandon(self, segments: list[torch.Tensor]) -> None:
         """Undoes accept for segments whose pull will not run (the handoff failed in between)."""

@@ -1,7 +1,8 @@
 """A streamed handoff (--kv-stream; wire.py: open, parts, final offer) over real sockets on 127.0.0.1:
-the receiver gets the same sequence as from one offer, over one socket and striped; a delta handoff
-streams from its first page; a corrupt part, a sender gone mid-stream and a final offer that disagrees
-with the open fail without delivering anything."""
+the receiver gets the same sequence as from one offer, over one socket and striped, and over nixl (the
+parts written one-sided into the buffer the open registered; where the extra is installed); a delta
+handoff streams from its first page; a corrupt part, a sender gone mid-stream and a final offer that
+disagrees with the open fail without delivering anything."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import torch
 from engine.handoff import SequenceExport
 from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
 from transfer import sender as sender_module
-from transfer.config import TransferConfig
+from transfer.config import TransferConfig, nixl_installed
 from transfer.errors import BAD_HEADER, CHECKSUM, INCOMPLETE, TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader, stream_plan
 from transfer.receiver import KVReceiver
 from transfer.sender import Ack, KVSender, PagesPart, StreamParts
 
+NIXL = pytest.param(
+    "nixl", marks=pytest.mark.skipif(not nixl_installed(), reason="the nixl extra is not installed")
+)
 NUM_PROMPT = 16 * 7 + 5  # 8 pages of 16 tokens: 7 may stream, the 8th (the last prompt token's) goes at the end
 
 
@@ -54,11 +58,11 @@ def same(a: SequenceExport, b: SequenceExport) -> None:
     assert a.state is not None and b.state is not None and torch.equal(a.state, b.state)
 
 
-@pytest.mark.parametrize("tcp_streams", [1, 3])
-async def test_a_streamed_handoff_delivers_the_whole_sequence(tcp_streams):
+@pytest.mark.parametrize("transport, tcp_streams", [("tcp", 1), ("tcp", 3), pytest.param(*NIXL.values, 1, marks=NIXL.marks)])
+async def test_a_streamed_handoff_delivers_the_whole_sequence(transport, tcp_streams):
     exp = make_export(num_prompt=NUM_PROMPT)
     sink = Sink("req-1")
-    config = dataclasses.replace(FAST, tcp_streams=tcp_streams)
+    config = dataclasses.replace(FAST, transport=transport, tcp_streams=tcp_streams)
     async with receiver(sink, config=config) as r:
         sender = KVSender(TOKEN, LAYOUT_SWA, config=config)
         try:
@@ -68,6 +72,10 @@ async def test_a_streamed_handoff_delivers_the_whole_sequence(tcp_streams):
     assert ack.num_streamed_pages == 7 and ack.payload_bytes == LAYOUT_SWA.payload_bytes(NUM_PROMPT)
     same(sink.delivered["req-1"], exp)
     assert r.counters["handoffs"] == 1 and r.counters["bytes"] == ack.payload_bytes and not sink.errors
+    assert ack.transport == transport
+    if transport == "nixl":  # the stream's registration released, nothing held
+        nixl = r._transports["nixl"]  # type: ignore[attr-defined]
+        assert nixl._streams == {} and nixl._agent._held == {}
 
 
 async def test_a_streamed_delta_handoff_starts_at_its_first_page_and_long_prompts_send_ids():
@@ -86,14 +94,16 @@ async def test_a_streamed_delta_handoff_starts_at_its_first_page_and_long_prompt
     assert sender.counters["reuses"] == 1  # the connection carried both
 
 
-async def test_a_corrupt_part_fails_the_handoff_and_delivers_nothing(monkeypatch):
+@pytest.mark.parametrize("transport", ["tcp", NIXL])
+async def test_a_corrupt_part_fails_the_handoff_and_delivers_nothing(monkeypatch, transport):
     """A part whose bytes are not those its checksum was computed over (a bit flipped on the way)."""
     real = sender_module.part_checksum
     monkeypatch.setattr(sender_module, "part_checksum", lambda part: real(part) ^ 1)
     exp = make_export(num_prompt=NUM_PROMPT)
     sink = Sink("req-1")
-    async with receiver(sink) as r:
-        sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+    config = dataclasses.replace(FAST, transport=transport)
+    async with receiver(sink, config=config) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=config)
         try:
             with pytest.raises(HandoffError) as e:
                 await stream_in_parts(sender, r.address, exp, [3])
@@ -104,13 +114,16 @@ async def test_a_corrupt_part_fails_the_handoff_and_delivers_nothing(monkeypatch
     assert not sink.delivered and [x.code for x in sink.errors] == [CHECKSUM]
 
 
-async def test_a_sender_gone_mid_stream_fails_the_handoff_on_the_receiver():
+@pytest.mark.parametrize("transport", ["tcp", NIXL])
+async def test_a_sender_gone_mid_stream_fails_the_handoff_on_the_receiver(transport):
     """The PE aborts (or dies) after two parts: its connection closes; the receiver tells on_error (the
-    CE's reservation is reserved again) and delivers nothing."""
+    CE's reservation is reserved again) and delivers nothing. Over nixl the stream's buffer stays
+    registered for idle_timeout_s after (a write may still land), then is released."""
     exp = make_export(num_prompt=NUM_PROMPT)
     sink = Sink("req-1")
-    async with receiver(sink) as r:
-        sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+    config = dataclasses.replace(FAST, transport=transport)
+    async with receiver(sink, config=config) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=config)
         parts = StreamParts()
         sent: list[int] = []
         task = asyncio.ensure_future(sender.stream(r.address, plan_of(exp), parts, on_part=sent.append))
@@ -123,6 +136,13 @@ async def test_a_sender_gone_mid_stream_fails_the_handoff_on_the_receiver():
             await task
         sender.close()
         await asyncio.wait_for(sink.failed.wait(), 5)
+        if transport == "nixl":
+            agent = r._transports["nixl"]._agent  # type: ignore[attr-defined]
+            assert len(agent._held) == 1  # the stream's registration, held
+            deadline = time.monotonic() + FAST.idle_timeout_s + 5
+            while agent._held and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert agent._held == {}
     assert not sink.delivered and [x.code for x in sink.errors] == [INCOMPLETE]
 
 
@@ -147,6 +167,8 @@ async def test_only_a_transport_that_carries_parts_streams():
     with pytest.raises(ValueError, match="--kv-stream on"):
         TransferConfig(transport="nccl", stream="on")
     assert TransferConfig().streams_handoffs and not TransferConfig(transport="ipc").streams_handoffs
+    if nixl_installed():
+        assert TransferConfig(transport="nixl").streams_handoffs
     assert not TransferConfig(stream="off").streams_handoffs
     exp = make_export(num_prompt=NUM_PROMPT)
     sender = KVSender(TOKEN, LAYOUT_SWA, config=TransferConfig(transport="ipc"))

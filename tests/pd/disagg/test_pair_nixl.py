@@ -1,7 +1,8 @@
 """A P/D pair handing off over NIXL (SmolLM2-135M; `--transport nixl` on the PE, the CE accepting it as
 by default): NIXL's UCX backend writes the PE's export into the CE's receive buffers (host memory on
 this machine: UCX's shared-memory or TCP transports), and bench/check_pd.py finds the pair's tokens
-identical to a single engine's, both --deterministic; then test_pair_faults.py's faults on this pair: an abort
+identical to a single engine's, both --deterministic; a long prompt streams its pages over nixl while
+the PE prefills it; then test_pair_faults.py's faults on this pair: an abort
 while the PE prefills, the PE's lease running out on a receiver that never acks, an abort while the KV is in
 transfer, the PE killed mid-request and restarted. Skipped where the nixl extra is not installed."""
 
@@ -20,8 +21,10 @@ import aiohttp
 import orjson
 import pytest
 
-from pd.tools.server_process import PDPair, ServerProcess, rank_metrics, signed_headers
+from pd.tools.server_process import PDPair, rank_metrics, signed_headers
+from tests.pd.conftest import PE_CHUNK_TOKENS
 from tests.pd.disagg import test_pair_faults as faults
+from tests.pd.disagg.test_pair_stream import streams_a_long_prompt
 from tests.server_fixtures import SMALL_DETERMINISTIC, run_check_pd, serving, wait_pair_idle
 from transfer.config import NIXL_MODULES
 from transfer.nixl import NixlTransport
@@ -38,11 +41,13 @@ ARGS = ("--model", "smollm2-135m-instruct", *SMALL_DETERMINISTIC)
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("nixl")
-    ref = ServerProcess(*ARGS, log_path=logs / "ref.log")
-    pair = PDPair(*ARGS, log_dir=logs, pe_args=("--transport", "nixl"))
-    with serving(ref, pair):
+def servers(smollm_servers, tmp_path_factory: pytest.TempPathFactory):
+    """The session's single engine (the same model and flags) and a pair whose PE hands off over nixl,
+    prefilling in chunks of PE_CHUNK_TOKENS, so a long prompt streams (--kv-stream auto: on for nixl)."""
+    ref, _ = smollm_servers
+    pe_args = ("--transport", "nixl", "--max-num-batched-tokens", str(PE_CHUNK_TOKENS))
+    pair = PDPair(*ARGS, log_dir=tmp_path_factory.mktemp("nixl"), pe_args=pe_args)
+    with serving(pair):
         yield ref, pair
 
 
@@ -70,6 +75,11 @@ def test_check_pd_over_nixl(servers, capsys) -> None:
     wait_pair_idle(pair)
     handoffs = _handoffs_by_transport(pair.url)
     assert handoffs.get("nixl", 0) >= 9 and set(handoffs) == {"nixl"}, handoffs
+
+
+def test_a_long_prompt_streams_over_nixl(servers) -> None:
+    """Its pages written one-sided into the CE's buffer for the stream as each chunk completes."""
+    streams_a_long_prompt(*servers)
 
 
 # ---- the pair's faults over nixl (tests/pd/disagg/test_pair_faults.py's, on this pair) ------------------

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from pd.tools.server_process import rank_metrics
+from pd.tools.server_process import PDPair, ServerProcess, rank_metrics
 from tests.pd.conftest import PE_CHUNK_TOKENS
 from tests.server_fixtures import openai_client, wait_pair_idle
 
@@ -40,7 +40,12 @@ def _cluster_metrics(url: str) -> dict[str, float]:
 
 
 def test_a_prompt_of_several_chunks_streams_its_pages_and_matches_the_single_engine(smollm_servers):
-    ref, pair = smollm_servers
+    streams_a_long_prompt(*smollm_servers)
+
+
+def streams_a_long_prompt(ref: ServerProcess, pair: PDPair) -> None:
+    """LONG through the pair (its PE prefilling in chunks of PE_CHUNK_TOKENS) = through ref; its pages went
+    in parts, some before the prefill ended, and the metrics count it."""
     before, pe_before = _cluster_metrics(pair.url), rank_metrics(pair.pe.port)
     kw = dict(model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=12, temperature=0)
     got = openai_client(pair.url).chat.completions.create(**kw)
