@@ -414,31 +414,22 @@ class KVReceiver:
         await ch.send(AuthOk(proof, self.model, self.layout.fields()))
 
     async def _handle(self, ch: Channel, msg: ControlMessage) -> bool:
-        """One handoff, from its offer msg; raises HandoffError (the caller nacks and closes) if the
-        handoff fails."""
-        if isinstance(msg, Open):
-            return await self._handle_stream(ch, msg)
+        """One handoff, from its offer msg (or a streamed one's open); raises HandoffError (the caller
+        nacks and closes) if the handoff fails."""
+        streamed = isinstance(msg, Open)
         try:
-            offer = ch.expected(msg, Offer)
+            offer = Offer(msg.transport, msg.header) if isinstance(msg, Open) else ch.expected(msg, Offer)
         except HandoffError as e:
             if e.code == PROTOCOL:  # not an offer
                 self.counters["refused"] += 1
                 log.warning("refused handoff offer from %s: %s", ch.peer, printable(e, MESSAGE_CHARS))
             raise
-        t0 = time.perf_counter()
+        header, transport, extra, segments, phases = await self._take(ch, offer, streamed)
         try:
-            header, transport, extra = self._read_offer(offer)
-            t_offer = time.perf_counter()
-            segments = await _call(self.on_handoff, header)
-            if segments is None:
-                raise HandoffError(UNEXPECTED, f"request {header.request_id!r} is not expected here")
-        except HandoffError as refused:
-            self.counters["refused"] += 1
-            log.warning("refused handoff offer from %s: %s", ch.peer, printable(refused, MESSAGE_CHARS))
-            raise
-        phases = {"decode": t_offer - t0, "on_handoff": time.perf_counter() - t_offer}
-        try:
-            ack = await self._receive(ch, header, transport, extra, segments, phases)
+            if streamed:
+                ack = await self._stream(ch, header, transport, segments, phases)
+            else:
+                ack = await self._receive(ch, header, transport, extra, segments, phases)
         except BaseException as e:  # incl. cancellation (shutdown): the reservation must be released
             await self._failed(ch, header, e)
             raise
@@ -446,6 +437,28 @@ class KVReceiver:
         self.counters["bytes"] += header.payload_bytes
         await ch.send(ack)
         return True
+
+    async def _take(
+        self, ch: Channel, offer: Offer, streamed: bool
+    ) -> tuple[HandoffHeader, Transport, dict[str, Any], list[torch.Tensor], dict[str, float]]:
+        """An offer's (or a streamed handoff's open's) header, transport and fields, and the buffers
+        on_handoff gives for it (the reservation taken), with the seconds each took; a refusal is
+        counted and logged before it is raised."""
+        t0 = time.perf_counter()
+        try:
+            header, transport, extra = self._read_offer(offer)
+            if streamed and not transport.carries_parts:
+                raise HandoffError(TRANSPORT, f"transport {transport.name!r} does not carry streamed handoffs")
+            t_offer = time.perf_counter()
+            segments = await _call(self.on_handoff, header)
+            if segments is None:
+                raise HandoffError(UNEXPECTED, f"request {header.request_id!r} is not expected here")
+        except HandoffError as refused:
+            self.counters["refused"] += 1
+            what = "streamed handoff" if streamed else "handoff offer"
+            log.warning("refused %s from %s: %s", what, ch.peer, printable(refused, MESSAGE_CHARS))
+            raise
+        return header, transport, extra, segments, {"decode": t_offer - t0, "on_handoff": time.perf_counter() - t_offer}
 
     async def _failed(self, ch: Channel, header: HandoffHeader, e: BaseException) -> None:
         """An accepted handoff failed (e): counted, logged, and on_error told (nothing was delivered)."""
@@ -468,36 +481,6 @@ class KVReceiver:
 
     # ---- a streamed handoff (--kv-stream on the sender; wire.py's open and part) --------------
 
-    async def _handle_stream(self, ch: Channel, msg: Open) -> bool:
-        """A streamed handoff, from its open: buffers for the whole payload sized by the open's header
-        (the reservation taken by it), the pages' parts received and verified one by one as the sender's
-        prefill makes them, then the final offer's payload (the remaining pages and the state) as any
-        offer's. The sequence is delivered only after the final payload is verified too; a failure in any
-        phase is on_error's, as for an offer."""
-        t0 = time.perf_counter()
-        try:
-            plan, transport, _ = self._read_offer(Offer(msg.transport, msg.header))
-            if not transport.carries_parts:
-                raise HandoffError(TRANSPORT, f"transport {transport.name!r} does not carry streamed handoffs")
-            t_offer = time.perf_counter()
-            segments = await _call(self.on_handoff, plan)
-            if segments is None:
-                raise HandoffError(UNEXPECTED, f"request {plan.request_id!r} is not expected here")
-        except HandoffError as refused:
-            self.counters["refused"] += 1
-            log.warning("refused streamed handoff from %s: %s", ch.peer, printable(refused, MESSAGE_CHARS))
-            raise
-        phases = {"decode": t_offer - t0, "on_handoff": time.perf_counter() - t_offer}
-        try:
-            ack = await self._stream(ch, plan, transport, segments, phases)
-        except BaseException as e:
-            await self._failed(ch, plan, e)
-            raise
-        self.counters["handoffs"] += 1
-        self.counters["bytes"] += plan.payload_bytes
-        await ch.send(ack)
-        return True
-
     async def _stream(
         self,
         ch: Channel,
@@ -506,7 +489,10 @@ class KVReceiver:
         segments: list[torch.Tensor],
         phases: dict[str, float],
     ) -> HandoffAck:
-        """The parts, then the final offer's payload into what they left of segments:
+        """A streamed handoff after its open (plan: the open's header; segments: buffers for the whole
+        payload, the reservation taken by it): the parts, each verified as it lands, then the final
+        offer's payload into what they left of segments, verified as any offer's before the whole is
+        delivered:
 
             segments[0]  | part | part | ... | the final offer's pages |   segments[1]: the state (final)
                          ^ plan.first_page    ^ final header's first_page = plan.first_page + streamed
