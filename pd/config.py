@@ -377,8 +377,6 @@ class ServerConfig:
             raise ValueError(
                 f"--ep must be 1 or equal to {world} (one expert-parallel group of every engine process), got {self.ep}"
             )
-        if self.tp > 1 and self.ep > 1 and self.role != "single":
-            raise ValueError(f"--tp with --ep serves --role single only so far, got --role {self.role}")
         check_http_settings(
             self.port, self.max_body_bytes, self.log_format, self.body_timeout_s, self.shutdown_timeout_s
         )

@@ -3,8 +3,10 @@
 world of four processes, engine/world.py: each rank's pair splits attention by heads, all four split
 the experts, rebalanced every few steps) gives the greedy tokens of a single `--tp 1 --ep 1` server,
 logprobs within 1e-4, and in deterministic mode the same bits one request at a time and ten at once;
-a killed follower takes the whole world down (every rank's requests fail at once) and it comes back as
-one, followers and all, serving the same tokens."""
+a P/D pair whose PE and CE are each a `--tp 2 --ep 2` world hands off (streamed, delta handoffs
+included) and bench/check_pd.py finds its tokens the single server's; a killed follower takes the whole
+world down (every rank's requests fail at once) and it comes back as one, followers and all, serving
+the same tokens."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import openai
 import pytest
 
 from pd.config import ServerConfig
-from pd.tools.server_process import ServerProcess, get_json
+from pd.tools.server_process import ServerProcess, free_port, get_json, wait_idle
 from tests.server_fixtures import (
     SMALL_DETERMINISTIC,
     greedy_completions,
@@ -55,6 +57,25 @@ def servers(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
         yield ref, world
 
 
+@pytest.fixture  # one test's: ended before the kill test, whose timing it would load
+def pair(servers, model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A PE and a CE, each a `--tp 2 --ep 2` world of two processes; the PE prefills in chunks of 64 tokens
+    (a long prompt's pages stream, merged from the group's heads after each chunk). Their pages are smaller
+    than the reference's: deterministic mode's tokens do not depend on the page size."""
+    logs = tmp_path_factory.mktemp("tp_ep_pair")
+    # pages of 16 tokens: a conversation's later turns find whole pages in the CE's decode cache
+    args = ("--model", model, *SMALL_DETERMINISTIC, "--hicache-gb", "0", "--tp", "2", "--ep", "2", "--block-size", "16")
+    env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": "pd-test-cluster-token-0123456789"}
+    env.pop("PDSERVE_CLUSTER_TOKEN_FILE", None)
+    pe = ServerProcess(*args, "--role", "pe", "--max-num-batched-tokens", "64", log_path=logs / "pe.log", env=env)
+    ce = ServerProcess(
+        *args, "--role", "ce", "--accept-transports", "tcp", "--prefill-url", pe.url, "--kv-port-base", str(free_port()),
+        log_path=logs / "ce.log", env=env,
+    )  # fmt: skip
+    with serving(pe, ce):
+        yield pe, ce
+
+
 def completions(url: str, model: str, concurrency: int) -> list[tuple[str, list[float]]]:
     return greedy_completions(url, model, PROMPTS, concurrency)
 
@@ -84,12 +105,27 @@ def test_world_serves_the_tokens_of_a_single_engine(servers, model: str) -> None
     assert stat(world.url, "pdserve_engine_eplb_experts_moved_total") > 0
 
 
-def test_config_refuses_other_ep_sizes_and_pd_roles() -> None:
+@pytest.mark.timeout(900)
+def test_a_pd_pair_of_tp_ep_worlds_serves_the_tokens_of_a_single_engine(servers, pair, capsys) -> None:
+    from bench import check_pd
+
+    (ref, _), (pe, ce) = servers, pair
+    only = "chat short greedy,chat long greedy,chat seeded sampling,conversation greedy,concurrent conversations"
+    code = check_pd.main(
+        ["--ref", ref.url, "--pd", ce.url, "--max-tokens", "8", "--concurrency", "2", "--only", only, "--parallel", "4"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "5/5 cases identical" in out, out
+    assert wait_idle(ce.port, timeout_s=60)["pdserve_engine_handoffs_imported_total"] >= 10  # every request
+    assert stat(ce.url, "pdserve_handoff_streamed_pages_total") > 0  # pages sent while the PE prefilled
+    assert stat(ce.url, "pdserve_handoff_skipped_tokens_total") > 0  # later turns: delta handoffs
+    assert wait_idle(pe.port, timeout_s=60)["pdserve_engine_handoffs_streamed_total"] > 0
+
+
+def test_config_refuses_other_ep_sizes() -> None:
     with pytest.raises(ValueError, match=r"--ep must be 1 or equal to --dp x --tp = 4 .*got 2"):
         ServerConfig(dp=2, tp=2, ep=2)
-    with pytest.raises(ValueError, match="--tp with --ep serves --role single only so far, got --role pe"):
-        ServerConfig(role="pe", dp=2, tp=2, ep=4)
-    assert ServerConfig(dp=2, tp=2, ep=4).ep == 4
+    assert ServerConfig(dp=2, tp=2, ep=4).ep == 4 and ServerConfig(role="pe", dp=2, tp=2, ep=4).ep == 4
 
 
 def _children(pid: int) -> list[int]:
