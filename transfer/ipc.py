@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -306,6 +307,9 @@ class IpcTransport(Transport):
     @property
     def arena(self) -> ExportArena | None:
         return self._arena
+
+    def export_allocator(self) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+        return self.allocate if self.config.ipc_arena_bytes > 0 else None
 
     def allocate(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

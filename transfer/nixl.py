@@ -36,12 +36,14 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from transfer.arena import Arena
 from transfer.config import NIXL_MISSING, NIXL_MODULES, TransferConfig
 from transfer.errors import PROTOCOL, TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader
@@ -51,6 +53,8 @@ from transfer.wire import Channel
 
 log = logging.getLogger(__name__)
 POLL_S = 100e-6  # how often a worker thread asks whether the write is done
+READY_FIELDS = {"agent", "mem", "descs", "kept"}
+MAX_REMOTE_AGENTS = 32  # sender: receivers' agents kept loaded (the least recently used idle one dropped)
 
 
 def load_nixl() -> ModuleType:
@@ -106,7 +110,12 @@ class _Agent:
             raise HandoffError(TRANSPORT, f"nixl: no UCX backend (plugins: {self.agent.plugin_list})")
         self._lock = threading.Lock()
         self._peers: dict[str, int] = {}  # remote agent -> writes to it in flight
-        self._held: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # registrations kept after a failure
+        # kept metadata (a receiver's registration for its lifetime) -> the remote agent it loaded, least
+        # recently used first; a remote agent that also holds a registration of one handoff, or that a
+        # write failed to, is dropped once no write to it is in flight (_dirty)
+        self._remotes: OrderedDict[bytes, str] = OrderedDict()
+        self._dirty: set[str] = set()
+        self._held: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # kept after a failure (reg may be None)
 
     def register(self, segments: list[torch.Tensor], mem: str, device: int) -> Any:
         return self.agent.register_memory([(*d, "") for d in _descs(segments, device)], mem)
@@ -118,15 +127,16 @@ class _Agent:
             log.warning("nixl: deregistering memory failed: %r", e)
 
     def hold(self, reg: Any, segments: list[torch.Tensor], delay_s: float) -> None:
-        """Keeps reg registered and segments alive for delay_s (a write may still reach them)."""
-        key = id(reg)
+        """Keeps reg registered (None: segments lie in an arena registered for good) and segments alive
+        for delay_s (a write may still reach them): an arena's slices stay out of its free list."""
+        key = id(reg) if reg is not None else id(segments)
         with self._lock:
             self._held[key] = (reg, segments)
 
         def release() -> None:
             with self._lock:
                 held = self._held.pop(key, None)
-            if held is not None:
+            if held is not None and held[0] is not None:
                 self.deregister(held[0])
 
         timer = threading.Timer(delay_s, release)
@@ -143,30 +153,79 @@ class _Agent:
             log.warning("nixl: releasing a transfer to %s failed: %r", peer, e)
             return False
 
-    def connect(self, metadata: bytes) -> str:
-        """Loads a receiver's metadata (its agent and the buffers it registered); counts a write to it."""
+    def connect(self, metadata: bytes, kept: bool) -> tuple[str, bool]:
+        """The remote agent of a receiver's metadata, loaded unless kept metadata already was; counts a
+        write to it. kept: the metadata describes a registration that lasts as long as the receiver's
+        agent (its landing arena), so it stays loaded; else the agent is dropped after the write, so
+        buffers the receiver deregisters are never addressable from here. Returns (name, loaded)."""
         with self._lock:
-            name = self.agent.add_remote_agent(metadata)
-            name = name.decode() if isinstance(name, bytes) else str(name)
+            name = self._remotes.get(metadata) if kept else None
+            loaded = name is None
+            if name is None:
+                got = self.agent.add_remote_agent(metadata)
+                name = got.decode() if isinstance(got, bytes) else str(got)
+                if kept:
+                    self._remotes[metadata] = name
+                else:
+                    self._dirty.add(name)
+            else:
+                self._remotes.move_to_end(metadata)
             self._peers[name] = self._peers.get(name, 0) + 1
-            return name
+            return name, loaded
 
-    def disconnect(self, name: str) -> None:
-        """A write to name has ended; the last one in flight drops the remote agent and what it named."""
+    def disconnect(self, name: str, keep: bool) -> None:
+        """A write to name has ended; keep: it succeeded (else what was loaded of name is dropped with
+        the last write in flight: a receiver that failed is asked for its metadata again). Drops the
+        least recently used idle remote agents past MAX_REMOTE_AGENTS."""
         with self._lock:
             self._peers[name] -= 1
+            if not keep:
+                self._dirty.add(name)
             if self._peers[name] == 0:
                 del self._peers[name]
-                try:
-                    self.agent.remove_remote_agent(name)
-                except Exception as e:
-                    log.warning("nixl: dropping remote agent %s failed: %r", name, e)
+                if name in self._dirty:
+                    self._drop(name)
+            kept = list(dict.fromkeys(self._remotes.values()))  # least recently used first
+            idle = [n for n in kept if n not in self._peers]
+            for n in idle[: max(0, len(kept) - MAX_REMOTE_AGENTS)]:
+                self._drop(n)
+
+    def _drop(self, name: str) -> None:
+        """Unloads a remote agent and every registration of it loaded here (under _lock)."""
+        self._dirty.discard(name)
+        for k in [k for k, n in self._remotes.items() if n == name]:
+            del self._remotes[k]
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:
+            log.warning("nixl: dropping remote agent %s failed: %r", name, e)
+
+    @property
+    def num_remote_agents(self) -> int:
+        """Remote agents loaded now (kept, or with writes in flight)."""
+        with self._lock:
+            return len(set(self._remotes.values()) | set(self._peers))
 
     def close(self) -> None:
         with self._lock:
             held, self._held = list(self._held.values()), {}
         for reg, _ in held:
             self.deregister(reg)
+
+
+class _Registered:
+    """An arena registered with the agent once (until close), and for a receiver the agent metadata
+    that names that registration (sent in every ready whose buffers lie in it)."""
+
+    def __init__(self, arena: Arena, reg: Any, mem: str, device: int, metadata: bytes) -> None:
+        self.arena = arena
+        self.reg = reg
+        self.mem = mem
+        self.device = device
+        self.metadata = metadata
+
+
+EXPORT, LANDING = "export", "landing"  # the sender's arena, the receiver's
 
 
 class NixlTransport(Transport):
@@ -178,6 +237,19 @@ class NixlTransport(Transport):
         self._agent: _Agent | None = None
         self._agent_lock = threading.Lock()
         self._landing: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # receiver: by id of the segments
+        self._arenas: dict[str, _Registered] = {}  # EXPORT | LANDING, made on first use
+        self._arena_tried: set[str] = set()
+        self._arena_lock = threading.Lock()
+        self._counters_lock = threading.Lock()
+        self.counters = {
+            "registrations": 0,  # memory registered with the agent: an arena (once), or one handoff's
+            "arena_writes": 0,  # sender: writes from its arena's registration
+            "registered_writes": 0,  # sender: writes that registered their segments for themselves
+            "metadata_loads": 0,  # sender: a receiver's metadata loaded
+            "metadata_reuses": 0,  # sender: a write to a receiver's registration loaded before
+            "arena_receives": 0,  # receiver: payloads landing in its arena's registration
+            "registered_receives": 0,  # receiver: payloads whose buffers were registered for them
+        }
 
     def agent(self) -> _Agent:
         with self._agent_lock:
@@ -190,7 +262,62 @@ class NixlTransport(Transport):
                     raise HandoffError(TRANSPORT, f"nixl: cannot start an agent: {e!r}") from None
             return self._agent
 
+    def _count(self, key: str) -> None:
+        with self._counters_lock:
+            self.counters[key] += 1
+
+    def arena(self, which: str) -> Arena | None:
+        """The EXPORT or LANDING arena, if made."""
+        got = self._arenas.get(which)
+        return got.arena if got is not None else None
+
+    def _arena_on(self, which: str, device: torch.device) -> _Registered | None:
+        """The EXPORT or LANDING arena on device, made and registered on the first call; None if it is
+        off (nixl_arena_mb 0), could not be made (memory, registration: handoffs then register their
+        own memory, as without it) or is on another device."""
+        if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors say
+            device = torch.device("cuda", torch.cuda.current_device())
+        with self._arena_lock:
+            if which not in self._arena_tried:
+                self._arena_tried.add(which)
+                nbytes = self.config.nixl_arena_bytes(device.type)
+                if nbytes > 0:
+                    try:
+                        self._arenas[which] = self._register_arena(which, device, nbytes)
+                        log.info("nixl %s arena: %d MiB on %s, registered", which, nbytes >> 20, device)
+                    except Exception as e:
+                        log.warning(
+                            "nixl: no %s arena on %s (%r): handoffs register their own memory", which, device, e
+                        )
+            got = self._arenas.get(which)
+        return got if got is not None and got.arena.buf.device == device else None
+
+    def _register_arena(self, which: str, device: torch.device, nbytes: int) -> _Registered:
+        # NOTE: the receiver's slices are written by NIXL outside any stream's order: a free is fenced
+        # (Arena.settle) against the device work that may still read the slice (the import's copy)
+        arena = Arena(torch.empty(nbytes, dtype=torch.uint8, device=device), fence_frees=which == LANDING)
+        mem, index = _mem_type([arena.buf])
+        agent = self.agent()
+        reg = agent.register([arena.buf], mem, index)
+        self._count("registrations")
+        try:
+            metadata = bytes(agent.agent.get_partial_agent_metadata(reg, True, [])) if which == LANDING else b""
+        except Exception:
+            agent.deregister(reg)
+            raise
+        return _Registered(arena, reg, mem, index, metadata)
+
     # ---- sender --------------------------------------------------------------------------------
+
+    def export_allocator(self) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+        return self.allocate if self.config.nixl_arena_mb != 0 else None
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """engine.export_sequence's alloc: an empty tensor in the export arena on device (made and
+        registered on the first call), or None (no arena here, or no room in it now: the export
+        allocates normally and its write registers it)."""
+        got = self._arena_on(EXPORT, torch.device(device))
+        return got.arena.alloc(tuple(shape), dtype) if got is not None else None
 
     async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
         _descs(segments, _mem_type(segments)[1])  # refused before the receiver reserves anything
@@ -198,13 +325,13 @@ class NixlTransport(Transport):
 
     async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
         mem, device = _mem_type(segments)
-        metadata, remote_mem, remote = _read_ready(ready, segments)
+        metadata, remote_mem, remote, kept = _read_ready(ready, segments)
         produced = None
         if mem == "VRAM":
             produced = torch.cuda.Event()  # NOTE: recorded on the export's producer stream
             produced.record(torch.cuda.current_stream(segments[0].device))
         await ch.run_blocking(
-            self.executor, self._write, segments, (mem, device), metadata, (remote_mem, remote), produced
+            self.executor, self._write, segments, (mem, device), metadata, (remote_mem, remote), produced, kept
         )
         await ch.send(Written(sum(n for _, n, _ in remote)))
 
@@ -215,41 +342,53 @@ class NixlTransport(Transport):
         metadata: bytes,
         remote: tuple[str, list[tuple[int, int, int]]],
         produced: Any,
+        kept: bool = False,
     ) -> None:
-        """Registers segments (local: their memory type and device), writes them into the receiver's
-        buffers (remote: their memory type and descriptors) and waits for the write (worker thread).
+        """Writes segments (local: their memory type and device) into the receiver's buffers (remote:
+        their memory type and descriptors; kept: they lie in a registration the receiver keeps, whose
+        metadata stays loaded here) and waits for the write (worker thread). The segments go from the
+        export arena's registration when they lie in it, else are registered for this write.
         Raises HandoffError(TRANSPORT | TIMEOUT)."""
         agent = self.agent()
         mem, device = local
         if produced is not None:
             produced.synchronize()
         deadline = time.monotonic() + self.config.idle_timeout_s
-        try:
-            reg = agent.register(segments, mem, device)
-        except Exception as e:
-            raise HandoffError(TRANSPORT, f"nixl: registering the payload failed: {e!r}") from None
+        export = self._arenas.get(EXPORT)
+        reg = None  # registered for this write
+        if export is not None and export.arena.holds(segments):
+            self._count("arena_writes")
+        else:
+            try:
+                reg = agent.register(segments, mem, device)
+            except Exception as e:
+                raise HandoffError(TRANSPORT, f"nixl: registering the payload failed: {e!r}") from None
+            self._count("registrations")
+            self._count("registered_writes")
         in_flight = False  # a write NIXL could not release may still read the segments
         try:
             try:
-                peer = agent.connect(metadata)
+                peer, loaded = agent.connect(metadata, kept)
             except Exception as e:
                 raise HandoffError(
                     TRANSPORT, f"nixl: the receiver's agent metadata did not load: {e!r}"
                 ) from None
-            a, src, handle = agent.agent, _descs(segments, device), None
+            self._count("metadata_loads" if loaded else "metadata_reuses")
+            a, src, handle, ok = agent.agent, _descs(segments, device), None, False
             try:
                 handle = _nixl_call(peer, lambda: a.initialize_xfer(
                     "WRITE", a.get_xfer_descs(src, mem), a.get_xfer_descs(remote[1], remote[0]), peer
                 ))  # fmt: skip
                 self._wait(agent, handle, peer, deadline)
+                ok = True
             finally:
                 if handle is not None:
                     in_flight = not agent.release(handle, peer)
-                agent.disconnect(peer)
+                agent.disconnect(peer, keep=ok)
         finally:
             if in_flight:
                 agent.hold(reg, segments, self.config.idle_timeout_s)
-            else:
+            elif reg is not None:
                 agent.deregister(reg)
 
     def _wait(self, agent: _Agent, handle: Any, peer: str, deadline: float) -> None:
@@ -269,6 +408,22 @@ class NixlTransport(Transport):
 
     # ---- receiver ------------------------------------------------------------------------------
 
+    def receive_buffers(self, header: HandoffHeader, device: torch.device) -> list[torch.Tensor] | None:
+        """Slices of the landing arena on device (made and registered on the first call) for header's
+        payload, or None where it has none or no room now. A slice is free again once its tensor is
+        collected: after the import copied it into the KV pool, or idle_timeout_s after a failure."""
+        got = self._arena_on(LANDING, device)
+        if got is None:
+            return None
+        shapes = [header.page_shape] + ([header.state_shape] if header.has_state else [])
+        out = []
+        for shape in shapes:
+            t = got.arena.alloc(tuple(shape), header.torch_dtype)
+            if t is None:
+                return None  # the slices taken so far are freed with `out`
+            out.append(t)
+        return out
+
     async def accept(
         self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
     ) -> dict[str, Any]:
@@ -276,11 +431,19 @@ class NixlTransport(Transport):
             raise HandoffError(PROTOCOL, f"nixl: unexpected offer fields {sorted(map(str, extra))[:8]}")
         mem, device = _mem_type(segments)
         descs = _descs(segments, device)
-        reg, metadata = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self._register_landing, segments, mem, device
-        )
+        loop = asyncio.get_running_loop()
+        landing = self._arenas.get(LANDING)
+        if landing is not None and landing.arena.holds(segments):  # registered once: nothing to do
+            if landing.arena.fence_frees:  # the slices' last readers on the device are done
+                await loop.run_in_executor(self.executor, landing.arena.settle)
+            reg, metadata, kept = None, landing.metadata, True
+            self._count("arena_receives")
+        else:
+            reg, metadata = await loop.run_in_executor(self.executor, self._register_landing, segments, mem, device)
+            kept = False
+            self._count("registered_receives")
         self._landing[id(segments)] = (reg, segments)
-        return {"agent": metadata, "mem": mem, "descs": [list(d) for d in descs]}
+        return {"agent": metadata, "mem": mem, "descs": [list(d) for d in descs], "kept": kept}
 
     def _register_landing(self, segments: list[torch.Tensor], mem: str, device: int) -> tuple[Any, bytes]:
         agent = self.agent()
@@ -288,6 +451,7 @@ class NixlTransport(Transport):
             reg = agent.register(segments, mem, device)
         except Exception as e:
             raise HandoffError(TRANSPORT, f"nixl: registering the receive buffers failed: {e!r}") from None
+        self._count("registrations")
         try:
             return reg, bytes(agent.agent.get_partial_agent_metadata(reg, True, []))
         except Exception as e:
@@ -322,26 +486,29 @@ class NixlTransport(Transport):
                 )
             done = True
         finally:
-            if done:
-                agent.deregister(reg)
-            else:  # NOTE: the sender's write may still land in these buffers
+            if not done:  # NOTE: the sender's write may still land in these buffers
                 agent.hold(reg, segments, self.config.idle_timeout_s)
+            elif reg is not None:
+                agent.deregister(reg)
         return None  # the receiver hashes the buffers where they are
 
     def abandon(self, segments: list[torch.Tensor]) -> None:
-        """Deregisters buffers accept registered whose pull never ran (the handoff failed before ready
-        went out: the sender never learnt where they are)."""
+        """Releases buffers accept prepared whose pull never ran (the handoff failed before ready went
+        out, or as it went: the sender may have learnt where they are), idle_timeout_s from now."""
         landing = self._landing.pop(id(segments), None)
         if landing is not None and self._agent is not None:  # NOTE: ready may have gone out after all
             self._agent.hold(landing[0], segments, self.config.idle_timeout_s)
 
     def close(self) -> None:
         for reg, _ in self._landing.values():
-            if self._agent is not None:
+            if self._agent is not None and reg is not None:
                 self._agent.deregister(reg)
         self._landing.clear()
         if self._agent is not None:
+            for got in self._arenas.values():
+                self._agent.deregister(got.reg)
             self._agent.close()
+        self._arenas.clear()
 
 
 def _nixl_call(peer: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -352,12 +519,17 @@ def _nixl_call(peer: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed: {e!r}") from None
 
 
-def _read_ready(ready: dict[str, Any], segments: list[torch.Tensor]) -> tuple[bytes, str, list[tuple[int, int, int]]]:
-    """The receiver's agent metadata, memory type and buffer descriptors from its ready fields, checked
-    against the segments to write. Raises HandoffError(PROTOCOL)."""
+def _read_ready(
+    ready: dict[str, Any], segments: list[torch.Tensor]
+) -> tuple[bytes, str, list[tuple[int, int, int]], bool]:
+    """The receiver's agent metadata, memory type, buffer descriptors and whether its registration is
+    kept, from its ready fields, checked against the segments to write. Raises HandoffError(PROTOCOL)."""
     metadata, their_mem, descs = ready.get("agent"), ready.get("mem"), ready.get("descs")
-    if not isinstance(metadata, bytes) or not metadata or set(ready) != {"agent", "mem", "descs"}:
+    kept = ready.get("kept", False)  # absent: a receiver that registers per handoff
+    if not isinstance(metadata, bytes) or not metadata or not {"agent", "mem", "descs"} <= set(ready) <= READY_FIELDS:
         raise HandoffError(PROTOCOL, f"nixl: a ready without agent metadata (fields {sorted(map(str, ready))[:8]})")
+    if not isinstance(kept, bool):
+        raise HandoffError(PROTOCOL, "nixl: a ready whose kept is not a bool")
     if their_mem not in ("DRAM", "VRAM"):
         raise HandoffError(PROTOCOL, "nixl: a ready with an unknown memory type")
     if not isinstance(descs, list) or len(descs) != len(segments):
@@ -369,4 +541,4 @@ def _read_ready(ready: dict[str, Any], segments: list[torch.Tensor]) -> tuple[by
         if d[1] != t.numel() * t.element_size():
             raise HandoffError(PROTOCOL, f"nixl: a receive buffer of {d[1]} bytes for a {t.numel() * t.element_size()}-byte segment")
         remote.append((d[0], d[1], d[2]))
-    return metadata, their_mem, remote
+    return metadata, their_mem, remote, kept
