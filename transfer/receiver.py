@@ -64,7 +64,6 @@ from transfer.errors import (
 from transfer.handoff import (
     HandoffHeader,
     PackedIds,
-    allocate_payload,
     check_final,
     check_layout,
     check_segments,
@@ -194,13 +193,18 @@ class KVReceiver:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def receive_buffers(self, header: HandoffHeader, device: torch.device | str) -> list[torch.Tensor]:
-        """For on_handoff: buffers on device for header's payload, in memory the offer's transport has
-        prepared once where it has some (nixl: its registered landing arena), else new ones
-        (allocate_payload). Called outside an on_handoff, new ones."""
+    @property
+    def transports(self) -> dict[str, Transport]:
+        """The transports made so far (on a handoff's first offer over each), by name."""
+        return dict(self._transports)
+
+    def receive_buffers(self, header: HandoffHeader, device: torch.device | str) -> list[torch.Tensor] | None:
+        """For on_handoff: buffers on device for header's payload in memory the offer's transport has
+        prepared once (nixl: its registered landing arena), or None where it has none (or none free
+        now, or this is called outside an on_handoff): then on_handoff allocates them
+        (transfer.handoff.allocate_payload)."""
         transport = _OFFERED.get()
-        got = transport.receive_buffers(header, torch.device(device)) if transport is not None else None
-        return got if got is not None else allocate_payload(header, device)
+        return transport.receive_buffers(header, torch.device(device)) if transport is not None else None
 
     async def start(self) -> KVReceiver:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
