@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -20,11 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.handoff import SequenceExport
 from tests.transfer.support import FAST, LAYOUT_LATENT, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
+from transfer import nixl
 from transfer.auth import client_handshake
 from transfer.config import NIXL_MODULES, TransferConfig
 from transfer.errors import AUTH, CHECKSUM, INCOMPLETE, TIMEOUT, TRANSPORT, HandoffError
+from transfer.handoff import HandoffHeader, allocate_payload, payload_segments
 from transfer.messages import ControlMessage, Nack, Offer
+from transfer.nixl import EXPORT, LANDING, NixlTransport
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.transport import make_transport
@@ -304,3 +309,188 @@ async def test_a_ready_naming_unregistered_memory_is_not_written() -> None:
         await sender.send(r.address, make_export())
         sender.close()
     assert list(sink.delivered) == ["req-1"] and [x.code for x in sink.errors] == [INCOMPLETE]
+
+
+# ---- memory registered once (the arenas) -------------------------------------------------------------
+
+ARENA_MB = 1  # each end's arena in these tests: LAYOUT_SWA's pages are 4 KiB, so 256 pages fill it
+ARENA = dataclasses.replace(NIXL, nixl_arena_mb=ARENA_MB) if NIXL is not None else None
+
+
+class LandingSink(Sink):
+    """A CE stand-in that takes its receive buffers as a decode rank does (the transport's landing
+    arena through KVReceiver.receive_buffers, else new ones) and copies what it gets out of them, as an
+    import into the KV pool does, so the slices free once the handoff is done."""
+
+    receiver: KVReceiver | None = None
+
+    def on_handoff(self, header: HandoffHeader) -> list[torch.Tensor] | None:
+        self.offered.append(header.request_id)
+        if header.request_id not in self.expected:
+            return None
+        assert self.receiver is not None
+        got = self.receiver.receive_buffers(header, "cpu")
+        return got if got is not None else allocate_payload(header)
+
+    def on_complete(self, header: HandoffHeader, export: SequenceExport) -> None:
+        state = None if export.state is None else export.state.clone()
+        self.delivered[header.request_id] = dataclasses.replace(export, pages=export.pages.clone(), state=state)
+
+    def on_error(self, header: HandoffHeader, err: HandoffError) -> None:
+        # the error without its traceback, whose frames would hold the handoff's buffers (a CE keeps none)
+        super().on_error(header, HandoffError(err.code, err.message))
+
+
+def landing_receiver(sink: LandingSink, config: TransferConfig) -> KVReceiver:
+    sink.receiver = receiver(sink, config=config)
+    return sink.receiver
+
+
+def in_arena(sender: KVSender, exp: SequenceExport) -> SequenceExport:
+    """exp gathered into the sender's export arena, as the engine's export does with its alloc (a
+    payload that does not fit keeps its own tensors)."""
+    alloc = sender.export_allocator
+    assert alloc is not None
+    moved = []
+    for t in (exp.pages, exp.state):
+        slot = None if t is None else alloc(tuple(t.shape), t.dtype, t.device)
+        moved.append(t if slot is None or t is None else slot.copy_(t))
+    return dataclasses.replace(exp, pages=moved[0], state=moved[1])
+
+
+def _nixl_of(r: KVReceiver) -> NixlTransport:
+    tr = r.transports["nixl"]
+    assert isinstance(tr, NixlTransport)
+    return tr
+
+
+@needs_nixl
+async def test_handoffs_in_a_row_register_memory_once_per_end() -> None:
+    """Each end registers its arena on its first handoff and nothing after; the sender loads the
+    receiver's metadata once; every payload arrives byte for byte and the slices free after each."""
+    assert ARENA is not None
+    exps = [dataclasses.replace(make_export(num_prompt=n, seed=n), request_id=f"r{n}") for n in (100, 37, 5, 400)]
+    sink = LandingSink(*[e.request_id for e in exps])
+    async with landing_receiver(sink, ARENA) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=ARENA)
+        try:
+            for e in exps:
+                ex = in_arena(sender, e)
+                arena = sender.transport.arena(EXPORT)  # type: ignore[attr-defined]
+                assert arena is not None and arena.holds(payload_segments(ex, LAYOUT_SWA))
+                ack = await sender.send(r.address, ex)
+                del ex
+                assert ack.transport == "nixl"
+            sent = dict(sender.transport.counters)  # type: ignore[attr-defined]
+            agent = sender.transport._agent  # type: ignore[attr-defined]
+            assert agent._peers == {} and agent.num_remote_agents == 1  # kept, none in flight
+        finally:
+            sender.close()
+        got = dict(_nixl_of(r).counters)
+        landing = _nixl_of(r).arena(LANDING)
+        assert landing is not None and landing.num_used_bytes == 0  # each handoff's slices are free again
+        assert arena.num_used_bytes == 0
+    assert sent["registrations"] == 1 and sent["arena_writes"] == 4 and sent["registered_writes"] == 0
+    assert sent["metadata_loads"] == 1 and sent["metadata_reuses"] == 3
+    assert got["registrations"] == 1 and got["arena_receives"] == 4 and got["registered_receives"] == 0
+    for e in exps:
+        d = sink.delivered[e.request_id]
+        assert d.state is not None and e.state is not None
+        assert torch.equal(d.pages, e.pages) and torch.equal(d.state, e.state)
+
+
+@needs_nixl
+async def test_a_payload_larger_than_the_arena_registers_its_own_memory() -> None:
+    """Over the arena's size: both ends register the payload for its handoff (and the sender drops
+    what it loaded of that registration), the bytes arrive identical; the next small one goes through
+    the arenas again."""
+    assert ARENA is not None
+    big = dataclasses.replace(make_export(num_prompt=300 * 16, seed=3), request_id="big")  # 300 pages, 1.2 MiB
+    small = dataclasses.replace(make_export(num_prompt=40, seed=4), request_id="small")
+    assert big.pages.numel() * 4 > ARENA_MB << 20
+    sink = LandingSink("big", "small")
+    async with landing_receiver(sink, ARENA) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=ARENA)
+        try:
+            ex = in_arena(sender, big)
+            assert ex.pages is big.pages  # did not fit: its own tensor
+            await sender.send(r.address, ex)
+            agent = sender.transport._agent  # type: ignore[attr-defined]
+            assert agent.num_remote_agents == 0  # a registration of one handoff is not kept loaded
+            await sender.send(r.address, in_arena(sender, small))
+            sent = dict(sender.transport.counters)  # type: ignore[attr-defined]
+        finally:
+            sender.close()
+        got = dict(_nixl_of(r).counters)
+    assert (sent["registered_writes"], sent["arena_writes"], sent["registrations"]) == (1, 1, 2)
+    assert (sent["metadata_loads"], sent["metadata_reuses"]) == (2, 0)
+    assert (got["registered_receives"], got["arena_receives"], got["registrations"]) == (1, 1, 2)
+    for e in (big, small):
+        d = sink.delivered[e.request_id]
+        assert d.state is not None and e.state is not None
+        assert torch.equal(d.pages, e.pages) and torch.equal(d.state, e.state)
+
+
+@needs_nixl
+async def test_a_failed_write_keeps_the_landing_slices_until_the_hold_expires() -> None:
+    """A sender that dies after writing part of the payload: the receiver fails the handoff, and the
+    arena slices it gave stay out of the free list for idle_timeout_s (a late write may still land
+    there), then are free again."""
+    assert ARENA is not None
+    config = dataclasses.replace(ARENA, idle_timeout_s=2.0)
+    sink = LandingSink("req-1")
+    async with landing_receiver(sink, config) as r:
+        proc = _run(KILLED_SENDER, str(r.port))
+        assert proc.stdout is not None
+        line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
+        assert line.strip() == b"sent"
+        proc.kill()
+        proc.wait()
+        await asyncio.wait_for(sink.failed.wait(), 10)
+        t_failed = time.monotonic()
+        tr = _nixl_of(r)
+        landing = tr.arena(LANDING)
+        assert landing is not None and tr.counters["arena_receives"] == 1
+        gc.collect()
+        assert landing.num_used_bytes > 0
+        await asyncio.sleep(1.0)
+        gc.collect()
+        assert landing.num_used_bytes > 0  # still held, half-way through the hold
+        while landing.num_used_bytes and time.monotonic() - t_failed < 10:
+            await asyncio.sleep(0.05)
+            gc.collect()
+        assert landing.num_used_bytes == 0 and time.monotonic() - t_failed >= 1.5
+        assert tr._agent is not None and tr._agent._held == {}
+    assert sink.delivered == {} and [e.code for e in sink.errors] == [INCOMPLETE]
+
+
+@needs_nixl
+async def test_a_receiver_restarted_with_a_new_agent_still_receives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver that restarts on the same port has a new agent (and metadata): the sender loads it,
+    the handoff arrives, and the old agent is dropped past the bound on remote agents kept."""
+    assert ARENA is not None
+    monkeypatch.setattr(nixl, "MAX_REMOTE_AGENTS", 1)
+    sender = KVSender(TOKEN, LAYOUT_SWA, config=ARENA)
+    names = []
+    try:
+        port = 0
+        for i in range(2):
+            exp = dataclasses.replace(make_export(num_prompt=60 + i, seed=i), request_id=f"r{i}")
+            sink = LandingSink(exp.request_id)
+            r = landing_receiver(sink, ARENA)
+            r.port = port
+            async with r:
+                port = r.port
+                await sender.send(r.address, in_arena(sender, exp))
+                agent = _nixl_of(r)._agent
+                assert agent is not None
+                names.append(agent.name)
+            got = sink.delivered[exp.request_id]
+            assert got.state is not None and exp.state is not None
+            assert torch.equal(got.pages, exp.pages) and torch.equal(got.state, exp.state)
+        counters = dict(sender.transport.counters)  # type: ignore[attr-defined]
+        agent = sender.transport._agent  # type: ignore[attr-defined]
+        assert list(agent._remotes.values()) == [names[1]] and agent.num_remote_agents == 1
+    finally:
+        sender.close()
+    assert names[0] != names[1] and counters["metadata_loads"] == 2 and counters["arena_writes"] == 2
