@@ -3,24 +3,40 @@ backend underneath: RDMA verbs, NVLink/cuda_ipc, shared memory or TCP, whichever
 UCX_TLS allows); the control connection carries only what NIXL needs to find the buffers.
 
     S -> R  offer    (no transport fields)
-    R       registers its receive buffers with its agent
-    R -> S  ready    {agent: the agent's metadata for those buffers (connection info included),
-                      mem: "DRAM" | "VRAM", descs: [[address, bytes, device], ...] in payload order}
-    S       registers its segments, loads the metadata, WRITEs segment i into descs[i], waits for it
+    R       its receive buffers: slices of its landing arena (registered once), or, where they are
+            not (no room, no arena), registered with its agent for this handoff
+    R -> S  ready    {agent: the agent's metadata for that registration (connection info included),
+                      mem: "DRAM" | "VRAM", descs: [[address, bytes, device], ...] in payload order,
+                      kept: whether the registration is the landing arena's (lasts as long as the agent)}
+    S       loads the metadata unless it is kept metadata loaded before; WRITEs segment i into
+            descs[i] from its export arena's registration (or from the segments registered for this
+            write), waits for it
     S -> R  written  {payload_bytes}
     R       checksums the buffers where they are (the header's checksum), acks or nacks as for tcp
 
 One NIXL agent per transport, i.e. per process and role (a rank sends or receives, not both), made on
-the first handoff. Memory is registered per handoff: the receive buffers are the ones the CE's
-on_handoff gives (transfer.handoff.allocate_payload), the sender's the export's own tensors, both new
-for every handoff. A sender keeps a receiver's agent loaded while a write to it is in flight and
-drops it after the last one, so buffers the receiver has deregistered are never addressable from here
-and a long-lived sender does not accumulate their descriptors.
+the first handoff. Memory is registered once per end, in an arena (transfer/arena.py) of
+nixl_arena_mb on the device of the first handoff's memory: the sender's export arena, which the PE
+gathers its exports into (export_allocator), and the receiver's landing arena, which the CE's
+on_handoff takes its receive buffers from (receive_buffers, through KVReceiver.receive_buffers). A
+slice is free again once its tensor is collected: after the ack for an export, after the import's
+copy into the KV pool for a receive buffer. A payload that does not fit (larger than the arena's free
+space) is registered for its handoff, as everything was before the arenas, and deregistered after.
+
+The sender keeps a receiver's kept metadata loaded (MAX_REMOTE_AGENTS of them, the least recently
+used idle one dropped first), so a handoff to a known receiver loads nothing; a restarted receiver
+has a new agent, and so new metadata. Metadata of a registration for one handoff, and any remote
+agent a write to failed, is dropped once no write to that agent is in flight: buffers a receiver has
+deregistered are never addressable from here (NIXL would write into them: it knows only what was
+loaded) and a long-lived sender does not accumulate their descriptors.
 
 NOTE: after a failure, a buffer a write may still reach stays registered and referenced for
 idle_timeout_s (the sender's bound on its own write) before it is released: a late one-sided write
 into freed memory would corrupt whatever lives there next (UCX's shared-memory transports write
-straight into the peer's address space). The same holds for a sender's source segments.
+straight into the peer's address space). For an arena's slice, being referenced keeps it out of the
+arena's free list. The same holds for a sender's source segments. On CUDA a freed landing slice may
+still be read by the import's copy queued on the engine's stream: the receiver waits for the work
+queued before the last free (Arena.settle) before it names slices in a ready.
 
 The nixl package is imported when the transport is made (`pip install 'pdserve[nixl]'`); without it,
 making the transport raises HandoffError(TRANSPORT) naming the extra.
@@ -210,18 +226,17 @@ class _Agent:
         with self._lock:
             held, self._held = list(self._held.values()), {}
         for reg, _ in held:
-            self.deregister(reg)
+            if reg is not None:
+                self.deregister(reg)
 
 
 class _Registered:
     """An arena registered with the agent once (until close), and for a receiver the agent metadata
     that names that registration (sent in every ready whose buffers lie in it)."""
 
-    def __init__(self, arena: Arena, reg: Any, mem: str, device: int, metadata: bytes) -> None:
+    def __init__(self, arena: Arena, reg: Any, metadata: bytes) -> None:
         self.arena = arena
         self.reg = reg
-        self.mem = mem
-        self.device = device
         self.metadata = metadata
 
 
@@ -305,7 +320,7 @@ class NixlTransport(Transport):
         except Exception:
             agent.deregister(reg)
             raise
-        return _Registered(arena, reg, mem, index, metadata)
+        return _Registered(arena, reg, metadata)
 
     # ---- sender --------------------------------------------------------------------------------
 
