@@ -70,7 +70,7 @@ from transfer.wire import Channel
 log = logging.getLogger(__name__)
 POLL_S = 100e-6  # how often a worker thread asks whether the write is done
 READY_FIELDS = {"agent", "mem", "descs", "kept"}
-MAX_REMOTE_AGENTS = 32  # sender: receivers' agents kept loaded (the least recently used idle one dropped)
+MAX_REMOTE_AGENTS = 32  # sender: receivers' kept metadata loaded (the least recently used idle agent dropped)
 
 
 def load_nixl() -> ModuleType:
@@ -192,7 +192,7 @@ class _Agent:
     def disconnect(self, name: str, keep: bool) -> None:
         """A write to name has ended; keep: it succeeded (else what was loaded of name is dropped with
         the last write in flight: a receiver that failed is asked for its metadata again). Drops the
-        least recently used idle remote agents past MAX_REMOTE_AGENTS."""
+        least recently used idle remote agents while more than MAX_REMOTE_AGENTS metadata are kept."""
         with self._lock:
             self._peers[name] -= 1
             if not keep:
@@ -201,10 +201,11 @@ class _Agent:
                 del self._peers[name]
                 if name in self._dirty:
                     self._drop(name)
-            kept = list(dict.fromkeys(self._remotes.values()))  # least recently used first
-            idle = [n for n in kept if n not in self._peers]
-            for n in idle[: max(0, len(kept) - MAX_REMOTE_AGENTS)]:
-                self._drop(n)
+            for n in list(dict.fromkeys(self._remotes.values())):  # least recently used first
+                if len(self._remotes) <= MAX_REMOTE_AGENTS:
+                    break
+                if n not in self._peers:
+                    self._drop(n)
 
     def _drop(self, name: str) -> None:
         """Unloads a remote agent and every registration of it loaded here (under _lock)."""
