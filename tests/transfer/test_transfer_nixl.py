@@ -16,12 +16,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.handoff import SequenceExport
+from engine.handoff import KVLayout, SequenceExport
 from tests.transfer.support import FAST, LAYOUT_LATENT, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
 from transfer import nixl
 from transfer.arena import Arena
@@ -342,8 +343,8 @@ class LandingSink(Sink):
         super().on_error(header, HandoffError(err.code, err.message))
 
 
-def landing_receiver(sink: LandingSink, config: TransferConfig) -> KVReceiver:
-    sink.receiver = receiver(sink, config=config)
+def landing_receiver(sink: LandingSink, config: TransferConfig, layout: KVLayout = LAYOUT_SWA) -> KVReceiver:
+    sink.receiver = receiver(sink, layout, config=config)
     return sink.receiver
 
 
@@ -503,3 +504,40 @@ async def test_a_receiver_restarted_with_a_new_agent_still_receives(monkeypatch:
     finally:
         sender.close()
     assert names[0] != names[1] and counters["metadata_loads"] == 2 and counters["arena_writes"] == 2
+
+
+@needs_nixl
+async def test_engine_export_gathers_into_the_nixl_arena(tiny_model_dir: Callable[[str], Path]) -> None:
+    """The engine's export with the sender's allocator (as the prefill role passes it) lands in the
+    registered arena and goes from its registration, bit for bit what a plain export holds."""
+    from engine.request import SamplingParams
+    from tests.engine_utils import small_engine
+
+    assert ARENA is not None
+    eng = small_engine(tiny_model_dir("qwen3_hybrid"), hicache_gb=0)
+    eng.add_request("r", list(range(3, 44)), SamplingParams(max_tokens=4, ignore_eos=True), use_prefix_cache=False)
+    seq = eng.scheduler.find("r")
+    assert seq is not None
+    while not seq.output_token_ids:
+        eng.step()
+    layout = eng.handoff_layout
+    plain = eng.export_sequence("r", device=None)
+    sender = KVSender(TOKEN, layout, config=ARENA)
+    sink = LandingSink("r")
+    try:
+        ex = eng.export_sequence("r", device=None, alloc=sender.export_allocator)
+        arena = sender.transport.arena(EXPORT)  # type: ignore[attr-defined]
+        assert arena is not None and arena.holds(payload_segments(ex, layout))
+        async with landing_receiver(sink, ARENA, layout=layout) as r:
+            await sender.send(r.address, ex)
+            assert _nixl_of(r).counters["arena_receives"] == 1
+        del ex
+        assert arena.num_used_bytes == 0
+        assert sender.transport.counters["arena_writes"] == 1  # type: ignore[attr-defined]
+    finally:
+        sender.close()
+    got = sink.delivered["r"]
+    assert got.state is not None and plain.state is not None
+    # page slots past the last token hold whatever the pool had there: bits, not values
+    assert torch.equal(got.pages.view(torch.uint8), plain.pages.view(torch.uint8))
+    assert torch.equal(got.state.view(torch.uint8), plain.state.view(torch.uint8))
