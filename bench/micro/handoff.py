@@ -6,8 +6,9 @@ For each sequence length (tokens), one export of the layout of bench/configs/<la
     recv_into()s them into a reused buffer (no framing, no checksum, no auth): the loopback ceiling;
   - on CUDA, also ipc (the receiver copies from the sender's GPU memory) against a device-to-device
     copy of the same bytes, and tcp from/to GPU memory through the pinned staging buffers;
-  - where the nixl extra is installed, nixl (a one-sided NIXL/UCX write; UCX_TLS picks the link),
-    against the raw socket from host memory and the device copy from GPU memory.
+  - where the nixl extra is installed, nixl (a one-sided NIXL/UCX write; UCX_TLS picks the link; each
+    end's arena registered once, --nixl-arena-mb, its counters printed at the end), against the raw
+    socket from host memory and the device copy from GPU memory.
 Reported per row: milliseconds and GB/s of the whole send (connect, auth, sender checksum, payload,
 receiver verify, ack: `handoff`), the receiver's payload phase with and without its checksum pass
 (`payload+verify`, `payload`: for ipc, opening the handles and the copy), the sender's checksum
