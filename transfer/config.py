@@ -15,6 +15,8 @@ TRANSPORT_NAMES = ("tcp", "nccl", "ipc", "nixl")  # nixl: the optional extra pds
 STREAM_CHOICES = ("auto", "on", "off")
 STREAM_TRANSPORTS = ("tcp", "nixl")  # the transports whose push/pull carry a streamed handoff's parts
 GiB = 1 << 30
+MiB = 1 << 20
+NIXL_ARENA_MB = {"cpu": 256, "cuda": 2048}  # nixl_arena_mb's default, by the memory the arena is in
 MAX_TCP_STREAMS = 64  # per control connection; a receiver refuses more
 # what --transport nixl needs; the wheels' import names (the `nixl` package picks one of them)
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
@@ -102,6 +104,17 @@ class TransferConfig:
         default=False,
         metadata={"help": "decode, ipc: time each copy on its stream (the ack's ipc_copy_gpu phase; costs host time)"},
     )
+    # nixl: a buffer on each side registered with the NIXL agent once, on the device of the first
+    # handoff's memory: the PE's exports are gathered into it, the CE's receive buffers taken from it.
+    # A payload that does not fit registers its own memory for its handoff.
+    nixl_arena_mb: int | None = field(
+        default=None,
+        metadata={
+            "help": "nixl: MiB of a buffer on each end (the prefill engine's exports, the decode engine's"
+            f" receive buffers) registered with NIXL once; default {NIXL_ARENA_MB['cpu']} in host memory,"
+            f" {NIXL_ARENA_MB['cuda']} on a GPU; 0: off (every handoff registers its own memory)"
+        },
+    )
 
     def __post_init__(self) -> None:
         names = (self.transport, *self.accept_transports)
@@ -125,6 +138,8 @@ class TransferConfig:
             raise ValueError(f"chunk_bytes must be a positive multiple of {CHUNK_BYTES} (the checksum chunk)")
         if self.ipc_arena_gb < 0:
             raise ValueError(f"ipc_arena_gb must be >= 0, got {self.ipc_arena_gb}")
+        if self.nixl_arena_mb is not None and self.nixl_arena_mb < 0:
+            raise ValueError(f"nixl_arena_mb must be >= 0, got {self.nixl_arena_mb}")
         if self.max_workers < 1:
             raise ValueError("max_workers must be >= 1")
         if not 1 <= self.tcp_streams <= MAX_TCP_STREAMS:
@@ -149,3 +164,8 @@ class TransferConfig:
     @property
     def ipc_arena_bytes(self) -> int:
         return int(self.ipc_arena_gb * GiB)
+
+    def nixl_arena_bytes(self, device_type: str) -> int:
+        """The nixl arena's size in memory of device_type ("cpu" | "cuda"); 0: no arena."""
+        mb = self.nixl_arena_mb if self.nixl_arena_mb is not None else NIXL_ARENA_MB.get(device_type, 0)
+        return mb * MiB

@@ -1,14 +1,11 @@
 """CUDA IPC transport: PE and CE on the same host; the receiver copies device to device, no host hop.
 
-Sender: an export arena, one device buffer of ipc_arena_bytes, allocated on the first ipc export and
-exported once (torch's CUDA IPC: reduce_tensor, the fields re-encoded as plain msgpack values, the
-device named by its UUID since two processes may number GPUs differently). The PE gathers an export
+Sender: an export arena (transfer/arena.py), one device buffer of ipc_arena_bytes, allocated on the
+first ipc export and exported once (torch's CUDA IPC: reduce_tensor, the fields re-encoded as plain
+msgpack values, the device named by its UUID since two processes may number GPUs differently). The PE gathers an export
 straight into slices of it (allocate(), engine.export_sequence's alloc), so the offer names the arena
 (id, handle) and the segments' offsets; a slice is free again once the tensor living in it is
 collected (weakref.finalize), i.e. once the PE drops the export after the ack or a failure.
-
-    arena: | export a: pages | a: state | free ..... | export b: pages | free ......... |
-           0                 slices ALIGN-aligned, first fit                      nbytes
 
 An export outside the arena (larger than its free space, or made without it) goes as before: a
 handle per tensor, which the receiver opens and drops within the handoff.
@@ -34,13 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import socket
 import threading
 import time
-import uuid
-import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +43,7 @@ import torch
 
 from engine.handoff import DTYPES, dtype_name
 from pdkernels.checksum import fold
+from transfer.arena import Arena
 from transfer.config import TransferConfig
 from transfer.errors import TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader
@@ -56,7 +52,6 @@ from transfer.wire import Channel
 
 log = logging.getLogger(__name__)
 POLL_S = 50e-6  # how often a worker thread asks whether the copy is done (a copy takes ~1 ms per GiB)
-ALIGN = 4096  # arena slices start at multiples of this
 MAX_OPEN_ARENAS = 4  # receiver: senders' arenas kept mapped
 
 
@@ -280,72 +275,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-class ExportArena:
-    """The sender's exported buffer and a first-fit allocator over it (thread-safe: slices are taken
-    on the engine thread and freed wherever their tensor is collected)."""
+class ExportArena(Arena):
+    """The sender's exported buffer (transfer/arena.py's allocator over it) and the handle a receiver
+    opens it by, with its interprocess event."""
 
     def __init__(
         self, buf: torch.Tensor, handle: dict[str, Any], event: Any = None, event_handle: dict[str, Any] | None = None
     ) -> None:
-        self.buf = buf  # uint8, flat
+        super().__init__(buf)
         self.handle = handle
         self.event = event  # recorded at each offer; the receiver's copy waits for it (None: no event)
         self.event_handle = event_handle
-        self.id = uuid.uuid4().hex
-        self.nbytes = buf.numel()
-        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), sorted, coalesced
-        self._used: dict[int, int] = {}  # offset -> size
-        self._lock = threading.Lock()
-
-    @property
-    def num_used_bytes(self) -> int:
-        with self._lock:
-            return sum(self._used.values())
-
-    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """An empty tensor in the arena, freed when collected; None if it does not fit now."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if nbytes == 0:
-            return None
-        size = -(-nbytes // ALIGN) * ALIGN
-        with self._lock:
-            i = next((i for i, (_, n) in enumerate(self._free) if n >= size), None)
-            if i is None:
-                return None
-            off, n = self._free[i]
-            if n == size:
-                del self._free[i]
-            else:
-                self._free[i] = (off + size, n - size)
-            self._used[off] = size
-        t = self.buf[off : off + nbytes].view(dtype).view(shape)
-        weakref.finalize(t, self._release, off)
-        return t
-
-    def _release(self, off: int) -> None:
-        with self._lock:
-            size = self._used.pop(off, None)
-            if size is None:
-                return
-            free = sorted([*self._free, (off, size)])
-            merged: list[tuple[int, int]] = []
-            for o, n in free:
-                if merged and merged[-1][0] + merged[-1][1] == o:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((o, n))
-            self._free = merged
-
-    def offset_of(self, t: torch.Tensor) -> int | None:
-        """t's byte offset if it is a contiguous tensor inside one live slice, else None."""
-        if t.device != self.buf.device or not t.is_contiguous() or t.numel() == 0:
-            return None
-        off, n = t.data_ptr() - self.buf.data_ptr(), t.numel() * t.element_size()
-        if off < 0 or off + n > self.nbytes:
-            return None
-        with self._lock:
-            live = any(o <= off and off + n <= o + size for o, size in self._used.items())
-        return off if live else None
 
 
 class IpcTransport(Transport):
@@ -367,6 +307,9 @@ class IpcTransport(Transport):
     @property
     def arena(self) -> ExportArena | None:
         return self._arena
+
+    def export_allocator(self) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+        return self.allocate if self.config.ipc_arena_bytes > 0 else None
 
     def allocate(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device

@@ -3,24 +3,37 @@ backend underneath: RDMA verbs, NVLink/cuda_ipc, shared memory or TCP, whichever
 UCX_TLS allows); the control connection carries only what NIXL needs to find the buffers.
 
     S -> R  offer    (no transport fields)
-    R       registers its receive buffers with its agent
-    R -> S  ready    {agent: the agent's metadata for those buffers (connection info included),
-                      mem: "DRAM" | "VRAM", descs: [[address, bytes, device], ...] in payload order}
-    S       registers its segments, loads the metadata, WRITEs segment i into descs[i], waits for it
+    R       its receive buffers: slices of its landing arena (registered once), or, where they are
+            not (no room, no arena), registered with its agent for this handoff
+    R -> S  ready    {agent: the agent's metadata for that registration (connection info included),
+                      mem: "DRAM" | "VRAM", descs: [[address, bytes, device], ...] in payload order,
+                      kept: whether the registration is the landing arena's (lasts as long as the agent)}
+    S       loads the metadata unless it is kept metadata loaded before; WRITEs segment i into
+            descs[i] from its export arena's registration (or from the segments registered for this
+            write), waits for it
     S -> R  written  {payload_bytes}
     R       checksums the buffers where they are (the header's checksum), acks or nacks as for tcp
 
-A streamed handoff (--kv-stream): the open's ready carries the same fields for the whole page buffer
-(registered until the parts end); the sender writes each part at its page offset in it and only then
-sends the `part` message (no fields), which the receiver checks where the bytes landed; the final
-offer is an offer as above.
-
 One NIXL agent per transport, i.e. per process and role (a rank sends or receives, not both), made on
-the first handoff. Memory is registered per handoff: the receive buffers are the ones the CE's
-on_handoff gives (transfer.handoff.allocate_payload), the sender's the export's own tensors, both new
-for every handoff. A sender keeps a receiver's agent loaded while a write to it is in flight and
-drops it after the last one, so buffers the receiver has deregistered are never addressable from here
-and a long-lived sender does not accumulate their descriptors.
+the first handoff. Memory is registered once per end, in an arena (transfer/arena.py) of
+nixl_arena_mb on the device of the first handoff's memory: the sender's export arena, which the PE
+gathers its exports into (export_allocator), and the receiver's landing arena, which the CE's
+on_handoff takes its receive buffers from (receive_buffers, through KVReceiver.receive_buffers). A
+slice is free again once its tensor is collected: after the ack for an export, after the import's
+copy into the KV pool for a receive buffer. A payload that does not fit (larger than the arena's free
+space) is registered for its handoff, as everything was before the arenas, and deregistered after.
+
+The sender keeps a receiver's kept metadata loaded (MAX_REMOTE_AGENTS of them, the least recently
+used idle one dropped first), so a handoff to a known receiver loads nothing; a restarted receiver
+has a new agent, and so new metadata. Metadata of a registration for one handoff, and any remote
+agent a write to failed, is dropped once no write to that agent is in flight: buffers a receiver has
+deregistered are never addressable from here (NIXL would write into them: it knows only what was
+loaded) and a long-lived sender does not accumulate their descriptors.
+
+A streamed handoff (--kv-stream): the open's ready carries the same fields for the whole page buffer
+(registered until the parts end, or in the landing arena); the sender writes each part at its page
+offset in it and only then sends the `part` message (no fields), which the receiver checks where the
+bytes landed; the final offer is an offer as above.
 
 The agents run without NIXL's progress thread (it polls with no delay: a whole core per rank, busy
 or idle); a sender's wait polls its write, and a receiver drives its worker from a thread only while it
@@ -29,7 +42,10 @@ expects a write (UCX's message-based transports, tcp among them, need the target
 NOTE: after a failure, a buffer a write may still reach stays registered and referenced for
 idle_timeout_s (the sender's bound on its own write) before it is released: a late one-sided write
 into freed memory would corrupt whatever lives there next (UCX's shared-memory transports write
-straight into the peer's address space). The same holds for a sender's source segments.
+straight into the peer's address space). For an arena's slice, being referenced keeps it out of the
+arena's free list. The same holds for a sender's source segments. On CUDA a freed landing slice may
+still be read by the import's copy queued on the engine's stream: the receiver waits for the work
+queued before the last free (Arena.settle) before it names slices in a ready.
 
 The nixl package is imported when the transport is made (`pip install 'pdserve[nixl]'`); without it,
 making the transport raises HandoffError(TRANSPORT) naming the extra.
@@ -45,12 +61,14 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from transfer.arena import Arena
 from transfer.config import NIXL_MISSING, NIXL_MODULES, TransferConfig
 from transfer.errors import PROTOCOL, TIMEOUT, TRANSPORT, HandoffError
 from transfer.handoff import HandoffHeader
@@ -60,6 +78,8 @@ from transfer.wire import Channel
 
 log = logging.getLogger(__name__)
 POLL_S = 100e-6  # how often a worker thread asks whether the write is done
+READY_FIELDS = {"agent", "mem", "descs", "kept"}
+MAX_REMOTE_AGENTS = 32  # sender: receivers' kept metadata loaded (the least recently used idle agent dropped)
 
 
 def load_nixl() -> ModuleType:
@@ -115,7 +135,12 @@ class _Agent:
             raise HandoffError(TRANSPORT, f"nixl: no UCX backend (plugins: {self.agent.plugin_list})")
         self._lock = threading.Lock()
         self._peers: dict[str, int] = {}  # remote agent -> writes to it in flight
-        self._held: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # registrations kept after a failure
+        # kept metadata (a receiver's registration for its lifetime) -> the remote agent it loaded, least
+        # recently used first; a remote agent that also holds a registration of one handoff, or that a
+        # write failed to, is dropped once no write to it is in flight (_dirty)
+        self._remotes: OrderedDict[bytes, str] = OrderedDict()
+        self._dirty: set[str] = set()
+        self._held: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # kept after a failure (reg may be None)
 
     def register(self, segments: list[torch.Tensor], mem: str, device: int) -> Any:
         return self.agent.register_memory([(*d, "") for d in _descs(segments, device)], mem)
@@ -127,15 +152,16 @@ class _Agent:
             log.warning("nixl: deregistering memory failed: %r", e)
 
     def hold(self, reg: Any, segments: list[torch.Tensor], delay_s: float) -> None:
-        """Keeps reg registered and segments alive for delay_s (a write may still reach them)."""
-        key = id(reg)
+        """Keeps reg registered (None: segments lie in an arena registered for good) and segments alive
+        for delay_s (a write may still reach them): an arena's slices stay out of its free list."""
+        key = id(reg) if reg is not None else id(segments)
         with self._lock:
             self._held[key] = (reg, segments)
 
         def release() -> None:
             with self._lock:
                 held = self._held.pop(key, None)
-            if held is not None:
+            if held is not None and held[0] is not None:
                 self.deregister(held[0])
 
         timer = threading.Timer(delay_s, release)
@@ -152,24 +178,59 @@ class _Agent:
             log.warning("nixl: releasing a transfer to %s failed: %r", peer, e)
             return False
 
-    def connect(self, metadata: bytes) -> str:
-        """Loads a receiver's metadata (its agent and the buffers it registered); counts a write to it."""
+    def connect(self, metadata: bytes, kept: bool) -> tuple[str, bool]:
+        """The remote agent of a receiver's metadata, loaded unless kept metadata already was; counts a
+        write to it. kept: the metadata describes a registration that lasts as long as the receiver's
+        agent (its landing arena), so it stays loaded; else the agent is dropped after the write, so
+        buffers the receiver deregisters are never addressable from here. Returns (name, loaded)."""
         with self._lock:
-            name = self.agent.add_remote_agent(metadata)
-            name = name.decode() if isinstance(name, bytes) else str(name)
+            name = self._remotes.get(metadata) if kept else None
+            loaded = name is None
+            if name is None:
+                got = self.agent.add_remote_agent(metadata)
+                name = got.decode() if isinstance(got, bytes) else str(got)
+                if kept:
+                    self._remotes[metadata] = name
+                else:
+                    self._dirty.add(name)
+            else:
+                self._remotes.move_to_end(metadata)
             self._peers[name] = self._peers.get(name, 0) + 1
-            return name
+            return name, loaded
 
-    def disconnect(self, name: str) -> None:
-        """A write to name has ended; the last one in flight drops the remote agent and what it named."""
+    def disconnect(self, name: str, keep: bool) -> None:
+        """A write to name has ended; keep: it succeeded (else what was loaded of name is dropped with
+        the last write in flight: a receiver that failed is asked for its metadata again). Drops the
+        least recently used idle remote agents while more than MAX_REMOTE_AGENTS metadata are kept."""
         with self._lock:
             self._peers[name] -= 1
+            if not keep:
+                self._dirty.add(name)
             if self._peers[name] == 0:
                 del self._peers[name]
-                try:
-                    self.agent.remove_remote_agent(name)
-                except Exception as e:
-                    log.warning("nixl: dropping remote agent %s failed: %r", name, e)
+                if name in self._dirty:
+                    self._drop(name)
+            for n in list(dict.fromkeys(self._remotes.values())):  # least recently used first
+                if len(self._remotes) <= MAX_REMOTE_AGENTS:
+                    break
+                if n not in self._peers:
+                    self._drop(n)
+
+    def _drop(self, name: str) -> None:
+        """Unloads a remote agent and every registration of it loaded here (under _lock)."""
+        self._dirty.discard(name)
+        for k in [k for k, n in self._remotes.items() if n == name]:
+            del self._remotes[k]
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:
+            log.warning("nixl: dropping remote agent %s failed: %r", name, e)
+
+    @property
+    def num_remote_agents(self) -> int:
+        """Remote agents loaded now (kept, or with writes in flight)."""
+        with self._lock:
+            return len(set(self._remotes.values()) | set(self._peers))
 
     def progress_while(self) -> threading.Event:
         """Drives the agent's UCX worker from a thread until the returned event is set: the side a write
@@ -192,13 +253,27 @@ class _Agent:
         with self._lock:
             held, self._held = list(self._held.values()), {}
         for reg, _ in held:
-            self.deregister(reg)
+            if reg is not None:
+                self.deregister(reg)
+
+
+class _Registered:
+    """An arena registered with the agent once (until close), and for a receiver the agent metadata
+    that names that registration (sent in every ready whose buffers lie in it)."""
+
+    def __init__(self, arena: Arena, reg: Any, metadata: bytes) -> None:
+        self.arena = arena
+        self.reg = reg
+        self.metadata = metadata
+
+
+EXPORT, LANDING = "export", "landing"  # the sender's arena, the receiver's
 
 
 class NixlTransport(Transport):
     name = "nixl"
     carries_parts = True
-    writes_parts = True  # a streamed handoff's parts: written into the buffer its open registered
+    writes_parts = True  # a streamed handoff's parts: written into the buffer its open's ready named
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)
@@ -207,6 +282,19 @@ class NixlTransport(Transport):
         self._agent_lock = threading.Lock()
         self._landing: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # receiver: by id of the segments
         self._streams: dict[int, tuple[Any, torch.Tensor, threading.Event]] = {}  # receiver: by id of the pages
+        self._arenas: dict[str, _Registered] = {}  # EXPORT | LANDING, made on first use
+        self._arena_tried: set[str] = set()
+        self._arena_lock = threading.Lock()
+        self._counters_lock = threading.Lock()
+        self.counters = {
+            "registrations": 0,  # memory registered with the agent: an arena (once), or one handoff's
+            "arena_writes": 0,  # sender: writes from its arena's registration
+            "registered_writes": 0,  # sender: writes that registered their segments for themselves
+            "metadata_loads": 0,  # sender: a receiver's metadata loaded
+            "metadata_reuses": 0,  # sender: a write to a receiver's registration loaded before
+            "arena_receives": 0,  # receiver: payloads landing in its arena's registration
+            "registered_receives": 0,  # receiver: payloads whose buffers were registered for them
+        }
 
     def agent(self) -> _Agent:
         with self._agent_lock:
@@ -219,30 +307,90 @@ class NixlTransport(Transport):
                     raise HandoffError(TRANSPORT, f"nixl: cannot start an agent: {e!r}") from None
             return self._agent
 
+    def _count(self, key: str) -> None:
+        with self._counters_lock:
+            self.counters[key] += 1
+
+    def arena(self, which: str) -> Arena | None:
+        """The EXPORT or LANDING arena, if made."""
+        got = self._arenas.get(which)
+        return got.arena if got is not None else None
+
+    def _arena_on(self, which: str, device: torch.device) -> _Registered | None:
+        """The EXPORT or LANDING arena on device, made and registered on the first call; None if it is
+        off (nixl_arena_mb 0), could not be made (memory, registration: handoffs then register their
+        own memory, as without it) or is on another device."""
+        if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors say
+            device = torch.device("cuda", torch.cuda.current_device())
+        with self._arena_lock:
+            if which not in self._arena_tried:
+                self._arena_tried.add(which)
+                nbytes = self.config.nixl_arena_bytes(device.type)
+                if nbytes > 0:
+                    try:
+                        self._arenas[which] = self._register_arena(which, device, nbytes)
+                        log.info("nixl %s arena: %d MiB on %s, registered", which, nbytes >> 20, device)
+                    except Exception as e:
+                        log.warning(
+                            "nixl: no %s arena on %s (%r): handoffs register their own memory", which, device, e
+                        )
+            got = self._arenas.get(which)
+        return got if got is not None and got.arena.buf.device == device else None
+
+    def _register_arena(self, which: str, device: torch.device, nbytes: int) -> _Registered:
+        # NOTE: the receiver's slices are written by NIXL outside any stream's order: a free is fenced
+        # (Arena.settle) against the device work that may still read the slice (the import's copy)
+        arena = Arena(torch.empty(nbytes, dtype=torch.uint8, device=device), fence_frees=which == LANDING)
+        mem, index = _mem_type([arena.buf])
+        agent = self.agent()
+        reg = agent.register([arena.buf], mem, index)
+        self._count("registrations")
+        try:
+            metadata = bytes(agent.agent.get_partial_agent_metadata(reg, True, [])) if which == LANDING else b""
+        except Exception:
+            agent.deregister(reg)
+            raise
+        return _Registered(arena, reg, metadata)
+
     # ---- sender --------------------------------------------------------------------------------
+
+    def export_allocator(self) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+        return self.allocate if self.config.nixl_arena_mb != 0 else None
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """engine.export_sequence's alloc: an empty tensor in the export arena on device (made and
+        registered on the first call), or None (no arena here, or no room in it now: the export
+        allocates normally and its write registers it)."""
+        got = self._arena_on(EXPORT, torch.device(device))
+        return got.arena.alloc(tuple(shape), dtype) if got is not None else None
 
     async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
         _descs(segments, _mem_type(segments)[1])  # refused before the receiver reserves anything
         return {}
 
     async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
-        metadata, remote_mem, remote = _read_ready(ready, len(segments))
+        metadata, remote_mem, remote, kept = _read_ready(ready, len(segments))
         for (_, n, _), t in zip(remote, segments):
             if n != t.numel() * t.element_size():
                 raise HandoffError(PROTOCOL, f"nixl: a receive buffer of {n} bytes for a {t.numel() * t.element_size()}-byte segment")
-        await self._push(ch, segments, metadata, (remote_mem, remote))
+        await self._push(ch, segments, metadata, (remote_mem, remote), kept)
         await ch.send(Written(sum(n for _, n, _ in remote)))
 
     async def write_part(self, ch: Channel, pages: torch.Tensor, offset: int, opened: dict[str, Any]) -> None:
-        metadata, remote_mem, ((addr, size, device),) = _read_ready(opened, 1)
+        metadata, remote_mem, ((addr, size, device),), kept = _read_ready(opened, 1)
         page_bytes = pages[0].numel() * pages.element_size()
         start, n = offset * page_bytes, pages.numel() * pages.element_size()
         if start + n > size:
             raise HandoffError(PROTOCOL, f"nixl: pages [{offset}, {offset + pages.shape[0]}) beyond a {size}-byte stream buffer")
-        await self._push(ch, [pages], metadata, (remote_mem, [(addr + start, n, device)]))
+        await self._push(ch, [pages], metadata, (remote_mem, [(addr + start, n, device)]), kept)
 
     async def _push(
-        self, ch: Channel, segments: list[torch.Tensor], metadata: bytes, remote: tuple[str, list[tuple[int, int, int]]]
+        self,
+        ch: Channel,
+        segments: list[torch.Tensor],
+        metadata: bytes,
+        remote: tuple[str, list[tuple[int, int, int]]],
+        kept: bool,
     ) -> None:
         """Writes segments into the receiver's buffers remote (memory type, descriptors) and waits for it."""
         mem, device = _mem_type(segments)
@@ -250,7 +398,7 @@ class NixlTransport(Transport):
         if mem == "VRAM":
             produced = torch.cuda.Event()  # NOTE: recorded on the export's producer stream
             produced.record(torch.cuda.current_stream(segments[0].device))
-        await ch.run_blocking(self.executor, self._write, segments, (mem, device), metadata, remote, produced)
+        await ch.run_blocking(self.executor, self._write, segments, (mem, device), metadata, remote, produced, kept)
 
     def _write(
         self,
@@ -259,41 +407,53 @@ class NixlTransport(Transport):
         metadata: bytes,
         remote: tuple[str, list[tuple[int, int, int]]],
         produced: Any,
+        kept: bool = False,
     ) -> None:
-        """Registers segments (local: their memory type and device), writes them into the receiver's
-        buffers (remote: their memory type and descriptors) and waits for the write (worker thread).
+        """Writes segments (local: their memory type and device) into the receiver's buffers (remote:
+        their memory type and descriptors; kept: they lie in a registration the receiver keeps, whose
+        metadata stays loaded here) and waits for the write (worker thread). The segments go from the
+        export arena's registration when they lie in it, else are registered for this write.
         Raises HandoffError(TRANSPORT | TIMEOUT)."""
         agent = self.agent()
         mem, device = local
         if produced is not None:
             produced.synchronize()
         deadline = time.monotonic() + self.config.idle_timeout_s
-        try:
-            reg = agent.register(segments, mem, device)
-        except Exception as e:
-            raise HandoffError(TRANSPORT, f"nixl: registering the payload failed: {e!r}") from None
+        export = self._arenas.get(EXPORT)
+        reg = None  # registered for this write
+        if export is not None and export.arena.holds(segments):
+            self._count("arena_writes")
+        else:
+            try:
+                reg = agent.register(segments, mem, device)
+            except Exception as e:
+                raise HandoffError(TRANSPORT, f"nixl: registering the payload failed: {e!r}") from None
+            self._count("registrations")
+            self._count("registered_writes")
         in_flight = False  # a write NIXL could not release may still read the segments
         try:
             try:
-                peer = agent.connect(metadata)
+                peer, loaded = agent.connect(metadata, kept)
             except Exception as e:
                 raise HandoffError(
                     TRANSPORT, f"nixl: the receiver's agent metadata did not load: {e!r}"
                 ) from None
-            a, src, handle = agent.agent, _descs(segments, device), None
+            self._count("metadata_loads" if loaded else "metadata_reuses")
+            a, src, handle, ok = agent.agent, _descs(segments, device), None, False
             try:
                 handle = _nixl_call(peer, lambda: a.initialize_xfer(
                     "WRITE", a.get_xfer_descs(src, mem), a.get_xfer_descs(remote[1], remote[0]), peer
                 ))  # fmt: skip
                 self._wait(agent, handle, peer, deadline)
+                ok = True
             finally:
                 if handle is not None:
                     in_flight = not agent.release(handle, peer)
-                agent.disconnect(peer)
+                agent.disconnect(peer, keep=ok)
         finally:
             if in_flight:
                 agent.hold(reg, segments, self.config.idle_timeout_s)
-            else:
+            elif reg is not None:
                 agent.deregister(reg)
 
     def _wait(self, agent: _Agent, handle: Any, peer: str, deadline: float) -> None:
@@ -313,6 +473,22 @@ class NixlTransport(Transport):
 
     # ---- receiver ------------------------------------------------------------------------------
 
+    def receive_buffers(self, header: HandoffHeader, device: torch.device) -> list[torch.Tensor] | None:
+        """Slices of the landing arena on device (made and registered on the first call) for header's
+        payload, or None where it has none or no room now. A slice is free again once its tensor is
+        collected: after the import copied it into the KV pool, or idle_timeout_s after a failure."""
+        got = self._arena_on(LANDING, device)
+        if got is None:
+            return None
+        shapes = [header.page_shape] + ([header.state_shape] if header.has_state else [])
+        out = []
+        for shape in shapes:
+            t = got.arena.alloc(tuple(shape), header.torch_dtype)
+            if t is None:
+                return None  # the slices taken so far are freed with `out`
+            out.append(t)
+        return out
+
     async def accept(
         self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
     ) -> dict[str, Any]:
@@ -320,11 +496,19 @@ class NixlTransport(Transport):
             raise HandoffError(PROTOCOL, f"nixl: unexpected offer fields {sorted(map(str, extra))[:8]}")
         mem, device = _mem_type(segments)
         descs = _descs(segments, device)
-        reg, metadata = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self._register_landing, segments, mem, device
-        )
+        loop = asyncio.get_running_loop()
+        landing = self._arenas.get(LANDING)
+        if landing is not None and landing.arena.holds(segments):  # registered once: nothing to do
+            if landing.arena.fence_frees:  # the slices' last readers on the device are done
+                await loop.run_in_executor(self.executor, landing.arena.settle)
+            reg, metadata, kept = None, landing.metadata, True
+            self._count("arena_receives")
+        else:
+            reg, metadata = await loop.run_in_executor(self.executor, self._register_landing, segments, mem, device)
+            kept = False
+            self._count("registered_receives")
         self._landing[id(segments)] = (reg, segments)
-        return {"agent": metadata, "mem": mem, "descs": [list(d) for d in descs]}
+        return {"agent": metadata, "mem": mem, "descs": [list(d) for d in descs], "kept": kept}
 
     def _register_landing(self, segments: list[torch.Tensor], mem: str, device: int) -> tuple[Any, bytes]:
         agent = self.agent()
@@ -332,6 +516,7 @@ class NixlTransport(Transport):
             reg = agent.register(segments, mem, device)
         except Exception as e:
             raise HandoffError(TRANSPORT, f"nixl: registering the receive buffers failed: {e!r}") from None
+        self._count("registrations")
         try:
             return reg, bytes(agent.agent.get_partial_agent_metadata(reg, True, []))
         except Exception as e:
@@ -368,22 +553,20 @@ class NixlTransport(Transport):
             done = True
         finally:
             progress.set()
-            if done:
-                agent.deregister(reg)
-            else:  # NOTE: the sender's write may still land in these buffers
+            if not done:  # NOTE: the sender's write may still land in these buffers
                 agent.hold(reg, segments, self.config.idle_timeout_s)
+            elif reg is not None:
+                agent.deregister(reg)
         return None  # the receiver hashes the buffers where they are
 
     async def open_stream(self, ch: Channel, header: HandoffHeader, pages: torch.Tensor) -> dict[str, Any]:
-        """Registers a streamed handoff's whole page buffer; the parts are written into it and the
-        worker driven until end_stream."""
-        mem, device = _mem_type([pages])
-        descs = _descs([pages], device)
-        reg, metadata = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self._register_landing, [pages], mem, device
-        )
+        """A streamed handoff's whole page buffer, prepared as accept prepares a payload's (in the landing
+        arena, or registered for it); the parts are written into it and the worker driven until end_stream."""
+        segments = [pages]
+        fields = await self.accept(ch, header, {}, segments)
+        reg, _ = self._landing.pop(id(segments))
         self._streams[id(pages)] = (reg, pages, self.agent().progress_while())
-        return {"agent": metadata, "mem": mem, "descs": [list(d) for d in descs]}
+        return fields
 
     def end_stream(self, pages: torch.Tensor, *, clean: bool) -> None:
         stream = self._streams.pop(id(pages), None)
@@ -391,30 +574,33 @@ class NixlTransport(Transport):
             return
         reg, _, progress = stream
         progress.set()
-        if clean:
-            self.agent().deregister(reg)
-        else:  # NOTE: a part's write may still land in pages
+        if not clean:  # NOTE: a part's write may still land in pages
             self.agent().hold(reg, [pages], self.config.idle_timeout_s)
+        elif reg is not None:
+            self.agent().deregister(reg)
 
     def abandon(self, segments: list[torch.Tensor]) -> None:
-        """Deregisters buffers accept registered whose pull never ran (the handoff failed before ready
-        went out: the sender never learnt where they are)."""
+        """Releases buffers accept prepared whose pull never ran (the handoff failed before ready went
+        out, or as it went: the sender may have learnt where they are), idle_timeout_s from now."""
         landing = self._landing.pop(id(segments), None)
         if landing is not None and self._agent is not None:  # NOTE: ready may have gone out after all
             self._agent.hold(landing[0], segments, self.config.idle_timeout_s)
 
     def close(self) -> None:
         for reg, _ in self._landing.values():
-            if self._agent is not None:
+            if self._agent is not None and reg is not None:
                 self._agent.deregister(reg)
         self._landing.clear()
         for reg, _, progress in self._streams.values():
             progress.set()
-            if self._agent is not None:
+            if self._agent is not None and reg is not None:
                 self._agent.deregister(reg)
         self._streams.clear()
         if self._agent is not None:
+            for got in self._arenas.values():
+                self._agent.deregister(got.reg)
             self._agent.close()
+        self._arenas.clear()
 
 
 def _nixl_call(peer: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -425,12 +611,15 @@ def _nixl_call(peer: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed: {e!r}") from None
 
 
-def _read_ready(ready: dict[str, Any], count: int) -> tuple[bytes, str, list[tuple[int, int, int]]]:
-    """The receiver's agent metadata, memory type and count buffer descriptors from its ready fields.
-    Raises HandoffError(PROTOCOL)."""
+def _read_ready(ready: dict[str, Any], count: int) -> tuple[bytes, str, list[tuple[int, int, int]], bool]:
+    """The receiver's agent metadata, memory type, count buffer descriptors and whether its registration
+    is kept, from its ready fields. Raises HandoffError(PROTOCOL)."""
     metadata, their_mem, descs = ready.get("agent"), ready.get("mem"), ready.get("descs")
-    if not isinstance(metadata, bytes) or not metadata or set(ready) != {"agent", "mem", "descs"}:
+    kept = ready.get("kept", False)  # absent: a receiver that registers per handoff
+    if not isinstance(metadata, bytes) or not metadata or not {"agent", "mem", "descs"} <= set(ready) <= READY_FIELDS:
         raise HandoffError(PROTOCOL, f"nixl: a ready without agent metadata (fields {sorted(map(str, ready))[:8]})")
+    if not isinstance(kept, bool):
+        raise HandoffError(PROTOCOL, "nixl: a ready whose kept is not a bool")
     if their_mem not in ("DRAM", "VRAM"):
         raise HandoffError(PROTOCOL, "nixl: a ready with an unknown memory type")
     if not isinstance(descs, list) or len(descs) != count:
@@ -440,4 +629,4 @@ def _read_ready(ready: dict[str, Any], count: int) -> tuple[bytes, str, list[tup
         if not (isinstance(d, list) and len(d) == 3 and all(isinstance(x, int) and x >= 0 for x in d)):
             raise HandoffError(PROTOCOL, "nixl: a malformed buffer descriptor in ready")
         remote.append((d[0], d[1], d[2]))
-    return metadata, their_mem, remote
+    return metadata, their_mem, remote, kept

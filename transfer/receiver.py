@@ -29,6 +29,7 @@ offer of the rest, handled as above; what on_complete gets is the whole sequence
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -88,12 +89,17 @@ from transfer.wire import Channel
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 10.0  # each kind of refusal a flood can cause is logged at most this often
 
-# on_handoff: the buffers to receive into (transfer.handoff.allocate_payload shapes), or None to refuse.
+# on_handoff: the buffers to receive into (transfer.handoff.allocate_payload shapes; KVReceiver.
+# receive_buffers gives them in the offer's transport's own memory where it has some), or None to refuse.
 OnHandoff = Callable[[HandoffHeader], "Awaitable[list[torch.Tensor] | None] | list[torch.Tensor] | None"]
 # on_complete: takes a verified sequence (e.g. engine.import_sequence); raising refuses it (nack).
 OnComplete = Callable[[HandoffHeader, SequenceExport], "Awaitable[None] | None"]
 # on_error: a handoff on_handoff accepted has failed; nothing was delivered (release the reservation).
 OnError = Callable[[HandoffHeader, HandoffError], "Awaitable[None] | None"]
+
+
+# the transport of the offer whose on_handoff runs (each connection is a task: its own context)
+_OFFERED: contextvars.ContextVar[Transport | None] = contextvars.ContextVar("offered_transport", default=None)
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -186,6 +192,19 @@ class KVReceiver:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def transports(self) -> dict[str, Transport]:
+        """The transports made so far (on a handoff's first offer over each), by name."""
+        return dict(self._transports)
+
+    def receive_buffers(self, header: HandoffHeader, device: torch.device | str) -> list[torch.Tensor] | None:
+        """For on_handoff: buffers on device for header's payload in memory the offer's transport has
+        prepared once (nixl: its registered landing arena), or None where it has none (or none free
+        now, or this is called outside an on_handoff): then on_handoff allocates them
+        (transfer.handoff.allocate_payload)."""
+        transport = _OFFERED.get()
+        return transport.receive_buffers(header, torch.device(device)) if transport is not None else None
 
     async def start(self) -> KVReceiver:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -450,7 +469,7 @@ class KVReceiver:
             if streamed and not transport.carries_parts:
                 raise HandoffError(TRANSPORT, f"transport {transport.name!r} does not carry streamed handoffs")
             t_offer = time.perf_counter()
-            segments = await _call(self.on_handoff, header)
+            segments = await self._ask(header, transport)
             if segments is None:
                 raise HandoffError(UNEXPECTED, f"request {header.request_id!r} is not expected here")
         except HandoffError as refused:
@@ -459,6 +478,15 @@ class KVReceiver:
             log.warning("refused %s from %s: %s", what, ch.peer, printable(refused, MESSAGE_CHARS))
             raise
         return header, transport, extra, segments, {"decode": t_offer - t0, "on_handoff": time.perf_counter() - t_offer}
+
+    async def _ask(self, header: HandoffHeader, transport: Transport) -> list[torch.Tensor] | None:
+        """on_handoff(header), able to take its buffers from transport's memory (receive_buffers)."""
+        offered = _OFFERED.set(transport)
+        try:
+            segments: list[torch.Tensor] | None = await _call(self.on_handoff, header)
+            return segments
+        finally:
+            _OFFERED.reset(offered)
 
     async def _failed(self, ch: Channel, header: HandoffHeader, e: BaseException) -> None:
         """An accepted handoff failed (e): counted, logged, and on_error told (nothing was delivered)."""

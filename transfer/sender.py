@@ -51,7 +51,6 @@ from transfer.handoff import (
     payload_segments,
     peer_layout,
 )
-from transfer.ipc import IpcTransport
 from transfer.messages import HandoffAck, Ids, Join, KeepAlive, Offer, Open, Part, Ready, Streams, Sum
 from transfer.transport import Transport, make_transport
 from transfer.wire import Channel
@@ -536,10 +535,9 @@ class KVSender:
         self,
     ) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
         """Where exports for this sender's transport should be gathered (engine.export_sequence's
-        alloc): the ipc transport's exported arena; None for the others (new memory)."""
-        if isinstance(self.transport, IpcTransport) and self.config.ipc_arena_bytes > 0:
-            return self.transport.allocate
-        return None
+        alloc): the ipc transport's exported arena, nixl's registered one; None for the others (new
+        memory)."""
+        return self.transport.export_allocator()
 
     def close(self) -> None:
         for idle in self._idle.values():

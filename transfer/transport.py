@@ -8,6 +8,10 @@ an NCCL bootstrap id; it checks them itself.
     sender:   extra = offer(ch, segments)  -> [offer sent, ready received] -> push(ch, segments, ready)
     receiver: reply = accept(ch, header, extra, segments) -> [ready sent] -> pull(ch, header, extra, segments)
 
+A transport may also say where the tensors it moves should live: export_allocator (the sender's
+export gathered into memory it has exported or registered once: ipc, nixl) and receive_buffers (the
+receiver's buffers, taken from memory registered once: nixl).
+
 Transports are made by name (make_transport); a module is imported only when its transport is asked
 for, and none needs CUDA to import.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 import torch
@@ -59,6 +63,11 @@ class Transport(ABC):
 
     # ---- sender side ---------------------------------------------------------------------------
 
+    def export_allocator(self) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+        """Where exports for this transport should be gathered (engine.export_sequence's alloc: a tensor,
+        or None for new memory), or None if it has no memory of its own for them."""
+        return None
+
     @contextlib.asynccontextmanager
     async def session(self, peer: str) -> AsyncIterator[None]:
         """Held by the sender from offer to ack (NCCL: one handoff at a time per communicator)."""
@@ -87,6 +96,11 @@ class Transport(ABC):
         return None
 
     # ---- receiver side -------------------------------------------------------------------------
+
+    def receive_buffers(self, header: HandoffHeader, device: torch.device) -> list[torch.Tensor] | None:
+        """Buffers on device for header's payload (allocate_payload's shapes) in memory this transport
+        has prepared once, or None (the receiver allocates them: transfer.handoff.allocate_payload)."""
+        return None
 
     async def accept(
         self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]

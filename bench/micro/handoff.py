@@ -6,8 +6,9 @@ For each sequence length (tokens), one export of the layout of bench/configs/<la
     recv_into()s them into a reused buffer (no framing, no checksum, no auth): the loopback ceiling;
   - on CUDA, also ipc (the receiver copies from the sender's GPU memory) against a device-to-device
     copy of the same bytes, and tcp from/to GPU memory through the pinned staging buffers;
-  - where the nixl extra is installed, nixl (a one-sided NIXL/UCX write; UCX_TLS picks the link),
-    against the raw socket from host memory and the device copy from GPU memory.
+  - where the nixl extra is installed, nixl (a one-sided NIXL/UCX write; UCX_TLS picks the link; each
+    end's arena registered once, --nixl-arena-mb, its counters printed at the end), against the raw
+    socket from host memory and the device copy from GPU memory.
 Reported per row: milliseconds and GB/s of the whole send (connect, auth, sender checksum, payload,
 receiver verify, ack: `handoff`), the receiver's payload phase with and without its checksum pass
 (`payload+verify`, `payload`: for ipc, opening the handles and the copy), the sender's checksum
@@ -163,20 +164,31 @@ def reused_payload(device: str) -> Callable[[HandoffHeader], list[torch.Tensor]]
     return on_handoff
 
 
-def receiver_main(conn: Any, layout: dict[str, Any], device: str, token: bytes) -> None:
+def receiver_main(conn: Any, layout: dict[str, Any], device: str, token: bytes, nixl_arena_mb: int | None) -> None:
     if torch.device(device).index is not None:  # "cuda" alone: the current device
         torch.cuda.set_device(torch.device(device))
     lst = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_sink, args=(lst,), daemon=True).start()
-    on_handoff = reused_payload(device)
+    reused = reused_payload(device)
+    receivers: list[KVReceiver] = []
+
+    def on_handoff(h: HandoffHeader) -> list[torch.Tensor]:
+        """nixl: slices of its registered landing arena (freed after each handoff, so reused), as a CE's;
+        the others (and a payload larger than the arena): the reused buffers."""
+        got = receivers[0].receive_buffers(h, device)
+        return got if got is not None else reused(h)
 
     async def main() -> None:
-        cfg = TransferConfig(idle_timeout_s=120.0)
+        cfg = TransferConfig(idle_timeout_s=120.0, nixl_arena_mb=nixl_arena_mb)
         async with KVReceiver(
             token, KVLayout.from_fields(layout), on_handoff, lambda h, e: None, config=cfg
         ) as r:
+            receivers.append(r)
             conn.send((r.port, lst.getsockname()[1]))
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
+            for name, tr in r.transports.items():  # nixl: payloads in its arena or registered for themselves
+                if getattr(tr, "counters", None):
+                    print(f"# {name} receiver: {tr.counters}", flush=True)  # type: ignore[attr-defined]
 
     asyncio.run(main())
 
@@ -248,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", default=None, help="also write the rows and bars here")
     ap.add_argument(
+        "--nixl-arena-mb",
+        type=int,
+        default=None,
+        help="nixl: each end's arena registered once (TransferConfig.nixl_arena_mb; default its default,"
+        " 0: every handoff registers its memory)",
+    )
+    ap.add_argument(
         "--p2p-gbps",
         type=float,
         default=None,
@@ -274,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=receiver_main, args=(child, layout.fields(), recv_device, TOKEN), daemon=True
+        target=receiver_main, args=(child, layout.fields(), recv_device, TOKEN, args.nixl_arena_mb), daemon=True
     )
     proc.start()
     rows: list[dict[str, Any]] = []
@@ -290,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         if nixl_installed():  # the nixl extra: UCX picks its transport (shared memory, cuda_ipc, TCP)
             senders["nixl"] = KVSender(
-                TOKEN, layout, config=TransferConfig(transport="nixl", send_timeout_s=600.0, idle_timeout_s=120.0)
+                TOKEN,
+                layout,
+                config=TransferConfig(
+                    transport="nixl", send_timeout_s=600.0, idle_timeout_s=120.0, nixl_arena_mb=args.nixl_arena_mb
+                ),
             )
         peer = torch.device(recv_device) if torch.device(recv_device) != device else None
         if peer is not None and nccl_version() is not None:

@@ -188,7 +188,9 @@ class DecodeRole:
         if not self.handoffs.begin_receive(header.request_id, num_tokens):
             return None
         try:
-            return allocate_payload(header, self.engine.device)  # CUDA: the transports land it on the GPU
+            # nixl: slices of its registered landing arena; CUDA: the transports land it on the GPU
+            buffers = self.receiver.receive_buffers(header, self.engine.device)
+            return buffers if buffers is not None else allocate_payload(header, self.engine.device)
         except BaseException:
             self.handoffs.receive_failed(header.request_id)
             raise

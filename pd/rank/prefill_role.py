@@ -94,7 +94,8 @@ class PrefillRole:
         self.sender = KVSender(
             token, engine.handoff_layout, model=model_fingerprint(engine.folder), config=config.transfer
         )
-        # ipc: the export is gathered straight into the transport's exported arena (and hashed on the way)
+        # ipc, nixl: the export is gathered straight into the transport's arena (exported or registered
+        # once; hashed on the way)
         self.export_alloc = self.sender.export_allocator
         self.lt = LoopThread(ctx, "kv-sender")
         self.wake = self.lt.wake

@@ -121,6 +121,12 @@ def test_role_config_and_defaults():
     assert ServerConfig(role="ce", kv_advertise_host="fe80::1").kv_address(0) == "[fe80::1]:8900"
     transfer = pe.role_config(0).transfer
     assert (transfer.transport, transfer.ipc_arena_bytes) == ("ipc", 1 << 29) and not ServerConfig().is_pd
+    nixl = ServerConfig.from_argv(["--role", "ce", "--nixl-arena-mb", "64"]).role_config(0).transfer
+    assert [nixl.nixl_arena_bytes(d) for d in ("cpu", "cuda")] == [64 << 20, 64 << 20]
+    assert [TransferConfig().nixl_arena_bytes(d) for d in ("cpu", "cuda")] == [256 << 20, 2048 << 20]
+    assert TransferConfig(nixl_arena_mb=0).nixl_arena_bytes("cuda") == 0
+    with pytest.raises(ValueError, match="nixl_arena_mb"):
+        TransferConfig(nixl_arena_mb=-1)
     for bad in (
         dict(role="x"),
         dict(kv_port_base=65535, dp=2),

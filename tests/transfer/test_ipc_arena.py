@@ -19,11 +19,12 @@ import torch
 from engine.handoff import SequenceExport
 from tests.transfer.support import LAYOUT_SWA, TOKEN, Sink, make_export, receiver
 from transfer import ipc
+from transfer.arena import ALIGN
 from transfer.checksum import as_words, segment_sum
 from transfer.config import TransferConfig
 from transfer.errors import CHECKSUM, PROTOCOL, TIMEOUT, TRANSPORT, UNEXPECTED, HandoffError
 from transfer.handoff import IDS_INLINE_MAX, make_header, payload_segments
-from transfer.ipc import ALIGN, ExportArena, IpcTransport
+from transfer.ipc import ExportArena, IpcTransport
 from transfer.sender import KVSender
 
 CPU = torch.device("cpu")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
@@ -15,16 +16,22 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine.handoff import KVLayout, SequenceExport
 from tests.transfer.support import FAST, LAYOUT_LATENT, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
+from transfer import nixl
+from transfer.arena import Arena
 from transfer.auth import client_handshake
 from transfer.config import NIXL_MODULES, TransferConfig
 from transfer.errors import AUTH, CHECKSUM, INCOMPLETE, TIMEOUT, TRANSPORT, HandoffError
+from transfer.handoff import HandoffHeader, allocate_payload, payload_segments
 from transfer.messages import ControlMessage, Nack, Offer
+from transfer.nixl import EXPORT, LANDING, NixlTransport
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.transport import make_transport
@@ -330,3 +337,231 @@ def test_an_idle_agent_leaves_the_cpu_alone() -> None:
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0
     assert float(out.splitlines()[-1]) < 0.5, out
+# ---- memory registered once (the arenas) -------------------------------------------------------------
+
+ARENA_MB = 1  # each end's arena in these tests: LAYOUT_SWA's pages are 4 KiB, so 256 pages fill it
+ARENA = dataclasses.replace(NIXL, nixl_arena_mb=ARENA_MB) if NIXL is not None else None
+
+
+class LandingSink(Sink):
+    """A CE stand-in that takes its receive buffers as a decode rank does (the transport's landing
+    arena through KVReceiver.receive_buffers, else new ones) and copies what it gets out of them, as an
+    import into the KV pool does, so the slices free once the handoff is done."""
+
+    receiver: KVReceiver | None = None
+
+    def on_handoff(self, header: HandoffHeader) -> list[torch.Tensor] | None:
+        self.offered.append(header.request_id)
+        if header.request_id not in self.expected:
+            return None
+        assert self.receiver is not None
+        got = self.receiver.receive_buffers(header, "cpu")
+        return got if got is not None else allocate_payload(header)
+
+    def on_complete(self, header: HandoffHeader, export: SequenceExport) -> None:
+        state = None if export.state is None else export.state.clone()
+        self.delivered[header.request_id] = dataclasses.replace(export, pages=export.pages.clone(), state=state)
+
+    def on_error(self, header: HandoffHeader, err: HandoffError) -> None:
+        # the error without its traceback, whose frames would hold the handoff's buffers (a CE keeps none)
+        super().on_error(header, HandoffError(err.code, err.message))
+
+
+def landing_receiver(sink: LandingSink, config: TransferConfig, layout: KVLayout = LAYOUT_SWA) -> KVReceiver:
+    sink.receiver = receiver(sink, layout, config=config)
+    return sink.receiver
+
+
+def in_arena(sender: KVSender, exp: SequenceExport) -> SequenceExport:
+    """exp gathered into the sender's export arena, as the engine's export does with its alloc (a
+    payload that does not fit keeps its own tensors)."""
+    alloc = sender.export_allocator
+    assert alloc is not None
+
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        slot = alloc(tuple(t.shape), t.dtype, t.device)
+        return t if slot is None else slot.copy_(t)
+
+    return dataclasses.replace(exp, pages=moved(exp.pages), state=None if exp.state is None else moved(exp.state))
+
+
+async def _drained(arena: Arena, timeout_s: float = 5.0) -> bool:
+    """Whether arena's slices are all free within timeout_s (the receiver drops its buffers as its
+    handoff's coroutine ends, which may be just after the sender has the ack), without a gc pass."""
+    t0 = time.monotonic()
+    while arena.num_used_bytes and time.monotonic() - t0 < timeout_s:
+        await asyncio.sleep(0.01)
+    return arena.num_used_bytes == 0
+
+
+def _nixl_of(r: KVReceiver) -> NixlTransport:
+    tr = r.transports["nixl"]
+    assert isinstance(tr, NixlTransport)
+    return tr
+
+
+@needs_nixl
+async def test_handoffs_in_a_row_register_memory_once_per_end() -> None:
+    """Each end registers its arena on its first handoff and nothing after; the sender loads the
+    receiver's metadata once; every payload arrives byte for byte and the slices free after each."""
+    assert ARENA is not None
+    exps = [dataclasses.replace(make_export(num_prompt=n, seed=n), request_id=f"r{n}") for n in (100, 37, 5, 400)]
+    sink = LandingSink(*[e.request_id for e in exps])
+    async with landing_receiver(sink, ARENA) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=ARENA)
+        try:
+            for e in exps:
+                ex = in_arena(sender, e)
+                arena = sender.transport.arena(EXPORT)  # type: ignore[attr-defined]
+                assert arena is not None and arena.holds(payload_segments(ex, LAYOUT_SWA))
+                ack = await sender.send(r.address, ex)
+                del ex
+                assert ack.transport == "nixl"
+            sent = dict(sender.transport.counters)  # type: ignore[attr-defined]
+            agent = sender.transport._agent  # type: ignore[attr-defined]
+            assert agent._peers == {} and agent.num_remote_agents == 1  # kept, none in flight
+        finally:
+            sender.close()
+        got = dict(_nixl_of(r).counters)
+        landing = _nixl_of(r).arena(LANDING)
+        assert landing is not None and await _drained(landing)  # the last handoff's slices are free again
+        assert arena.num_used_bytes == 0
+    assert sent["registrations"] == 1 and sent["arena_writes"] == 4 and sent["registered_writes"] == 0
+    assert sent["metadata_loads"] == 1 and sent["metadata_reuses"] == 3
+    assert got["registrations"] == 1 and got["arena_receives"] == 4 and got["registered_receives"] == 0
+    for e in exps:
+        d = sink.delivered[e.request_id]
+        assert d.state is not None and e.state is not None
+        assert torch.equal(d.pages, e.pages) and torch.equal(d.state, e.state)
+
+
+@needs_nixl
+async def test_a_payload_larger_than_the_arena_registers_its_own_memory() -> None:
+    """Over the arena's size: both ends register the payload for its handoff (and the sender drops
+    what it loaded of that registration), the bytes arrive identical; the next small one goes through
+    the arenas again."""
+    assert ARENA is not None
+    big = dataclasses.replace(make_export(num_prompt=300 * 16, seed=3), request_id="big")  # 300 pages, 1.2 MiB
+    small = dataclasses.replace(make_export(num_prompt=40, seed=4), request_id="small")
+    assert big.pages.numel() * 4 > ARENA_MB << 20
+    sink = LandingSink("big", "small")
+    async with landing_receiver(sink, ARENA) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=ARENA)
+        try:
+            ex = in_arena(sender, big)
+            assert ex.pages is big.pages  # did not fit: its own tensor
+            await sender.send(r.address, ex)
+            agent = sender.transport._agent  # type: ignore[attr-defined]
+            assert agent.num_remote_agents == 0  # a registration of one handoff is not kept loaded
+            await sender.send(r.address, in_arena(sender, small))
+            sent = dict(sender.transport.counters)  # type: ignore[attr-defined]
+        finally:
+            sender.close()
+        got = dict(_nixl_of(r).counters)
+    assert (sent["registered_writes"], sent["arena_writes"], sent["registrations"]) == (1, 1, 2)
+    assert (sent["metadata_loads"], sent["metadata_reuses"]) == (2, 0)
+    assert (got["registered_receives"], got["arena_receives"], got["registrations"]) == (1, 1, 2)
+    for e in (big, small):
+        d = sink.delivered[e.request_id]
+        assert d.state is not None and e.state is not None
+        assert torch.equal(d.pages, e.pages) and torch.equal(d.state, e.state)
+
+
+@needs_nixl
+async def test_a_failed_write_keeps_the_landing_slices_until_the_hold_expires() -> None:
+    """A sender that dies after writing part of the payload: the receiver fails the handoff, and the
+    arena slices it gave stay out of the free list for idle_timeout_s (a late write may still land
+    there), then are free again."""
+    assert ARENA is not None
+    config = dataclasses.replace(ARENA, idle_timeout_s=3.0)
+    sink = LandingSink("req-1")
+    async with landing_receiver(sink, config) as r:
+        proc = _run(KILLED_SENDER, str(r.port))
+        assert proc.stdout is not None
+        line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
+        assert line.strip() == b"sent"
+        proc.kill()
+        proc.wait()
+        await asyncio.wait_for(sink.failed.wait(), 10)
+        t_failed = time.monotonic()  # the hold began just before
+        tr = _nixl_of(r)
+        landing = tr.arena(LANDING)
+        assert landing is not None and tr.counters["arena_receives"] == 1
+        gc.collect()
+        assert landing.num_used_bytes > 0
+        while landing.num_used_bytes and time.monotonic() - t_failed < 15:
+            await asyncio.sleep(0.2)
+            gc.collect()  # the failed handoff's frames and its error's traceback form cycles
+        held_s = time.monotonic() - t_failed
+        assert landing.num_used_bytes == 0 and held_s >= 2.0, held_s  # about idle_timeout_s
+        assert tr._agent is not None and tr._agent._held == {}
+    assert sink.delivered == {} and [e.code for e in sink.errors] == [INCOMPLETE]
+
+
+@needs_nixl
+async def test_a_receiver_restarted_with_a_new_agent_still_receives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver that restarts on the same port has a new agent (and metadata): the sender loads it,
+    the handoff arrives, and the old agent is dropped past the bound on remote agents kept."""
+    assert ARENA is not None
+    monkeypatch.setattr(nixl, "MAX_REMOTE_AGENTS", 1)
+    sender = KVSender(TOKEN, LAYOUT_SWA, config=ARENA)
+    names = []
+    try:
+        port = 0
+        for i in range(2):
+            exp = dataclasses.replace(make_export(num_prompt=60 + i, seed=i), request_id=f"r{i}")
+            sink = LandingSink(exp.request_id)
+            r = landing_receiver(sink, ARENA)
+            r.port = port
+            async with r:
+                port = r.port
+                await sender.send(r.address, in_arena(sender, exp))
+                agent = _nixl_of(r)._agent
+                assert agent is not None
+                names.append(agent.name)
+            got = sink.delivered[exp.request_id]
+            assert got.state is not None and exp.state is not None
+            assert torch.equal(got.pages, exp.pages) and torch.equal(got.state, exp.state)
+        counters = dict(sender.transport.counters)  # type: ignore[attr-defined]
+        agent = sender.transport._agent  # type: ignore[attr-defined]
+        assert list(agent._remotes.values()) == [names[1]] and agent.num_remote_agents == 1
+    finally:
+        sender.close()
+    assert names[0] != names[1] and counters["metadata_loads"] == 2 and counters["arena_writes"] == 2
+
+
+@needs_nixl
+async def test_engine_export_gathers_into_the_nixl_arena(tiny_model_dir: Callable[[str], Path]) -> None:
+    """The engine's export with the sender's allocator (as the prefill role passes it) lands in the
+    registered arena and goes from its registration, bit for bit what a plain export holds."""
+    from engine.request import SamplingParams
+    from tests.engine_utils import small_engine
+
+    assert ARENA is not None
+    eng = small_engine(tiny_model_dir("qwen3_hybrid"), hicache_gb=0)
+    eng.add_request("r", list(range(3, 44)), SamplingParams(max_tokens=4, ignore_eos=True), use_prefix_cache=False)
+    seq = eng.scheduler.find("r")
+    assert seq is not None
+    while not seq.output_token_ids:
+        eng.step()
+    layout = eng.handoff_layout
+    plain = eng.export_sequence("r", device=None)
+    sender = KVSender(TOKEN, layout, config=ARENA)
+    sink = LandingSink("r")
+    try:
+        ex = eng.export_sequence("r", device=None, alloc=sender.export_allocator)
+        arena = sender.transport.arena(EXPORT)  # type: ignore[attr-defined]
+        assert arena is not None and arena.holds(payload_segments(ex, layout))
+        async with landing_receiver(sink, ARENA, layout=layout) as r:
+            await sender.send(r.address, ex)
+            assert _nixl_of(r).counters["arena_receives"] == 1
+        del ex
+        assert arena.num_used_bytes == 0
+        assert sender.transport.counters["arena_writes"] == 1  # type: ignore[attr-defined]
+    finally:
+        sender.close()
+    got = sink.delivered["r"]
+    assert got.state is not None and plain.state is not None
+    # page slots past the last token hold whatever the pool had there: bits, not values
+    assert torch.equal(got.pages.view(torch.uint8), plain.pages.view(torch.uint8))
+    assert torch.equal(got.state.view(torch.uint8), plain.state.view(torch.uint8))
