@@ -110,10 +110,9 @@ except OSError as e:
     print("  health: no answer:", e)' "$1/health"
 }
 
-# start_server NAME PIDFILE URL -- ARGS...: runs `python -m pd.server ARGS` as the leader of a new
-# process group (its engine ranks join it), logs to PIDFILE's .log, waits until URL/health/ready says it
-# serves. Exits 1 (stopping what it started) if the server dies or is not ready within START_TIMEOUT_S.
-start_server() {
+# launch_server NAME PIDFILE URL -- ARGS...: runs `python -m pd.server ARGS` as the leader of a new
+# process group (its engine ranks join it), logging to PIDFILE's .log, and returns (wait_server waits).
+launch_server() {
     local name="$1" pidfile="$2" url="$3"; shift 4
     local base="${pidfile%.pid}"
     local log="$base.log"
@@ -124,7 +123,14 @@ start_server() {
     echo "$pid" >"$pidfile"
     echo "$url" >"$base.url"
     echo "starting $name on $url, pid $pid, log $log ..."
-    local waited=0
+}
+
+# wait_server NAME PIDFILE URL: waits until URL/health/ready says the server PIDFILE names serves. Exits 1
+# (stopping it) if it dies or is not ready within START_TIMEOUT_S.
+wait_server() {
+    local name="$1" pidfile="$2" url="$3"
+    local log="${pidfile%.pid}.log" pid deadline=$((SECONDS + START_TIMEOUT_S))
+    pid="$(head -c 64 "$pidfile" 2>/dev/null || true)"
     until ready "$url"; do
         if ! alive "$pid"; then
             remove_pidfile "$pidfile"
@@ -132,14 +138,19 @@ start_server() {
             tail -n 30 "$log" >&2
             exit 1
         fi
-        if [ "$waited" -ge "$START_TIMEOUT_S" ]; then
+        if [ "$SECONDS" -ge "$deadline" ]; then
             echo "$name is not ready after ${START_TIMEOUT_S}s; stopping it (log: $log)" >&2
             stop_pidfile "$pidfile" || true
             exit 1
         fi
-        sleep 1
-        waited=$((waited + 1))
+        sleep 0.5
     done
+}
+
+# start_server NAME PIDFILE URL -- ARGS...: launch_server, then wait_server.
+start_server() {
+    launch_server "$@"
+    wait_server "$1" "$2" "$3"
 }
 
 # keep_running LABEL PORT PIDFILE URL: whether start finds LABEL running as it should. 0: it runs with

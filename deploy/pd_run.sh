@@ -7,8 +7,9 @@
 #
 # Hosts are comma-separated lists (one host each for a pair). start runs `python -m pd.server --role pe`
 # on every pe-host (POST /prefill on --pe-port, 8889) and `--role ce` on every ce-host (OpenAI API on
-# --port, 8888; KV receivers on --kv-port-base + rank, 8900+), each in its own process group, waits for
-# every /health/ready and prints the endpoints. Every CE is given every PE (--prefill-url a,b,...): it
+# --port, 8888; KV receivers on --kv-port-base + rank, 8900+), each in its own process group, all at once
+# (the CEs load while the PEs do), waits for every /health/ready and for each CE to see every PE up, and
+# prints the endpoints. Every CE is given every PE (--prefill-url a,b,...): it
 # picks a conversation's PE by rendezvous hashing, the same choice on every CE, so put any HTTP load
 # balancer in front of the CEs. start runs only what is not running as it should: after a crash, running
 # it again brings that server back and leaves the others alone; a server with a rank down for good (its
@@ -74,14 +75,54 @@ on() {
 # _start ROLE HOST PORT URL [server flags]: starts one server unless it runs as it should (keep_running);
 # waits until it is ready. HOST (the host's address) names its files: pd-ROLE-HOST-PORT.*
 internal_start() {
+    internal_launch "$@"
+    [ "$LAUNCHED" = 0 ] || internal_wait "$1" "$2" "$3" "$4"
+}
+
+# _launch ROLE HOST PORT URL [server flags]: _start without the wait (_wait waits); LAUNCHED=0 when it
+# found the server running as it should
+internal_launch() {
     local role="$1" bind="$2" port="$3" url="$4"; shift 4
     local pidfile="$RUN_DIR/pd-$role-$bind-$port.pid"
+    LAUNCHED=0
     if keep_running "$role" "$port" "$pidfile" "$url"; then
         echo "$role already running on $bind:$port (pid $PIDFILE_PID): $url"
         return 0
     fi
-    start_server "the $role on $bind" "$pidfile" "$url" -- --role "$role" --port "$port" "$@"
+    LAUNCHED=1
+    launch_server "the $role on $bind" "$pidfile" "$url" -- --role "$role" --port "$port" "$@"
+}
+
+# _wait ROLE HOST PORT URL [NUM_PES]: waits until the server is ready; a CE (NUM_PES given) also until it
+# sees that many PEs up, for up to PES_UP_TIMEOUT_S (it probes a PE that is down at most 2 s apart), so
+# that every CE ranks a conversation's PEs alike from the first request on.
+internal_wait() {
+    local role="$1" bind="$2" port="$3" url="$4" num_pes="${5:-}"
+    wait_server "the $role on $bind" "$RUN_DIR/pd-$role-$bind-$port.pid" "$url"
+    if [ -n "$num_pes" ]; then
+        local up deadline=$((SECONDS + PES_UP_TIMEOUT_S))
+        until up="$(pes_up "$url")" && [ "$up" -ge "$num_pes" ]; do
+            if [ "$SECONDS" -ge "$deadline" ]; then
+                echo "$role on $bind sees ${up:-no} PE(s) up of $num_pes after ${PES_UP_TIMEOUT_S}s;" \
+                    "it serves with those (deploy/pd_run.sh status shows which)"
+                break
+            fi
+            sleep 0.25
+        done
+    fi
     echo "$role ready: $url"
+}
+
+PES_UP_TIMEOUT_S=30
+
+pes_up() {  # pes_up URL: prints how many of the CE's PEs its /health says are up
+    "$PY" -c 'import json, sys, urllib.error, urllib.request
+try:
+    body = urllib.request.urlopen(sys.argv[1] + "/health", timeout=3).read()
+except urllib.error.HTTPError as e:
+    body = e.read()
+pes = json.loads(body).get("prefill_engines") or []
+print(sum(p.get("state") == "up" for p in pes))' "$1" 2>/dev/null
 }
 
 pidfiles() {  # pidfiles ROLE [BIND [PORT]]: one a line (RUN_DIR may hold spaces: read them with mapfile)
@@ -235,23 +276,25 @@ start_pe() {  # start_pe HOST
         ${TOKEN_ARGS[@]+"${TOKEN_ARGS[@]}"} ${ARGS[@]+"${ARGS[@]}"}
 }
 
-start_ce() {  # start_ce HOST
-    local bind="$CE_HOST_BIND" kv_bind show
-    kv_bind="$(bind_of "$1")"
-    if is_local "$1" && [ -z "$CE_HOST_SET" ]; then bind="$kv_bind"; fi
-    show="$bind"
+ce_binds() {  # ce_binds HOST: sets CE_BIND (its OpenAI API's address), CE_KV_BIND and CE_URL (as printed)
+    CE_BIND="$CE_HOST_BIND"
+    CE_KV_BIND="$(bind_of "$1")"
+    if is_local "$1" && [ -z "$CE_HOST_SET" ]; then CE_BIND="$CE_KV_BIND"; fi
+    local show="$CE_BIND"
     [ "$show" = "0.0.0.0" ] && show="$1"
     [ "$show" = "localhost" ] && show=127.0.0.1
-    on "$1" _start ce "$kv_bind" "$CE_PORT" "http://$show:$CE_PORT" --host "$bind" --prefill-url "$PE_URLS" \
-        --kv-host "$kv_bind" --kv-port-base "$KV_BASE" ${TOKEN_ARGS[@]+"${TOKEN_ARGS[@]}"} ${ARGS[@]+"${ARGS[@]}"}
+    CE_URL="http://$show:$CE_PORT"
 }
 
-ce_endpoint() {  # ce_endpoint HOST: the CE's OpenAI endpoint as start printed it
-    local bind="$CE_HOST_BIND"
-    if is_local "$1" && [ -z "$CE_HOST_SET" ]; then bind="$(bind_of "$1")"; fi
-    [ "$bind" = "0.0.0.0" ] && bind="$1"
-    [ "$bind" = "localhost" ] && bind=127.0.0.1
-    echo "http://$bind:$CE_PORT/v1"
+launch_ce() {  # launch_ce HOST
+    ce_binds "$1"
+    on "$1" _launch ce "$CE_KV_BIND" "$CE_PORT" "$CE_URL" --host "$CE_BIND" --prefill-url "$PE_URLS" \
+        --kv-host "$CE_KV_BIND" --kv-port-base "$KV_BASE" ${TOKEN_ARGS[@]+"${TOKEN_ARGS[@]}"} ${ARGS[@]+"${ARGS[@]}"}
+}
+
+wait_ce() {  # wait_ce HOST
+    ce_binds "$1"
+    on "$1" _wait ce "$CE_KV_BIND" "$CE_PORT" "$CE_URL" "$NUM_PES"
 }
 
 cmd_start() {
@@ -287,12 +330,18 @@ cmd_start() {
     fi
     PE_URLS=""
     for h in "${pe_hosts[@]}"; do PE_URLS+="${PE_URLS:+,}http://$(bind_of "$h"):$PE_PORT"; done
-    local -a HOSTS=("${pe_hosts[@]}")
-    parallel start_pe || die "a PE did not start (see above); the servers that did are left running"
+    NUM_PES="${#pe_hosts[@]}"
+    # NOTE: the CEs load while the PEs do: a CE is ready once it sees a PE up (it probes each PE, and one
+    # that is not up yet again within 2 s), so it is waited for only after every PE is ready.
+    local -a HOSTS=("${ce_hosts[@]}")
+    parallel launch_ce || die "a CE did not start (see above); the servers that did are left running"
+    HOSTS=("${pe_hosts[@]}")
+    parallel start_pe || die "a PE did not start (see above); the servers that did, CEs included, are left" \
+        "running: start again starts only what is missing, stop ends them all"
     HOSTS=("${ce_hosts[@]}")
-    parallel start_ce || die "a CE did not start (see above); the servers that did are left running"
+    parallel wait_ce || die "a CE did not start (see above); the servers that did are left running"
     local eps=""
-    for h in "${ce_hosts[@]}"; do eps+="${eps:+ }$(ce_endpoint "$h")"; done
+    for h in "${ce_hosts[@]}"; do ce_binds "$h"; eps+="${eps:+ }$CE_URL/v1"; done
     if [ "${#pe_hosts[@]}" -eq 1 ] && [ "${#ce_hosts[@]}" -eq 1 ]; then
         echo "P/D pair ready: $eps (prefill on ${pe_hosts[0]}:$PE_PORT, decode on ${ce_hosts[0]})"
     else
@@ -358,6 +407,8 @@ case "${1:-}" in
     stop) shift; cmd_stop "$@" ;;
     status) shift; cmd_status "$@" ;;
     _start) shift; internal_start "$@" ;;
+    _launch) shift; internal_launch "$@" ;;
+    _wait) shift; internal_wait "$@" ;;
     _stop) shift; internal_stop "$@" ;;
     _status) shift; internal_status "$@" ;;
     _token) shift; internal_token "$@" ;;

@@ -147,12 +147,13 @@ def test_pair_on_a_remote_host_through_ssh(
         prefix = f"PDSERVE_RUN_DIR={shlex.quote(str(run_dir))} {SCRIPT} "
         assert all(shlex.split(c)[:2] == shlex.split(prefix) for _, c in calls), calls
         verbs = [shlex.split(c)[2:4] for _, c in calls]
-        assert verbs == [["_token", "--from-stdin"]] * 2 + [["_start", "pe"], ["_start", "ce"]], calls
+        # the CE is launched first, loads while the PE starts, and is waited for once the PE is ready
+        assert verbs == [["_token", "--from-stdin"]] * 2 + [["_launch", "ce"], ["_start", "pe"], ["_wait", "ce"]], calls
         # the token went over stdin (once per remote host named) and is the one the remote RUN_DIR holds
         token = run_dir / "cluster.token"
         assert token.stat().st_mode & 0o077 == 0 and len(token.read_text().strip()) >= 16
         assert (tmp_path / "ssh-stdin").read_text() == token.read_text() * 2
-        assert "--cluster-token-file" in shlex.split(calls[2][1])
+        assert all("--cluster-token-file" in shlex.split(calls[i][1]) for i in (2, 3))
 
         m = re.search(r"P/D pair ready: (\S+)/v1 ", r.stdout)
         assert m, r.stdout
@@ -179,7 +180,7 @@ def test_pair_on_a_remote_host_through_ssh(
         st = pd_run("status", ip, ip, *ports, env=env)
         rows = [line.split() for line in st.stdout.splitlines()[1:]]
         assert st.returncode == 0 and [r[:3] for r in rows] == [[ip, "pe", str(pe)], [ip, "ce", str(ce)]]
-        assert [shlex.split(c)[2:6] for _, c in ssh_calls(log)[4:]] == [
+        assert [shlex.split(c)[2:6] for _, c in ssh_calls(log)[5:]] == [
             ["_status", "pe", ip, str(pe)],
             ["_status", "ce", ip, str(ce)],
         ]
