@@ -40,8 +40,11 @@ LOWEST_VENV ?= .venv-lowest
 # requires-python's floor; pyenv's build where there is one (uv does not look inside pyenv)
 LOWEST_PYTHON ?= $(or $(shell pyenv prefix 3.10 2>/dev/null),3.10)
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
-# Its own models, converted by these versions (a newer transformers' conversion may not load in an older one).
-LOWEST_RUN := PDSERVE_HOME=$(abspath $(LOWEST_VENV))/pdserve $(LOWEST_VENV)/bin/python
+# Its own models, converted by these versions (a newer transformers' conversion may not load in an older one),
+# kept outside the venv so that rebuilding it reuses them: LOWEST_HOME/versions.txt says which versions (and
+# which engine/models code) converted them, and a rebuild that installs anything else converts them anew.
+LOWEST_HOME ?= $(or $(PDSERVE_HOME),$(HOME)/.cache/pdserve)/lowest
+LOWEST_RUN := PDSERVE_HOME=$(LOWEST_HOME) $(LOWEST_VENV)/bin/python
 
 # Every direct dependency (the test extra's too) at its lower bound, what they pull in at its newest.
 # torch comes from PyPI, its CUDA build (it runs on the CPU): CPU builds are only on download.pytorch.org,
@@ -51,7 +54,11 @@ $(LOWEST_STAMP): pyproject.toml $(STAMP)
 	rm -rf $(LOWEST_VENV)
 	$(BIN)/uv venv -q --seed --python $(LOWEST_PYTHON) $(LOWEST_VENV)
 	$(BIN)/uv pip install -q --python $(LOWEST_VENV)/bin/python --resolution lowest-direct -e '.[test]'
+	{ $(BIN)/uv pip freeze --python $(LOWEST_VENV)/bin/python | grep -v '^-e '; \
+	  cat engine/models/*.py | sha256sum; } >$(LOWEST_VENV)/versions.txt
+	cmp -s $(LOWEST_VENV)/versions.txt $(LOWEST_HOME)/versions.txt || rm -rf $(LOWEST_HOME)/models
 	$(LOWEST_RUN) -m engine.models fetch smollm2-135m-instruct
+	cp $(LOWEST_VENV)/versions.txt $(LOWEST_HOME)/versions.txt
 	touch $(LOWEST_STAMP)
 
 test-lowest: $(LOWEST_STAMP)
