@@ -1,9 +1,10 @@
 """TTFT of one long prompt: a P/D pair over tcp, with and without a streamed handoff (--kv-stream),
 against a colocated single engine on the same machine (the ceiling: no handoff at all).
 
-Servers are started here, one configuration at a time (so they do not share the CPU): the single engine,
-then a pair for each --modes entry. Every server prefills in chunks of --chunk tokens (the single engine
-and the PE alike) and has no host prefix cache (--hicache-gb 0); each request is a prompt of --tokens
+Servers are started here, all at once: the single engine and a pair for each --pairs entry
+(TRANSPORT:KV_STREAM); the timed requests go one at a time, the configurations in turn, so a drifting
+host load weighs on each alike (idle servers wait passively: OMP_WAIT_POLICY=PASSIVE unless set).
+Every server prefills in chunks of --chunk tokens (the single engine and the PE alike) and has no host prefix cache (--hicache-gb 0); each request is a prompt of --tokens
 token ids of its own (a distinct first token: no cache hits anywhere), sent to /v1/completions with
 max_tokens 2 (1 would end on the PE: no handoff), ignore_eos and stream on; TTFT is the time to the
 first streamed token. After one warm-up request of WARMUP_TOKENS tokens, --runs requests are timed per
@@ -17,6 +18,7 @@ its transfer after prefill at most 15% of the whole handoff.
 
     python bench/micro/stream_ttft.py                                  # 8000 tokens, SmolLM2-135M, CPU
     python bench/micro/stream_ttft.py --tokens 2000 --chunk 512 --runs 2 --json out.json
+    python bench/micro/stream_ttft.py --pairs tcp:on,nixl:on,nixl:off          # nixl: the extra
 """
 
 from __future__ import annotations
@@ -87,26 +89,16 @@ def warm_up(url: str, model: str, tokens: int, label: str) -> None:
     print(f"  {label}: warm-up ({n} tokens) TTFT {t:.3f} s", flush=True)
 
 
-def measure(url: str, model: str, runs: int, start: int, tokens: int, label: str) -> list[float]:
-    """TTFTs of `runs` prompts of `tokens` (prompts()[start:start + runs])."""
-    out = []
-    for i, p in enumerate(prompts(start + runs, tokens)[start:]):
-        load = os.getloadavg()[0]
-        out.append(ttft_s(url, model, p))
-        print(
-            f"  {label}: run {i + 1} TTFT {out[-1]:.3f} s (host load average {load:.1f} -> {os.getloadavg()[0]:.1f})",
-            flush=True,
-        )
-    return out
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--tokens", type=int, default=8000, help="prompt tokens")
     p.add_argument("--chunk", type=int, default=2048, help="--max-num-batched-tokens of every server")
     p.add_argument("--runs", type=int, default=3, help="timed requests per configuration (after a warm-up)")
-    p.add_argument("--modes", default="on,off", help="the pair's --kv-stream values to run, in order")
+    p.add_argument(
+        "--pairs", default="tcp:on,tcp:off",
+        help="the pairs to run beside the single engine, TRANSPORT:KV_STREAM each (nixl: the extra)",
+    )  # fmt: skip
     p.add_argument("--kv-cache-gb", default="1.5")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
@@ -114,55 +106,74 @@ def main() -> int:
         "--model", args.model, "--max-model-len", str(args.tokens + 64), "--max-num-batched-tokens", str(args.chunk),
         "--kv-cache-gb", args.kv_cache_gb, "--hicache-gb", "0", "--max-num-seqs", "4",
     )  # fmt: skip
+    pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the servers idle beside the one that works
     logs = Path(tempfile.mkdtemp(prefix="stream_ttft_"))
     results: dict[str, Any] = {"tokens": args.tokens, "chunk": args.chunk, "runs": args.runs, "logs": str(logs)}
-    print(f"prompt {args.tokens} tokens, chunks of {args.chunk}, {args.runs} timed runs each (logs: {logs})")
-    with ServerProcess(*common, log_path=logs / "single.log", ready_timeout_s=900) as single:
-        warm_up(single.url, args.model, args.tokens, "single")
-        results["single"] = {"ttft_s": measure(single.url, args.model, args.runs, 0, args.tokens, "single")}
-    for i, mode in enumerate(args.modes.split(",")):
-        (logs / f"pair_{mode}").mkdir()
-        with PDPair(*common, log_dir=logs / f"pair_{mode}", pe_args=("--kv-stream", mode), ready_timeout_s=900) as pair:
-            warm_up(pair.url, args.model, args.tokens, f"pair {mode}")
-            before = phase_sums(pair.url)
-            start = (i + 1) * args.runs
-            ttfts = measure(pair.url, args.model, args.runs, start, args.tokens, f"pair {mode}")
-            after = phase_sums(pair.url)
-        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        n = d.get("transfer_count", 0.0)
-        # NOTE: the warm-up's handoff is counted before `before`: n is runs
-        transfer = d.get("transfer_sum", 0.0) / n if n else float("nan")
-        after_prefill = d.get("transfer_after_prefill_sum", 0.0) / n if n else float("nan")
-        prefill = d.get("prefill_sum", 0.0) / n if n else float("nan")
-        results[f"pair_{mode}"] = {
-            "ttft_s": ttfts,
-            "mean_prefill_s": prefill,
-            "mean_transfer_s": transfer,
-            "mean_transfer_after_prefill_s": after_prefill,
-            "handoffs": n,
-        }
-    base = statistics.median(results["single"]["ttft_s"])
-    print(f"{'configuration':<22}{'TTFT median s':>14}{'x single':>10}{'prefill s':>11}{'handoff s':>11}"
+    print(f"prompt {args.tokens} tokens, chunks of {args.chunk}, {args.runs} timed runs each, interleaved (logs: {logs})")
+    servers: dict[str, ServerProcess | PDPair] = {
+        "single": ServerProcess(*common, log_path=logs / "single.log", ready_timeout_s=900)
+    }
+    for transport, mode in pairs:
+        name = f"pair {transport} --kv-stream {mode}"
+        (logs / f"{transport}_{mode}").mkdir()
+        pe_args = ("--transport", transport, "--kv-stream", mode)
+        servers[name] = PDPair(*common, log_dir=logs / f"{transport}_{mode}", pe_args=pe_args, ready_timeout_s=900)
+    ttfts: dict[str, list[float]] = {name: [] for name in servers}
+    phases: dict[str, dict[str, float]] = {name: {} for name in servers if name != "single"}
+    try:
+        for s in servers.values():
+            s.start()
+        for name, s in servers.items():
+            s.wait_ready()
+            warm_up(s.url, args.model, args.tokens, name)
+        # one request at a time, the configurations in turn (the order rotated every run): the host's
+        # load, which drifts over minutes on a shared machine, weighs on each alike
+        names, k = list(servers), 0
+        for r in range(args.runs):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                url = servers[name].url
+                before = phase_sums(url) if name in phases else {}
+                load = os.getloadavg()[0]
+                t = ttft_s(url, args.model, prompts(k + 1, args.tokens)[k])
+                k += 1
+                ttfts[name].append(t)
+                if name in phases:
+                    after = phase_sums(url)
+                    for key, v in after.items():
+                        phases[name][key] = phases[name].get(key, 0.0) + v - before.get(key, 0.0)
+                print(f"  run {r + 1} {name}: TTFT {t:.3f} s (host load {load:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    results["single"] = {"ttft_s": ttfts["single"]}
+    base = statistics.median(ttfts["single"])
+    print(f"{'configuration':<30}{'TTFT median s':>14}{'x single':>10}{'prefill s':>11}{'handoff s':>11}"
           f"{'after prefill s':>17}{'after / handoff':>17}")  # fmt: skip
-    print(f"{'single engine':<22}{base:>14.3f}{1.0:>10.3f}")
+    print(f"{'single engine':<30}{base:>14.3f}{1.0:>10.3f}")
     verdicts = []
-    for mode in args.modes.split(","):
-        r = results[f"pair_{mode}"]
-        med = statistics.median(r["ttft_s"])
-        frac = r["mean_transfer_after_prefill_s"] / r["mean_transfer_s"] if r["mean_transfer_s"] else float("nan")
-        r["ttft_ratio"], r["after_fraction"] = med / base, frac
+    for name, d in phases.items():
+        # NOTE: a pair's handoffs counted here are its timed requests' (the warm-up's came before)
+        n = d.get("transfer_count", 0.0)
+        mean = {key: d.get(f"{key}_sum", 0.0) / n if n else float("nan") for key in ("transfer", "transfer_after_prefill", "prefill")}
+        med = statistics.median(ttfts[name])
+        frac = mean["transfer_after_prefill"] / mean["transfer"] if mean["transfer"] else float("nan")
+        results[name] = {
+            "ttft_s": ttfts[name], "mean_prefill_s": mean["prefill"], "mean_transfer_s": mean["transfer"],
+            "mean_transfer_after_prefill_s": mean["transfer_after_prefill"], "handoffs": n,
+            "ttft_ratio": med / base, "after_fraction": frac,
+        }  # fmt: skip
         print(
-            f"{'pair --kv-stream ' + mode:<22}{med:>14.3f}{med / base:>10.3f}{r['mean_prefill_s']:>11.3f}"
-            f"{r['mean_transfer_s']:>11.3f}{r['mean_transfer_after_prefill_s']:>17.3f}{frac:>17.3f}"
+            f"{name:<30}{med:>14.3f}{med / base:>10.3f}{mean['prefill']:>11.3f}"
+            f"{mean['transfer']:>11.3f}{mean['transfer_after_prefill']:>17.3f}{frac:>17.3f}"
         )
-        if mode == "on":
-            verdicts.append(f"TTFT {med / base:.3f}x single (bar {TTFT_BAR}): {'ok' if med / base <= TTFT_BAR else 'MISSED'}")
-            verdicts.append(f"after prefill {frac:.1%} of the handoff (bar {AFTER_BAR:.0%}): {'ok' if frac <= AFTER_BAR else 'MISSED'}")
+        if name.endswith(" on"):
+            verdicts.append(f"{name}: TTFT {med / base:.3f}x single (bar {TTFT_BAR}): {'ok' if med / base <= TTFT_BAR else 'MISSED'}")
+            verdicts.append(f"{name}: after prefill {frac:.1%} of the handoff (bar {AFTER_BAR:.0%}): {'ok' if frac <= AFTER_BAR else 'MISSED'}")
     for v in verdicts:
         print(v)
-    print("single engine TTFTs s: " + ", ".join(f"{t:.3f}" for t in results["single"]["ttft_s"]))
-    for mode in args.modes.split(","):
-        print(f"pair {mode} TTFTs s: " + ", ".join(f"{t:.3f}" for t in results[f"pair_{mode}"]["ttft_s"]))
+    for name, ts in ttfts.items():
+        print(f"{name} TTFTs s: " + ", ".join(f"{t:.3f}" for t in ts))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
