@@ -77,7 +77,13 @@ from transfer.transport import Transport
 from transfer.wire import Channel
 
 log = logging.getLogger(__name__)
-POLL_S = 100e-6  # how often a worker thread asks whether the write is done
+# A sender's worker asks whether its write is done after POLL_S, then twice as long each time up to
+# POLL_MAX_S; a receiver's progress thread drives its worker every PROGRESS_S. Each ask takes the GIL
+# from the engine thread of the same process (a PE prefilling the next chunk while a part goes, a CE
+# decoding while a handoff lands): at a fixed 100 us a streamed 8k-token prompt prefilled 17% slower.
+POLL_S = 50e-6
+POLL_MAX_S = 1e-3
+PROGRESS_S = 1e-3
 READY_FIELDS = {"agent", "mem", "descs", "kept"}
 MAX_REMOTE_AGENTS = 32  # sender: receivers' kept metadata loaded (the least recently used idle agent dropped)
 
@@ -239,7 +245,7 @@ class _Agent:
         stop = threading.Event()
 
         def run() -> None:
-            while not stop.wait(POLL_S):
+            while not stop.wait(PROGRESS_S):
                 try:
                     self.agent.get_new_notifs()  # progresses the backend's worker (thread-safe: STRICT)
                 except Exception as e:  # the write's own wait reports what went wrong
@@ -460,13 +466,15 @@ class NixlTransport(Transport):
         """Posts the write and polls it to its end; raises HandoffError(TRANSPORT | TIMEOUT)."""
         a = agent.agent
         state = _nixl_call(peer, a.transfer, handle)
+        delay = POLL_S
         while state == "PROC":
             if time.monotonic() > deadline:
                 raise HandoffError(
                     TIMEOUT,
                     f"nixl: the write to {peer} did not complete within {self.config.idle_timeout_s:g} s",
                 )
-            time.sleep(POLL_S)
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_MAX_S)
             state = _nixl_call(peer, a.check_xfer_state, handle)
         if state != "DONE":
             raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed ({state})")
