@@ -71,7 +71,8 @@ def test_gemm_rows_differ_by_the_activation_rounding_only(fp8_model, family: str
     e4m3 per group of 128 (relative rounding up to 2^-4 per element, about 2^-6 on average), through 4 to
     6 layers. The last logits then differ from the dequantizing path's, which shows the quantized product
     ran, and by about that rounding: relative L2 error under 0.5 (measured 0.12 to 0.40 on the llama and
-    qwen3_moe models' random weights, H100; a wrong scale or block costs more than the whole logit), the top token the same where it leads by a clear margin. A
+    qwen3_moe models' random weights, H100; a wrong scale or block costs more than the whole logit), the top
+    token the same where it leads by more than that error can move it. A
     batch of 3 decode rows (over gemv_rows) takes the GEMM too: its logits likewise. auto takes cuBLAS's
     block-scaled GEMM where the device has it and the shapes are whole blocks (not gemma3's 64-wide
     hidden size)."""
@@ -81,9 +82,13 @@ def test_gemm_rows_differ_by_the_activation_rounding_only(fp8_model, family: str
     for a, b in zip(ours, ref):
         err = float((a - b).norm() / b.norm())
         assert 1e-6 < err < 0.5, err
+        # the top token the same where it leads by a margin the rounding cannot close: the difference of
+        # two logits moves by about sqrt(2) x err x their rms; 4 of that (measured on H100: a lead of
+        # 0.28 std flipped at err 0.15, qwen3_moe through the Triton GEMM)
         top2 = torch.topk(b, 2).values
-        if float(top2[0] - top2[1]) > 0.2 * float(b.std()):
-            assert int(a.argmax()) == int(b.argmax())
+        rms = float(b.norm()) / b.numel() ** 0.5
+        if float(top2[0] - top2[1]) > 4 * 2**0.5 * err * rms:
+            assert int(a.argmax()) == int(b.argmax()), (err, float(top2[0] - top2[1]) / rms)
     ours_rows, ref_rows = (decode_logits(e, prompts, 4) for e in (fp8_path, dequantized))
     for rid in ref_rows:
         for a, b in zip(ours_rows[rid], ref_rows[rid]):  # while both fed the same tokens

@@ -40,6 +40,8 @@ def servers(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     logs = tmp_path_factory.mktemp("deepseek-gpu")
     args = ("--model", model, *SMALL_DETERMINISTIC, "--hicache-gb", "0", "--dtype", "bfloat16")
     ref = ServerProcess(*args, log_path=logs / "ref.log")
+    for t in TRANSPORTS:
+        (logs / t).mkdir()
     pairs = {t: PDPair(*args, log_dir=logs / t, pe_args=("--transport", t)) for t in TRANSPORTS}
     with serving(ref, *pairs.values()):
         yield ref, pairs
