@@ -55,8 +55,9 @@ def _run(code: str, *args: str) -> subprocess.Popen[bytes]:
 
 def _hide_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
     """As if no NIXL wheel were installed: a None entry in sys.modules is Python's own "not importable"."""
-    for m in NIXL_MODULES:
-        monkeypatch.setitem(sys.modules, m, None)
+    for m in NIXL_MODULES:  # and what an earlier test imported of it (nixl_cu12._api, ...)
+        for name in [m, *(k for k in sys.modules if k.startswith(m + "."))]:
+            monkeypatch.setitem(sys.modules, name, None)
 
 
 def test_transport_nixl_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
