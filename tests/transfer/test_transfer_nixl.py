@@ -211,6 +211,17 @@ asyncio.run(main(int(sys.argv[1])))
 """
 
 
+async def _sender_killed_mid_payload(r: KVReceiver, sink: Sink) -> None:
+    """KILLED_SENDER against r, killed once it has started its write; returns when sink saw the failure."""
+    proc = _run(KILLED_SENDER, str(r.port))
+    assert proc.stdout is not None
+    line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
+    assert line.strip() == b"sent"
+    proc.kill()
+    proc.wait()
+    await asyncio.wait_for(sink.failed.wait(), 10)
+
+
 @needs_nixl
 async def test_sender_process_killed_mid_payload() -> None:
     """The receiver fails the handoff (nothing delivered, on_error told) and holds its registered buffers
@@ -221,13 +232,7 @@ async def test_sender_process_killed_mid_payload() -> None:
     async with KVReceiver(
         TOKEN, LAYOUT_SWA, sink.on_handoff, sink.on_complete, on_error=sink.on_error, config=config
     ) as r:
-        proc = _run(KILLED_SENDER, str(r.port))
-        assert proc.stdout is not None
-        line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
-        assert line.strip() == b"sent"
-        proc.kill()
-        proc.wait()
-        await asyncio.wait_for(sink.failed.wait(), 10)
+        await _sender_killed_mid_payload(r, sink)
         agent = r._transports["nixl"]._agent  # type: ignore[attr-defined]
         assert len(agent._held) == 1
         t0 = time.monotonic()
@@ -477,13 +482,7 @@ async def test_a_failed_write_keeps_the_landing_slices_until_the_hold_expires() 
     config = dataclasses.replace(ARENA, idle_timeout_s=3.0)
     sink = LandingSink("req-1")
     async with landing_receiver(sink, config) as r:
-        proc = _run(KILLED_SENDER, str(r.port))
-        assert proc.stdout is not None
-        line = await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)
-        assert line.strip() == b"sent"
-        proc.kill()
-        proc.wait()
-        await asyncio.wait_for(sink.failed.wait(), 10)
+        await _sender_killed_mid_payload(r, sink)
         t_failed = time.monotonic()  # the hold began just before
         tr = _nixl_of(r)
         landing = tr.arena(LANDING)
