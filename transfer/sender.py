@@ -121,6 +121,14 @@ def part_checksum(part: PagesPart) -> int:
     return payload_checksum([part.pages])
 
 
+async def _ack_within(inner: asyncio.Future[Ack], timeout: float, late: str) -> Ack:
+    """inner's ack, or HandoffError(TIMEOUT, late) once timeout seconds pass (inner is cancelled)."""
+    try:
+        return await asyncio.wait_for(inner, timeout)
+    except asyncio.TimeoutError:
+        raise HandoffError(TIMEOUT, late) from None
+
+
 def _retrieved(fut: asyncio.Future[Any]) -> None:
     """Reads a finished future's exception, so that one nobody awaited (a checksum whose send failed
     first, a send's inner task whose caller was cancelled) is not reported as never retrieved."""
@@ -194,12 +202,7 @@ class KVSender:
         # that request) can leave the task's error unread: wait_for (Python < 3.12) may lose the
         # cancellation, the task then ends with the error, and nobody awaits it any more
         inner.add_done_callback(_retrieved)
-        try:
-            return await asyncio.wait_for(inner, timeout)
-        except asyncio.TimeoutError:
-            raise HandoffError(
-                TIMEOUT, f"no ack from {addr} for {export.request_id!r} within {timeout:.1f} s"
-            ) from None
+        return await _ack_within(inner, timeout, f"no ack from {addr} for {export.request_id!r} within {timeout:.1f} s")
 
     async def _send(
         self, addr: str, export: SequenceExport, logprobs: tuple[TokenLogprob, ...], t0: float
@@ -321,14 +324,8 @@ class KVSender:
         ended = asyncio.ensure_future(parts.ended.wait())
         try:
             await asyncio.wait({inner, ended}, return_when=asyncio.FIRST_COMPLETED)
-            if not inner.done():
-                try:
-                    return await asyncio.wait_for(inner, timeout)
-                except asyncio.TimeoutError:
-                    raise HandoffError(
-                        TIMEOUT, f"no ack from {addr} for {plan.request_id!r} within {timeout:.1f} s of the prefill's end"
-                    ) from None
-            return inner.result()
+            late = f"no ack from {addr} for {plan.request_id!r} within {timeout:.1f} s of the prefill's end"
+            return await _ack_within(inner, timeout, late)
         finally:
             ended.cancel()
             if not inner.done():
