@@ -35,13 +35,13 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from engine.handoff import DTYPES, dtype_name
+from engine.handoff_io import Alloc
 from pdkernels.checksum import fold
 from transfer.arena import Arena
 from transfer.config import TransferConfig
@@ -308,7 +308,7 @@ class IpcTransport(Transport):
     def arena(self) -> ExportArena | None:
         return self._arena
 
-    def export_allocator(self) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+    def export_allocator(self) -> Alloc | None:
         return self.allocate if self.config.ipc_arena_bytes > 0 else None
 
     def allocate(

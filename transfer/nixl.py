@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+from engine.handoff_io import Alloc
 from transfer.arena import Arena
 from transfer.config import NIXL_MISSING, NIXL_MODULES, TransferConfig
 from transfer.errors import PROTOCOL, TIMEOUT, TRANSPORT, HandoffError
@@ -360,7 +361,7 @@ class NixlTransport(Transport):
 
     # ---- sender --------------------------------------------------------------------------------
 
-    def export_allocator(self) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+    def export_allocator(self) -> Alloc | None:
         return self.allocate if self.config.nixl_arena_mb != 0 else None
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from engine.handoff import KVLayout, SequenceExport, TokenLogprob
+from engine.handoff_io import Alloc
 from pdkernels.checksum import MASK64, fold
 from transfer.auth import client_handshake
 from transfer.checksum import payload_checksum
@@ -530,7 +531,7 @@ class KVSender:
     @property
     def export_allocator(
         self,
-    ) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+    ) -> Alloc | None:
         """Where exports for this sender's transport should be gathered (engine.export_sequence's
         alloc): the ipc transport's exported arena, nixl's registered one; None for the others (new
         memory)."""

@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 import torch
 
+from engine.handoff_io import Alloc
 from transfer.config import TransferConfig
 from transfer.handoff import HandoffHeader
 from transfer.wire import Channel, io_executor
@@ -63,7 +64,7 @@ class Transport(ABC):
 
     # ---- sender side ---------------------------------------------------------------------------
 
-    def export_allocator(self) -> Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None] | None:
+    def export_allocator(self) -> Alloc | None:
         """Where exports for this transport should be gathered (engine.export_sequence's alloc: a tensor,
         or None for new memory), or None if it has no memory of its own for them."""
         return None
