@@ -45,8 +45,8 @@ from engine.errors import InvalidRequestError
 from engine.faults import raise_if_fatal
 from engine.fp8 import fp8_format
 from engine.grammar import GrammarCompiler, mask_logits
-from engine.handoff import SequenceExport
-from engine.handoff_io import Alloc, HandoffIO
+from engine.handoff import Alloc, SequenceExport
+from engine.handoff_io import HandoffIO
 from engine.handoff_ledger import HandoffLedger, Phase
 from engine.host_prefix_cache import HostPrefixCache
 from engine.kv_cache import KVCache, layout_of

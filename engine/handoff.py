@@ -21,6 +21,7 @@ A page kind says what a token keeps per layer (KVLayout.page_kind):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,11 @@ _ELEM_BYTES = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPES.val
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# alloc(shape, dtype, device): the memory an export's tensors are gathered into, or None for new memory
+# (the engine gathers an export into it; a transport hands one out for its registered memory)
+Alloc = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None]
 
 
 @dataclass(frozen=True)

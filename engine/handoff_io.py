@@ -15,22 +15,18 @@ an export carries, and an import expects, every KV head of the model (`layout`),
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
-from engine.handoff import SequenceExport
+from engine.handoff import Alloc, SequenceExport
 from engine.handoff_ledger import HandoffLedger
 from engine.kv_cache import KVCache
 from engine.kv_shards import KVShards
 from engine.prompt_logprobs import PromptLogprobsCollector
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
-
-# alloc(shape, dtype, device): the memory an export's tensors are gathered into, or None for new memory
-Alloc = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None]
 
 
 class HandoffIO:

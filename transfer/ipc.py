@@ -40,8 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.handoff import DTYPES, dtype_name
-from engine.handoff_io import Alloc
+from engine.handoff import DTYPES, Alloc, dtype_name
 from pdkernels.checksum import fold
 from transfer.arena import Arena
 from transfer.config import TransferConfig

@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from engine.handoff_io import Alloc
+from engine.handoff import Alloc
 from transfer.arena import Arena
 from transfer.config import NIXL_MISSING, NIXL_MODULES, TransferConfig
 from transfer.errors import PROTOCOL, TIMEOUT, TRANSPORT, HandoffError

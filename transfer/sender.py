@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from engine.handoff import KVLayout, SequenceExport, TokenLogprob
-from engine.handoff_io import Alloc
+from engine.handoff import Alloc, KVLayout, SequenceExport, TokenLogprob
 from pdkernels.checksum import MASK64, fold
 from transfer.auth import client_handshake
 from transfer.checksum import payload_checksum

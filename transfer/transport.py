@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.handoff_io import Alloc
+from engine.handoff import Alloc
 from transfer.config import TransferConfig
 from transfer.handoff import HandoffHeader
 from transfer.wire import Channel, io_executor
