@@ -45,7 +45,7 @@ from engine.errors import InvalidRequestError
 from engine.faults import raise_if_fatal
 from engine.fp8 import fp8_format
 from engine.grammar import GrammarCompiler, mask_logits
-from engine.handoff import Alloc, SequenceExport
+from engine.handoff import Alloc, PoolPages, SequenceExport
 from engine.handoff_io import HandoffIO
 from engine.handoff_ledger import HandoffLedger, Phase
 from engine.host_prefix_cache import HostPrefixCache
@@ -623,6 +623,13 @@ class LLMEngine:
         skip_pages: pages the receiver holds already (its reservation's held tokens / block_size):
         only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page)."""
         return self.handoff_io.export(request_id, device, alloc, skip_pages)
+
+    def in_place_target(
+        self, request_id: str, first_page: int, num_pages: int, hold_s: float
+    ) -> tuple[PoolPages, torch.Tensor | None] | None:
+        """Any thread: where a receiving handoff may land in place, the reservation's own pages and SWA
+        slot, or None (engine/handoff_io.py's in_place_target)."""
+        return self.handoff_io.in_place_target(request_id, first_page, num_pages, hold_s)
 
     def export_pages(self, request_id: str, first_page: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A sequence's pages from first_page on that its prefill has completed, while later chunks are

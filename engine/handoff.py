@@ -35,6 +35,7 @@ __all__ = [
     "DTYPES",
     "InvalidRequestError",
     "KVLayout",
+    "PoolPages",
     "PromptLogprobs",
     "SamplingParams",
     "SequenceExport",
@@ -162,12 +163,71 @@ class KVLayout:
         return cls(**{k: d[k] for k in ints}, dtype=DTYPES[d["dtype"]], page_kind=d["page_kind"])
 
 
+class PoolPages:
+    """Pages of a KV pool where a handoff lands in place: pool[block_ids[i]] is page i. Shaped, typed and
+    sliced as the contiguous page tensor it stands for ([len(block_ids), *pool.shape[1:]]), so a receiver
+    treats it as one (a transport that writes one-sided writes into its runs; the checksum reads them
+    where they are); the import then finds its pages written already (engine/handoff_io.py).
+
+    A run is a view of consecutive block ids: one contiguous stretch of the pool (block-major layout)."""
+
+    def __init__(self, pool: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> None:
+        if not pool.is_contiguous():
+            raise ValueError("a KV pool is contiguous")
+        self.pool = pool
+        self.block_ids = tuple(block_ids)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.block_ids), *self.pool.shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.block_ids) * self.pool[0].numel() * self.pool.element_size()
+
+    def is_contiguous(self) -> bool:
+        return True  # each page is, and the page order is block_ids'
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def __getitem__(self, pages: slice) -> PoolPages:
+        if not isinstance(pages, slice) or pages.step not in (None, 1):
+            raise TypeError("PoolPages take a slice of pages")
+        return PoolPages(self.pool, self.block_ids[pages])
+
+    def runs(self) -> list[torch.Tensor]:
+        """Views of the pool, in page order, one per run of consecutive block ids."""
+        out: list[torch.Tensor] = []
+        start = 0
+        for i in range(1, len(self.block_ids) + 1):
+            if i == len(self.block_ids) or self.block_ids[i] != self.block_ids[i - 1] + 1:
+                first = self.block_ids[start]
+                out.append(self.pool[first : first + i - start])
+                start = i
+        return out
+
+    def gather(self) -> torch.Tensor:
+        """A contiguous copy of the pages."""
+        return self.pool[torch.tensor(self.block_ids, dtype=torch.long, device=self.pool.device)]
+
+
 @dataclass
 class SequenceExport:
     """A sequence's tokens, sampling state and KV, enough to continue decoding elsewhere.
 
     pages: layout.page_shape(layout.num_pages(num_computed) - first_page), the sequence's pages from
-    first_page on (the receiver holds pages [0, first_page) already); state: layout.state_shape() or None
+    first_page on (the receiver holds pages [0, first_page) already); state: layout.state_shape() or None.
+    A received export's pages may be PoolPages: they landed in the importer's pool already, in the
+    blocks of its reservation (and state then is its reservation's slot)
     """
 
     request_id: str
@@ -176,7 +236,7 @@ class SequenceExport:
     num_computed: int
     params: SamplingParams
     seed: int
-    pages: torch.Tensor
+    pages: torch.Tensor | PoolPages
     state: torch.Tensor | None
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the exporter took from its prefix cache

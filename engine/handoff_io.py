@@ -20,7 +20,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler
-from engine.handoff import Alloc, SequenceExport
+from engine.handoff import Alloc, PoolPages, SequenceExport
 from engine.handoff_ledger import HandoffLedger
 from engine.kv_cache import KVCache
 from engine.kv_shards import KVShards
@@ -107,6 +107,37 @@ class HandoffIO:
             return self.shards.read(block_ids, -1)[0], None
         return self.kv.read_pages(block_ids, with_checksum=True)
 
+    def in_place_target(
+        self, request_id: str, first_page: int, num_pages: int, hold_s: float
+    ) -> tuple[PoolPages, torch.Tensor | None] | None:
+        """Where a receiving handoff's pages [first_page, num_pages) and SWA state may be written in place
+        (any thread): the reservation's own pages of this engine's pool and its state slot, or None
+        (a tensor-parallel group re-shards what it receives; a full handoff over held pages writes fresh
+        ones; not receiving). hold_s: how long the sender may go on writing after a failure."""
+        if self.shards is not None:
+            return None
+        got = self.ledger.land_in_place(request_id, first_page, num_pages, hold_s)
+        if got is None:
+            return None
+        block_ids, slot = got
+        return PoolPages(self.kv.pages, block_ids), self.kv.swa[slot] if slot >= 0 else None
+
+    def _landed(self, exp: SequenceExport) -> tuple[tuple[int, ...], int]:
+        """The blocks and slot exp's pages and state were received into in place (in_place_target's);
+        raises InvalidRequestError where they are not this engine's pool."""
+        pages, kv = exp.pages, self.kv
+        assert isinstance(pages, PoolPages)
+        slot = -1
+        if exp.state is not None:
+            offset = exp.state.data_ptr() - kv.swa.data_ptr()
+            slot_bytes = kv.swa[0].numel() * kv.swa.element_size() if kv.swa.numel() else 0
+            if not slot_bytes or offset % slot_bytes or not 0 <= offset // slot_bytes < kv.swa.shape[0]:
+                raise InvalidRequestError("a handoff's state received in place lies outside this engine's pool")
+            slot = offset // slot_bytes
+        if pages.pool is not kv.pages or self.shards is not None:
+            raise InvalidRequestError("a handoff's pages received in place lie outside this engine's pool")
+        return pages.block_ids, slot
+
     def import_(self, exp: SequenceExport) -> Sequence:
         """The imported sequence, decoding in memory the ledger gave it, its pages and state written.
         Raises, holding nothing, if exp does not match this engine's layout or the write fails
@@ -138,6 +169,9 @@ class HandoffIO:
         seq.is_retained_at_end = self.retains_at_end
         if exp.params.structured is not None:  # the grammar's state: the handed-over tokens, replayed
             seq.matcher = self.grammars.matcher(exp.params.structured, list(exp.output_token_ids))
+        if isinstance(exp.pages, PoolPages):  # received in place: the pages and state are written
+            self.ledger.import_(seq, exp.first_page, self._landed(exp))
+            return seq
         self.ledger.import_(seq, exp.first_page)
         try:
             if self.shards is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -44,6 +45,10 @@ class _Entry:
     deadline_s: float = 0.0
     token_ids: list[int] | None = None  # WAITING: the prompt, matched against the decode cache at grant
     held_token_ids: list[int] = field(default_factory=list)  # RESERVED/RECEIVING: tokens of the held pages
+    # RESERVED/RECEIVING: a sender may write into the placeholder's fresh pages until this time (inf while
+    # a receive in place is under way, hold_s past its failure; 0: no write in flight)
+    landing_until: float = 0.0
+    hold_s: float = 0.0  # how long a sender may go on writing after a receive in place failed
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,14 @@ class HandoffLedger:
                                       seq's), the rest is released and allocated anew for seq
         abort, expire, refuse_import, take_over: the placeholder is released, held pages included.
 
+    A receive in place (land_in_place: a one-sided transport writes the pages straight into the
+    placeholder's fresh pages and its SWA slot, nixl) leaves the import nothing to copy: import_(seq,
+    first_page, landed) gives seq the placeholder's memory itself. Until the receive ends (landed) a write
+    may be landing there, and for hold_s after it failed (receive_failed: the sender's own bound on its
+    write): a placeholder released meanwhile (abort, expire, take_over, a full import elsewhere) is
+    quarantined, its memory kept from every other sequence until then and counted as committed
+    (expire frees it after).
+
     NOTE: the receiver's thread calls begin_receive and receive_failed; every method holds self._lock,
     so those two are safe from any thread. Everything else is called on the engine thread only (it
     changes the scheduler, through the scheduler's own methods).
@@ -118,6 +131,7 @@ class HandoffLedger:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._queue: deque[str] = deque()  # WAITING ids, in arrival order
+        self._quarantine: list[tuple[float, Sequence]] = []  # (until, placeholder): a write may still land
         self.num_total_blocks = scheduler.blocks.num_blocks
         self.num_imported_total = 0
         self.num_expired_total = 0
@@ -153,7 +167,14 @@ class HandoffLedger:
             return self._committed_blocks()
 
     def _committed_blocks(self) -> int:
-        return sum(e.commit_blocks for e in self._entries.values() if e.phase in COMMITTED)
+        held = sum(len(q.block_ids) for _, q in self._quarantine)
+        return held + sum(e.commit_blocks for e in self._entries.values() if e.phase in COMMITTED)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        """Pages of released reservations that a failed receive in place may still write into."""
+        with self._lock:
+            return sum(len(q.block_ids) for _, q in self._quarantine)
 
     def parked(self, request_id: str) -> Sequence | None:
         """The PARKED or EXPORTED sequence of request_id."""
@@ -304,19 +325,46 @@ class HandoffLedger:
             return True
 
     def receive_failed(self, request_id: str) -> None:
-        """RECEIVING -> RESERVED: nothing was delivered (any thread); the deadline stands."""
+        """RECEIVING -> RESERVED: nothing was delivered (any thread); the deadline stands. After a
+        receive in place the sender may go on writing for hold_s: the memory is kept that long."""
         with self._lock:
             entry = self._entries.get(request_id)
             if entry is not None and entry.phase is Phase.RECEIVING:
                 entry.phase = Phase.RESERVED
+                if entry.landing_until == math.inf:
+                    entry.landing_until = self._clock() + entry.hold_s
 
-    def import_(self, seq: Sequence, first_page: int = 0) -> None:
+    def land_in_place(self, request_id: str, first_page: int, num_pages: int, hold_s: float) -> tuple[list[int], int] | None:
+        """RECEIVING: the blocks for pages [first_page, num_pages) and the SWA slot (-1: none) a sender may
+        write straight into (any thread), or None where it must not: pages [first_page, held) are the
+        decode cache's, shared (a full handoff over held pages writes fresh ones). From now on a write
+        may land there: hold_s, how long the sender may go on after a failure."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.phase is not Phase.RECEIVING or entry.seq is None:
+                return None
+            bs = self._scheduler.config.block_size
+            if first_page * bs != len(entry.held_token_ids) or num_pages > len(entry.seq.block_ids):
+                return None
+            entry.landing_until, entry.hold_s = math.inf, hold_s
+            return entry.seq.block_ids[first_page:num_pages], entry.seq.state_slot
+
+    def landed(self, request_id: str) -> None:
+        """RECEIVING: a receive in place has ended, verified: no write is in flight (any thread)."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.phase is Phase.RECEIVING:
+                entry.landing_until = 0.0
+
+    def import_(self, seq: Sequence, first_page: int = 0, landed: tuple[tuple[int, ...], int] | None = None) -> None:
         """(RESERVED | RECEIVING | none) -> IMPORTED: seq, every token but the last computed, gets the
         reservation's memory (or free memory) and goes straight into the running batch, keeping the
         reservation's commit. first_page > 0: seq's pages [0, first_page) are the reservation's held
         pages, which must hold exactly seq's tokens there (else InvalidRequestError, nothing changed);
-        seq.block_ids[first_page:] are for the received pages. Raises MemoryError if it does not fit
-        (the reservation is gone then)."""
+        seq.block_ids[first_page:] are for the received pages. landed: (block ids, SWA slot) where the
+        pages from first_page on and the state were received in place (land_in_place): seq takes the
+        placeholder's memory itself, which must be those (else InvalidRequestError, nothing changed).
+        Raises MemoryError if it does not fit (the reservation is gone then)."""
         rid = seq.request_id
         with self._lock:
             entry = self._entries.get(rid)
@@ -324,6 +372,9 @@ class HandoffLedger:
             kept: list[int] = []
             if entry is not None and entry.phase not in HOLDS_MEMORY:
                 raise InvalidRequestError(f"request id {rid!r} is already in use", "request_id")
+            if landed is not None:
+                self._adopt(seq, first_page, landed, entry)
+                return
             if first_page:
                 bs = self._scheduler.config.block_size
                 num_held = len(entry.held_token_ids) if entry is not None else 0
@@ -347,6 +398,32 @@ class HandoffLedger:
             self._scheduler.admit_prefilled(seq)
             self._entries[rid] = _Entry(Phase.IMPORTED, commit_blocks=commit)
             self.num_imported_total += 1
+
+    def _adopt(self, seq: Sequence, first_page: int, landed: tuple[tuple[int, ...], int], entry: _Entry | None) -> None:
+        """import_ of a receive in place (under _lock): seq takes the placeholder's pages and slot."""
+        rid, (block_ids, slot) = seq.request_id, landed
+        holder = entry.seq if entry is not None else None
+        bs = self._scheduler.config.block_size
+        need = self._scheduler.blocks_for(seq.num_tokens + 1)
+        if (
+            entry is None
+            or holder is None
+            or first_page * bs != len(entry.held_token_ids)
+            or tuple(holder.block_ids[first_page : first_page + len(block_ids)]) != tuple(block_ids)
+            or holder.state_slot != slot
+            or need > len(holder.block_ids)
+        ):
+            raise InvalidRequestError(f"handoff of {rid!r}: received in place into memory not its reservation's")
+        if first_page and seq.token_ids(0, first_page * bs) != entry.held_token_ids:
+            raise InvalidRequestError(f"handoff of {rid!r}: the held pages hold other tokens")
+        seq.block_ids, holder.block_ids = holder.block_ids[:need], holder.block_ids[need:]
+        seq.state_slot, holder.state_slot = holder.state_slot, -1
+        del self._entries[rid]
+        entry.landing_until = 0.0  # the import has the pages: nothing is landing any more
+        self._release(entry)  # the pages seq does not need
+        self._scheduler.admit_prefilled(seq)
+        self._entries[rid] = _Entry(Phase.IMPORTED, commit_blocks=entry.commit_blocks)
+        self.num_imported_total += 1
 
     def refuse_import(self, request_id: str) -> None:
         """RESERVED | RECEIVING -> gone: the handoff was refused; the memory and commit are freed."""
@@ -375,9 +452,16 @@ class HandoffLedger:
             self._entries[request_id] = _Entry(Phase.LOCAL, commit_blocks=commit)
 
     def expire(self) -> list[Expired]:
-        """RESERVED past its deadline -> gone, memory and commit freed."""
+        """RESERVED past its deadline -> gone, memory and commit freed; and the quarantined memory of
+        released reservations freed once no write can land in it any more."""
         now = self._clock()
         with self._lock:
+            if self._quarantine:
+                for _, q in (due := [x for x in self._quarantine if x[0] <= now]):
+                    self._scheduler.release(q)
+                self._quarantine = [x for x in self._quarantine if x[0] > now]
+                if due:
+                    log.info("freed the pages of %d reservations after a failed receive in place", len(due))
             late = [
                 rid for rid, e in self._entries.items() if e.phase is Phase.RESERVED and now > e.deadline_s
             ]
@@ -417,13 +501,22 @@ class HandoffLedger:
             return None
 
     def _release(self, entry: _Entry) -> None:
+        """Frees a placeholder's memory, or quarantines it while a sender's write may still land there."""
         assert entry.seq is not None
-        self._scheduler.release(entry.seq)
+        until = entry.landing_until
+        if until == math.inf:  # a receive in place under way: its sender stops writing within hold_s
+            until = self._clock() + entry.hold_s
+        if until > self._clock():
+            self._quarantine.append((until, entry.seq))
+        else:
+            self._scheduler.release(entry.seq)
         entry.seq = None
 
     def check_idle(self) -> None:
         """Nothing in any phase; raises otherwise."""
         with self._lock:
+            if self._quarantine:
+                raise AssertionError(f"P/D lifecycle holds {len(self._quarantine)} quarantined reservations")
             if self._entries or self._queue:
                 left = {rid: e.phase.value for rid, e in list(self._entries.items())[:8]}
                 raise AssertionError(f"P/D lifecycle not empty: {len(self._entries)} requests, e.g. {left}")

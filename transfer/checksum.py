@@ -4,8 +4,11 @@ torch elsewhere. All compute the same value; tests check they agree bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from engine.handoff import PoolPages
 from pdkernels import checksum as definition
 from pdkernels import checksum_gpu
 from pdkernels.checksum import MASK64, as_words, fold
@@ -30,9 +33,47 @@ def segment_sum(words: torch.Tensor, first_chunk: int = 0) -> int:
     return definition.torch_segment_sum(words, first_chunk)
 
 
-def payload_checksum(segments: list[torch.Tensor]) -> int:
-    """The checksum of a payload (any device; a CUDA tensor is hashed on its GPU, one sync at the end)."""
-    return fold([(t.numel() * t.element_size(), segment_sum(as_words(t))) for t in segments])
+STAGE_CHUNKS = 8  # PoolPages: runs shorter than a chunk are hashed through a staging buffer of this many
+
+
+def payload_checksum(segments: Sequence[torch.Tensor | PoolPages]) -> int:
+    """The checksum of a payload (any device; a CUDA tensor is hashed on its GPU, one sync at the end).
+    A PoolPages segment (pages received in place) is hashed where its pages lie in the pool."""
+    return fold([
+        (t.nbytes, pool_pages_sum(t)) if isinstance(t, PoolPages) else (t.numel() * t.element_size(), segment_sum(as_words(t)))
+        for t in segments
+    ])  # fmt: skip
+
+
+def pool_pages_sum(pages: PoolPages) -> int:
+    """segment_sum of the contiguous tensor pages stand for, read from the pool's runs: whole chunks of
+    a run straight from the pool, the rest through a staging buffer of STAGE_CHUNKS chunks (a page is
+    usually smaller than a chunk), so the pieces hashed start at chunk boundaries as SegmentHasher asks."""
+    hasher = SegmentHasher(pages.nbytes)
+    chunk = definition.CHUNK_BYTES
+    stage: torch.Tensor | None = None
+    fill = 0
+    for run in pages.runs():
+        b = run.reshape(-1).view(torch.uint8)
+        pos = 0
+        while pos < b.numel():
+            if fill == 0 and b.numel() - pos >= chunk:  # aligned: hash whole chunks in place
+                whole = (b.numel() - pos) // chunk * chunk
+                hasher.update(b[pos : pos + whole])
+                pos += whole
+                continue
+            if stage is None:
+                stage = torch.empty(STAGE_CHUNKS * chunk, dtype=torch.uint8, device=b.device)
+            k = min(stage.numel() - fill, b.numel() - pos)
+            stage[fill : fill + k].copy_(b[pos : pos + k])
+            fill, pos = fill + k, pos + k
+            if fill == stage.numel():
+                hasher.update(stage)
+                fill = 0
+    if fill:
+        assert stage is not None
+        hasher.update(stage[:fill])
+    return hasher.result()[1]
 
 
 class SegmentHasher:

@@ -116,6 +116,14 @@ class TransferConfig:
         },
     )
 
+    nixl_copy_in: bool = field(
+        default=False,
+        metadata={
+            "help": "decode, nixl: land each handoff in the receive buffer and copy it into the KV pool"
+            " (default: the prefill engine writes straight into the reservation's pages, registered once)"
+        },
+    )
+
     def __post_init__(self) -> None:
         names = (self.transport, *self.accept_transports)
         if any(n not in TRANSPORT_NAMES for n in names):

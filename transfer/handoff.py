@@ -56,6 +56,7 @@ from engine.handoff import (
     DTYPES,
     PAGE_KINDS,
     KVLayout,
+    PoolPages,
     PromptLogprobs,
     SamplingParams,
     SequenceExport,
@@ -389,6 +390,8 @@ def peer_layout(d: Any) -> KVLayout:
 
 def payload_segments(export: SequenceExport, layout: KVLayout) -> list[torch.Tensor]:
     """The export's tensors in payload order (pages, then the state if the model has sliding layers)."""
+    if not isinstance(export.pages, torch.Tensor):
+        raise HandoffError(LAYOUT, "an export's pages are a tensor (pages received in place are not sent on)")
     if not layout.has_state:
         return [export.pages]
     if export.state is None:
@@ -512,6 +515,20 @@ def check_final(plan: HandoffHeader, header: HandoffHeader, num_streamed_pages: 
         )
 
 
+# A receive buffer: memory of its own, or (the pages segment of a transport that lands in place, nixl)
+# the reservation's pages in the CE's KV pool
+Buffer = torch.Tensor | PoolPages
+
+
+def dense(segments: list[Buffer], transport: str) -> list[torch.Tensor]:
+    """segments as tensors, for a transport that receives only into memory of their own; raises
+    HandoffError(LAYOUT) for pages in a pool (a receiver gives those only to a transport that asks)."""
+    out = [t for t in segments if isinstance(t, torch.Tensor)]
+    if len(out) != len(segments):
+        raise HandoffError(LAYOUT, f"the {transport} transport does not receive into a KV pool in place")
+    return out
+
+
 def allocate_payload(
     header: HandoffHeader, device: torch.device | str = "cpu", pin_memory: bool = False
 ) -> list[torch.Tensor]:
@@ -523,15 +540,16 @@ def allocate_payload(
     return out
 
 
-def check_segments(header: HandoffHeader, segments: list[torch.Tensor]) -> None:
-    """Raises HandoffError(LAYOUT) unless segments are contiguous tensors shaped for this header."""
+def check_segments(header: HandoffHeader, segments: list[Buffer]) -> None:
+    """Raises HandoffError(LAYOUT) unless segments are contiguous tensors (or pages in a pool, for the
+    pages) shaped for this header."""
     want = [header.page_shape] + ([header.state_shape] if header.has_state else [])
     got = [tuple(t.shape) for t in segments]
     if got != want or any(t.dtype != header.torch_dtype or not t.is_contiguous() for t in segments):
         raise HandoffError(LAYOUT, f"receive buffers {got} do not fit the payload {want} {header.dtype}")
 
 
-def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceExport:
+def to_export(header: HandoffHeader, segments: list[Buffer]) -> SequenceExport:
     """The SequenceExport a verified payload stands for (receiver side)."""
     ids = header.prompt_token_ids
     return SequenceExport(
@@ -542,11 +560,17 @@ def to_export(header: HandoffHeader, segments: list[torch.Tensor]) -> SequenceEx
         params=header.params,
         seed=header.seed,
         pages=segments[0],
-        state=segments[1] if header.has_state else None,
+        state=_tensor(segments[1]) if header.has_state else None,
         output_logprobs=list(header.output_logprobs),
         first_page=header.first_page,
         prompt_logprobs=header.prompt_logprobs,
     )
+
+
+def _tensor(t: Buffer) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise HandoffError(LAYOUT, "a payload's state lands in a tensor")
+    return t
 
 
 def model_fingerprint(folder: str | Path) -> str:

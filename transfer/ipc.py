@@ -45,7 +45,7 @@ from pdkernels.checksum import fold
 from transfer.arena import Arena
 from transfer.config import TransferConfig
 from transfer.errors import TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import HandoffHeader
+from transfer.handoff import Buffer, HandoffHeader, dense
 from transfer.transport import Transport
 from transfer.wire import Channel
 
@@ -392,8 +392,9 @@ class IpcTransport(Transport):
     # ---- receiver side -------------------------------------------------------------------------
 
     async def accept(
-        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], buffers: list[Buffer]
     ) -> dict[str, Any]:
+        segments = dense(buffers, "ipc")
         if extra.get("host") != self._host:
             raise HandoffError(
                 TRANSPORT, "the ipc transport works only between processes of one host (use tcp or nccl)"
@@ -409,10 +410,11 @@ class IpcTransport(Transport):
         ch: Channel,
         header: HandoffHeader,
         extra: dict[str, Any],
-        segments: list[torch.Tensor],
+        buffers: list[Buffer],
         *,
         phases: dict[str, float] | None = None,
     ) -> int | None:
+        segments = dense(buffers, "ipc")
         marks = [time.perf_counter()]
         sizes = [t.numel() * t.element_size() for t in segments]
         event = None

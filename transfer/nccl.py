@@ -31,7 +31,7 @@ import torch
 
 from transfer.config import TransferConfig
 from transfer.errors import STALE, TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import HandoffHeader
+from transfer.handoff import Buffer, HandoffHeader, dense
 from transfer.transport import Transport
 from transfer.wire import Channel
 
@@ -209,8 +209,9 @@ class NcclTransport(Transport):
     # ---- receiver ------------------------------------------------------------------------------
 
     async def accept(
-        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], buffers: list[Buffer]
     ) -> dict[str, Any]:
+        segments = dense(buffers, "nccl")
         self._require_device(segments, "receiver")
         key, uid = extra.get("comm"), extra.get("uid")
         if not isinstance(key, str) or (uid is not None and not isinstance(uid, bytes)):
@@ -224,10 +225,11 @@ class NcclTransport(Transport):
         ch: Channel,
         header: HandoffHeader,
         extra: dict[str, Any],
-        segments: list[torch.Tensor],
+        buffers: list[Buffer],
         *,
         phases: dict[str, float] | None = None,
     ) -> int | None:
+        segments = dense(buffers, "nccl")
         key, uid = extra["comm"], extra.get("uid")
         async with self._in_locks[key]:
             if uid is not None:

@@ -62,19 +62,19 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from engine.handoff import Alloc
+from engine.handoff import Alloc, PoolPages
 from transfer.arena import Arena
 from transfer.config import NIXL_MISSING, NIXL_MODULES, TransferConfig
-from transfer.errors import PROTOCOL, TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import HandoffHeader
+from transfer.errors import LAYOUT, PROTOCOL, TIMEOUT, TRANSPORT, HandoffError
+from transfer.handoff import Buffer, HandoffHeader
 from transfer.messages import Written
-from transfer.transport import Transport
+from transfer.transport import KVPool, Transport
 from transfer.wire import Channel
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ POLL_S = 50e-6
 POLL_MAX_S = 1e-3
 PROGRESS_S = 1e-3
 READY_FIELDS = {"agent", "mem", "descs", "kept"}
+MAX_DESCS = 1 << 20  # a ready's descriptors: a run of pages each at most (a 16k-token handoff in 16-token pages: 1,024)
 MAX_REMOTE_AGENTS = 32  # sender: receivers' kept metadata loaded (the least recently used idle agent dropped)
 
 
@@ -127,6 +128,59 @@ def _descs(segments: list[torch.Tensor], device: int) -> list[tuple[int, int, in
     return [(t.data_ptr(), t.numel() * t.element_size(), device) for t in segments]
 
 
+def _buffer_descs(buffers: list[Buffer], device: int) -> list[tuple[int, int, int]]:
+    """Descriptors of receive buffers in payload order: a tensor is one, pages in a pool one per run."""
+    out = []
+    for b in buffers:
+        out += _descs(b.runs(), device) if isinstance(b, PoolPages) else _descs([b], device)
+    return [d for d in out if d[1]]
+
+
+def _tensors(buffers: list[Buffer]) -> list[torch.Tensor]:
+    """The memory buffers lie in (a pool's runs for pages in place), for NIXL's device checks."""
+    return [t for b in buffers for t in (b.runs() if isinstance(b, PoolPages) else [b])]
+
+
+def _cut(descs: list[tuple[int, int, int]], start: int, n: int) -> list[tuple[int, int, int]]:
+    """Bytes [start, start + n) of the concatenation of descs, as descriptors; raises HandoffError(PROTOCOL)
+    where they reach past the end."""
+    out, pos = [], 0
+    for addr, size, device in descs:
+        lo, hi = max(start, pos), min(start + n, pos + size)
+        if lo < hi:
+            out.append((addr + lo - pos, hi - lo, device))
+        pos += size
+    if sum(d[1] for d in out) != n:
+        raise HandoffError(PROTOCOL, f"nixl: bytes [{start}, {start + n}) beyond {pos} bytes of receive buffers")
+    return out
+
+
+def _pair(
+    local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """local and remote descriptors cut at the union of their boundaries, so that piece i of one is the
+    size of piece i of the other (the receiver's buffers may be scattered pages of its pool); raises
+    HandoffError(PROTOCOL) when they do not hold the same bytes."""
+    local, remote = [d for d in local if d[1]], [d for d in remote if d[1]]
+    if sum(d[1] for d in local) != sum(d[1] for d in remote):
+        raise HandoffError(
+            PROTOCOL, f"nixl: {sum(d[1] for d in remote)} bytes of receive buffers for {sum(d[1] for d in local)} bytes"
+        )
+    src, dst = [], []
+    i = j = off_i = off_j = 0
+    while i < len(local):
+        (la, ln, ld), (ra, rn, rd) = local[i], remote[j]
+        k = min(ln - off_i, rn - off_j)
+        src.append((la + off_i, k, ld))
+        dst.append((ra + off_j, k, rd))
+        off_i, off_j = off_i + k, off_j + k
+        if off_i == ln:
+            i, off_i = i + 1, 0
+        if off_j == rn:
+            j, off_j = j + 1, 0
+    return src, dst
+
+
 class _Agent:
     """One NIXL agent (UCX backend) and the registrations and remote agents it holds. Thread-safe: its
     calls run in worker threads (registration takes milliseconds)."""
@@ -147,7 +201,7 @@ class _Agent:
         # write failed to, is dropped once no write to it is in flight (_dirty)
         self._remotes: OrderedDict[bytes, str] = OrderedDict()
         self._dirty: set[str] = set()
-        self._held: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # kept after a failure (reg may be None)
+        self._held: dict[int, tuple[Any, Sequence[Buffer]]] = {}  # kept after a failure (reg may be None)
 
     def register(self, segments: list[torch.Tensor], mem: str, device: int) -> Any:
         return self.agent.register_memory([(*d, "") for d in _descs(segments, device)], mem)
@@ -158,7 +212,7 @@ class _Agent:
         except Exception as e:  # the agent's own bookkeeping; nothing a peer can do about it
             log.warning("nixl: deregistering memory failed: %r", e)
 
-    def hold(self, reg: Any, segments: list[torch.Tensor], delay_s: float) -> None:
+    def hold(self, reg: Any, segments: Sequence[Buffer], delay_s: float) -> None:
         """Keeps reg registered (None: segments lie in an arena registered for good) and segments alive
         for delay_s (a write may still reach them): an arena's slices stay out of its free list."""
         key = id(reg) if reg is not None else id(segments)
@@ -274,6 +328,24 @@ class _Registered:
         self.metadata = metadata
 
 
+class _Pool:
+    """A receiver's KV pool registered with the agent once (until close), and the metadata that names it."""
+
+    def __init__(self, tensors: list[torch.Tensor], reg: Any, metadata: bytes) -> None:
+        self.tensors = tensors  # referenced: the registration names their memory
+        self.reg = reg
+        self.metadata = metadata
+        self.ranges = [(t.data_ptr(), t.data_ptr() + _nbytes(t)) for t in tensors]
+
+    def covers(self, descs: list[tuple[int, int, int]]) -> bool:
+        """Whether every descriptor lies inside the registered memory."""
+        return bool(descs) and all(any(lo <= a and a + n <= hi for lo, hi in self.ranges) for a, n, _ in descs)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 EXPORT, LANDING = "export", "landing"  # the sender's arena, the receiver's
 
 
@@ -287,8 +359,10 @@ class NixlTransport(Transport):
         self._api = load_nixl()
         self._agent: _Agent | None = None
         self._agent_lock = threading.Lock()
-        self._landing: dict[int, tuple[Any, list[torch.Tensor]]] = {}  # receiver: by id of the segments
-        self._streams: dict[int, tuple[Any, torch.Tensor, threading.Event]] = {}  # receiver: by id of the pages
+        self._landing: dict[int, tuple[Any, list[Buffer]]] = {}  # receiver: by id of the segments
+        self._streams: dict[int, tuple[Any, Buffer, threading.Event]] = {}  # receiver: by id of the pages
+        self._pool: _Pool | None = None  # receiver: the engine's KV pool, registered on first use
+        self._pool_tried = False
         self._arenas: dict[str, _Registered] = {}  # EXPORT | LANDING, made on first use
         self._arena_tried: set[str] = set()
         self._arena_lock = threading.Lock()
@@ -301,6 +375,7 @@ class NixlTransport(Transport):
             "metadata_reuses": 0,  # sender: a write to a receiver's registration loaded before
             "arena_receives": 0,  # receiver: payloads landing in its arena's registration
             "registered_receives": 0,  # receiver: payloads whose buffers were registered for them
+            "in_place_receives": 0,  # receiver: payloads written straight into the KV pool's reserved pages
         }
 
     def agent(self) -> _Agent:
@@ -376,20 +451,16 @@ class NixlTransport(Transport):
         return {}
 
     async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
-        metadata, remote_mem, remote, kept = _read_ready(ready, len(segments))
-        for (_, n, _), t in zip(remote, segments):
-            if n != t.numel() * t.element_size():
-                raise HandoffError(PROTOCOL, f"nixl: a receive buffer of {n} bytes for a {t.numel() * t.element_size()}-byte segment")
-        await self._push(ch, segments, metadata, (remote_mem, remote), kept)
+        metadata, remote_mem, remote, kept = _read_ready(ready)
+        nbytes = sum(t.numel() * t.element_size() for t in segments)
+        await self._push(ch, segments, metadata, (remote_mem, _cut(remote, 0, nbytes)), kept)
         await ch.send(Written(sum(n for _, n, _ in remote)))
 
     async def write_part(self, ch: Channel, pages: torch.Tensor, offset: int, opened: dict[str, Any]) -> None:
-        metadata, remote_mem, ((addr, size, device),), kept = _read_ready(opened, 1)
+        metadata, remote_mem, remote, kept = _read_ready(opened)
         page_bytes = pages[0].numel() * pages.element_size()
         start, n = offset * page_bytes, pages.numel() * pages.element_size()
-        if start + n > size:
-            raise HandoffError(PROTOCOL, f"nixl: pages [{offset}, {offset + pages.shape[0]}) beyond a {size}-byte stream buffer")
-        await self._push(ch, [pages], metadata, (remote_mem, [(addr + start, n, device)]), kept)
+        await self._push(ch, [pages], metadata, (remote_mem, _cut(remote, start, n)), kept)
 
     async def _push(
         self,
@@ -446,10 +517,11 @@ class NixlTransport(Transport):
                     TRANSPORT, f"nixl: the receiver's agent metadata did not load: {e!r}"
                 ) from None
             self._count("metadata_loads" if loaded else "metadata_reuses")
-            a, src, handle, ok = agent.agent, _descs(segments, device), None, False
+            a, handle, ok = agent.agent, None, False
+            src, dst = _pair(_descs(segments, device), remote[1])  # the receiver's may be scattered pages
             try:
                 handle = _nixl_call(peer, lambda: a.initialize_xfer(
-                    "WRITE", a.get_xfer_descs(src, mem), a.get_xfer_descs(remote[1], remote[0]), peer
+                    "WRITE", a.get_xfer_descs(src, mem), a.get_xfer_descs(dst, remote[0]), peer
                 ))  # fmt: skip
                 self._wait(agent, handle, peer, deadline)
                 ok = True
@@ -482,15 +554,23 @@ class NixlTransport(Transport):
 
     # ---- receiver ------------------------------------------------------------------------------
 
-    def receive_buffers(self, header: HandoffHeader, device: torch.device) -> list[torch.Tensor] | None:
-        """Slices of the landing arena on device (made and registered on the first call) for header's
-        payload, or None where it has none or no room now. A slice is free again once its tensor is
-        collected: after the import copied it into the KV pool, or idle_timeout_s after a failure."""
+    def receive_buffers(
+        self, header: HandoffHeader, device: torch.device, pool: KVPool | None = None
+    ) -> list[Buffer] | None:
+        """The reservation's own pages and SWA slot in pool (registered with the agent on the first call),
+        where the engine lets the payload land in place; else slices of the landing arena on device (made
+        and registered on the first call); or None where it has neither or no room now. A slice is free
+        again once its tensor is collected: after the import copied it into the KV pool, or
+        idle_timeout_s after a failure (the engine keeps a reservation's pages that long itself)."""
+        if pool is not None and not self.config.nixl_copy_in and self._pool_of(pool) is not None:
+            target = pool.target(header, self.config.idle_timeout_s)
+            if target is not None:
+                return target
         got = self._arena_on(LANDING, device)
         if got is None:
             return None
         shapes = [header.page_shape] + ([header.state_shape] if header.has_state else [])
-        out = []
+        out: list[Buffer] = []
         for shape in shapes:
             t = got.arena.alloc(tuple(shape), header.torch_dtype)
             if t is None:
@@ -498,24 +578,58 @@ class NixlTransport(Transport):
             out.append(t)
         return out
 
+    def _pool_of(self, pool: KVPool) -> _Pool | None:
+        """pool's memory registered with the agent (on the first call; None if that failed, or for
+        another pool than the first one's)."""
+        tensors = [t for t in pool.tensors if t.numel()]
+        with self._arena_lock:
+            if not self._pool_tried:
+                self._pool_tried = True
+                try:
+                    mem, index = _mem_type(tensors)
+                    agent = self.agent()
+                    reg = agent.register(tensors, mem, index)
+                    self._count("registrations")
+                    try:
+                        metadata = bytes(agent.agent.get_partial_agent_metadata(reg, True, []))
+                    except Exception:
+                        agent.deregister(reg)
+                        raise
+                    self._pool = _Pool(tensors, reg, metadata)
+                    log.info("nixl: the KV pool registered (%d MiB): handoffs land in place", sum(_nbytes(t) for t in tensors) >> 20)
+                except Exception as e:
+                    log.warning("nixl: the KV pool could not be registered (%r): handoffs land in the receive arena", e)
+            got = self._pool
+        return got if got is not None and got.covers(_buffer_descs(list(tensors), 0)) else None
+
     async def accept(
-        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[Buffer]
     ) -> dict[str, Any]:
         if extra:
             raise HandoffError(PROTOCOL, f"nixl: unexpected offer fields {sorted(map(str, extra))[:8]}")
-        mem, device = _mem_type(segments)
-        descs = _descs(segments, device)
+        return await self._prepare(segments, count=True)
+
+    async def _prepare(self, segments: list[Buffer], *, count: bool) -> dict[str, Any]:
+        """segments made writable by the sender (registered once, or now); the ready's fields. count: a
+        handoff's payload (a stream's whole page buffer is counted with its final offer)."""
+        mem, device = _mem_type(_tensors(segments))
+        descs = _buffer_descs(segments, device)
         loop = asyncio.get_running_loop()
         landing = self._arenas.get(LANDING)
-        if landing is not None and landing.arena.holds(segments):  # registered once: nothing to do
+        dense = [t for t in segments if isinstance(t, torch.Tensor)]
+        if self._pool is not None and self._pool.covers(descs):  # the reservation's pages: registered once
+            reg, metadata, kept, kind = None, self._pool.metadata, True, "in_place_receives"
+        elif len(dense) < len(segments):
+            raise HandoffError(LAYOUT, "nixl: pages in place outside the registered KV pool")
+        elif landing is not None and landing.arena.holds(dense):  # registered once: nothing to do
             if landing.arena.fence_frees:  # the slices' last readers on the device are done
                 await loop.run_in_executor(self.executor, landing.arena.settle)
-            reg, metadata, kept = None, landing.metadata, True
-            self._count("arena_receives")
+            reg, metadata, kept, kind = None, landing.metadata, True, "arena_receives"
         else:
-            reg, metadata = await loop.run_in_executor(self.executor, self._register_landing, segments, mem, device)
-            kept = False
-            self._count("registered_receives")
+            reg, metadata = await loop.run_in_executor(self.executor, self._register_landing, dense, mem, device)
+            kept, kind = False, "registered_receives"
+        if count:
+            self._count(kind)
         self._landing[id(segments)] = (reg, segments)
         return {"agent": metadata, "mem": mem, "descs": [list(d) for d in descs], "kept": kept}
 
@@ -537,7 +651,7 @@ class NixlTransport(Transport):
         ch: Channel,
         header: HandoffHeader,
         extra: dict[str, Any],
-        segments: list[torch.Tensor],
+        segments: list[Buffer],
         *,
         phases: dict[str, float] | None = None,
     ) -> int | None:
@@ -568,16 +682,16 @@ class NixlTransport(Transport):
                 agent.deregister(reg)
         return None  # the receiver hashes the buffers where they are
 
-    async def open_stream(self, ch: Channel, header: HandoffHeader, pages: torch.Tensor) -> dict[str, Any]:
+    async def open_stream(self, ch: Channel, header: HandoffHeader, pages: Buffer) -> dict[str, Any]:
         """A streamed handoff's whole page buffer, prepared as accept prepares a payload's (in the landing
         arena, or registered for it); the parts are written into it and the worker driven until end_stream."""
-        segments = [pages]
-        fields = await self.accept(ch, header, {}, segments)
+        segments: list[Buffer] = [pages]
+        fields = await self._prepare(segments, count=False)
         reg, _ = self._landing.pop(id(segments))
         self._streams[id(pages)] = (reg, pages, self.agent().progress_while())
         return fields
 
-    def end_stream(self, pages: torch.Tensor, *, clean: bool) -> None:
+    def end_stream(self, pages: Buffer, *, clean: bool) -> None:
         stream = self._streams.pop(id(pages), None)
         if stream is None:
             return
@@ -588,7 +702,7 @@ class NixlTransport(Transport):
         elif reg is not None:
             self.agent().deregister(reg)
 
-    def abandon(self, segments: list[torch.Tensor]) -> None:
+    def abandon(self, segments: list[Buffer]) -> None:
         """Releases buffers accept prepared whose pull never ran (the handoff failed before ready went
         out, or as it went: the sender may have learnt where they are), idle_timeout_s from now."""
         landing = self._landing.pop(id(segments), None)
@@ -608,8 +722,11 @@ class NixlTransport(Transport):
         if self._agent is not None:
             for got in self._arenas.values():
                 self._agent.deregister(got.reg)
+            if self._pool is not None:
+                self._agent.deregister(self._pool.reg)
             self._agent.close()
         self._arenas.clear()
+        self._pool = None
 
 
 def _nixl_call(peer: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -620,9 +737,10 @@ def _nixl_call(peer: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed: {e!r}") from None
 
 
-def _read_ready(ready: dict[str, Any], count: int) -> tuple[bytes, str, list[tuple[int, int, int]], bool]:
-    """The receiver's agent metadata, memory type, count buffer descriptors and whether its registration
-    is kept, from its ready fields. Raises HandoffError(PROTOCOL)."""
+def _read_ready(ready: dict[str, Any]) -> tuple[bytes, str, list[tuple[int, int, int]], bool]:
+    """The receiver's agent metadata, memory type, buffer descriptors (in payload order: one per buffer,
+    or one per run of pages for pages landing in place) and whether its registration is kept, from its
+    ready fields. Raises HandoffError(PROTOCOL)."""
     metadata, their_mem, descs = ready.get("agent"), ready.get("mem"), ready.get("descs")
     kept = ready.get("kept", False)  # absent: a receiver that registers per handoff
     if not isinstance(metadata, bytes) or not metadata or not {"agent", "mem", "descs"} <= set(ready) <= READY_FIELDS:
@@ -631,8 +749,8 @@ def _read_ready(ready: dict[str, Any], count: int) -> tuple[bytes, str, list[tup
         raise HandoffError(PROTOCOL, "nixl: a ready whose kept is not a bool")
     if their_mem not in ("DRAM", "VRAM"):
         raise HandoffError(PROTOCOL, "nixl: a ready with an unknown memory type")
-    if not isinstance(descs, list) or len(descs) != count:
-        raise HandoffError(PROTOCOL, f"nixl: a ready naming other than {count} buffers")
+    if not isinstance(descs, list) or len(descs) > MAX_DESCS:
+        raise HandoffError(PROTOCOL, f"nixl: a ready naming more than {MAX_DESCS} buffers, or none listed")
     remote = []
     for d in descs:
         if not (isinstance(d, list) and len(d) == 3 and all(isinstance(x, int) and x >= 0 for x in d)):

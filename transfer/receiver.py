@@ -62,6 +62,7 @@ from transfer.errors import (
     printable,
 )
 from transfer.handoff import (
+    Buffer,
     HandoffHeader,
     PackedIds,
     check_final,
@@ -83,7 +84,7 @@ from transfer.messages import (
     Streams,
     Sum,
 )
-from transfer.transport import Transport, make_transport
+from transfer.transport import KVPool, Transport, make_transport
 from transfer.wire import Channel
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ LOG_EVERY_S = 10.0  # each kind of refusal a flood can cause is logged at most t
 
 # on_handoff: the buffers to receive into (transfer.handoff.allocate_payload shapes; KVReceiver.
 # receive_buffers gives them in the offer's transport's own memory where it has some), or None to refuse.
-OnHandoff = Callable[[HandoffHeader], "Awaitable[list[torch.Tensor] | None] | list[torch.Tensor] | None"]
+OnHandoff = Callable[[HandoffHeader], "Awaitable[list[Buffer] | None] | list[Buffer] | None"]
 # on_complete: takes a verified sequence (e.g. engine.import_sequence); raising refuses it (nack).
 OnComplete = Callable[[HandoffHeader, SequenceExport], "Awaitable[None] | None"]
 # on_error: a handoff on_handoff accepted has failed; nothing was delivered (release the reservation).
@@ -198,13 +199,15 @@ class KVReceiver:
         """The transports made so far (on a handoff's first offer over each), by name."""
         return dict(self._transports)
 
-    def receive_buffers(self, header: HandoffHeader, device: torch.device | str) -> list[torch.Tensor] | None:
+    def receive_buffers(
+        self, header: HandoffHeader, device: torch.device | str, pool: KVPool | None = None
+    ) -> list[Buffer] | None:
         """For on_handoff: buffers on device for header's payload in memory the offer's transport has
-        prepared once (nixl: its registered landing arena), or None where it has none (or none free
-        now, or this is called outside an on_handoff): then on_handoff allocates them
-        (transfer.handoff.allocate_payload)."""
+        prepared once (nixl: the reservation's own pages in pool, registered once, or its registered
+        landing arena), or None where it has none (or none free now, or this is called outside an
+        on_handoff): then on_handoff allocates them (transfer.handoff.allocate_payload)."""
         transport = _OFFERED.get()
-        return transport.receive_buffers(header, torch.device(device)) if transport is not None else None
+        return transport.receive_buffers(header, torch.device(device), pool) if transport is not None else None
 
     async def start(self) -> KVReceiver:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -459,7 +462,7 @@ class KVReceiver:
 
     async def _take(
         self, ch: Channel, offer: Offer, streamed: bool
-    ) -> tuple[HandoffHeader, Transport, dict[str, Any], list[torch.Tensor], dict[str, float]]:
+    ) -> tuple[HandoffHeader, Transport, dict[str, Any], list[Buffer], dict[str, float]]:
         """An offer's (or a streamed handoff's open's) header, transport and fields, and the buffers
         on_handoff gives for it (the reservation taken), with the seconds each took; a refusal is
         counted and logged before it is raised."""
@@ -479,11 +482,11 @@ class KVReceiver:
             raise
         return header, transport, extra, segments, {"decode": t_offer - t0, "on_handoff": time.perf_counter() - t_offer}
 
-    async def _ask(self, header: HandoffHeader, transport: Transport) -> list[torch.Tensor] | None:
+    async def _ask(self, header: HandoffHeader, transport: Transport) -> list[Buffer] | None:
         """on_handoff(header), able to take its buffers from transport's memory (receive_buffers)."""
         offered = _OFFERED.set(transport)
         try:
-            segments: list[torch.Tensor] | None = await _call(self.on_handoff, header)
+            segments: list[Buffer] | None = await _call(self.on_handoff, header)
             return segments
         finally:
             _OFFERED.reset(offered)
@@ -514,7 +517,7 @@ class KVReceiver:
         ch: Channel,
         plan: HandoffHeader,
         transport: Transport,
-        segments: list[torch.Tensor],
+        segments: list[Buffer],
         phases: dict[str, float],
     ) -> HandoffAck:
         """A streamed handoff after its open (plan: the open's header; segments: buffers for the whole
@@ -549,7 +552,7 @@ class KVReceiver:
         return await self._receive(ch, header, transport, extra, [pages[done:], *segments[1:]], phases, (plan, segments))
 
     async def _parts(
-        self, ch: Channel, plan: HandoffHeader, transport: Transport, pages: torch.Tensor
+        self, ch: Channel, plan: HandoffHeader, transport: Transport, pages: Buffer
     ) -> tuple[ControlMessage, int, float]:
         """A stream's parts into pages, each verified, up to the first other message: that message, the
         pages received and the seconds spent on them."""
@@ -633,9 +636,9 @@ class KVReceiver:
         header: HandoffHeader,
         transport: Transport,
         extra: dict[str, Any],
-        segments: list[torch.Tensor],
+        segments: list[Buffer],
         phases: dict[str, float],
-        streamed: tuple[HandoffHeader, list[torch.Tensor]] | None = None,
+        streamed: tuple[HandoffHeader, list[Buffer]] | None = None,
     ) -> HandoffAck:
         """Receive, verify, deliver; returns the ack (with where the receiver's time went, phases).
         Nothing reaches on_complete unverified. streamed: a streamed handoff's open header and whole

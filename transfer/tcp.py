@@ -43,7 +43,7 @@ from pdkernels.checksum import CHUNK_BYTES, MASK64, as_words, fold
 from transfer.checksum import segment_sum
 from transfer.config import MAX_TCP_STREAMS, TransferConfig
 from transfer.errors import INCOMPLETE, TRANSPORT, HandoffError
-from transfer.handoff import HandoffHeader
+from transfer.handoff import Buffer, HandoffHeader, dense
 from transfer.transport import Transport
 from transfer.wire import Channel, blocking_recv_into, blocking_send
 
@@ -183,8 +183,9 @@ class TcpTransport(Transport):
     # ---- receiver ------------------------------------------------------------------------------
 
     async def accept(
-        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], buffers: list[Buffer]
     ) -> dict[str, Any]:
+        dense(buffers, "tcp")  # receives into memory of its own only
         n = extra.get("streams", 1)
         if set(extra) - {"streams"} or type(n) is not int or not 1 <= n <= min(len(ch.data) + 1, MAX_TCP_STREAMS):
             raise HandoffError(
@@ -198,10 +199,11 @@ class TcpTransport(Transport):
         ch: Channel,
         header: HandoffHeader,
         extra: dict[str, Any],
-        segments: list[torch.Tensor],
+        buffers: list[Buffer],
         *,
         phases: dict[str, float] | None = None,
     ) -> int | None:
+        segments = dense(buffers, "tcp")
         runs = stripe(segments, extra.get("streams", 1), self.config.chunk_bytes)
         socks = [ch.sock] + [d.sock for d in ch.data[: len(runs) - 1]]
         if any(t.is_cuda for t in segments):

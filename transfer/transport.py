@@ -22,13 +22,13 @@ import contextlib
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from engine.handoff import Alloc
 from transfer.config import TransferConfig
-from transfer.handoff import HandoffHeader
+from transfer.handoff import Buffer, HandoffHeader
 from transfer.wire import Channel, io_executor
 
 _REGISTRY: dict[str, str] = {
@@ -37,6 +37,20 @@ _REGISTRY: dict[str, str] = {
     "ipc": "transfer.ipc:IpcTransport",
     "nixl": "transfer.nixl:NixlTransport",  # the optional extra pdserve[nixl]
 }
+
+
+class KVPool(Protocol):
+    """A CE's KV pool, for a transport that writes a handoff's pages straight into the reservation's
+    own pages (nixl): the memory it registers once, and where a handoff may land."""
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The pool's memory (pages, SWA state): what a one-sided transport registers, once."""
+
+    def target(self, header: HandoffHeader, hold_s: float) -> list[Buffer] | None:
+        """header's payload buffers in the reservation's own memory (pages as PoolPages in tensors[0],
+        the state a slot of the state pool), or None where it may not land in place. From then on a
+        write may land there until the receive ends, and for hold_s after it failed."""
 
 
 class Transport(ABC):
@@ -98,28 +112,31 @@ class Transport(ABC):
 
     # ---- receiver side -------------------------------------------------------------------------
 
-    def receive_buffers(self, header: HandoffHeader, device: torch.device) -> list[torch.Tensor] | None:
+    def receive_buffers(
+        self, header: HandoffHeader, device: torch.device, pool: KVPool | None = None
+    ) -> list[Buffer] | None:
         """Buffers on device for header's payload (allocate_payload's shapes) in memory this transport
-        has prepared once, or None (the receiver allocates them: transfer.handoff.allocate_payload)."""
+        has prepared once, or None (the receiver allocates them: transfer.handoff.allocate_payload).
+        pool: the receiving engine's KV pool, for a transport that lands a payload in place there."""
         return None
 
     async def accept(
-        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[torch.Tensor]
+        self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], segments: list[Buffer]
     ) -> dict[str, Any]:
         """Checks the offer's transport fields before ready; returns fields for the ready message."""
         return {}
 
-    async def open_stream(self, ch: Channel, header: HandoffHeader, pages: torch.Tensor) -> dict[str, Any]:
+    async def open_stream(self, ch: Channel, header: HandoffHeader, pages: Buffer) -> dict[str, Any]:
         """writes_parts: makes pages (a streamed handoff's whole page buffer) writable by the sender;
         returns the open's ready fields. Held until end_stream."""
         return {}
 
-    def end_stream(self, pages: torch.Tensor, *, clean: bool) -> None:
+    def end_stream(self, pages: Buffer, *, clean: bool) -> None:
         """writes_parts: the stream's parts are over (clean: every write the sender began has ended;
         else one may still land in pages)."""
         return None
 
-    def abandon(self, segments: list[torch.Tensor]) -> None:
+    def abandon(self, segments: list[Buffer]) -> None:
         """Undoes accept for segments whose pull will not run (the handoff failed in between)."""
         return None
 
@@ -129,7 +146,7 @@ class Transport(ABC):
         ch: Channel,
         header: HandoffHeader,
         extra: dict[str, Any],
-        segments: list[torch.Tensor],
+        segments: list[Buffer],
         *,
         phases: dict[str, float] | None = None,
     ) -> int | None:

@@ -35,7 +35,7 @@ from pd.rank.loop_thread import LoopThread
 from pd.rank.role import admission_error, rejection
 from transfer.auth import load_token
 from transfer.errors import ENGINE_ERROR, UNEXPECTED, HandoffError
-from transfer.handoff import HandoffHeader, allocate_payload, model_fingerprint
+from transfer.handoff import Buffer, HandoffHeader, allocate_payload, model_fingerprint
 from transfer.receiver import KVReceiver
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class DecodeRole:
         self.handoffs = engine.handoffs
         self.send = send
         token = load_token(token_file=config.token_file or None)
+        self.pool = _EnginePool(engine)
         self.lt = LoopThread(ctx, "kv-receiver")
         self.wake = self.lt.wake
         self.receiver = KVReceiver(
@@ -172,6 +173,12 @@ class DecodeRole:
             "handoffs_refused_auth_total": c["refused_auth"],
             "handoffs_refused_total": c["refused"],
             "handoffs_failed_total": c["failed"],
+            # nixl: handoffs written straight into their reservation's pages; pages kept from reuse after
+            # a failed one while its sender may still be writing (counted in num_committed_blocks too)
+            "handoffs_in_place_total": sum(
+                getattr(t, "counters", {}).get("in_place_receives", 0) for t in self.receiver.transports.values()
+            ),
+            "num_quarantined_blocks": h.num_quarantined_blocks,
         }
 
     def close(self) -> None:
@@ -183,25 +190,47 @@ class DecodeRole:
 
     # ---- loop thread (KVReceiver callbacks) -----------------------------------------------------
 
-    def _on_handoff(self, header: HandoffHeader) -> list[torch.Tensor] | None:
+    def _on_handoff(self, header: HandoffHeader) -> list[Buffer] | None:
         num_tokens = len(header.prompt_token_ids) + len(header.output_token_ids)
         if not self.handoffs.begin_receive(header.request_id, num_tokens):
             return None
         try:
-            # nixl: slices of its registered landing arena; CUDA: the transports land it on the GPU
-            buffers = self.receiver.receive_buffers(header, self.engine.device)
-            return buffers if buffers is not None else allocate_payload(header, self.engine.device)
+            # nixl: the reservation's own pages (registered once), or slices of its registered landing
+            # arena; CUDA: the transports land it on the GPU
+            buffers = self.receiver.receive_buffers(header, self.engine.device, self.pool)
+            return buffers if buffers is not None else [*allocate_payload(header, self.engine.device)]
         except BaseException:
             self.handoffs.receive_failed(header.request_id)
             raise
 
     async def _on_complete(self, header: HandoffHeader, export: SequenceExport) -> None:
+        self.handoffs.landed(header.request_id)  # verified: no write is landing in its memory any more
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.lt.post(_Import(export, done))
         await done
 
     def _on_error(self, header: HandoffHeader, error: HandoffError) -> None:
         self.handoffs.receive_failed(header.request_id)  # thread-safe: the ledger holds its lock
+
+
+class _EnginePool:
+    """The engine's KV pool as the receiver's transports see it (transfer.transport.KVPool): a one-sided
+    transport registers its memory once and writes a handoff into the reservation's own pages."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.engine.kv.pages, self.engine.kv.swa
+
+    def target(self, header: HandoffHeader, hold_s: float) -> list[Buffer] | None:
+        first, n = header.first_page, header.page_shape[0]
+        got = self.engine.in_place_target(header.request_id, first, first + n, hold_s)
+        if got is None:
+            return None
+        pages, state = got
+        return [pages] + ([state] if header.has_state and state is not None else [])
 
 
 def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:

@@ -214,6 +214,79 @@ def test_expiry_waits_for_a_receive_in_progress() -> None:
     p.check_idle()
 
 
+# ---- CE: a receive in place (nixl writes straight into the reservation's pages) ----------------------
+
+
+def test_an_import_in_place_takes_the_placeholders_own_pages() -> None:
+    p = Pools(num_blocks=8)
+    h = p.ledger
+    h.enqueue("a", 6, 13, 30.0)  # 6 tokens: the placeholder holds blocks_for(7) = 2 pages
+    h.grant()
+    assert h.land_in_place("a", 0, 2, 5.0) is None  # not receiving yet
+    assert h.begin_receive("a", 6)
+    assert h.land_in_place("a", 1, 2, 5.0) is None  # page 0 is not held here: a delta cannot land
+    block_ids, slot = h.land_in_place("a", 0, 2, 5.0)
+    assert len(block_ids) == 2 and slot >= 0
+    used = p.blocks.num_used
+    seq = p.imported("a", 5)
+    with pytest.raises(InvalidRequestError, match="not its reservation's"):
+        h.import_(seq, 0, (tuple(block_ids[::-1]), slot))
+    assert h.phase("a") is Phase.RECEIVING  # refused, nothing changed
+    h.landed("a")
+    h.import_(seq, 0, (tuple(block_ids), slot))
+    assert seq.block_ids == block_ids and seq.state_slot == slot  # the very pages the sender wrote
+    assert h.phase("a") is Phase.IMPORTED and p.scheduler.running == [seq] and p.blocks.num_used == used
+    assert h.num_committed_blocks == 4 and h.num_quarantined_blocks == 0
+    p.scheduler.finish(seq, "stop")
+    h.end("a")
+    p.check_idle()
+
+
+@pytest.mark.parametrize("how", ["abort while receiving", "failed then expired", "failed then abort"])
+def test_a_reservation_released_while_a_write_may_land_is_quarantined(how: str) -> None:
+    """Its pages and slot go to no other sequence until the sender's write bound (hold_s) has passed."""
+    p = Pools(num_blocks=8)
+    h = p.ledger
+    h.enqueue("a", 6, 6, 1.0)
+    h.grant()
+    assert h.begin_receive("a", 6)
+    block_ids, slot = h.land_in_place("a", 0, 2, 5.0)
+    if how == "abort while receiving":
+        h.abort("a")
+    else:
+        h.receive_failed("a")  # the sender may go on writing for 5 s
+        assert h.phase("a") is Phase.RESERVED
+        p.clock.now_s += 2.0
+        if how == "failed then expired":
+            assert [e.request_id for e in h.expire()] == ["a"]  # the reservation ends; its memory does not
+        else:
+            h.abort("a")
+    assert h.phase("a") is None and h.num_quarantined_blocks == 2
+    assert p.blocks.num_used == 2 and h.num_committed_blocks == 2  # commits count it: grants wait for it
+    with pytest.raises(AssertionError, match="quarantined"):
+        h.check_idle()
+    p.clock.now_s += 2.9
+    h.expire()
+    assert h.num_quarantined_blocks == 2  # the sender's bound has not passed yet
+    p.clock.now_s += 3.1
+    h.expire()
+    assert h.num_quarantined_blocks == 0
+    p.check_idle()
+
+
+def test_a_verified_receive_in_place_releases_at_once_when_refused() -> None:
+    p = Pools()
+    h = p.ledger
+    h.enqueue("a", 5, 5, 30.0)
+    h.grant()
+    assert h.begin_receive("a", 5)
+    assert h.land_in_place("a", 0, 2, 60.0) is not None
+    h.landed("a")  # the payload was verified: no write is in flight
+    h.refuse_import("a")
+    assert h.num_quarantined_blocks == 0
+    p.check_idle()
+
+
 def test_refused_import_frees_the_reservation() -> None:
     p = Pools()
     h = p.ledger

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from engine.engine import LLMEngine
-from engine.handoff import SequenceExport
+from engine.handoff import PoolPages, SequenceExport
 from engine.request import SamplingParams
 from tests.engine_utils import small_engine
-from transfer.config import TransferConfig
+from transfer.config import TransferConfig, nixl_installed
 from transfer.handoff import HandoffHeader, allocate_payload, model_fingerprint
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
@@ -86,5 +86,59 @@ async def test_engine_handoff_continues_like_an_uninterrupted_run(
     assert (params.logprobs is not None) == bool(logprobs)
     if ce.arch.has_sliding:
         assert headers[0].swa_fill == ce.layout.window and headers[0].state_bytes > 0
+    pe.check_idle()
+    ce.check_idle()
+
+
+@pytest.mark.skipif(not nixl_installed(), reason="the nixl extra is not installed")
+async def test_engine_handoff_lands_in_place_over_nixl(tiny_model_dir) -> None:
+    """Over nixl into a reservation (as a decode rank takes one): the PE writes the pages straight into
+    the reservation's own blocks and the SWA ring into its slot; the import copies nothing and the CE
+    decodes exactly the uninterrupted run (the hybrid: its ring has wrapped)."""
+    folder = tiny_model_dir("qwen3_hybrid")
+    pe, ce = small_engine(folder, hicache_gb=0), small_engine(folder, hicache_gb=0)
+    model = model_fingerprint(folder)
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=7, ignore_eos=True)
+    prompt = [random.Random(2).randrange(3, 500) for _ in range(41)]
+    (reference,) = pe.generate([prompt], params)
+    exp, _ = prefill_and_export(pe, "h1", prompt, params)
+    ce.handoffs.enqueue("h1", len(prompt) + 1, len(prompt) + params.max_tokens, 30.0)
+    assert [g.request_id for g in ce.handoffs.grant()] == ["h1"]
+    config = TransferConfig(transport="nixl", idle_timeout_s=10.0)
+    delivered: list[SequenceExport] = []
+
+    class Pool:
+        tensors = (ce.kv.pages, ce.kv.swa)
+
+        @staticmethod
+        def target(h: HandoffHeader, hold_s: float) -> list | None:
+            got = ce.in_place_target(h.request_id, h.first_page, h.first_page + h.page_shape[0], hold_s)
+            return None if got is None else [got[0], *([got[1]] if h.has_state else [])]
+
+    def on_handoff(h: HandoffHeader):
+        assert ce.handoffs.begin_receive(h.request_id, len(h.prompt_token_ids) + len(h.output_token_ids))
+        return r.receive_buffers(h, "cpu", Pool())
+
+    def on_complete(h: HandoffHeader, export: SequenceExport) -> None:
+        ce.handoffs.landed(h.request_id)
+        delivered.append(export)
+        ce.import_sequence(export)
+
+    async with KVReceiver(TOKEN, ce.layout, on_handoff, on_complete, model=model, config=config) as r:
+        sender = KVSender(TOKEN, pe.layout, model=model, config=config)
+        try:
+            await sender.send(r.address, exp)
+        finally:
+            sender.close()
+        assert r.transports["nixl"].counters["in_place_receives"] == 1  # type: ignore[attr-defined]
+    (got,) = delivered
+    seq = ce.scheduler.find("h1")
+    assert isinstance(got.pages, PoolPages) and seq is not None
+    assert list(got.pages.block_ids) == seq.block_ids[: len(got.pages)]  # the blocks it was written into
+    tokens: list[int] = []
+    while ce.has_unfinished():
+        for out in ce.step():
+            tokens += out.new_token_ids
+    assert tokens == reference.output_token_ids
     pe.check_idle()
     ce.check_idle()

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 import torch
 
-from engine.handoff import KVLayout
+from engine.handoff import KVLayout, PoolPages
 from engine.request import PromptLogprobs, SamplingParams, TokenLogprob
 from pdkernels import checksum as ck
 from tests.transfer.support import LAYOUT_LATENT, LAYOUT_SWA, make_export
@@ -91,6 +91,32 @@ def test_streaming_hasher_equals_one_pass(small_chunks: int) -> None:
     assert ck.fold([h.result()]) == tc.payload_checksum([t])
     with pytest.raises(ValueError):
         tc.SegmentHasher(b.numel()).update(b[:100])  # a non-final piece inside a chunk
+
+
+@pytest.mark.parametrize("page_words", [5, 64, 150])  # pages smaller than a chunk, one chunk, larger
+def test_pages_in_a_pool_hash_as_the_tensor_they_stand_for(small_chunks: int, page_words: int) -> None:
+    """PoolPages (a handoff received in place) hashed where they lie, scattered and out of order, give the
+    checksum of their gathered copy; a slice too (a streamed part)."""
+    pool = torch.randint(-(2**62), 2**62, (20, page_words), dtype=torch.int64)
+    pages = PoolPages(pool, [7, 3, 4, 5, 19, 0, 1, 12, 13])
+    assert [r.shape[0] for r in pages.runs()] == [1, 3, 1, 2, 2]
+    assert tc.payload_checksum([pages]) == tc.payload_checksum([pages.gather()])
+    assert tc.payload_checksum([pages[2:7]]) == tc.payload_checksum([pages.gather()[2:7]])
+    assert pages.shape == (9, page_words) and pages.nbytes == 9 * page_words * 8
+
+
+def test_nixl_pairs_a_payload_with_scattered_receive_buffers() -> None:
+    """The sender cuts its contiguous segments where the receiver's buffers (runs of pool pages) end."""
+    from transfer.nixl import _cut, _pair
+
+    src, dst = _pair([(1000, 10, 0), (5000, 4, 0)], [(70, 3, 1), (80, 8, 1), (90, 3, 1)])
+    assert src == [(1000, 3, 0), (1003, 7, 0), (5000, 1, 0), (5001, 3, 0)]
+    assert dst == [(70, 3, 1), (80, 7, 1), (87, 1, 1), (90, 3, 1)]
+    assert _cut([(70, 3, 1), (80, 8, 1), (90, 3, 1)], 2, 5) == [(72, 1, 1), (80, 4, 1)]
+    with pytest.raises(HandoffError):
+        _pair([(1000, 10, 0)], [(70, 11, 1)])  # receive buffers of another size
+    with pytest.raises(HandoffError):
+        _cut([(70, 3, 1)], 2, 5)  # past their end
 
 
 def test_checksum_sees_corruption(small_chunks: int) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.handoff import KVLayout, SequenceExport
+from engine.handoff import KVLayout, PoolPages, SequenceExport
 from tests.transfer.support import FAST, LAYOUT_LATENT, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
 from transfer import nixl
 from transfer.arena import Arena
@@ -565,3 +565,86 @@ async def test_engine_export_gathers_into_the_nixl_arena(tiny_model_dir: Callabl
     # page slots past the last token hold whatever the pool had there: bits, not values
     assert torch.equal(got.pages.view(torch.uint8), plain.pages.view(torch.uint8))
     assert torch.equal(got.state.view(torch.uint8), plain.state.view(torch.uint8))
+
+
+# ---- in place: the payload written straight into scattered pages of the receiver's KV pool -------------
+
+
+class PoolSink(Sink):
+    """A CE stand-in with a KV pool (pages and SWA slots, as engine/kv_cache.py lays them out) that lets
+    each handoff land in place: its pages in the blocks `blocks` (scattered, out of order), its state in
+    slot 1, through KVReceiver.receive_buffers as a decode rank does."""
+
+    def __init__(self, layout: KVLayout, blocks: list[int], *expected: str) -> None:
+        super().__init__(*expected)
+        self.layout, self.blocks = layout, blocks
+        self.pages = torch.zeros(layout.page_shape(16), dtype=layout.dtype)
+        self.swa = torch.zeros(layout.state_shape(3), dtype=layout.dtype)
+        self.receiver: KVReceiver | None = None
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.pages, self.swa
+
+    def target(self, header: HandoffHeader, hold_s: float) -> list:
+        first, n = header.first_page, header.page_shape[0]
+        out: list = [PoolPages(self.pages, self.blocks[first : first + n])]
+        return out + ([self.swa[1]] if header.has_state else [])
+
+    def on_handoff(self, header: HandoffHeader) -> list | None:
+        self.offered.append(header.request_id)
+        if header.request_id not in self.expected:
+            return None
+        assert self.receiver is not None
+        return self.receiver.receive_buffers(header, "cpu", self)
+
+
+@needs_nixl
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_handoff_lands_in_place_in_scattered_pages_of_the_pool(streamed: bool) -> None:
+    """Every page at its block, out of order and in runs of one and more, the state in its slot: the
+    delivered export names those pages (PoolPages) and the receiver verified them where they lie."""
+    from tests.transfer.test_transfer_stream import NUM_PROMPT, stream_in_parts
+
+    assert NIXL is not None
+    exp = make_export(num_prompt=NUM_PROMPT)  # 8 pages
+    blocks = [9, 3, 4, 5, 14, 0, 1, 7]
+    sink = PoolSink(LAYOUT_SWA, blocks, "req-1")
+    async with receiver(sink, config=NIXL) as r:
+        sink.receiver = r
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=NIXL)
+        try:
+            ack = await (stream_in_parts(sender, r.address, exp, [2, 5]) if streamed else sender.send(r.address, exp))
+        finally:
+            sender.close()
+        nixl_tr = _nixl_of(r)
+    got = sink.delivered["req-1"]
+    assert isinstance(got.pages, PoolPages) and got.pages.block_ids == tuple(blocks)
+    assert torch.equal(sink.pages[blocks], exp.pages) and torch.equal(sink.swa[1], exp.state)
+    assert got.state is not None and got.state.data_ptr() == sink.swa[1].data_ptr()
+    untouched = [b for b in range(16) if b not in blocks]
+    assert not sink.pages[untouched].any() and not sink.swa[[0, 2]].any()
+    assert ack.num_streamed_pages == (5 if streamed else 0) and not sink.errors
+    assert nixl_tr.counters["in_place_receives"] == 1 and nixl_tr.counters["arena_receives"] == 0
+    assert nixl_tr.counters["registrations"] == 1  # the pool, once
+
+
+@needs_nixl
+async def test_a_corrupt_payload_in_place_is_refused() -> None:
+    """The checksum read from the pool's pages catches a payload that does not match its header's (the
+    sender's sum is the wrong one here); nothing is delivered, and the same pair hands off after."""
+    assert NIXL is not None
+    exp = make_export()
+    wrong = dataclasses.replace(exp, pages_sum=torch.tensor(12345))  # the header takes the export's sum
+    sink = PoolSink(LAYOUT_SWA, [6, 2, 3], "req-1")
+    async with receiver(sink, config=NIXL) as r:
+        sink.receiver = r
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=NIXL)
+        try:
+            with pytest.raises(HandoffError) as e:
+                await sender.send(r.address, wrong)
+            ack = await sender.send(r.address, exp)
+        finally:
+            sender.close()
+    assert e.value.code == CHECKSUM and [x.code for x in sink.errors] == [CHECKSUM]
+    assert ack.transport == "nixl" and torch.equal(sink.pages[[6, 2, 3]], exp.pages)

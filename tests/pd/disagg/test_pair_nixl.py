@@ -75,6 +75,9 @@ def test_check_pd_over_nixl(servers, capsys) -> None:
     wait_pair_idle(pair)
     handoffs = _handoffs_by_transport(pair.url)
     assert handoffs.get("nixl", 0) >= 9 and set(handoffs) == {"nixl"}, handoffs
+    # written straight into the reservations' pages: a delta handoff after a held prefix too
+    in_place = rank_metrics(pair.ce.port)["pdserve_engine_handoffs_in_place_total"]
+    assert in_place == handoffs["nixl"], (in_place, handoffs)
 
 
 def test_a_long_prompt_streams_over_nixl(servers) -> None:
