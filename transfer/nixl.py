@@ -3,19 +3,32 @@ backend underneath: RDMA verbs, NVLink/cuda_ipc, shared memory or TCP, whichever
 UCX_TLS allows); the control connection carries only what NIXL needs to find the buffers.
 
     S -> R  offer    (no transport fields)
-    R       its receive buffers: slices of its landing arena (registered once), or, where they are
-            not (no room, no arena), registered with its agent for this handoff
+    R       its receive buffers: the reservation's own pages and SWA slot in the CE's KV pool (registered
+            once: the payload lands in place and the import copies nothing), or, where it may not land
+            there, slices of its landing arena (registered once), or, where they are not (no room, no
+            arena), memory registered with its agent for this handoff
     R -> S  ready    {agent: the agent's metadata for that registration (connection info included),
-                      mem: "DRAM" | "VRAM", descs: [[address, bytes, device], ...] in payload order,
-                      kept: whether the registration is the landing arena's (lasts as long as the agent)}
-    S       loads the metadata unless it is kept metadata loaded before; WRITEs segment i into
-            descs[i] from its export arena's registration (or from the segments registered for this
-            write), waits for it
+                      mem: "DRAM" | "VRAM", descs: [[address, bytes, device], ...] in payload order (one
+                      per buffer; pages in the pool, one per run of consecutive blocks),
+                      kept: whether the registration lasts as long as the agent (the pool, the arena),
+                      hold_s: pages in the pool only: how long the CE keeps them from reuse after it gave
+                      up on a write (the sender gives up its write within that)}
+    S       loads the metadata unless it is kept metadata loaded before; cuts its segments where the
+            descriptors end and WRITEs each piece from its export arena's registration (or from the
+            segments registered for this write), waits for it
     S -> R  written  {payload_bytes}
     R       checksums the buffers where they are (the header's checksum), acks or nacks as for tcp
 
+In place, the pages the PE writes are the reservation's fresh pages: never a page the CE's decode cache
+holds (a delta handoff starts after the held pages; a full one over held pages lands in the arena), and
+never a page any other sequence has. A reservation released while a write may still land there (an
+abort mid-write, an expiry after a failed write) keeps its pages out of every other sequence's reach for
+hold_s (engine/handoff_ledger.py's quarantine). A tensor-parallel CE re-shards what it receives: it
+lands in the arena.
+
 One NIXL agent per transport, i.e. per process and role (a rank sends or receives, not both), made on
-the first handoff. Memory is registered once per end, in an arena (transfer/arena.py) of
+the first handoff. The CE's KV pool (pages and SWA slots) is registered on its first handoff
+(--nixl-copy-in: not at all). Memory is registered once per end, in an arena (transfer/arena.py) of
 nixl_arena_mb on the device of the first handoff's memory: the sender's export arena, which the PE
 gathers its exports into (export_allocator), and the receiver's landing arena, which the CE's
 on_handoff takes its receive buffers from (receive_buffers, through KVReceiver.receive_buffers). A
@@ -31,7 +44,7 @@ deregistered are never addressable from here (NIXL would write into them: it kno
 loaded) and a long-lived sender does not accumulate their descriptors.
 
 A streamed handoff (--kv-stream): the open's ready carries the same fields for the whole page buffer
-(registered until the parts end, or in the landing arena); the sender writes each part at its page
+(the reservation's pages in the pool, or registered until the parts end, or in the landing arena); the sender writes each part at its page
 offset in it and only then sends the `part` message (no fields), which the receiver checks where the
 bytes landed; the final offer is an offer as above.
 
@@ -56,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import math
 import os
 import socket
 import threading
@@ -85,7 +99,7 @@ log = logging.getLogger(__name__)
 POLL_S = 50e-6
 POLL_MAX_S = 1e-3
 PROGRESS_S = 1e-3
-READY_FIELDS = {"agent", "mem", "descs", "kept"}
+READY_FIELDS = {"agent", "mem", "descs", "kept", "hold_s"}
 MAX_DESCS = 1 << 20  # a ready's descriptors: a run of pages each at most (a 16k-token handoff in 16-token pages: 1,024)
 MAX_REMOTE_AGENTS = 32  # sender: receivers' kept metadata loaded (the least recently used idle agent dropped)
 
@@ -451,16 +465,16 @@ class NixlTransport(Transport):
         return {}
 
     async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
-        metadata, remote_mem, remote, kept = _read_ready(ready)
+        metadata, remote_mem, remote, kept, hold_s = _read_ready(ready)
         nbytes = sum(t.numel() * t.element_size() for t in segments)
-        await self._push(ch, segments, metadata, (remote_mem, _cut(remote, 0, nbytes)), kept)
+        await self._push(ch, segments, metadata, (remote_mem, _cut(remote, 0, nbytes)), kept, hold_s)
         await ch.send(Written(sum(n for _, n, _ in remote)))
 
     async def write_part(self, ch: Channel, pages: torch.Tensor, offset: int, opened: dict[str, Any]) -> None:
-        metadata, remote_mem, remote, kept = _read_ready(opened)
+        metadata, remote_mem, remote, kept, hold_s = _read_ready(opened)
         page_bytes = pages[0].numel() * pages.element_size()
         start, n = offset * page_bytes, pages.numel() * pages.element_size()
-        await self._push(ch, [pages], metadata, (remote_mem, _cut(remote, start, n)), kept)
+        await self._push(ch, [pages], metadata, (remote_mem, _cut(remote, start, n)), kept, hold_s)
 
     async def _push(
         self,
@@ -469,14 +483,18 @@ class NixlTransport(Transport):
         metadata: bytes,
         remote: tuple[str, list[tuple[int, int, int]]],
         kept: bool,
+        hold_s: float | None,
     ) -> None:
-        """Writes segments into the receiver's buffers remote (memory type, descriptors) and waits for it."""
+        """Writes segments into the receiver's buffers remote (memory type, descriptors) and waits for it,
+        at most hold_s where the receiver gives one."""
         mem, device = _mem_type(segments)
         produced = None
         if mem == "VRAM":
             produced = torch.cuda.Event()  # NOTE: recorded on the export's producer stream
             produced.record(torch.cuda.current_stream(segments[0].device))
-        await ch.run_blocking(self.executor, self._write, segments, (mem, device), metadata, remote, produced, kept)
+        await ch.run_blocking(
+            self.executor, self._write, segments, (mem, device), metadata, remote, produced, kept, hold_s
+        )
 
     def _write(
         self,
@@ -486,17 +504,20 @@ class NixlTransport(Transport):
         remote: tuple[str, list[tuple[int, int, int]]],
         produced: Any,
         kept: bool = False,
+        hold_s: float | None = None,
     ) -> None:
         """Writes segments (local: their memory type and device) into the receiver's buffers (remote:
         their memory type and descriptors; kept: they lie in a registration the receiver keeps, whose
         metadata stays loaded here) and waits for the write (worker thread). The segments go from the
-        export arena's registration when they lie in it, else are registered for this write.
-        Raises HandoffError(TRANSPORT | TIMEOUT)."""
+        export arena's registration when they lie in it, else are registered for this write. The write is
+        given up after idle_timeout_s, or the receiver's hold_s if shorter (how long it keeps the buffers
+        from reuse after it gave up itself: pages of its KV pool). Raises HandoffError(TRANSPORT | TIMEOUT)."""
         agent = self.agent()
         mem, device = local
         if produced is not None:
             produced.synchronize()
-        deadline = time.monotonic() + self.config.idle_timeout_s
+        bound_s = self.config.idle_timeout_s if hold_s is None else min(hold_s, self.config.idle_timeout_s)
+        deadline = time.monotonic() + bound_s
         export = self._arenas.get(EXPORT)
         reg = None  # registered for this write
         if export is not None and export.arena.holds(segments):
@@ -631,7 +652,10 @@ class NixlTransport(Transport):
         if count:
             self._count(kind)
         self._landing[id(segments)] = (reg, segments)
-        return {"agent": metadata, "mem": mem, "descs": [list(d) for d in descs], "kept": kept}
+        fields = {"agent": metadata, "mem": mem, "descs": [list(d) for d in descs], "kept": kept}
+        if kind == "in_place_receives":  # the engine keeps its pages from reuse this long after a failure
+            fields["hold_s"] = self.config.idle_timeout_s
+        return fields
 
     def _register_landing(self, segments: list[torch.Tensor], mem: str, device: int) -> tuple[Any, bytes]:
         agent = self.agent()
@@ -737,12 +761,16 @@ def _nixl_call(peer: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise HandoffError(TRANSPORT, f"nixl: the write to {peer} failed: {e!r}") from None
 
 
-def _read_ready(ready: dict[str, Any]) -> tuple[bytes, str, list[tuple[int, int, int]], bool]:
+def _read_ready(ready: dict[str, Any]) -> tuple[bytes, str, list[tuple[int, int, int]], bool, float | None]:
     """The receiver's agent metadata, memory type, buffer descriptors (in payload order: one per buffer,
-    or one per run of pages for pages landing in place) and whether its registration is kept, from its
-    ready fields. Raises HandoffError(PROTOCOL)."""
+    or one per run of pages for pages landing in place), whether its registration is kept and how long
+    it keeps the buffers from reuse after a failure (hold_s: pages in its pool; None: as long as needed),
+    from its ready fields. Raises HandoffError(PROTOCOL)."""
     metadata, their_mem, descs = ready.get("agent"), ready.get("mem"), ready.get("descs")
     kept = ready.get("kept", False)  # absent: a receiver that registers per handoff
+    hold_s = ready.get("hold_s")
+    if hold_s is not None and (type(hold_s) not in (int, float) or not 0 < hold_s < math.inf):
+        raise HandoffError(PROTOCOL, "nixl: a ready whose hold_s is not a positive number")
     if not isinstance(metadata, bytes) or not metadata or not {"agent", "mem", "descs"} <= set(ready) <= READY_FIELDS:
         raise HandoffError(PROTOCOL, f"nixl: a ready without agent metadata (fields {sorted(map(str, ready))[:8]})")
     if not isinstance(kept, bool):
@@ -756,4 +784,4 @@ def _read_ready(ready: dict[str, Any]) -> tuple[bytes, str, list[tuple[int, int,
         if not (isinstance(d, list) and len(d) == 3 and all(isinstance(x, int) and x >= 0 for x in d)):
             raise HandoffError(PROTOCOL, "nixl: a malformed buffer descriptor in ready")
         remote.append((d[0], d[1], d[2]))
-    return metadata, their_mem, remote, kept
+    return metadata, their_mem, remote, kept, None if hold_s is None else float(hold_s)

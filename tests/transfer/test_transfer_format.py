@@ -119,6 +119,19 @@ def test_nixl_pairs_a_payload_with_scattered_receive_buffers() -> None:
         _cut([(70, 3, 1)], 2, 5)  # past their end
 
 
+def test_a_nixl_ready_bounds_the_write_to_a_pool_by_its_hold() -> None:
+    """Pages in the CE's pool come with hold_s (how long the CE keeps them from reuse after a failure);
+    the sender's write is given up within it. A malformed one is a protocol error."""
+    from transfer.nixl import _read_ready
+
+    ready = {"agent": b"md", "mem": "DRAM", "descs": [[70, 3, 0], [90, 5, 0]], "kept": True}
+    assert _read_ready(ready)[2:] == ([(70, 3, 0), (90, 5, 0)], True, None)
+    assert _read_ready({**ready, "hold_s": 12})[4] == 12.0
+    for bad in (0, -1.0, float("inf"), "5", True):
+        with pytest.raises(HandoffError):
+            _read_ready({**ready, "hold_s": bad})
+
+
 def test_checksum_sees_corruption(small_chunks: int) -> None:
     base = torch.randn(64 * 4, dtype=torch.float32)
     ref = tc.payload_checksum([base])
