@@ -648,3 +648,25 @@ async def test_a_corrupt_payload_in_place_is_refused() -> None:
             sender.close()
     assert e.value.code == CHECKSUM and [x.code for x in sink.errors] == [CHECKSUM]
     assert ack.transport == "nixl" and torch.equal(sink.pages[[6, 2, 3]], exp.pages)
+
+
+@needs_nixl
+async def test_copy_in_lands_in_the_arena_instead() -> None:
+    """--nixl-copy-in: the pool is never registered; the payload lands in the landing arena, the pool
+    untouched (the import copies it there)."""
+    assert NIXL is not None
+    exp = make_export()
+    sink = PoolSink(LAYOUT_SWA, [6, 2, 3], "req-1")
+    config = dataclasses.replace(NIXL, nixl_copy_in=True)
+    async with receiver(sink, config=config) as r:
+        sink.receiver = r
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=config)
+        try:
+            await sender.send(r.address, exp)
+        finally:
+            sender.close()
+        tr = _nixl_of(r)
+    got = sink.delivered["req-1"]
+    assert isinstance(got.pages, torch.Tensor) and torch.equal(got.pages, exp.pages)
+    assert not sink.pages.any() and tr._pool is None
+    assert tr.counters["in_place_receives"] == 0 and tr.counters["arena_receives"] == 1
