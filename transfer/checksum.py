@@ -33,7 +33,9 @@ def segment_sum(words: torch.Tensor, first_chunk: int = 0) -> int:
     return definition.torch_segment_sum(words, first_chunk)
 
 
-STAGE_CHUNKS = 8  # PoolPages: runs shorter than a chunk are hashed through a staging buffer of this many
+# PoolPages: runs shorter than the staging buffer are hashed through it, this many chunks (on a GPU each
+# hash is a launch and a sync: fewer, larger ones)
+STAGE_CHUNKS = {"cpu": 8, "cuda": 64}
 
 
 def payload_checksum(segments: Sequence[torch.Tensor | PoolPages]) -> int:
@@ -46,24 +48,26 @@ def payload_checksum(segments: Sequence[torch.Tensor | PoolPages]) -> int:
 
 
 def pool_pages_sum(pages: PoolPages) -> int:
-    """segment_sum of the contiguous tensor pages stand for, read from the pool's runs: whole chunks of
-    a run straight from the pool, the rest through a staging buffer of STAGE_CHUNKS chunks (a page is
-    usually smaller than a chunk), so the pieces hashed start at chunk boundaries as SegmentHasher asks."""
+    """segment_sum of the contiguous tensor pages stand for, read from the pool's runs: a run at least a
+    staging buffer long straight from the pool (its whole chunks), the rest copied through a staging
+    buffer of STAGE_CHUNKS chunks (a page is usually smaller), so each piece hashed starts at a chunk
+    boundary as SegmentHasher asks."""
     hasher = SegmentHasher(pages.nbytes)
     chunk = definition.CHUNK_BYTES
+    stage_bytes = STAGE_CHUNKS.get(pages.device.type, 8) * chunk
     stage: torch.Tensor | None = None
     fill = 0
     for run in pages.runs():
         b = run.reshape(-1).view(torch.uint8)
         pos = 0
         while pos < b.numel():
-            if fill == 0 and b.numel() - pos >= chunk:  # aligned: hash whole chunks in place
+            if fill == 0 and b.numel() - pos >= stage_bytes:  # aligned and long: hash it in place
                 whole = (b.numel() - pos) // chunk * chunk
                 hasher.update(b[pos : pos + whole])
                 pos += whole
                 continue
             if stage is None:
-                stage = torch.empty(STAGE_CHUNKS * chunk, dtype=torch.uint8, device=b.device)
+                stage = torch.empty(stage_bytes, dtype=torch.uint8, device=b.device)
             k = min(stage.numel() - fill, b.numel() - pos)
             stage[fill : fill + k].copy_(b[pos : pos + k])
             fill, pos = fill + k, pos + k

@@ -93,7 +93,7 @@ def test_streaming_hasher_equals_one_pass(small_chunks: int) -> None:
         tc.SegmentHasher(b.numel()).update(b[:100])  # a non-final piece inside a chunk
 
 
-@pytest.mark.parametrize("page_words", [5, 64, 150])  # pages smaller than a chunk, one chunk, larger
+@pytest.mark.parametrize("page_words", [5, 64, 150, 1200])  # within a chunk, one, more; longer than the stage
 def test_pages_in_a_pool_hash_as_the_tensor_they_stand_for(small_chunks: int, page_words: int) -> None:
     """PoolPages (a handoff received in place) hashed where they lie, scattered and out of order, give the
     checksum of their gathered copy; a slice too (a streamed part)."""
