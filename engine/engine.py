@@ -631,12 +631,14 @@ class LLMEngine:
         slot, or None (engine/handoff_io.py's in_place_target)."""
         return self.handoff_io.in_place_target(request_id, first_page, num_pages, hold_s)
 
-    def export_pages(self, request_id: str, first_page: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def export_pages(
+        self, request_id: str, first_page: int, alloc: Alloc | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A sequence's pages from first_page on that its prefill has completed, while later chunks are
         still to run (a streamed handoff's parts): (pages, their checksum sum or None), or None when no
-        new page is complete. Pages stay on the engine's device; the page of the last prompt token is
-        left to export_sequence."""
-        return self.handoff_io.export_pages(request_id, first_page)
+        new page is complete. Pages stay on the engine's device (gathered into alloc's memory where it
+        gives some, as for export_sequence); the page of the last prompt token is left to export_sequence."""
+        return self.handoff_io.export_pages(request_id, first_page, alloc)
 
     def finish_handoff(self, request_id: str) -> None:
         """The exported sequence now lives elsewhere: free it here without a further output."""

@@ -87,10 +87,13 @@ class HandoffIO:
             prompt_logprobs=seq.prompt_logprobs.result() if seq.prompt_logprobs is not None else None,
         )
 
-    def export_pages(self, request_id: str, first_page: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def export_pages(
+        self, request_id: str, first_page: int, alloc: Alloc | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """LLMEngine.export_pages: copies of a prefilling sequence's computed pages from first_page on,
         short of the page of its last prompt token (that one, and everything after, goes with export()),
-        and their checksum sum where the gather computes it (CUDA); None when there are none yet.
+        and their checksum sum where the gather computes it (CUDA); None when there are none yet. alloc:
+        where to gather them (a transport's registered memory), as for export.
 
         NOTE: a page is copied only once every position of it is computed: no later chunk writes it. On
         CUDA the gather is queued on the engine's stream behind the forwards that wrote the pages; a
@@ -105,7 +108,9 @@ class HandoffIO:
         block_ids = seq.block_ids[first_page:last]
         if self.shards is not None:  # the group's heads, merged on rank 0
             return self.shards.read(block_ids, -1)[0], None
-        return self.kv.read_pages(block_ids, with_checksum=True)
+        kv = self.kv
+        out = alloc((len(block_ids), *kv.pages.shape[1:]), kv.pages.dtype, kv.device) if alloc is not None else None
+        return kv.read_pages(block_ids, out=out, with_checksum=True)
 
     def in_place_target(
         self, request_id: str, first_page: int, num_pages: int, hold_s: float

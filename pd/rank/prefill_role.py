@@ -195,7 +195,7 @@ class PrefillRole:
         rid, st = job.msg.request_id, job.stream
         first = job.skip_pages if st is None else st.next_page
         try:
-            got = self.engine.export_pages(rid, first)
+            got = self.engine.export_pages(rid, first, self.export_alloc)  # nixl: its registered arena
         except Exception as e:
             raise_if_fatal(e)
             log.error("export of %r's pages failed", rid, exc_info=e)

@@ -3,9 +3,11 @@ imported into a second, decoded there; the tokens must equal an uninterrupted ru
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+import torch
 
 from engine.engine import LLMEngine
 from engine.handoff import PoolPages, SequenceExport
@@ -142,3 +144,28 @@ async def test_engine_handoff_lands_in_place_over_nixl(tiny_model_dir) -> None:
     assert tokens == reference.output_token_ids
     pe.check_idle()
     ce.check_idle()
+
+
+def test_a_streamed_parts_pages_are_gathered_where_alloc_says(tiny_model_dir) -> None:
+    """export_pages(alloc=...): a prefilling sequence's completed pages gathered into the memory alloc
+    gives (nixl: its registered export arena, so a part's write registers nothing), equal to a plain gather."""
+    eng = small_engine(tiny_model_dir("llama"), hicache_gb=0, max_num_batched_tokens=32)
+    eng.add_request("s", list(range(3, 103)), SamplingParams(max_tokens=2), use_prefix_cache=False)
+    eng.step()
+    eng.step()  # 64 of 100 tokens computed: pages 0-3 complete
+    arena = torch.zeros(1 << 20, dtype=torch.uint8)
+    asked: list[tuple[int, ...]] = []
+
+    def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        asked.append(shape)
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return arena[:n].view(dtype).view(shape)
+
+    got = eng.export_pages("s", 1, alloc)
+    plain = eng.export_pages("s", 1)
+    assert got is not None and plain is not None
+    assert got[0].data_ptr() == arena.data_ptr() and asked == [tuple(plain[0].shape)] and plain[0].shape[0] == 3
+    assert torch.equal(got[0], plain[0])
+    eng.abort("s")
+    eng.step()
+    eng.check_idle()
