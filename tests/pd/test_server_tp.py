@@ -27,7 +27,7 @@ from tests.server_fixtures import (
     story_prompts,
 )
 from tests.tiny_models import make_servable
-from transfer.config import TransferConfig
+from transfer.config import TransferConfig, nixl_installed
 
 pytestmark = pytest.mark.slow
 
@@ -77,13 +77,16 @@ def test_tp2_serves_the_tokens_of_tp1(servers, model: str) -> None:
 
 
 def test_config_refuses_what_tp_does_not_do_yet() -> None:
-    """--tp with --role pe|ce hands off over tcp only (tests/pd/disagg/test_pair_tp.py runs it)."""
-    with pytest.raises(ValueError, match="--tp 2 with --role pe hands off over --transport tcp only"):
+    """--tp with --role pe|ce hands off over tcp and nixl only (tests/pd/disagg/test_pair_tp.py runs both)."""
+    with pytest.raises(ValueError, match="--tp 2 with --role pe hands off over --transport tcp or nixl only"):
         ServerConfig(role="pe", tp=2, transfer=TransferConfig(transport="nccl"))
-    with pytest.raises(ValueError, match="--tp 2 with --role ce takes handoffs over tcp only so far: pass --accept-transports tcp"):
+    with pytest.raises(ValueError, match="--tp 2 with --role ce takes handoffs over tcp and nixl only so far: pass --accept-transports tcp,nixl"):
         ServerConfig(role="ce", tp=2)
     tcp = TransferConfig(accept_transports=("tcp",))
     assert ServerConfig(role="pe", tp=2).tp == ServerConfig(role="ce", tp=2, transfer=tcp).tp == 2
+    if nixl_installed():
+        both = TransferConfig(transport="nixl", accept_transports=("tcp", "nixl"))
+        assert ServerConfig(role="pe", tp=2, transfer=both).tp == ServerConfig(role="ce", tp=2, transfer=both).tp
     with pytest.raises(ValueError, match="--ep must be 1 or equal to --dp x --tp = 4"):  # test_server_tp_ep.py
         ServerConfig(dp=2, ep=2, tp=2)
     with pytest.raises(ValueError, match="--tp must be >= 1"):

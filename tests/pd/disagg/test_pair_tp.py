@@ -1,5 +1,7 @@
-"""The P/D handoff between tensor-parallel sizes, through real servers on loopback (CPU, gloo, tcp): a PE
-at --tp 1 hands off to a CE at --tp 2, a PE at --tp 2 to a CE at --tp 1 and to one at --tp 2. A handoff
+"""The P/D handoff between tensor-parallel sizes, through real servers on loopback (CPU, gloo): a PE
+at --tp 1 hands off to a CE at --tp 2 over tcp, a PE at --tp 2 to a CE at --tp 1 and to one at --tp 2
+over nixl where the extra is installed (the --tp 1 CE takes it in place, into its reservation's pages;
+the --tp 2 CE in its arena, then re-sharded), over tcp otherwise. A handoff
 carries every KV head of the model and each group's first process re-shards them (engine/kv_shards.py).
 The model: a tiny Gemma 3 (2 KV heads, split at --tp 2; sliding-window layers, whose SWA state travels
 per head too) with SmolLM2's tokenizer and chat template. bench/check_pd.py finds each pair's tokens
@@ -19,12 +21,14 @@ import pytest
 from pd.tools.server_process import ServerProcess, free_port, wait_idle
 from tests.server_fixtures import SMALL_DETERMINISTIC, serving
 from tests.tiny_models import make_servable
+from transfer.config import nixl_installed
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "pd-test-cluster-token-0123456789"
 # what the handoff between TP sizes changes (the rest of check_pd's cases: tests/pd/disagg/test_pair_e2e.py)
 ONLY = "chat seeded sampling,chat prompt_logprobs,conversation greedy,concurrent conversations"
+PE2_TRANSPORT = "nixl" if nixl_installed() else "tcp"  # the --tp 2 PE's
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +48,25 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     # the PEs prefill in chunks of 64 tokens: a long prompt's handoff streams (--kv-stream), its pages
     # merged from the group's heads after each chunk, from the first page the CE lacks, cache hits included
     chunked = ("--role", "pe", "--max-num-batched-tokens", "64")
-    s["pe1"], s["pe2"] = server("pe1", *chunked), server("pe2", *chunked, "--tp", "2")
+    s["pe1"], s["pe2"] = server("pe1", *chunked), server("pe2", *chunked, "--tp", "2", "--transport", PE2_TRANSPORT)
     for name, pe, tp in (("ce12", "pe1", "2"), ("ce21", "pe2", "1"), ("ce22", "pe2", "2")):
         s[name] = server(
-            name, "--role", "ce", "--tp", tp, "--accept-transports", "tcp", "--prefill-url", s[pe].url,
-            "--kv-port-base", str(free_port()),
+            name, "--role", "ce", "--tp", tp, "--accept-transports", "tcp,nixl" if nixl_installed() else "tcp",
+            "--prefill-url", s[pe].url, "--kv-port-base", str(free_port()),
         )  # fmt: skip
     with serving(*s.values()):
         yield s
 
 
-def _metric(port: int, name: str) -> float:
-    """A server's sample of name, labels summed."""
+def _metric(port: int, name: str, label: str = "") -> float:
+    """A server's sample of name, labels summed (only samples with label, if given, e.g. transport="tcp")."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         lines = r.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + "{", name + " ")))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith((name + "{", name + " ")) and label in line.rsplit(" ", 1)[0]
+    )
 
 
 @pytest.mark.timeout(900)
@@ -77,3 +85,8 @@ def test_check_pd_across_tp_sizes(servers: dict[str, ServerProcess], pe_tp: int,
     assert _metric(ce.port, "pdserve_handoff_skipped_tokens_total") > 0  # the CE group's decode cache
     assert _metric(ce.port, "pdserve_handoff_streamed_pages_total") > 0  # pages sent while the PE prefilled
     assert wait_idle(pe.port, timeout_s=60)["pdserve_engine_cache_hit_tokens_total"] > 0  # the PE group's prefix cache
+    handoffs = _metric(ce.port, "pdserve_handoffs_total")
+    transport = PE2_TRANSPORT if pe_tp == 2 else "tcp"
+    assert _metric(ce.port, "pdserve_handoffs_total", f'transport="{transport}"') == handoffs > 0, transport
+    in_place = _metric(ce.port, "pdserve_engine_handoffs_in_place_total")
+    assert in_place == (handoffs if transport == "nixl" and ce_tp == 1 else 0)  # a --tp CE re-shards: no
