@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from engine.config import ForwardConfig
 from engine.context import ForwardContext, SeqChunk, get_context
@@ -211,6 +210,21 @@ def _takes_sdpa(cfg: ForwardConfig, spec: AttnSpec, c: SeqChunk) -> bool:
     return c.num_tokens >= cfg.prefill_sdpa_min_queries and c.num_tokens * c.end_pos >= cfg.prefill_sdpa_min_pairs
 
 
+def _lower_right() -> Any:
+    """torch's causal_lower_right, imported on first use: its module pulls in torch._dynamo, a second of
+    import in every engine process, where only a GPU's SDPA path needs it (preload_sdpa: at the start)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right
+
+
+def preload_sdpa(config: ForwardConfig, device: torch.device) -> None:
+    """At an engine's start: imports what a prefill through torch's SDPA needs (a CUDA engine in default
+    mode), so its first prefix-cached prefill pays no import."""
+    if device.type == "cuda" and config.prefill_sdpa != "off":
+        _lower_right()
+
+
 @cache
 def _flash_supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> bool:
     """Whether torch's flash kernel takes this head layout (GQA included) on this device. A chunk after a
@@ -244,7 +258,7 @@ def _sdpa_chunk(
     else:
         keys, values = _gather_pages(ctx, spec.cache_index, c, index)
     n, num_keys = c.num_tokens, c.end_pos
-    mask = None if n == num_keys else causal_lower_right(n, num_keys)
+    mask = None if n == num_keys else _lower_right()(n, num_keys)
     with sdpa_kernel(_SDPA_BACKENDS[ctx.config.prefill_sdpa], set_priority=True):
         out = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None],

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from engine import expert_parallel
+from engine.attention import preload_sdpa
 from engine.block_pool import BlockPool
 from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig, EngineStats
 from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
@@ -173,6 +174,8 @@ class LLMEngine:
         )
         # the layout a P/D handoff carries (the model's, whatever --tp; self.layout is this rank's share)
         self.handoff_layout = self.handoff_io.layout
+        if not config.is_deterministic:
+            preload_sdpa(config.forward, self.device)
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import InvalidRequestError
+from engine.meta import on_meta
 
 BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
@@ -218,7 +219,7 @@ class Fp8Linear(nn.Linear):
     decode step's few rows take the FP8 GEMV instead (engine/model.py `linear`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | None = None) -> None:
-        with torch.device("meta"):
+        with on_meta():
             super().__init__(in_features, out_features, bias=bias)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
                                    requires_grad=False)  # fmt: skip

@@ -40,6 +40,7 @@ from torch import nn
 
 from engine import expert_parallel, fp8
 from engine.errors import InvalidRequestError
+from engine.meta import on_meta
 from engine.model import CausalLM
 from engine.model_config import ModelArch, rope_inv_freq
 from engine.moe import ExpertWeights, ScoreGate, SparseMoE
@@ -133,7 +134,7 @@ def build_model(
     shard = None
     if tp is not None:  # under --ep too (engine/world.py): the routed experts held whole, split across its group
         shard = TpShard(tp.rank, tp.size, arch, splits_experts=expert_parallel.current() is None)
-    with torch.device("meta"):
+    with on_meta():
         model = CausalLM(arch, inv_freqs, tp, shard)
     # dtypes and FP8 modules settled on the meta device, so the device holds only the final weights (a
     # 30B MoE's FP8 experts, never their bf16 form first)

@@ -42,6 +42,7 @@ from torch import nn
 from engine import expert_parallel, fp8
 from engine.attention import AttnSpec, paged_attention
 from engine.context import current_context, get_context
+from engine.meta import on_meta
 from engine.mla import LatentAttention
 from engine.model_config import SLIDING, ModelArch
 from engine.moe import SparseMoE
@@ -128,7 +129,7 @@ def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
         return fp8.concat(linears)
     has_bias = linears[0].bias is not None
     out_features = sum(lin.out_features for lin in linears)
-    with torch.device("meta"):
+    with on_meta():
         fused = nn.Linear(linears[0].in_features, out_features, bias=has_bias)
     fused.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
     if has_bias:
