@@ -10,8 +10,9 @@
 #      processes on the one GPU) over tcp, ipc and nixl (UCX's cuda_ipc) against the raw socket and the
 #      device copy of the same bytes, in the same run;
 #   3. bench/micro/tcp_streams.py --device cuda --tokens 16384 for N = 1, 2, 4, 8 sockets.
-# Logs under $OUT, a summary last ($OUT/summary.txt). Each step has its own limit (WHEEL_S, TESTS_S,
-# NIXL_TESTS_S, HANDOFF_S, STREAMS_S); SKIP_TESTS=1, SKIP_HANDOFF=1, SKIP_STREAMS=1 leave a step out.
+# Logs under $OUT, a summary last ($OUT/summary.txt). Each step has its own limit in seconds (WHEEL_S 45,
+# TESTS_S 120, NIXL_TESTS_S 100, HANDOFF_S 150, STREAMS_S 120: 535 in all, under a call's 600 with the
+# wheels' install); SKIP_TESTS=1, SKIP_HANDOFF=1, SKIP_STREAMS=1 leave a step out.
 # Without a GPU the GPU steps are skipped with a line saying so; TINY=1 runs steps 2 and 3 on the CPU with
 # tiny sizes instead (a rehearsal: NIXL_MODULE=nixl_cu12 where that is the wheel installed).
 #   bash bench/device/nixl_check.sh                       (carry .whl)
@@ -42,7 +43,7 @@ fi
 
 # 0. the wheel
 t0=$(date +%s)
-UCX_PROTO_INFO=y timeout -k 5 "${WHEEL_S:-60}" $PY - > "$OUT/wheel.log" 2>&1 <<'PY'
+UCX_PROTO_INFO=y timeout -k 5 "${WHEEL_S:-45}" $PY - > "$OUT/wheel.log" 2>&1 <<'PY'
 import importlib.metadata, os, time
 import torch
 from transfer.nixl import load_nixl
@@ -86,14 +87,14 @@ ucx_writes "$OUT/wheel.log"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     if [ "$GPU" = 1 ]; then
         t0=$(date +%s)
-        timeout -k 10 "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider --durations=6 \
+        timeout -k 10 "${TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider --durations=6 \
             tests/transfer/test_transfer_gpu.py > "$OUT/tests_gpu.log" 2>&1
         say "gpu transfer tests: rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests_gpu.log")"
     else
         say "gpu transfer tests: skipped (no GPU)"
     fi
     t0=$(date +%s)
-    timeout -k 10 "${NIXL_TESTS_S:-180}" $PY -m pytest -q -p no:cacheprovider --durations=6 \
+    timeout -k 10 "${NIXL_TESTS_S:-100}" $PY -m pytest -q -p no:cacheprovider --durations=6 \
         tests/transfer/test_transfer_nixl.py > "$OUT/tests_nixl.log" 2>&1
     say "nixl tests: rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests_nixl.log")"
     grep -hE "^(FAILED|ERROR) " "$OUT"/tests_*.log | cut -c1-240 | head -20 | tee -a "$SUMMARY"
@@ -104,7 +105,7 @@ fi
 # 2. the handoff: tcp, ipc (on a GPU) and nixl against their ceilings, one run
 if [ "${SKIP_HANDOFF:-0}" != 1 ]; then
     t0=$(date +%s)
-    UCX_PROTO_INFO=y timeout -k 10 "${HANDOFF_S:-240}" $PY bench/micro/handoff.py --layout llama8b --tokens "$TOKENS" --repeats 3 \
+    UCX_PROTO_INFO=y timeout -k 10 "${HANDOFF_S:-150}" $PY bench/micro/handoff.py --layout llama8b --tokens "$TOKENS" --repeats 3 \
         --device "$DEV" --nixl-arena-mb "$ARENA_MB" --json "$OUT/handoff.json" > "$OUT/handoff.log" 2>&1
     say "handoff llama8b $TOKENS tokens on $DEV: rc $? in $(( $(date +%s) - t0 )) s"
     grep -E "^# (llama8b|nixl|no CUDA)|^ +tokens|(raw tcp socket|d2d copy|[ ]handoff (tcp|ipc|nixl)|payload (ipc|nixl)) |^bar " \
@@ -116,7 +117,7 @@ fi
 # 3. tcp striped over N sockets from and to GPU memory
 if [ "${SKIP_STREAMS:-0}" != 1 ]; then
     t0=$(date +%s)
-    timeout -k 10 "${STREAMS_S:-240}" $PY bench/micro/tcp_streams.py --device "$DEV" --tokens "$TOKENS" \
+    timeout -k 10 "${STREAMS_S:-120}" $PY bench/micro/tcp_streams.py --device "$DEV" --tokens "$TOKENS" \
         --streams "$STREAMS" --json "$OUT/tcp_streams.json" > "$OUT/tcp_streams.log" 2>&1
     say "tcp_streams $DEV $TOKENS tokens, N = $STREAMS: rc $? in $(( $(date +%s) - t0 )) s"
     sed -n '/^tcp handoff of/,$p' "$OUT/tcp_streams.log" | tee -a "$SUMMARY"
