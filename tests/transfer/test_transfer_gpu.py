@@ -1,8 +1,9 @@
 """The transports' CUDA paths on a real GPU (skipped without one): the checksum on the device against
-the CPU's, TCP from and to GPU memory through the pinned staging buffers, and CUDA IPC between two
-processes (a sender in a child process, the receiver here), twice from the same memory so a stale
-mapping or a missing ordering event would show as the first payload arriving again. The tests are
-plain functions around asyncio.run: the GPU machine need not have pytest-asyncio."""
+the CPU's, TCP from and to GPU memory through the pinned staging buffers, and CUDA IPC (and, where the
+nixl extra is installed, NIXL's one-sided write) between two processes (a sender in a child process, the
+receiver here), twice from the same memory so a stale mapping or a missing ordering event would show as
+the first payload arriving again. The tests are plain functions around asyncio.run: the GPU machine need
+not have pytest-asyncio."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from engine.handoff import KVLayout, SequenceExport
 from pdkernels.checksum import CHUNK_BYTES, GPU_GROUP_CHUNKS, fold
 from tests.transfer.support import TOKEN, Sink, make_export, receiver
 from transfer.checksum import SegmentHasher, payload_checksum
-from transfer.config import TransferConfig
+from transfer.config import TransferConfig, nixl_installed
 from transfer.handoff import HandoffHeader, allocate_payload, payload_segments
 from transfer.nccl import nccl_version
 from transfer.sender import KVSender
@@ -172,6 +173,12 @@ asyncio.run(main())
 
 def test_ipc_between_two_processes() -> None:
     asyncio.run(from_a_child_process("ipc", "cuda:0"))
+
+
+@pytest.mark.skipif(not nixl_installed(), reason="the nixl extra (pip install 'pdserve[nixl]') is not installed")
+def test_nixl_between_two_processes() -> None:
+    """NIXL's UCX backend writes the child's GPU export into the receiver's GPU memory (cuda_ipc on one GPU)."""
+    asyncio.run(from_a_child_process("nixl", "cuda:0"))
 
 
 async def from_a_child_process(transport: str, device: str) -> None:

@@ -46,7 +46,8 @@ needs_nixl = pytest.mark.skipif(NIXL is None, reason="the nixl extra (pip instal
 def _run(code: str, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-c", code, *args], cwd=ROOT, stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # PYTHONPATH kept after the repo's: NIXL may be installed there (a --target dir) rather than in site-packages
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )  # fmt: skip
 
 
