@@ -468,7 +468,7 @@ class NixlTransport(Transport):
         metadata, remote_mem, remote, kept, hold_s = _read_ready(ready)
         nbytes = sum(t.numel() * t.element_size() for t in segments)
         await self._push(ch, segments, metadata, (remote_mem, _cut(remote, 0, nbytes)), kept, hold_s)
-        await ch.send(Written(sum(n for _, n, _ in remote)))
+        await ch.send(Written(nbytes))
 
     async def write_part(self, ch: Channel, pages: torch.Tensor, offset: int, opened: dict[str, Any]) -> None:
         metadata, remote_mem, remote, kept, hold_s = _read_ready(opened)
@@ -517,7 +517,7 @@ class NixlTransport(Transport):
         if produced is not None:
             produced.synchronize()
         bound_s = self.config.idle_timeout_s if hold_s is None else min(hold_s, self.config.idle_timeout_s)
-        deadline = time.monotonic() + bound_s
+        deadline = time.monotonic() + bound_s  # NOTE: from before registering: the receiver's hold runs already
         export = self._arenas.get(EXPORT)
         reg = None  # registered for this write
         if export is not None and export.arena.holds(segments):
@@ -544,7 +544,7 @@ class NixlTransport(Transport):
                 handle = _nixl_call(peer, lambda: a.initialize_xfer(
                     "WRITE", a.get_xfer_descs(src, mem), a.get_xfer_descs(dst, remote[0]), peer
                 ))  # fmt: skip
-                self._wait(agent, handle, peer, deadline)
+                self._wait(agent, handle, peer, deadline, bound_s)
                 ok = True
             finally:
                 if handle is not None:
@@ -556,8 +556,9 @@ class NixlTransport(Transport):
             elif reg is not None:
                 agent.deregister(reg)
 
-    def _wait(self, agent: _Agent, handle: Any, peer: str, deadline: float) -> None:
-        """Posts the write and polls it to its end; raises HandoffError(TRANSPORT | TIMEOUT)."""
+    def _wait(self, agent: _Agent, handle: Any, peer: str, deadline: float, bound_s: float) -> None:
+        """Posts the write and polls it to its end (by deadline, bound_s after the ready came); raises
+        HandoffError(TRANSPORT | TIMEOUT)."""
         a = agent.agent
         state = _nixl_call(peer, a.transfer, handle)
         delay = POLL_S
@@ -565,7 +566,7 @@ class NixlTransport(Transport):
             if time.monotonic() > deadline:
                 raise HandoffError(
                     TIMEOUT,
-                    f"nixl: the write to {peer} did not complete within {self.config.idle_timeout_s:g} s",
+                    f"nixl: the write to {peer} did not complete within {bound_s:g} s",
                 )
             time.sleep(delay)
             delay = min(2 * delay, POLL_MAX_S)
