@@ -10,7 +10,10 @@ followers (close()), then broadcasts the next engine's config, which every rank 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
+import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,17 +36,26 @@ BASE = dict(device="cpu", block_size=16, max_num_batched_tokens=64, kv_cache_gb=
 
 
 def _follower(rank: int, address: str) -> None:
-    """A rank other than 0: builds each engine rank 0 announces and follows it, until rank 0 says stop."""
+    """A rank other than 0: builds each engine rank 0 announces and follows it, until rank 0 says stop.
+    Exits as a server's rank does (os._exit, exit code 0 only after the stop): the interpreter's own
+    teardown can meet a thread of torch's process group still joinable and abort the process."""
     torch.set_num_threads(1)
-    tp = init_group(rank, SIZE, address, torch.device("cpu"))
+    code = 1
     try:
+        tp = init_group(rank, SIZE, address, torch.device("cpu"))
         while True:
             kind, config = tp.receive_plan()
             if kind == PLAN_STOP:
-                return
+                code = 0
+                break
             LLMEngine(EngineConfig(**config), tp).follow()
+    except BaseException:
+        traceback.print_exc()
     finally:
         close_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class Group:
