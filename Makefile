@@ -22,10 +22,8 @@ models: setup
 	$(BIN)/python -m engine.models fetch smollm2-135m-instruct
 	$(BIN)/python -m engine.models fetch gemma3-270m
 
-# Two processes (pytest-xdist): modules go whole to one of them, grouped as tests/conftest.py says; 0: one process.
-TEST_WORKERS ?= 2
 test: setup models
-	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -ra
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"

@@ -17,37 +17,6 @@ from tests.tiny_models import make_tiny
 # thread waits. This process's own OpenMP (loaded above, through torch) keeps the default.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# `make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): each module goes whole to one
-# of them (its servers, module fixtures, start once), the modules on the session's SmolLM2 servers to one
-# process (they start once), and the modules that run many engine processes at once one after another in
-# one process, so that two of them never hold memory together (each takes several GiB: a peak of 21 GiB of
-# the 24 on the CI machine when they could overlap). On 2 cores the suite took 1,348 s in one process and
-# 1,069 s in two (the servers' engines leave a core idle while a test waits for them).
-MANY_ENGINES = {
-    "tests/pd/disagg/test_pair_tp.py",  # seven servers, eleven engine processes
-    "tests/pd/disagg/test_cluster.py",
-    "tests/pd/disagg/test_pair_faults.py",
-    "tests/pd/disagg/test_pair_gemma.py",
-    "tests/pd/test_server_tp_ep.py",
-    "tests/pd/test_server_moe.py",
-    "tests/pd/test_server_deepseek.py",
-    "tests/pd/test_server_tp.py",
-    "tests/engine/test_golden_real.py",  # Gemma 3 270M against transformers in float32, in this process
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The xdist groups above (only where tests run in several processes)."""
-    if not getattr(config.option, "numprocesses", None):
-        return
-    on_smollm = {item.path for item in items if "smollm_servers" in getattr(item, "fixturenames", ())}
-    root = Path(str(config.rootpath))
-    for item in items:
-        module = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else str(item.path)
-        group = "smollm" if item.path in on_smollm else "many-engines" if module in MANY_ENGINES else module
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 # What asyncio writes when a task's failure or a coroutine is dropped unseen: a bug in the server, wherever
 # it shows (the request it belonged to may well have been answered).
 ASYNCIO_COMPLAINTS = ("exception was never retrieved", "destroyed but it is pending", "was never awaited")
