@@ -274,27 +274,19 @@ def test_a_reservation_released_while_a_write_may_land_is_quarantined(how: str) 
     p.check_idle()
 
 
-def test_a_verified_receive_in_place_releases_at_once_when_refused() -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_refused_import_frees_the_reservation(in_place: bool) -> None:
+    """At once, a receive in place too: its payload was verified (landed), so no write is in flight."""
     p = Pools()
     h = p.ledger
     h.enqueue("a", 5, 5, 30.0)
     h.grant()
     assert h.begin_receive("a", 5)
-    assert h.land_in_place("a", 0, 2, 60.0) is not None
-    h.landed("a")  # the payload was verified: no write is in flight
+    if in_place:
+        assert h.land_in_place("a", 0, 2, 60.0) is not None
+        h.landed("a")
     h.refuse_import("a")
-    assert h.num_quarantined_blocks == 0
-    p.check_idle()
-
-
-def test_refused_import_frees_the_reservation() -> None:
-    p = Pools()
-    h = p.ledger
-    h.enqueue("a", 5, 5, 30.0)
-    h.grant()
-    assert h.begin_receive("a", 5)
-    h.refuse_import("a")
-    assert h.phase("a") is None and not h.begin_receive("a", 5)
+    assert h.phase("a") is None and not h.begin_receive("a", 5) and h.num_quarantined_blocks == 0
     p.check_idle()
 
 
