@@ -12,6 +12,7 @@ import torch
 from engine.engine import LLMEngine
 from engine.handoff import PoolPages, SequenceExport
 from engine.request import SamplingParams
+from pd.rank.decode_role import _EnginePool
 from tests.engine_utils import small_engine
 from transfer.config import TransferConfig, nixl_installed
 from transfer.handoff import HandoffHeader, allocate_payload, model_fingerprint
@@ -109,17 +110,11 @@ async def test_engine_handoff_lands_in_place_over_nixl(tiny_model_dir) -> None:
     config = TransferConfig(transport="nixl", idle_timeout_s=10.0)
     delivered: list[SequenceExport] = []
 
-    class Pool:
-        tensors = (ce.kv.pages, ce.kv.swa)
-
-        @staticmethod
-        def target(h: HandoffHeader, hold_s: float) -> list | None:
-            got = ce.in_place_target(h.request_id, h.first_page, h.first_page + h.page_shape[0], hold_s)
-            return None if got is None else [got[0], *([got[1]] if h.has_state else [])]
+    pool = _EnginePool(ce)  # the decode rank's own adapter of its engine's pool
 
     def on_handoff(h: HandoffHeader):
         assert ce.handoffs.begin_receive(h.request_id, len(h.prompt_token_ids) + len(h.output_token_ids))
-        return r.receive_buffers(h, "cpu", Pool())
+        return r.receive_buffers(h, "cpu", pool)
 
     def on_complete(h: HandoffHeader, export: SequenceExport) -> None:
         ce.handoffs.landed(h.request_id)
