@@ -7,8 +7,10 @@ and a handoff hashes twice (sender and receiver). The kernel reads
 each word once, mixes it with its position key (1 MiB of keys, read from L2) and sums a chunk in
 registers; torch then weights the per-chunk sums by their chunk keys (kept on the device).
 
-Three uses, one kernel:
+Four uses, one kernel:
     segment_sum(words)               hash only (checksum.segment_sum on CUDA)
+    pages_sum(pool, ids)             hash only, of pages where they lie in a pool (a handoff received in
+                                     place: checksum.pool_pages_sum on CUDA)
     gather_pages(pool, ids, out)     the PE's export gather, hashing the pages it writes
     copy_segments(dst, src)          the ipc receiver's copy out of the sender's memory (its sums
                                      read in host memory: SegmentSums.fold)
@@ -123,6 +125,19 @@ def gather_pages(pool: torch.Tensor, block_ids: list[int], out: torch.Tensor) ->
     return _s(src, dst.numel(), dst=dst, page_ids=ids, page_words=page_words)
 
 
+def pages_sum(pool: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> int | None:
+    """S (checksum.py) of the pages pool[block_ids[0]], pool[block_ids[1]], ... as one segment, read where
+    they lie in the pool (pool: [num_blocks, ...] pages, contiguous, on a CUDA device), in one pass; None
+    when the kernel cannot do it on this device or for this pool (the caller hashes another way)."""
+    src = _words(pool)
+    page_bytes = pool[0].numel() * pool.element_size() if pool.shape[0] else 0
+    if src is None or not block_ids or page_bytes % 8 or not pool.is_cuda or not usable(pool.device):
+        return None
+    ids = torch.tensor(block_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
+    page_words = page_bytes // 8
+    return int(_s(src, len(block_ids) * page_words, page_ids=ids, page_words=page_words)) & MASK64
+
+
 class SegmentSums:
     """The ipc receiver's copy+hash of several segments: every chunk's weighted sum in one device
     buffer (sums), each segment's chunks a slice of it (bounds); S of each segment once the buffer
@@ -169,7 +184,8 @@ def copy_segment(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
 @cache
 def usable(device: torch.device) -> bool:
     """Whether the kernel runs on device and every variant (hash only, copy, paged gather with steps
-    inside a page or across pages) gives the torch version's sums and bytes (checked once)."""
+    inside a page or across pages, paged hash only) gives the torch version's sums and bytes (checked
+    once)."""
     def torch_s(words: torch.Tensor, first: int = 0) -> int:
         return torch_segment_sum(words, first)
 
@@ -198,6 +214,8 @@ def usable(device: torch.device) -> bool:
             got = torch.full_like(want, -1)
             s = _s(pool.reshape(-1), want.numel(), dst=got, page_ids=ids, page_words=page_words)
             ok = ok and int(s) & MASK64 == torch_s(want) and torch.equal(got, want)
+            s = _s(pool.reshape(-1), want.numel(), page_ids=ids, page_words=page_words)  # no copy
+            ok = ok and int(s) & MASK64 == torch_s(want)
     except Exception as e:  # no Triton, or it cannot build for this device
         log.info("payload checksum on %s: torch path (Triton kernel unavailable: %r)", device, e)
         return False

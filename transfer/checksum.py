@@ -48,10 +48,15 @@ def payload_checksum(segments: Sequence[torch.Tensor | PoolPages]) -> int:
 
 
 def pool_pages_sum(pages: PoolPages) -> int:
-    """segment_sum of the contiguous tensor pages stand for, read from the pool's runs: a run at least a
-    staging buffer long straight from the pool (its whole chunks), the rest copied through a staging
-    buffer of STAGE_CHUNKS chunks (a page is usually smaller), so each piece hashed starts at a chunk
-    boundary as SegmentHasher asks."""
+    """segment_sum of the contiguous tensor pages stand for, read from the pool: on a GPU in one pass of
+    the kernel over the pages where they lie (checksum_gpu.pages_sum); elsewhere from the pool's runs, a
+    run at least a staging buffer long straight from the pool (its whole chunks), the rest copied
+    through a staging buffer of STAGE_CHUNKS chunks (a page is usually smaller), so each piece hashed
+    starts at a chunk boundary as SegmentHasher asks."""
+    if pages.device.type == "cuda" and pages.block_ids:
+        got = checksum_gpu.pages_sum(pages.pool, pages.block_ids)
+        if got is not None:
+            return got
     hasher = SegmentHasher(pages.nbytes)
     chunk = definition.CHUNK_BYTES
     stage_bytes = STAGE_CHUNKS.get(pages.device.type, 8) * chunk

@@ -108,7 +108,7 @@ if [ "${SKIP_HANDOFF:-0}" != 1 ]; then
     UCX_PROTO_INFO=y timeout -k 10 "${HANDOFF_S:-150}" $PY bench/micro/handoff.py --layout llama8b --tokens "$TOKENS" --repeats 3 \
         --device "$DEV" --nixl-arena-mb "$ARENA_MB" --json "$OUT/handoff.json" > "$OUT/handoff.log" 2>&1
     say "handoff llama8b $TOKENS tokens on $DEV: rc $? in $(( $(date +%s) - t0 )) s"
-    grep -E "^# (llama8b|nixl|no CUDA)|^ +tokens|(raw tcp socket|d2d copy|[ ]handoff (tcp|ipc|nixl)|payload (ipc|nixl)) |^bar " \
+    grep -E "^# (llama8b|nixl|no CUDA)|^ +tokens|(raw tcp socket|d2d copy|[ ]handoff (tcp|ipc|nixl|nixl-in-place)|payload (ipc|nixl|nixl-in-place)) |^bar " \
         "$OUT/handoff.log" | cut -c1-200 | tee -a "$SUMMARY"
     ucx_writes "$OUT/handoff.log" 8
     grep -E "Error|error:" "$OUT/handoff.log" | sort | uniq -c | head -8 | tee -a "$SUMMARY"

@@ -8,7 +8,10 @@ For each sequence length (tokens), one export of the layout of bench/configs/<la
     copy of the same bytes, and tcp from/to GPU memory through the pinned staging buffers;
   - where the nixl extra is installed, nixl (a one-sided NIXL/UCX write; UCX_TLS picks the link; each
     end's arena registered once, --nixl-arena-mb, its counters printed at the end), against the raw
-    socket from host memory and the device copy from GPU memory.
+    socket from host memory and the device copy from GPU memory, twice: landing in the receiver's
+    registered arena (`nixl`, as a --tp CE or --nixl-copy-in), and in place (`nixl-in-place`: written
+    straight into shuffled blocks of the receiver's KV pool, registered once, and verified there, as a
+    decode rank receives).
 Reported per row: milliseconds and GB/s of the whole send (connect, auth, sender checksum, payload,
 receiver verify, ack: `handoff`), the receiver's payload phase with and without its checksum pass
 (`payload+verify`, `payload`: for ipc, opening the handles and the copy), the sender's checksum
@@ -50,9 +53,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.handoff import (
+from engine.handoff import (  # noqa: E402
     KVLayout,
-    SequenceExport,  # noqa: E402
+    PoolPages,
+    SequenceExport,
 )
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.kv_cache import layout_of as engine_layout_of  # noqa: E402
@@ -108,7 +112,7 @@ class SyntheticPool:
     def gather(self, with_checksum: bool, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         return self.kv.read_pages(self.block_ids, out=out, with_checksum=with_checksum)
 
-    def export(self, alloc: Any = None) -> SequenceExport:
+    def export(self, alloc: Any = None, request_id: str | None = None) -> SequenceExport:
         """What engine.export_sequence(rid, device=None, alloc=alloc) does."""
         kv, n_pages = self.kv, len(self.block_ids)
         out = alloc((n_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device) if alloc and n_pages else None
@@ -118,7 +122,7 @@ class SyntheticPool:
             st = alloc(tuple(state.shape), state.dtype, state.device)
             state = st.copy_(state) if st is not None else state
         return SequenceExport(
-            f"bench-{self.tokens}", list(range(self.tokens)), [1], self.tokens, SamplingParams(), 0, pages,
+            request_id or f"bench-{self.tokens}", list(range(self.tokens)), [1], self.tokens, SamplingParams(), 0, pages,
             state, pages_sum=pages_sum,
         )  # fmt: skip
 
@@ -164,24 +168,54 @@ def reused_payload(device: str) -> Callable[[HandoffHeader], list[torch.Tensor]]
     return on_handoff
 
 
-def receiver_main(conn: Any, layout: dict[str, Any], device: str, token: bytes, nixl_arena_mb: int | None) -> None:
+IN_PLACE = "nixl-in-place"  # the sender (and request id prefix) whose handoffs land in the receiver's pool
+
+
+class ReceiverPool:
+    """The receiving process's KV pool (engine/kv_cache.KVCache's pages and SWA slots), where a handoff
+    of IN_PLACE's lands in place (transfer.transport.KVPool): its pages in blocks of a fixed shuffle of
+    the pool (runs of one block, the most scattered a decode rank's pool gets), its state in slot 0."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str) -> None:
+        self.kv = KVCache(layout, num_blocks, 1, torch.device(device))
+        self.order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2)).tolist()
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.kv.pages, self.kv.swa
+
+    def target(self, header: HandoffHeader, hold_s: float) -> list[Any] | None:
+        first, n = header.first_page, header.page_shape[0]
+        if first + n > len(self.order):
+            return None  # larger than the pool: the arena
+        out: list[Any] = [PoolPages(self.kv.pages, self.order[first : first + n])]
+        return out + ([self.kv.swa[0]] if header.has_state else [])
+
+
+def receiver_main(
+    conn: Any, layout: dict[str, Any], device: str, token: bytes, nixl_arena_mb: int | None, pool_blocks: int
+) -> None:
     if torch.device(device).index is not None:  # "cuda" alone: the current device
         torch.cuda.set_device(torch.device(device))
     lst = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_sink, args=(lst,), daemon=True).start()
     reused = reused_payload(device)
     receivers: list[KVReceiver] = []
+    kv_layout = KVLayout.from_fields(layout)
+    pool = ReceiverPool(kv_layout, pool_blocks, device) if pool_blocks else None
 
-    def on_handoff(h: HandoffHeader) -> list[torch.Tensor]:
-        """nixl: slices of its registered landing arena (freed after each handoff, so reused), as a CE's;
-        the others (and a payload larger than the arena): the reused buffers."""
-        got = receivers[0].receive_buffers(h, device)
+    def on_handoff(h: HandoffHeader) -> list[Any]:
+        """nixl: IN_PLACE's in the pool's pages; the others' in slices of its registered landing arena
+        (freed after each handoff, so reused), as a CE's; the other transports (and a payload larger than
+        the arena): the reused buffers."""
+        in_place = pool if h.request_id.startswith(IN_PLACE) else None
+        got = receivers[0].receive_buffers(h, device, in_place)
         return got if got is not None else reused(h)
 
     async def main() -> None:
         cfg = TransferConfig(idle_timeout_s=120.0, nixl_arena_mb=nixl_arena_mb)
         async with KVReceiver(
-            token, KVLayout.from_fields(layout), on_handoff, lambda h, e: None, config=cfg
+            token, kv_layout, on_handoff, lambda h, e: None, config=cfg
         ) as r:
             receivers.append(r)
             conn.send((r.port, lst.getsockname()[1]))
@@ -292,8 +326,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    # the receiver's pool: room for the longest sequence's pages (nixl-in-place lands there)
+    pool_blocks = math.ceil(max(token_counts) / layout.block_size) + 8 if nixl_installed() and layout.num_full_layers else 0
     proc = ctx.Process(
-        target=receiver_main, args=(child, layout.fields(), recv_device, TOKEN, args.nixl_arena_mb), daemon=True
+        target=receiver_main,
+        args=(child, layout.fields(), recv_device, TOKEN, args.nixl_arena_mb, pool_blocks),
+        daemon=True,
     )
     proc.start()
     rows: list[dict[str, Any]] = []
@@ -308,19 +347,18 @@ def main(argv: list[str] | None = None) -> int:
                 TOKEN, layout, config=TransferConfig(transport="ipc", send_timeout_s=600.0)
             )
         if nixl_installed():  # the nixl extra: UCX picks its transport (shared memory, cuda_ipc, TCP)
-            senders["nixl"] = KVSender(
-                TOKEN,
-                layout,
-                config=TransferConfig(
-                    transport="nixl", send_timeout_s=600.0, idle_timeout_s=120.0, nixl_arena_mb=args.nixl_arena_mb
-                ),
+            nixl_cfg = TransferConfig(
+                transport="nixl", send_timeout_s=600.0, idle_timeout_s=120.0, nixl_arena_mb=args.nixl_arena_mb
             )
+            senders["nixl"] = KVSender(TOKEN, layout, config=nixl_cfg)
+            if pool_blocks:
+                senders[IN_PLACE] = KVSender(TOKEN, layout, config=nixl_cfg)
         peer = torch.device(recv_device) if torch.device(recv_device) != device else None
         if peer is not None and nccl_version() is not None:
             senders["nccl"] = KVSender(
                 TOKEN, layout, config=TransferConfig(transport="nccl", send_timeout_s=600.0)
             )
-        for tokens in [int(t) for t in args.tokens.split(",")]:
+        for tokens in token_counts:
             pool = SyntheticPool(layout, tokens, device)
             rows += measure(pool, layout, senders, addr, raw_port, args.repeats, loop, peer, args.p2p_gbps)
     finally:
@@ -402,9 +440,9 @@ def measure(
     rows.append(row("export gather+hash", gather_hash_s, "d2d copy" if copy_s else None, copy_s))
     for name, sender in senders.items():
         # the first send opens (and authenticates) the sender's connection, which later sends reuse
-        acks = [_ack(loop, sender, addr, pool)[1] for _ in range(repeats + 1)]
+        acks = [_ack(loop, sender, addr, pool, name)[1] for _ in range(repeats + 1)]
         first, ack = acks[0], min(acks[1:], key=lambda a: a.elapsed_s)
-        if name == "tcp" or (name == "nixl" and device.type != "cuda"):  # host memory: loopback's ceiling
+        if name == "tcp" or (name.startswith("nixl") and device.type != "cuda"):  # host memory: loopback's ceiling
             ceiling, ceiling_s = "raw tcp socket", raw_s
         elif name == "nccl" and p2p_s is not None:
             ceiling, ceiling_s = "nccl p2p", p2p_s
@@ -465,11 +503,12 @@ def _timed(fn: Any, device: torch.device) -> float:
 
 
 def _ack(
-    loop: asyncio.AbstractEventLoop, sender: KVSender, addr: str, pool: SyntheticPool
+    loop: asyncio.AbstractEventLoop, sender: KVSender, addr: str, pool: SyntheticPool, name: str
 ) -> tuple[float, Any]:
     """One handoff of a fresh export (made as the PE makes it for this sender's transport, and
-    finished before the clock starts): the whole send, from sender.send() to the ack."""
-    exp = pool.export(sender.export_allocator)
+    finished before the clock starts): the whole send, from sender.send() to the ack. Its request id
+    starts with the sender's name (the receiver lets IN_PLACE's land in its pool)."""
+    exp = pool.export(sender.export_allocator, f"{name}-{pool.tokens}")
     if exp.pages.is_cuda:
         torch.cuda.synchronize(exp.pages.device)
     ack = loop.run_until_complete(sender.send(addr, exp))
@@ -477,13 +516,13 @@ def _ack(
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'tokens':>7} {'MiB':>7}  {'what':<28} {'ms':>9} {'GB/s':>8}  {'of ceiling':<24}")
+    print(f"\n{'tokens':>7} {'MiB':>7}  {'what':<36} {'ms':>9} {'GB/s':>8}  {'of ceiling':<24}")
     for r in rows:
         frac = f"{r['of_ceiling']:.0%} of {r['ceiling']}" if r["of_ceiling"] else ""
         phase = "sender" in r["what"] or "receiver" in r["what"]
         gbs = f"{r['bytes'] / r['s'] / GB:>8.2f}" if not phase and r["s"] > 0 else " " * 8
         print(
-            f"{r['tokens']:>7} {r['bytes'] / 2**20:>7.0f}  {r['what']:<28} {r['s'] * 1e3:>9.3f} {gbs}  {frac:<24}"
+            f"{r['tokens']:>7} {r['bytes'] / 2**20:>7.0f}  {r['what']:<36} {r['s'] * 1e3:>9.3f} {gbs}  {frac:<24}"
         )
 
 

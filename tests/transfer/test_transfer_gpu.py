@@ -11,11 +11,12 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from engine.handoff import KVLayout, SequenceExport
+from engine.handoff import KVLayout, PoolPages, SequenceExport
 from pdkernels.checksum import CHUNK_BYTES, GPU_GROUP_CHUNKS, fold
 from tests.transfer.support import TOKEN, Sink, make_export, receiver
 from transfer.checksum import SegmentHasher, payload_checksum
@@ -79,6 +80,24 @@ def test_checksum_on_the_gpu_equals_the_cpu(nbytes: int) -> None:
     flipped = data.clone()
     flipped[nbytes // 2] ^= 0x80
     assert payload_checksum([flipped.cuda()]) != payload_checksum([data])
+
+
+def test_pages_in_a_pool_hash_in_one_pass_as_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handoff received in place is verified where its pages lie (scattered blocks, runs of one and
+    more): the one-pass kernel's sum equals the gathered pages' and the staged runs' (the CPU's way)."""
+    pytest.importorskip("triton")
+    from engine.kv_cache import KVCache
+    from pdkernels import checksum_gpu
+
+    kv = KVCache(LAYOUT, num_blocks=64, num_slots=1, device=torch.device("cuda"))
+    kv.pages.copy_(torch.randn(kv.pages.shape, generator=torch.Generator().manual_seed(6)).to(kv.pages))
+    ids = [40, 41, 42, 7, 63, 0, 1, *range(10, 30), 5]
+    want = payload_checksum([kv.pages[torch.tensor(ids, device="cuda")]])
+    assert payload_checksum([PoolPages(kv.pages, ids)]) == want
+    assert payload_checksum([PoolPages(kv.pages, ids[3:4])]) == payload_checksum([kv.pages[7:8]])
+    calls = []
+    monkeypatch.setattr(checksum_gpu, "pages_sum", lambda pool, ids: calls.append(ids))  # the staged runs
+    assert payload_checksum([PoolPages(kv.pages, ids)]) == want and calls == [tuple(ids)]
 
 
 def test_the_one_pass_checksum_kernel_runs_here() -> None:
@@ -176,27 +195,75 @@ def test_ipc_between_two_processes() -> None:
 
 
 @pytest.mark.skipif(not nixl_installed(), reason="the nixl extra (pip install 'pdserve[nixl]') is not installed")
-def test_nixl_between_two_processes() -> None:
-    """NIXL's UCX backend writes the child's GPU export into the receiver's GPU memory (cuda_ipc on one GPU)."""
-    asyncio.run(from_a_child_process("nixl", "cuda:0"))
+@pytest.mark.parametrize("in_place", [False, True], ids=["arena", "in-place"])
+def test_nixl_between_two_processes(in_place: bool) -> None:
+    """NIXL's UCX backend writes the child's GPU export into the receiver's GPU memory (cuda_ipc on one GPU):
+    into its registered landing arena, or in place, into scattered blocks of a GPU KV pool as a decode rank
+    receives (the pool registered once, the checksum read where the pages lie)."""
+    asyncio.run(from_a_child_process("nixl", "cuda:0", in_place=in_place))
 
 
-async def from_a_child_process(transport: str, device: str) -> None:
+class CudaPoolSink(CudaSink):
+    """A decode rank's stand-in with a KV pool on the GPU (transfer.transport.KVPool): each handoff lands
+    in place, its pages in its own shuffled blocks of the pool, its state in its own slot."""
+
+    def __init__(self, *expected: str, device: str) -> None:
+        super().__init__(*expected, device=device)
+        from engine.kv_cache import KVCache
+
+        self.kv = KVCache(LAYOUT, num_blocks=96, num_slots=len(expected) + 1, device=torch.device(device))
+        self.kv.pages.zero_()
+        self.kv.swa.zero_()
+        order = torch.randperm(96, generator=torch.Generator().manual_seed(5)).tolist()
+        self.blocks = {rid: order[i * 40 : (i + 1) * 40] for i, rid in enumerate(sorted(expected))}
+        self.slots = {rid: i + 1 for i, rid in enumerate(sorted(expected))}
+        self.receiver: Any = None
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.kv.pages, self.kv.swa
+
+    def target(self, header: HandoffHeader, hold_s: float) -> list[Any]:
+        first, n = header.first_page, header.page_shape[0]
+        out: list[Any] = [PoolPages(self.kv.pages, self.blocks[header.request_id][first : first + n])]
+        return out + ([self.kv.swa[self.slots[header.request_id]]] if header.has_state else [])
+
+    def on_handoff(self, header: HandoffHeader) -> list[Any] | None:
+        self.offered.append(header.request_id)
+        if header.request_id not in self.expected:
+            return None
+        return self.receiver.receive_buffers(header, self.device, self)
+
+
+async def from_a_child_process(transport: str, device: str, in_place: bool = False) -> None:
     """The child sends two exports (the second from the same memory, overwritten) from its GPU 0 over
-    `transport` to a receiver here that allocates on `device`."""
+    `transport` to a receiver here that allocates on `device` (in_place: lands them in its pool)."""
     want = host_payload(cuda_export(seed=2, request_id="i1"))
-    sink = CudaSink("i1", "i2", device=device)
+    sink = CudaPoolSink("i1", "i2", device=device) if in_place else CudaSink("i1", "i2", device=device)
     async with receiver(sink, layout=LAYOUT, config=CONFIG) as r:
+        if isinstance(sink, CudaPoolSink):
+            sink.receiver = r
         script = _SENDER.format(addr=r.address).replace('transport="ipc"', f"transport={transport!r}")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
         )  # fmt: skip
         out, _ = await asyncio.wait_for(proc.communicate(), 180)
+        counters = getattr(r.transports.get(transport), "counters", {})
     assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
     assert f"acks {transport} {transport}".encode() in out, out.decode(errors="replace")[-3000:]
     assert not sink.errors, sink.errors
     assert sink.delivered["i1"].pages.device == torch.device(device)
+    if isinstance(sink, CudaPoolSink):
+        for rid in ("i1", "i2"):
+            got = sink.delivered[rid]
+            assert isinstance(got.pages, PoolPages) and got.pages.block_ids == tuple(sink.blocks[rid][: len(got.pages)])
+            assert got.state is not None and got.state.data_ptr() == sink.kv.swa[sink.slots[rid]].data_ptr()
+        got1, got2 = ([d.pages.gather().cpu(), d.state.cpu()] for d in (sink.delivered["i1"], sink.delivered["i2"]))
+        assert same(got1, want) and same(got2, [-t for t in want])
+        assert counters["in_place_receives"] == 2 and counters["arena_receives"] == 0, counters
+        assert counters["registrations"] == 1, counters  # the pool, once
+        return
     assert same(host_payload(sink.delivered["i1"]), want)
     assert same(host_payload(sink.delivered["i2"]), [-t for t in want])
 
