@@ -447,8 +447,8 @@ def metrics_text(port: int) -> str:
 
 
 def handoff_metrics(pair: PDPair) -> dict[str, Any]:
-    """From the CE's /metrics: handoffs by transport, their bytes and mean duration, and the mean
-    TTFT phases (the coordinator's split)."""
+    """From the CE's /metrics: handoffs by transport, their bytes and mean duration, those written in
+    place (nixl: straight into the reservation's pages), and the mean TTFT phases (the coordinator's split)."""
     out: dict[str, Any] = {}
     try:
         text = metrics_text(pair.ce.port)
@@ -462,7 +462,7 @@ def handoff_metrics(pair: PDPair) -> dict[str, Any]:
         for key in (
             "pdserve_handoffs_total", "pdserve_handoff_bytes_total", "pdserve_handoff_duration_seconds_sum",
             "pdserve_handoff_duration_seconds_count", "pdserve_ttft_phase_seconds_sum", "pdserve_ttft_phase_seconds_count",
-            "pdserve_handoff_skipped_tokens_total",
+            "pdserve_handoff_skipped_tokens_total", "pdserve_engine_handoffs_in_place_total",
         ):  # fmt: skip
             if name.startswith(key + "{") or name == key:
                 label = name[len(key) :]
@@ -474,6 +474,7 @@ def handoff_metrics(pair: PDPair) -> dict[str, Any]:
     sk = sum(v for k, v in sums.items() if k.startswith("pdserve_handoff_skipped_tokens_total"))
     out.update(num_handoffs=n, mean_bytes=b / n if n else None, mean_handoff_ms=1e3 * ds / n if n else None)
     out.update(mean_skipped_tokens=sk / n if n else None)
+    out["in_place"] = sum(v for k, v in sums.items() if k.startswith("pdserve_engine_handoffs_in_place_total"))
     phases = {}
     for k, v in sums.items():
         if k.startswith("pdserve_ttft_phase_seconds_sum"):
@@ -638,8 +639,9 @@ def summary_table(doc: dict[str, Any]) -> str:
                 lines.append(
                     f"| check_pd {t} | {tr['status']} | {tr.get('result', tr.get('error', ''))}, "
                     f"{tr.get('num_diff', '-')} different, {tr.get('num_failed', '-')} failed; "
-                    f"{_f(h.get('num_handoffs'), '.0f')} handoffs, mean {_f(h.get('mean_handoff_ms'), '.2f')} ms "
-                    f"({tr.get('seconds', '-')} s) |"
+                    f"{_f(h.get('num_handoffs'), '.0f')} handoffs"
+                    + (f" ({h['in_place']:.0f} in place)" if h.get("in_place") else "")
+                    + f", mean {_f(h.get('mean_handoff_ms'), '.2f')} ms ({tr.get('seconds', '-')} s) |"
                 )
         elif name == "xtray":
             if not r.get("sizes"):
