@@ -115,6 +115,7 @@ def route_group_topk(
 # "sigmoid_group_topk" takes the gate's bias and the groups too (route_group_topk, through ScoreGate)
 ROUTERS: dict[str, Router] = {"softmax_topk": route_softmax_topk, "topk_softmax": route_topk_softmax}
 ROUTING_KINDS = (*ROUTERS, "sigmoid_group_topk")
+_FUSED_ROUTERS = (route_softmax_topk, route_topk_softmax)  # what pdkernels/moe_route.py's route() computes
 # ModelArch.expert_activation, pdkernels/moe_gemm.py's names: "swiglu" is act(gate) * up (act: the
 # config's hidden_act; the Triton path fuses SiLU only), "swiglu_oai" gpt-oss's clamped one (swiglu_oai)
 EXPERT_ACTIVATIONS = ("swiglu", "swiglu_oai")
@@ -135,6 +136,16 @@ def _kernels() -> ModuleType | None:
     except ImportError:
         return None
     return moe_gemm
+
+
+@cache
+def _route_kernels() -> ModuleType | None:
+    """pdkernels.moe_route where triton is installed (CUDA), else None."""
+    try:
+        from pdkernels import moe_route
+    except ImportError:
+        return None
+    return moe_route
 
 
 @cache
@@ -390,9 +401,15 @@ class SparseMoE(nn.Module):
         return since.clone()
 
     def _route(self, x: torch.Tensor, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routes x's tokens and counts their assignments (int adds: exact in any order; graph-safe)."""
-        weights, experts = self.route(run_rows(self.router_logits, (x,), numerics))
+        """Routes x's tokens and counts their assignments (int adds: exact in any order; graph-safe). On
+        CUDA, softmax-top-k and top-k-softmax routing run as one kernel per layer (pdkernels/moe_route.py:
+        one program per token, so batch-invariant in every mode; the torch path's choice of experts)."""
+        logits = run_rows(self.router_logits, (x,), numerics)
         _, total = self.counters(x.device)
+        fast = _route_kernels() if logits.is_cuda and self.router_fn in _FUSED_ROUTERS else None
+        if fast is not None:
+            return fast.route(logits, self.top_k, self.norm_topk_prob, self.router_fn is route_softmax_topk, total)
+        weights, experts = self.route(logits)
         total.index_add_(0, experts.flatten(), torch.ones(experts.numel(), dtype=torch.int64, device=x.device))
         return weights, experts
 

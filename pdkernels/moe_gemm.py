@@ -2,7 +2,7 @@
 SwiGLU of the gate/up projection computed in the epilogue, and a deterministic combine.
 
     moe_align       the T*k (token, slot) assignments sorted (stably) by local expert, and each
-                    expert's row range in that order
+                    expert's row range in that order (pdkernels/moe_route.py's align in decode)
     grouped_matmul  rows expert_offsets[e]:expert_offsets[e+1] of x times w[e].T (+ bias[e]), one
                     launch over all experts; "swiglu"/"swiglu_oai" fuse the activation
     fused_moe       align; gate/up, the token gather fused into its loads; down, each row stored at
@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from pdkernels import moe_route
 
 ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}
 SCALE_BLOCK = 128  # FP8 expert weights' scale block (engine/fp8.py BLOCK): BLOCK_K never exceeds it
@@ -203,7 +205,11 @@ def _sort_assignments(
     topk_ids: torch.Tensor, first_expert: int, num_local: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All T*k assignments sorted by local expert, other experts' after them (token order kept):
-    (order [T*k] int64, expert_offsets [num_local + 1] int32). No host sync."""
+    (order [T*k] int64, expert_offsets [num_local + 1] int32). No host sync. Up to moe_route.MAX_ALIGN
+    assignments (decode) in one launch of moe_route.align; more with torch's sort (the same result)."""
+    counted = moe_route.align(topk_ids, first_expert, num_local)
+    if counted is not None:
+        return counted
     ids = topk_ids.reshape(-1)
     if first_expert:
         ids = ids - first_expert

@@ -63,16 +63,19 @@ def _kernel_table(graph: torch.cuda.CUDAGraph, reps: int) -> tuple[list[dict[str
     return rows, sum(r["us_per_step"] for r in rows)
 
 
-def _weights_floor(eng: LLMEngine, batch: int, reps: int) -> dict[str, Any]:
+def _weights_floor(eng: LLMEngine, batch: int, reps: int) -> dict[str, Any] | None:
     """The step's matrix products alone (every layer's fused qkv, o, gate_up, down and the lm head, in
     order, through F.linear as the model calls them) captured in one graph: what the weights cost at
-    this batch, and the GB/s that reaches; the rest of the step is norms, rotary, attention, glue."""
+    this batch, and the GB/s that reaches; the rest of the step is norms, rotary, attention, glue.
+    None for a model whose layers are not all dense with fused projections (MoE, latent attention)."""
     import torch.nn.functional as F
 
     model = eng.runner.model
     weights = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
+        if not all(hasattr(a, n) for n in ("qkv_proj", "o_proj")) or not hasattr(m, "gate_up_proj"):
+            return None
         weights += [a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight]
     weights.append(model.lm_head_weight)
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
@@ -162,14 +165,17 @@ def main() -> int:
             kernels, kernel_us = _kernel_table(graph, 3)
             be.release_all(eng, ids)
             floor = _weights_floor(eng, b, 15)
-            print(
-                f"b={b}: weights alone (F.linear graph) {floor['ms']:.3f} ms = {floor['GBps']:,.0f} GB/s "
-                f"({floor['GBps'] / copy_gbps:.1%} of copy); per shape: "
-                + ", ".join(
-                    f"{k} {v['us']:.1f} us {v['GBps']:,.0f} GB/s" for k, v in floor["by_shape"].items()
-                ),
-                flush=True,
-            )
+            if floor is None:
+                print(f"b={b}: weights floor: not for this model's layers (MoE or latent attention)", flush=True)
+            else:
+                print(
+                    f"b={b}: weights alone (F.linear graph) {floor['ms']:.3f} ms = {floor['GBps']:,.0f} GB/s "
+                    f"({floor['GBps'] / copy_gbps:.1%} of copy); per shape: "
+                    + ", ".join(
+                        f"{k} {v['us']:.1f} us {v['GBps']:,.0f} GB/s" for k, v in floor["by_shape"].items()
+                    ),
+                    flush=True,
+                )
             row = {
                 "weights_floor": floor,
                 "batch": b,
@@ -178,7 +184,7 @@ def main() -> int:
                 "host_ms": step_ms - graph_replay_ms,
                 "kernel_ms": kernel_us / 1e3,
                 "num_kernels": sum(k["per_step"] for k in kernels),
-                "kernels": kernels[:25],
+                "kernels": kernels[:40],
             }
             report["rows"].append(row)
             print(
@@ -186,7 +192,7 @@ def main() -> int:
                 f"kernels {kernel_us / 1e3:.3f} ms in {row['num_kernels']:.0f} launches",
                 flush=True,
             )
-            for k in kernels[:18]:
+            for k in kernels[:30]:
                 print(f"  {k['us_per_step']:9.1f} us  x{k['per_step']:<5.0f} {k['kernel']}")
         if args.prefill:
             del eng
