@@ -206,7 +206,8 @@ def _sort_assignments(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All T*k assignments sorted by local expert, other experts' after them (token order kept):
     (order [T*k] int64, expert_offsets [num_local + 1] int32). No host sync. Up to moe_route.MAX_ALIGN
-    assignments (decode) in one launch of moe_route.align; more with torch's sort (the same result)."""
+    assignments (small decode batches) in one launch of moe_route.align; more with torch's sort (the same
+    result)."""
     counted = moe_route.align(topk_ids, first_expert, num_local)
     if counted is not None:
         return counted

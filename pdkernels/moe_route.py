@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ALIGN = 1024  # assignments align() sorts in one program; beyond it, torch.sort (moe_gemm.py)
+MAX_ALIGN = 256  # assignments align() sorts in one program (its compares grow as the square); beyond, torch.sort
 _ALIGN_CHUNK = 32  # assignments compared against all others per step of align's loop
 
 
