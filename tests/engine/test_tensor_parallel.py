@@ -164,7 +164,9 @@ def test_tp2_moe_matches_tp1(group: Group, tiny_model_dir, family: str) -> None:
 @pytest.mark.parametrize("kind", ["mqa", "fp8"])
 def test_tp2_replicated_kv_head_and_fp8(group: Group, odd_models: dict[str, Path], kind: str) -> None:
     """One KV head: both ranks hold it; FP8 weights quantized at load: each rank's blocks (and scales)
-    are the whole model's. 32 greedy tokens identical, logits within 1e-4."""
+    are the whole model's. 32 greedy tokens identical, logits within 1e-4 (FP8: + 1e-4 x |logit|, as
+    gpt-oss's: its dequantized weights' wider range puts a split sum's float32 noise at 1.0e-4 on a
+    logit of 1.5, seen once in CI)."""
     kw = {"quantization": "fp8"} if kind == "fp8" else {}
     prompts = random_prompts([29, 50], seed=12)
     ref = decode_logits(_single(odd_models[kind], **kw), prompts, 32)
@@ -173,7 +175,7 @@ def test_tp2_replicated_kv_head_and_fp8(group: Group, odd_models: dict[str, Path
     q_proj = tp.model.model.layers[0].self_attn.q_proj  # type: ignore[union-attr]
     assert isinstance(q_proj, Fp8Linear) == (kind == "fp8")
     assert q_proj.out_features == (128 if kind == "fp8" else 32)  # 2 of 4 heads
-    _assert_tp_matches(ref, decode_logits(tp, prompts, 32), 32)
+    _assert_tp_matches(ref, decode_logits(tp, prompts, 32), 32, rtol=1e-4 if kind == "fp8" else 0.0)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
