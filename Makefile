@@ -22,8 +22,23 @@ models: setup
 	$(BIN)/python -m engine.models fetch smollm2-135m-instruct
 	$(BIN)/python -m engine.models fetch gemma3-270m
 
+# Two pytest processes side by side: the tests that start servers, one module after another as in one process
+# (their engines' memory never overlaps: one engine process is ~1.4 GB, a module runs up to eleven), and the
+# rest (unit, engine, transfer tests: ~150 s on 2 cores, ~3 GB), whose output follows. TEST_SPLIT=0: one process.
+SERVER_TESTS := tests/pd tests/deploy tests/bench/load tests/engine/test_golden_real.py
+TEST_SPLIT ?= 1
 test: setup models
+ifeq ($(TEST_SPLIT),0)
 	$(BIN)/python -m pytest -q -ra
+else
+	@rest_log=$$(mktemp); \
+	$(BIN)/python -m pytest -q -ra -p no:cacheprovider $(addprefix --ignore=,$(SERVER_TESTS)) >$$rest_log 2>&1 & rest=$$!; \
+	$(BIN)/python -m pytest -q -ra $(SERVER_TESTS); servers=$$?; \
+	wait $$rest; others=$$?; \
+	echo "---- the other tests (beside the server tests): $(BIN)/python -m pytest $(addprefix --ignore=,$(SERVER_TESTS))"; \
+	cat $$rest_log; rm -f $$rest_log; \
+	test $$servers = 0 && test $$others = 0
+endif
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"

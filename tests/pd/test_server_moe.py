@@ -109,7 +109,15 @@ def test_ep2_equals_ep1_bit_for_bit_with_rebalancing(servers, moe_model) -> None
 
 def test_metrics_show_the_experts_load(servers) -> None:
     _, ep, _, _ = servers
-    text = metrics_text(ep.port)
+    # the ranks' figures are as old as their last heartbeat: until both ranks' rows of every sparse layer are in
+    deadline = time.monotonic() + 30
+    while True:
+        text = metrics_text(ep.port)
+        rank_rows = [ln for ln in text.splitlines() if ln.startswith("pdserve_moe_rank_rows_total{")]
+        if len(rank_rows) >= 3 * 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(rank_rows) == 3 * 2  # both ranks computed rows in every sparse layer
     # layer 1 is dense: layers 0, 2, 3 have 8 experts each
     experts = [ln for ln in text.splitlines() if ln.startswith("pdserve_moe_expert_tokens_total{")]
     assert len(experts) == 3 * 8 and {'layer="1"' in ln for ln in experts} == {False}
@@ -117,8 +125,6 @@ def test_metrics_show_the_experts_load(servers) -> None:
     for name in ("pdserve_moe_expert_imbalance", "pdserve_moe_rank_imbalance"):
         values = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{")]
         assert len(values) == 3 and all(v >= 1.0 for v in values), (name, values)
-    rank_rows = [ln for ln in text.splitlines() if ln.startswith("pdserve_moe_rank_rows_total{")]
-    assert len(rank_rows) == 3 * 2  # both ranks computed rows in every sparse layer
 
 
 def test_gpt_oss_pd_pair_with_an_ep2_pe_matches_single_engine(servers, capsys) -> None:

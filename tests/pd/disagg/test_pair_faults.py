@@ -612,11 +612,12 @@ async def test_abort_while_the_kv_is_in_transfer(cluster):
                 s.post(pair.pe.url + "/prefill", data=data, headers=signed_headers(pair.token, data))
             )
             await asyncio.wait_for(stall.pulling.wait(), 120)
-            m = await asyncio.to_thread(rank_metrics, pair.pe.port)
-            assert (
-                m["pdserve_engine_num_handoffs_inflight"] == 1
-                and m["pdserve_kv_free_blocks"] < m["pdserve_kv_total_blocks"]
-            )
+
+            def in_transfer() -> bool:  # the rank's metrics are as old as its last heartbeat
+                m = rank_metrics(pair.pe.port)
+                return m["pdserve_engine_num_handoffs_inflight"] == 1 and m["pdserve_kv_free_blocks"] < m["pdserve_kv_total_blocks"]
+
+            await asyncio.to_thread(wait_for, in_transfer, 30, "the PE's metrics to show the handoff in flight")
             post.cancel()  # the caller goes away mid-transfer
             with contextlib.suppress(asyncio.CancelledError):
                 await post

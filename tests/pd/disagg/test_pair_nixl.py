@@ -129,8 +129,10 @@ async def test_abort_while_the_kv_is_in_transfer(servers) -> None:
                 s.post(pair.pe.url + "/prefill", data=data, headers=signed_headers(pair.token, data))
             )
             await asyncio.wait_for(stall.pulling.wait(), 120)
-            m = await asyncio.to_thread(rank_metrics, pair.pe.port)
-            assert m["pdserve_engine_num_handoffs_inflight"] == 1
+            await asyncio.to_thread(  # the rank's metrics are as old as its last heartbeat
+                faults.wait_for, lambda: rank_metrics(pair.pe.port)["pdserve_engine_num_handoffs_inflight"] == 1, 30,
+                "the PE's metrics to show the handoff in flight",
+            )
             post.cancel()  # the caller goes away mid-transfer
             with contextlib.suppress(asyncio.CancelledError):
                 await post
