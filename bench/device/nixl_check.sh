@@ -7,8 +7,9 @@
 #   1. tests: tests/transfer/test_transfer_gpu.py (the CUDA paths, nixl's between two processes among them)
 #      and tests/transfer/test_transfer_nixl.py (NIXL on host memory between real processes);
 #   2. bench/micro/handoff.py: a 16k-token llama8b handoff (2 GiB, GPU memory, sender and receiver in two
-#      processes on the one GPU) over tcp, ipc and nixl (UCX's cuda_ipc) against the raw socket and the
-#      device copy of the same bytes, in the same run;
+#      processes on the one GPU) over tcp, ipc and nixl (UCX's cuda_ipc; into the receiver's arena, and in
+#      place into shuffled blocks of its KV pool: nixl-in-place) against the raw socket and the device copy
+#      of the same bytes, in the same run;
 #   3. bench/micro/tcp_streams.py --device cuda --tokens 16384 for N = 1, 2, 4, 8 sockets.
 # Logs under $OUT, a summary last ($OUT/summary.txt). Each step has its own limit in seconds (WHEEL_S 45,
 # TESTS_S 120, NIXL_TESTS_S 100, HANDOFF_S 150, STREAMS_S 120: 535 in all, under a call's 600 with the
