@@ -37,3 +37,23 @@ def test_handoff_fails_fast_when_its_receiver_dies() -> None:
     with pytest.raises(RuntimeError, match="exited"):
         handoff.first_answer(parent, proc, 30.0)
     proc.join()
+
+
+def test_nixl_lands_in_place_in_the_receivers_pool(tmp_path, capfd) -> None:
+    """Where the nixl extra is installed: the nixl-in-place sender's handoffs land in the receiving process's
+    pool (its counters say so), beside the arena path's, one page of llama8b on the CPU."""
+    import json
+
+    import pytest
+
+    from transfer.config import nixl_installed
+
+    if not nixl_installed():
+        pytest.skip("the nixl extra is not installed")
+    out = tmp_path / "rows.json"
+    assert handoff.main(["--device", "cpu", "--tokens", "128", "--repeats", "1", "--json", str(out)]) == 0
+    rows = {r["what"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["handoff nixl"]["s"] > 0 and rows["handoff nixl-in-place"]["s"] > 0
+    printed = capfd.readouterr().out
+    # two sends each (a first on a new connection, then one timed): the arena's and the pool's
+    assert "'arena_receives': 2" in printed and "'in_place_receives': 2" in printed, printed[-2000:]
