@@ -30,7 +30,7 @@ The default path picks its tiles from the average rows per expert (small BLOCK_M
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -84,11 +84,12 @@ def gemm_config(m: int, num_experts: int, n: int, k: int, is_glu: bool, batch_in
 
 @triton.jit(do_not_specialize=["num_row_tiles"])
 def _grouped_gemm_kernel(
-    X, ROWS, W, BIAS, OUT, OFFS, W_SCALE, num_row_tiles, num_experts, N, alpha, limit,
+    X, ROWS, W, BIAS, OUT, OFFS, W_SCALE, X_SCALE, num_row_tiles, num_experts, N, alpha, limit,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_om, stride_on,
-    stride_se, stride_sn, stride_sk,
+    stride_se, stride_sn, stride_sk, stride_xsm, stride_xsk,
     K: tl.constexpr, ACT: tl.constexpr, HAS_ROWS: tl.constexpr, GATHER_DIV: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, E_POW2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, FP8_X: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
 ):
@@ -132,6 +133,8 @@ def _grouped_gemm_kernel(
     if HAS_SCALE:  # FP8 weights: each column's row of 128x128 block scales (gate's, then up's)
         s_ptrs = W_SCALE + expert.to(tl.int64) * stride_se + (cols // SCALE_BLOCK) * stride_sn
         s_up_ptrs = W_SCALE + expert.to(tl.int64) * stride_se + ((cols + N) // SCALE_BLOCK) * stride_sn
+    if FP8_X:  # FP8 rows too (BLOCK_K is the scale block): each row's scale of each 128-column group
+        xs_ptrs = X_SCALE + src * stride_xsm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -142,24 +145,32 @@ def _grouped_gemm_kernel(
             k_ok = k0 + offs_k < K
             a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if HAS_SCALE:  # dequantized in registers to x's dtype (BLOCK_K divides the scale block)
-            b = (b.to(tl.float32) * tl.load(s_ptrs + (k0 // SCALE_BLOCK) * stride_sk)[None, :]).to(a.dtype)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+        if FP8_X:  # FP8 x FP8 on the tensor cores, exact in float32, then the row's and the column's scales
+            a_s = tl.load(xs_ptrs + (k0 // SCALE_BLOCK) * stride_xsk, mask=mask_m, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * tl.load(s_ptrs + (k0 // SCALE_BLOCK) * stride_sk)[None, :]
         else:
-            acc = tl.dot(a, b, acc)
+            if HAS_SCALE:  # dequantized in registers to x's dtype (BLOCK_K divides the scale block)
+                b = (b.to(tl.float32) * tl.load(s_ptrs + (k0 // SCALE_BLOCK) * stride_sk)[None, :]).to(a.dtype)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
         if ACT != 0:
             if EVEN_K:
                 b_up = tl.load(up_ptrs)
             else:
                 b_up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-            if HAS_SCALE:
+            if FP8_X:
                 s_up = tl.load(s_up_ptrs + (k0 // SCALE_BLOCK) * stride_sk)
-                b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a.dtype)
-            if IEEE:
-                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+                acc_up += tl.dot(a, b_up) * a_s[:, None] * s_up[None, :]
             else:
-                acc_up = tl.dot(a, b_up, acc_up)
+                if HAS_SCALE:
+                    s_up = tl.load(s_up_ptrs + (k0 // SCALE_BLOCK) * stride_sk)
+                    b_up = (b_up.to(tl.float32) * s_up[None, :]).to(a.dtype)
+                if IEEE:
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K * stride_xk
         b_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
@@ -258,9 +269,12 @@ def _launch_grouped(
     limit: float,
     batch_invariant: bool,
     w_scale: torch.Tensor | None = None,
+    fp8_x: bool = False,
 ) -> torch.Tensor:
     """grouped_matmul over num_rows rows. With rows: row r reads x[rows[r] // gather_div] if gather_div,
-    else x[r] and its result is stored at row rows[r] (rows: a permutation of range(num_rows))."""
+    else x[r] and its result is stored at row rows[r] (rows: a permutation of range(num_rows)). fp8_x (FP8
+    weights, K a multiple of 128): x quantized per row and 128-column group first (fp8_gemm's
+    per_token_group_quant), the products in FP8."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}: one of {sorted(map(str, ACTIVATIONS))}")
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
@@ -283,22 +297,32 @@ def _launch_grouped(
                              f"of {SCALE_BLOCK}-blocks")  # fmt: skip
     elif w.dtype != x.dtype:
         raise ValueError(f"expert weights {w.dtype} and rows {x.dtype} differ (FP8 weights need their scales)")
+    if fp8_x and (w_scale is None or k % SCALE_BLOCK or x.stride(1) != 1):
+        raise ValueError(f"FP8 rows need FP8 weights with scales and K a multiple of {SCALE_BLOCK} (got K = {k})")
     out = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n_out == 0:
         return out
     cfg = gemm_config(num_rows, num_experts, n_out, k, is_glu, batch_invariant)
+    x_scale = None
+    if fp8_x:  # one scale per K step: BLOCK_K is the scale block
+        from pdkernels.fp8_gemm import per_token_group_quant
+
+        x, x_scale = per_token_group_quant(x)
+        cfg = replace(cfg, block_k=SCALE_BLOCK)
     # each expert's tiles start at its first row: at most one partial tile per expert with rows
     num_row_tiles = num_rows // cfg.block_m + min(num_experts, num_rows)
     grid = (num_row_tiles * triton.cdiv(n_out, cfg.block_n),)
     _grouped_gemm_kernel[grid](
         x, rows if rows is not None else expert_offsets, w, bias if bias is not None else w, out,
-        expert_offsets, w_scale if w_scale is not None else w, num_row_tiles, num_experts, n_out, float(alpha),
+        expert_offsets, w_scale if w_scale is not None else w, x_scale if x_scale is not None else w,
+        num_row_tiles, num_experts, n_out, float(alpha),
         float(limit), x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        out.stride(0), out.stride(1), *(w_scale.stride() if w_scale is not None else (0, 0, 0)), K=k,
+        out.stride(0), out.stride(1), *(w_scale.stride() if w_scale is not None else (0, 0, 0)),
+        *(x_scale.stride() if x_scale is not None else (0, 0)), K=k,
         ACT=ACTIVATIONS[activation], HAS_ROWS=rows is not None, GATHER_DIV=gather_div,
-        HAS_BIAS=bias is not None, HAS_SCALE=w_scale is not None, SCALE_BLOCK=SCALE_BLOCK,
-        EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None, HAS_SCALE=w_scale is not None, FP8_X=fp8_x, SCALE_BLOCK=SCALE_BLOCK,
+        EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32 and not fp8_x,
         E_POW2=max(2, triton.next_power_of_2(num_experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -358,13 +382,19 @@ def fused_moe(
     limit: float = 7.0,
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """x [T, H], topk_ids / topk_weights [T, k] (global expert ids), w_gate_up [E_local, 2I, H] (gate
     rows, then up rows), w_down [E_local, H, I], biases [E_local, 2I] / [E_local, H] (FP8 weights with
     their 128x128 block scales w_*_scale, as grouped_matmul takes them) -> [T, H]: each
     token's sum over its slots of weight * expert(x), for the slots whose expert is in [first_expert,
     first_expert + E_local); other slots (and ids < 0: padding) add nothing, and a token with none gets
-    zeros. No host sync: a CUDA graph can capture it."""
+    zeros. No host sync: a CUDA graph can capture it.
+
+    fp8_activations (FP8 weights; H and I multiples of 128): x and the activation h quantized per row and
+    128-column group (two more launches) and both projections multiplied in FP8 (the anchors' w8a8 block
+    scheme), instead of each FP8 weight tile dequantized to x's dtype. NOTE: not yet measured on a GPU,
+    so the engine does not take it (bench/micro/moe_layer.py --fp8-activations times it)."""
     _check_moe_shapes(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
     num_tokens, hidden = x.shape
     top_k, num_local = topk_ids.shape[1], w_gate_up.shape[0]
@@ -375,15 +405,26 @@ def fused_moe(
     num_rows = order.shape[0]
     # gate/up reads token order[r] // k; down stores row r at order[r], the (token, slot) it belongs to
     h = _launch_grouped(x, w_gate_up, offsets, num_rows, order, top_k, b_gate_up, activation, alpha, limit,
-                        batch_invariant, w_gate_up_scale)
+                        batch_invariant, w_gate_up_scale, fp8_activations)
     y = _launch_grouped(h, w_down, offsets, num_rows, order, 0, b_down, None, alpha, limit, batch_invariant,
-                        w_down_scale)
+                        w_down_scale, fp8_activations)
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, num_tokens, first_expert, num_local, hidden,
         y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4,
     )
     return out
+
+
+def _fp8_round_trip(t: torch.Tensor) -> torch.Tensor:
+    """t [rows, K] quantized as fp8_gemm.per_token_group_quant does (per row and 128-column group: scale
+    max(|group|, eps) / 448, values rounded to e4m3), then dequantized to float32."""
+    from pdkernels.fp8_gemm import EPS, FP8_MAX, GROUP
+
+    groups = t.float().view(t.shape[0], -1, GROUP)
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp_min(EPS) / FP8_MAX
+    q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).view(t.shape)
 
 
 def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
@@ -406,11 +447,14 @@ def fused_moe_reference(
     batch_invariant: bool = False,
     alpha: float = 1.702,
     limit: float = 7.0,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """fused_moe in plain torch, a loop over the experts that have tokens (one host sync), with the
     kernels' roundings: float32 products and biases, the activation rounded to x's dtype, the down
-    projection rounded, times the weight rounded, slots added in slot order in float32.
-    batch_invariant is accepted for the signature's sake: torch's own matmul picks its kernel by shape."""
+    projection rounded, times the weight rounded, slots added in slot order in float32 (fp8_activations:
+    x and the activation quantized to FP8 per row and 128-column group first, as fused_moe does; the
+    weights given dequantized). batch_invariant is accepted for the signature's sake: torch's own matmul
+    picks its kernel by shape."""
     _check_moe_shapes(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
     num_tokens, hidden = x.shape
     top_k, num_local = topk_ids.shape[1], w_gate_up.shape[0]
@@ -418,14 +462,15 @@ def fused_moe_reference(
     weights = topk_weights.reshape(-1)
     per_slot = torch.zeros(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     is_local = (ids >= 0) & (ids < num_local)
+    qdq = _fp8_round_trip if fp8_activations else (lambda t: t.float())
     for e in torch.unique(ids[is_local]).tolist():  # NOTE: a host sync
         idx = torch.nonzero(ids == e).squeeze(1)
-        gate_up = x[idx // top_k].float() @ w_gate_up[e].float().t()
+        gate_up = qdq(x[idx // top_k]) @ w_gate_up[e].float().t()
         if b_gate_up is not None:
             gate_up = gate_up + b_gate_up[e].float()
         gate, up = gate_up.chunk(2, dim=-1)
         h = _glu(gate, up, activation, alpha, limit).to(x.dtype)
-        y = h.float() @ w_down[e].float().t()
+        y = qdq(h) @ w_down[e].float().t()
         if b_down is not None:
             y = y + b_down[e].float()
         y = y.to(x.dtype).float() * weights[idx, None].float()

@@ -113,9 +113,22 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
+def fp8_layer(layer: dict[str, Any]) -> dict[str, Any]:
+    """layer's expert weights quantized to 128x128-block FP8 (engine/fp8.py), as fused_moe takes them."""
+    from engine.fp8 import quantize
+
+    gu8, gu_s = quantize(layer["w_gate_up"])
+    d8, d_s = quantize(layer["w_down"])
+    return {**layer, "w_gate_up": gu8, "w_down": d8, "w_gate_up_scale": gu_s, "w_down_scale": d_s}
+
+
 def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_tokens: int,
-                 gen: torch.Generator, gbps: float | None, tflops: float | None) -> list[dict[str, Any]]:
-    """The reference and, on CUDA, both fused_moe paths and the ceiling, at one token count."""
+                 gen: torch.Generator, gbps: float | None, tflops: float | None,
+                 fp8_layers: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The reference and, on CUDA, both fused_moe paths and the ceiling, at one token count; with
+    fp8_layers also FP8 weights, each tile dequantized in registers (`fp8 weights`) and with the
+    activations in FP8 too (`fp8 w8a8`), their error against the reference on the dequantized weights
+    (no ceiling: the rows compare with the bf16 ones above them)."""
     from pdkernels.moe_gemm import fused_moe
 
     w0 = layers[0]["w_gate_up"]
@@ -147,20 +160,38 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
                     fused_moe(x, ids, weights, **layer, **kw, batch_invariant=bi)
 
             rows.append(row(label, graph_ms(run, reps=reps * 2) / len(layers), rel_err(out, ref)))
+    if device.type == "cuda" and fp8_layers:
+        from engine.fp8 import dequantize
+
+        first = fp8_layers[0]
+        dense = {**first, "w_gate_up": dequantize(first["w_gate_up"], first["w_gate_up_scale"], dtype),
+                 "w_down": dequantize(first["w_down"], first["w_down_scale"], dtype)}  # fmt: skip
+        dense.pop("w_gate_up_scale"), dense.pop("w_down_scale")
+        ref8 = fused_moe_reference(x, ids, weights, **dense, **kw)
+        for label, fp8_x in (("fp8 weights", False), ("fp8 w8a8", True)):
+            out = fused_moe(x, ids, weights, **first, **kw, fp8_activations=fp8_x)
+
+            def run8(fp8_x: bool = fp8_x) -> None:
+                for layer in fp8_layers:
+                    fused_moe(x, ids, weights, **layer, **kw, fp8_activations=fp8_x)
+
+            ms = graph_ms(run8, reps=reps * 2) / len(fp8_layers)
+            rows.append({**row(label, ms, rel_err(out, ref8)), "of_ceiling": None})
     if floor_ms:
         rows.append(row("ceiling", floor_ms))
     return rows
 
 
 def bench_model(name: str, shape: MoEShape, token_counts: list[int], device: torch.device,
-                gbps: float | None, tflops: float | None) -> list[dict[str, Any]]:
+                gbps: float | None, tflops: float | None, fp8: bool = False) -> list[dict[str, Any]]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(SEED)
     copies = LAYER_COPIES if device.type == "cuda" else 1
     layers = [make_layer(shape, device, dtype, gen) for _ in range(copies)]
+    fp8_layers = [fp8_layer(layer) for layer in layers] if fp8 and device.type == "cuda" else None
     rows = []
     for num_tokens in token_counts:
-        rows += bench_tokens(name, shape, layers, num_tokens, gen, gbps, tflops)
+        rows += bench_tokens(name, shape, layers, num_tokens, gen, gbps, tflops, fp8_layers)
     return rows
 
 
@@ -168,6 +199,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,64,8192")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, the reference only")
+    p.add_argument("--fp8", action="store_true",
+                   help="CUDA: also FP8 expert weights, dequantized per tile and with FP8 activations (w8a8)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.manual_seed(SEED)
@@ -184,7 +217,7 @@ def main() -> int:
         print(f"copy ceiling {gbps:,.0f} GB/s (read + written), bf16 matmul {tflops:,.0f} TFLOP/s")
     rows = []
     for name, shape in models.items():
-        rows += bench_model(name, shape, token_counts, device, gbps, tflops)
+        rows += bench_model(name, shape, token_counts, device, gbps, tflops, args.fp8)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last model's weights
     print(f"{'model':<14} {'T':>5} {'impl':<16} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'of ceil':>8} {'rel err':>8}")
