@@ -1,5 +1,5 @@
-"""Compiles the decode step's Triton kernels for an H100/H200 (sm_90a) on a machine without a GPU, and
-reports each variant's registers and spills (ptxas -v) and where programmatic dependent launch's wait
+"""Compiles the decode step's Triton kernels and the MoE layer's for an H100/H200 (sm_90a) on a machine
+without a GPU, and reports each variant's registers and spills (ptxas -v) and where programmatic dependent launch's wait
 falls: a check that costs no device time before a device call.
 
     python bench/checks/offline_compile.py            # needs triton (the project's .venv has it), no GPU
@@ -119,9 +119,46 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str,
     for m, act, k in [(1, 0, 4096), (1, 1, 14336), (4, 0, 4096), (8, 0, 4096)]:
         g = gemv.gemv_config(4096, k, m)
         out.append((f"gemv M={m} act={act} K={k} ({g.block_n}x{g.block_k}, {g.num_warps} warps)", gemv._gemv_kernel,
-                    {"X": BF16, "W": BF16, "BIAS": BF16, "OUT": BF16},
-                    dict(M=m, ACT=act, HAS_BIAS=False, EVEN_K=True, BLOCK_N=g.block_n, BLOCK_K=g.block_k, VEC=8,
-                         PDL=True, PREFETCH=0, LINE=gemv.LINE_BYTES), dict(num_warps=g.num_warps, num_stages=1)))
+                    {"X": BF16, "W": BF16, "BIAS": BF16, "OUT": BF16, "SCALE": "*fp32"},
+                    dict(M=m, ACT=act, HAS_BIAS=False, HAS_SCALE=False, EVEN_K=True, BLOCK_N=g.block_n,
+                         BLOCK_K=g.block_k, VEC=8, PDL=True, PREFETCH=0, LINE=gemv.LINE_BYTES, SCALE_BLOCK=128),
+                    dict(num_warps=g.num_warps, num_stages=1)))
+    out += moe_variants()
+    return out
+
+
+def moe_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
+    """The MoE layer's kernels at Qwen3-30B-A3B's shapes (H 2048, I 768, 128 experts, top 8): the routing,
+    the assignments' sort, and the grouped GEMM in its decode and prefill tiles, bf16, FP8 weights and w8a8."""
+    from pdkernels import moe_gemm, moe_route
+
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]] = []
+    for softmax_first in (True, False):
+        out.append((f"moe route (softmax first {softmax_first})", moe_route._route_kernel,
+                    {"logits_ptr": BF16, "weights_ptr": BF16, "ids_ptr": "*i64", "counts_ptr": "*i64"},
+                    dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, SOFTMAX_FIRST=softmax_first, NORM=True, COUNT=True),
+                    dict(num_warps=1)))
+    out.append(("moe align (256 assignments)", moe_route._align_kernel,
+                {"ids_ptr": "*i64", "order_ptr": "*i64", "offsets_ptr": "*i32"},
+                dict(BLOCK_N=256, BLOCK_E=256, CHUNK=moe_route._ALIGN_CHUNK), dict(num_warps=4)))
+    fp8 = "*fp8e4nv"
+    for label, rows, x_type, w_type, fp8_x in [("bf16", 8, BF16, BF16, False), ("bf16", 8192 * 8, BF16, BF16, False),
+                                               ("FP8 weights", 8, BF16, fp8, False),
+                                               ("FP8 weights", 8192 * 8, BF16, fp8, False),
+                                               ("w8a8", 8192 * 8, fp8, fp8, True)]:
+        for act, n, k in [(1, 768, 2048), (0, 2048, 768)]:
+            cfg = moe_gemm.gemm_config(rows, 128, n, k, act != 0, False)
+            block_k = moe_gemm.SCALE_BLOCK if fp8_x else cfg.block_k
+            types = {"X": x_type, "ROWS": "*i64", "W": w_type, "BIAS": BF16, "OUT": BF16, "OFFS": "*i32",
+                     "W_SCALE": "*fp32" if w_type == fp8 else BF16, "X_SCALE": "*fp32" if fp8_x else BF16,
+                     "alpha": "fp32", "limit": "fp32"}
+            out.append((f"moe grouped GEMM {label}, {rows} rows, {'gate/up' if act else 'down'} "
+                        f"({cfg.block_m}x{cfg.block_n}x{block_k})", moe_gemm._grouped_gemm_kernel, types,
+                        dict(K=k, ACT=act, HAS_ROWS=True, GATHER_DIV=8 if act else 0, HAS_BIAS=False,
+                             HAS_SCALE=w_type == fp8, FP8_X=fp8_x, EVEN_K=True, IEEE=False, E_POW2=128,
+                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+                             SCALE_BLOCK=moe_gemm.SCALE_BLOCK),
+                        dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
     return out
 
 
