@@ -403,7 +403,7 @@ class SparseMoE(nn.Module):
     def _route(self, x: torch.Tensor, numerics: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
         """Routes x's tokens and counts their assignments (int adds: exact in any order; graph-safe). On
         CUDA, softmax-top-k and top-k-softmax routing run as one kernel per layer (pdkernels/moe_route.py:
-        one program per token, so batch-invariant in every mode; the torch path's choice of experts)."""
+        one program per token, so batch-invariant in every mode; the torch path's experts, ties to the lower id)."""
         logits = run_rows(self.router_logits, (x,), numerics)
         _, total = self.counters(x.device)
         fast = _route_kernels() if logits.is_cuda and self.router_fn in _FUSED_ROUTERS else None
