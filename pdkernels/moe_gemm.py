@@ -394,7 +394,7 @@ def fused_moe(
     fp8_activations (FP8 weights; H and I multiples of 128): x and the activation h quantized per row and
     128-column group (two more launches) and both projections multiplied in FP8 (the anchors' w8a8 block
     scheme), instead of each FP8 weight tile dequantized to x's dtype. NOTE: not yet measured on a GPU,
-    so the engine does not take it (bench/micro/moe_layer.py --fp8-activations times it)."""
+    so the engine does not take it (bench/micro/moe_layer.py --fp8 times it)."""
     _check_moe_shapes(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
     num_tokens, hidden = x.shape
     top_k, num_local = topk_ids.shape[1], w_gate_up.shape[0]

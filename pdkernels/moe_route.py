@@ -16,8 +16,9 @@ Qwen3-30B-A3B-shaped decode step on an H100 (bench/micro/profile_decode.py):
 
 Both are the torch path's results: align's bit for bit (integers), route's up to the rounding of
 float32 exp and sums, with the same experts in the same order where no two scores tie (ties go to the
-lower expert id; torch.topk's order among equals is its own). A token's routing is one program's and depends on no other row: batch-invariant by
-construction, so deterministic mode takes it at every batch size.
+lower expert id; torch.topk's order among equals is its own). A token's routing is one program's and
+depends on no other row: batch-invariant by construction, so deterministic mode takes it at every
+batch size.
 """
 
 from __future__ import annotations

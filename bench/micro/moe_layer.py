@@ -164,9 +164,8 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
         from engine.fp8 import dequantize
 
         first = fp8_layers[0]
-        dense = {**first, "w_gate_up": dequantize(first["w_gate_up"], first["w_gate_up_scale"], dtype),
+        dense = {**layers[0], "w_gate_up": dequantize(first["w_gate_up"], first["w_gate_up_scale"], dtype),
                  "w_down": dequantize(first["w_down"], first["w_down_scale"], dtype)}  # fmt: skip
-        dense.pop("w_gate_up_scale"), dense.pop("w_down_scale")
         ref8 = fused_moe_reference(x, ids, weights, **dense, **kw)
         for label, fp8_x in (("fp8 weights", False), ("fp8 w8a8", True)):
             out = fused_moe(x, ids, weights, **first, **kw, fp8_activations=fp8_x)
