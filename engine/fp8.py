@@ -190,7 +190,7 @@ def compute_path(x: torch.Tensor) -> str | None:
     FP8 runs on the tensor cores: x on a CUDA device with them (sm_89 and later), triton there, inside a
     forward pass with default numerics. None elsewhere: the CPU, older GPUs, `--deterministic`
     (batch-invariant products), fp8_gemm "dequantize" and calls outside a step; the weight is then
-    dequantized to x's dtype and F.linear runs. (The policy: engine/model.py fp8_compute_path.)"""
+    dequantized to x's dtype and F.linear runs. (The policy: engine/linear.py fp8_compute_path.)"""
     return _compute_policy(x)
 
 

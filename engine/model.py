@@ -13,7 +13,7 @@ On CUDA, after loading, `fuse_projections()` stacks q/k/v into one `qkv_proj` an
 norms, rotary (with the q/k norms) and SiLU-and-mul run as one Triton kernel each (pdkernels/fused_ops.py).
 A decode row's q/k norms and rotary run inside the decode attention kernel instead
 (ForwardConfig.decode_rope), and a projection of few rows may take pdkernels/gemv.py
-(ForwardConfig.gemv_rows, `linear`). Loading, the KV layout and everything outside the model are unchanged.
+(ForwardConfig.gemv_rows, engine/linear.py). Loading, the KV layout and everything outside the model are unchanged.
 
 A sparse layer's MLP (engine/moe.py) groups tokens by expert, so it is not row-local: it runs outside
 `rowwise`, after the row-local attention output and norm, and applies the step's numerics to its own
@@ -31,7 +31,6 @@ KV and attends: [tokens, out_width]) and `o_proj`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 from types import ModuleType
 from typing import TYPE_CHECKING, cast
 
@@ -42,85 +41,18 @@ from torch import nn
 from engine import expert_parallel, fp8
 from engine.attention import AttnSpec, paged_attention
 from engine.context import current_context, get_context
+from engine.linear import fused_ops_for, linear
 from engine.meta import on_meta
 from engine.mla import LatentAttention
 from engine.model_config import SLIDING, ModelArch
 from engine.moe import SparseMoE
 from engine.numerics import Numerics, run_rows
-from pdkernels import pdl
 
 if TYPE_CHECKING:  # the kernel module imports triton
     from engine.tensor_parallel import TensorGroup, TpShard
     from pdkernels.decode_attention import Rope
 
 PROBE_VOCAB_ROWS = 8192
-
-
-@cache
-def _fused_ops() -> ModuleType | None:
-    try:
-        from pdkernels import fused_ops
-    except ImportError:  # no triton
-        return None
-    return fused_ops
-
-
-def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
-    """pdkernels.fused_ops when x is on CUDA and triton is there, else None (the torch code runs)."""
-    return _fused_ops() if x.is_cuda else None
-
-
-@cache
-def _gemv_kernels() -> ModuleType | None:
-    try:
-        from pdkernels import gemv
-    except ImportError:  # no triton
-        return None
-    return gemv
-
-
-def _gemv_for(x: torch.Tensor) -> ModuleType | None:
-    """pdkernels.gemv for a decode-sized x: CUDA, default numerics (deterministic mode's products stay
-    batch-invariant), at most ForwardConfig.gemv_rows rows; else None (cuBLAS through F.linear), also
-    outside a forward pass (a row function called on its own takes the products every mode shares)."""
-    if not x.is_cuda or x.dim() != 2:
-        return None
-    ctx = current_context()
-    if ctx is None or x.shape[0] > ctx.config.gemv_rows or ctx.numerics is not Numerics.DEFAULT:
-        return None
-    return _gemv_kernels()
-
-
-def fp8_compute_path(x: torch.Tensor) -> str | None:
-    """engine/fp8.py compute_path's policy: "gemv", "cublas" or "triton" inside a forward pass with default
-    numerics on a device with FP8 tensor cores (ForwardConfig.gemv_rows and fp8_gemm choose), else None."""
-    ctx = current_context()
-    if ctx is None or ctx.numerics is not Numerics.DEFAULT or ctx.config.fp8_gemm == "dequantize":
-        return None
-    if fp8.kernels_for(x) is None:
-        return None
-    if x.dim() == 2 and x.shape[0] <= ctx.config.gemv_rows:
-        return "gemv"
-    return "cublas" if ctx.config.fp8_gemm == "auto" and fp8.has_cublas_blockwise(x.device) else "triton"
-
-
-fp8.set_compute_policy(fp8_compute_path)
-
-
-def linear(lin: nn.Linear, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-    """lin(x): a decode step's few rows through pdkernels/gemv.py (one kernel, no split-K reduction after
-    it), everything else through F.linear. act (CUDA): x is [gate | up] and the input is act(gate) * up
-    (fused_ops.silu_mul; inside the GEMV's kernel when it takes x)."""
-    if isinstance(lin, fp8.Fp8Linear):  # FP8 weights choose their own products (fp8.compute_path)
-        if act is not None and fp8.compute_path(x) == "gemv":
-            return lin.gemv(x, act)
-    else:
-        g = _gemv_for(x)
-        if g is not None:
-            return g.gemv(x, lin.weight, lin.bias, act=act, pdl=pdl.active())
-    if act is not None:
-        x = cast(ModuleType, _fused_ops()).silu_mul(x, act)
-    return lin(x)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:

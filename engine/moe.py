@@ -374,10 +374,12 @@ class SparseMoE(nn.Module):
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Row-local: [tokens, hidden] -> [tokens, num_experts], in the model dtype (a ScoreGate's: its float32
         sigmoid scores, which its route() takes)."""
-        linear = self.router_linear
-        if isinstance(linear, ScoreGate):
-            return linear(x)
-        return F.linear(x, linear.weight, linear.bias)
+        from engine.linear import linear  # NOTE: not at the top: engine.context imports this module
+
+        router = self.router_linear
+        if isinstance(router, ScoreGate):
+            return router(x)
+        return linear(router, x)  # a decode step's few rows through the GEMV
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits -> (weights [tokens, k] in the logits' dtype, expert ids [tokens, k])."""

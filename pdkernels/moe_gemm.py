@@ -6,7 +6,8 @@ SwiGLU of the gate/up projection computed in the epilogue, and a deterministic c
     grouped_matmul  rows expert_offsets[e]:expert_offsets[e+1] of x times w[e].T (+ bias[e]), one
                     launch over all experts; "swiglu"/"swiglu_oai" fuse the activation
     fused_moe       align; gate/up, the token gather fused into its loads; down, each row stored at
-                    its assignment's (token, slot) place; the weighted sum over a token's slots
+                    its assignment's (token, slot) place; the weighted sum over a token's slots (up to
+                    MAX_GEMV_TOKENS tokens: both products as moe_gemv.py's GEMVs, no align)
 
 Row tiles never straddle two experts: expert e owns ceil(rows_e / BLOCK_M) consecutive row tiles,
 starting at its first row, so a row's place in its tile is its rank among the expert's rows.
@@ -38,10 +39,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdkernels import moe_route
+from pdkernels import moe_gemv, moe_route
 
 ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}
 SCALE_BLOCK = 128  # FP8 expert weights' scale block (engine/fp8.py BLOCK): BLOCK_K never exceeds it
+MAX_GEMV_TOKENS = 4  # fused_moe's default: up to this many tokens, one GEMV per assignment (moe_gemv.py)
 
 
 @dataclass(frozen=True)
@@ -383,6 +385,7 @@ def fused_moe(
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
     fp8_activations: bool = False,
+    gemv_tokens: int = MAX_GEMV_TOKENS,
 ) -> torch.Tensor:
     """x [T, H], topk_ids / topk_weights [T, k] (global expert ids), w_gate_up [E_local, 2I, H] (gate
     rows, then up rows), w_down [E_local, H, I], biases [E_local, 2I] / [E_local, H] (FP8 weights with
@@ -394,20 +397,30 @@ def fused_moe(
     fp8_activations (FP8 weights; H and I multiples of 128): x and the activation h quantized per row and
     128-column group (two more launches) and both projections multiplied in FP8 (the anchors' w8a8 block
     scheme), instead of each FP8 weight tile dequantized to x's dtype. NOTE: not yet measured on a GPU,
-    so the engine does not take it (bench/micro/moe_layer.py --fp8 times it)."""
+    so the engine does not take it (bench/micro/moe_layer.py --fp8 times it).
+
+    gemv_tokens: up to this many tokens (not batch_invariant, not fp8_activations) each assignment's two
+    products run as matrix-vector products straight from the routing (moe_gemv.py: no sort, no tensor-core
+    tiles padded to 16 rows); 0 keeps the grouped GEMM at every size."""
     _check_moe_shapes(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
     num_tokens, hidden = x.shape
     top_k, num_local = topk_ids.shape[1], w_gate_up.shape[0]
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
-    order, offsets = _sort_assignments(topk_ids, first_expert, num_local)
-    num_rows = order.shape[0]
-    # gate/up reads token order[r] // k; down stores row r at order[r], the (token, slot) it belongs to
-    h = _launch_grouped(x, w_gate_up, offsets, num_rows, order, top_k, b_gate_up, activation, alpha, limit,
-                        batch_invariant, w_gate_up_scale, fp8_activations)
-    y = _launch_grouped(h, w_down, offsets, num_rows, order, 0, b_down, None, alpha, limit, batch_invariant,
-                        w_down_scale, fp8_activations)
+    if num_tokens <= gemv_tokens and not (batch_invariant or fp8_activations):
+        # row r = token * k + slot: gate/up reads token r // k, down reads h's row r
+        h = moe_gemv.expert_gemv(x, topk_ids, w_gate_up, top_k, b_gate_up, activation, first_expert, alpha,
+                                 limit, w_gate_up_scale)  # fmt: skip
+        y = moe_gemv.expert_gemv(h, topk_ids, w_down, 1, b_down, None, first_expert, alpha, limit, w_down_scale)
+    else:
+        order, offsets = _sort_assignments(topk_ids, first_expert, num_local)
+        num_rows = order.shape[0]
+        # gate/up reads token order[r] // k; down stores row r at order[r], the (token, slot) it belongs to
+        h = _launch_grouped(x, w_gate_up, offsets, num_rows, order, top_k, b_gate_up, activation, alpha, limit,
+                            batch_invariant, w_gate_up_scale, fp8_activations)
+        y = _launch_grouped(h, w_down, offsets, num_rows, order, 0, b_down, None, alpha, limit, batch_invariant,
+                            w_down_scale, fp8_activations)
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, num_tokens, first_expert, num_local, hidden,

@@ -1,7 +1,8 @@
 """One MoE layer through pdkernels/moe_gemm.py's fused_moe (default tiles and batch-invariant) against
 fused_moe_reference (torch, a loop over the experts) and against two ceilings measured in the same run,
 at Qwen3-30B-A3B's layer shape (H 2048, I 768, 128 experts, top-8, SwiGLU) and gpt-oss-20b's (H 2880,
-I 2880, 32 experts, top-4, biases, clamped SwiGLU), for 1, 64 and 8192 tokens in bf16 on one GPU.
+I 2880, 32 experts, top-4, biases, clamped SwiGLU), for 1, 4, 64 and 8192 tokens in bf16 on one GPU
+(up to fused_moe's MAX_GEMV_TOKENS its default GEMVs and the grouped GEMM, `fused_moe grouped`, side by side).
 
     bytes ceiling  the bytes a step must read or write (the weights and biases of the experts the
                    batch's tokens picked, the tokens in, the output out) / the device copy bandwidth
@@ -14,7 +15,7 @@ the L2 holds, as in a forward pass), divided by the copies; the reference syncs 
 runs eagerly. Prints one table; --out writes JSON. --tiny rehearses the script on the CPU at tiny
 shapes, through the reference only.
 
-    python bench/micro/moe_layer.py [--tokens 1,64,8192] [--out DIR]
+    python bench/micro/moe_layer.py [--tokens 1,4,64,8192] [--fp8] [--out DIR]
     python bench/micro/moe_layer.py --tiny
 """
 
@@ -37,7 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.micro.engine_speed import graph_ms, measure_ceilings  # noqa: E402
-from pdkernels.moe_gemm import fused_moe_reference  # noqa: E402
+from pdkernels.moe_gemm import MAX_GEMV_TOKENS, fused_moe_reference  # noqa: E402
 
 LAYER_COPIES = 4
 SEED = 0
@@ -125,10 +126,10 @@ def fp8_layer(layer: dict[str, Any]) -> dict[str, Any]:
 def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_tokens: int,
                  gen: torch.Generator, gbps: float | None, tflops: float | None,
                  fp8_layers: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """The reference and, on CUDA, both fused_moe paths and the ceiling, at one token count; with
-    fp8_layers also FP8 weights, each tile dequantized in registers (`fp8 weights`) and with the
-    activations in FP8 too (`fp8 w8a8`), their error against the reference on the dequantized weights
-    (no ceiling: the rows compare with the bf16 ones above them)."""
+    """The reference and, on CUDA, fused_moe's paths and the ceiling, at one token count; with fp8_layers
+    also FP8 weights, each tile dequantized in registers (`fp8 weights`; `fp8 grouped` where the default
+    is the GEMV) and with the activations in FP8 too (`fp8 w8a8`), their error against the reference on
+    the dequantized weights (no ceiling: the rows compare with the bf16 ones above them)."""
     from pdkernels.moe_gemm import fused_moe
 
     w0 = layers[0]["w_gate_up"]
@@ -152,12 +153,16 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
     ref = reference()
     rows = [row("torch reference", eager_ms(reference, reps=reps))]
     if device.type == "cuda":
-        for label, bi in (("fused_moe", False), ("fused_moe bi", True)):
-            out = fused_moe(x, ids, weights, **layers[0], **kw, batch_invariant=bi)
+        variants = [("fused_moe", {})]
+        if num_tokens <= MAX_GEMV_TOKENS:  # the default there is moe_gemv.py's GEMVs: the grouped GEMM beside it
+            variants.append(("fused_moe grouped", {"gemv_tokens": 0}))
+        variants.append(("fused_moe bi", {"batch_invariant": True}))
+        for label, extra in variants:
+            out = fused_moe(x, ids, weights, **layers[0], **kw, **extra)
 
-            def run(bi: bool = bi) -> None:
+            def run(extra: dict[str, Any] = extra) -> None:
                 for layer in layers:
-                    fused_moe(x, ids, weights, **layer, **kw, batch_invariant=bi)
+                    fused_moe(x, ids, weights, **layer, **kw, **extra)
 
             rows.append(row(label, graph_ms(run, reps=reps * 2) / len(layers), rel_err(out, ref)))
     if device.type == "cuda" and fp8_layers:
@@ -167,12 +172,16 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
         dense = {**layers[0], "w_gate_up": dequantize(first["w_gate_up"], first["w_gate_up_scale"], dtype),
                  "w_down": dequantize(first["w_down"], first["w_down_scale"], dtype)}  # fmt: skip
         ref8 = fused_moe_reference(x, ids, weights, **dense, **kw)
-        for label, fp8_x in (("fp8 weights", False), ("fp8 w8a8", True)):
-            out = fused_moe(x, ids, weights, **first, **kw, fp8_activations=fp8_x)
+        variants8 = [("fp8 weights", {})]
+        if num_tokens <= MAX_GEMV_TOKENS:
+            variants8.append(("fp8 grouped", {"gemv_tokens": 0}))
+        variants8.append(("fp8 w8a8", {"fp8_activations": True}))
+        for label, extra in variants8:
+            out = fused_moe(x, ids, weights, **first, **kw, **extra)
 
-            def run8(fp8_x: bool = fp8_x) -> None:
+            def run8(extra: dict[str, Any] = extra) -> None:
                 for layer in fp8_layers:
-                    fused_moe(x, ids, weights, **layer, **kw, fp8_activations=fp8_x)
+                    fused_moe(x, ids, weights, **layer, **kw, **extra)
 
             ms = graph_ms(run8, reps=reps * 2) / len(fp8_layers)
             rows.append({**row(label, ms, rel_err(out, ref8)), "of_ceiling": None})
@@ -196,7 +205,7 @@ def bench_model(name: str, shape: MoEShape, token_counts: list[int], device: tor
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default="1,64,8192")
+    p.add_argument("--tokens", default="1,4,64,8192")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, the reference only")
     p.add_argument("--fp8", action="store_true",
                    help="CUDA: also FP8 expert weights, dequantized per tile and with FP8 activations (w8a8)")

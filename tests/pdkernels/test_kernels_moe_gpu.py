@@ -255,6 +255,49 @@ def test_batch_invariant_bit_identical(hidden: int, inter: int, num_experts: int
         assert torch.equal(out[:batch], full)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("activation,has_bias", [("swiglu", False), ("swiglu_oai", True)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_path(num_tokens: int, activation: str, has_bias: bool, fp8: bool) -> None:
+    """A few tokens' experts as one GEMV per assignment (moe_gemv.py, fused_moe's default up to
+    MAX_GEMV_TOKENS): against fused_moe_reference and the grouped GEMM (gemv_tokens=0) for float and FP8
+    weights; a padding slot (-1) and another rank's experts add nothing (a local subset's partial sums
+    equal the reference's with those slots weighted zero); the config fills the device's programs."""
+    from engine.fp8 import dequantize, quantize
+    from pdkernels.moe_gemm import MAX_GEMV_TOKENS
+    from pdkernels.moe_gemv import moe_gemv_config
+
+    assert num_tokens <= MAX_GEMV_TOKENS
+    gen = torch.Generator().manual_seed(17 * num_tokens + has_bias + 2 * fp8)
+    hidden, inter, num_experts, top_k = (256, 128, 8, 2) if not IS_CUDA else (2048, 768, 128, 8)
+    layer = Layer(gen, hidden, inter, num_experts, has_bias)
+    kw: dict[str, Any] = {"activation": activation}
+    weights_kw = layer.weights()
+    if fp8:
+        gu8, gu_s = (t.to(DEVICE) for t in quantize(layer.w_gate_up.float().cpu()))
+        d8, d_s = (t.to(DEVICE) for t in quantize(layer.w_down.float().cpu()))
+        weights_kw = {**weights_kw, "w_gate_up": dequantize(gu8, gu_s, DTYPE), "w_down": dequantize(d8, d_s, DTYPE)}
+        kw.update(w_gate_up_scale=gu_s, w_down_scale=d_s)
+    x = _rand(gen, num_tokens, hidden)
+    ids, weights = _route(gen, num_tokens, num_experts, top_k)
+    ids[-1, -1] = -1  # a padding slot
+    ref = fused_moe_reference(x, ids, weights, **weights_kw, activation=activation)
+    held = {**weights_kw, **({"w_gate_up": gu8, "w_down": d8} if fp8 else {})}
+    out = fused_moe(x, ids, weights, **held, **kw)
+    grouped = fused_moe(x, ids, weights, **held, **kw, gemv_tokens=0)
+    assert out.shape == x.shape and out.dtype == x.dtype and not out.isnan().any()
+    assert _rel_err(out, ref) < TOL and _rel_err(out, grouped) < TOL
+    first, num = 3, num_experts - 3
+    part = {k: (v[first : first + num] if v is not None else None) for k, v in held.items()}
+    if fp8:
+        part.update(w_gate_up_scale=gu_s[first : first + num], w_down_scale=d_s[first : first + num])
+    local = fused_moe(x, ids, weights, **part, **{k: v for k, v in kw.items() if "scale" not in k}, first_expert=first)
+    masked = torch.where((ids >= first) & (ids < first + num), weights, torch.zeros_like(weights))
+    assert _rel_err(local, fused_moe_reference(x, ids, masked, **weights_kw, activation=activation)) < TOL
+    cfg = moe_gemv_config(inter, hidden, num_tokens * top_k, True, 1 if fp8 else 2)
+    assert cfg.block_k == (16 if fp8 else 8) * 32 * cfg.num_warps and cfg.block_n >= 1
+
+
 def test_empty_and_invalid() -> None:
     gen = torch.Generator().manual_seed(5)
     hidden, inter, num_experts, top_k = LAYERS[0]
