@@ -2,7 +2,7 @@
 fused_moe_reference (torch, a loop over the experts) and against two ceilings measured in the same run,
 at Qwen3-30B-A3B's layer shape (H 2048, I 768, 128 experts, top-8, SwiGLU) and gpt-oss-20b's (H 2880,
 I 2880, 32 experts, top-4, biases, clamped SwiGLU), for 1, 4, 64 and 8192 tokens in bf16 on one GPU
-(up to fused_moe's MAX_GEMV_TOKENS its default GEMVs and the grouped GEMM, `fused_moe grouped`, side by side).
+(up to twice fused_moe's MAX_GEMV_TOKENS its two paths side by side: `gemv` and `grouped`).
 
     bytes ceiling  the bytes a step must read or write (the weights and biases of the experts the
                    batch's tokens picked, the tokens in, the output out) / the device copy bandwidth
@@ -39,6 +39,8 @@ if str(REPO) not in sys.path:
 
 from bench.micro.engine_speed import graph_ms, measure_ceilings  # noqa: E402
 from pdkernels.moe_gemm import MAX_GEMV_TOKENS, fused_moe_reference  # noqa: E402
+
+GEMV_ROWS_UP_TO = 2 * MAX_GEMV_TOKENS  # both of fused_moe's paths timed up to this many tokens
 
 LAYER_COPIES = 4
 SEED = 0
@@ -127,8 +129,8 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
                  gen: torch.Generator, gbps: float | None, tflops: float | None,
                  fp8_layers: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The reference and, on CUDA, fused_moe's paths and the ceiling, at one token count; with fp8_layers
-    also FP8 weights, each tile dequantized in registers (`fp8 weights`; `fp8 grouped` where the default
-    is the GEMV) and with the activations in FP8 too (`fp8 w8a8`), their error against the reference on
+    also FP8 weights, each tile dequantized in registers (`fp8 weights`; `fp8 gemv` and `fp8 grouped` at
+    few tokens) and with the activations in FP8 too (`fp8 w8a8`), their error against the reference on
     the dequantized weights (no ceiling: the rows compare with the bf16 ones above them)."""
     from pdkernels.moe_gemm import fused_moe
 
@@ -154,8 +156,8 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
     rows = [row("torch reference", eager_ms(reference, reps=reps))]
     if device.type == "cuda":
         variants = [("fused_moe", {})]
-        if num_tokens <= MAX_GEMV_TOKENS:  # the default there is moe_gemv.py's GEMVs: the grouped GEMM beside it
-            variants.append(("fused_moe grouped", {"gemv_tokens": 0}))
+        if num_tokens <= GEMV_ROWS_UP_TO:  # both default paths: moe_gemv.py's GEMVs and the grouped GEMM
+            variants = [("fused_moe gemv", {"gemv_tokens": num_tokens}), ("fused_moe grouped", {"gemv_tokens": 0})]
         variants.append(("fused_moe bi", {"batch_invariant": True}))
         for label, extra in variants:
             out = fused_moe(x, ids, weights, **layers[0], **kw, **extra)
@@ -173,8 +175,8 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
                  "w_down": dequantize(first["w_down"], first["w_down_scale"], dtype)}  # fmt: skip
         ref8 = fused_moe_reference(x, ids, weights, **dense, **kw)
         variants8 = [("fp8 weights", {})]
-        if num_tokens <= MAX_GEMV_TOKENS:
-            variants8.append(("fp8 grouped", {"gemv_tokens": 0}))
+        if num_tokens <= GEMV_ROWS_UP_TO:
+            variants8 = [("fp8 gemv", {"gemv_tokens": num_tokens}), ("fp8 grouped", {"gemv_tokens": 0})]
         variants8.append(("fp8 w8a8", {"fp8_activations": True}))
         for label, extra in variants8:
             out = fused_moe(x, ids, weights, **first, **kw, **extra)
