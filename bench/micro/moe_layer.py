@@ -198,7 +198,9 @@ def bench_model(name: str, shape: MoEShape, token_counts: list[int], device: tor
     gen = torch.Generator(device=device).manual_seed(SEED)
     copies = LAYER_COPIES if device.type == "cuda" else 1
     layers = [make_layer(shape, device, dtype, gen) for _ in range(copies)]
-    fp8_layers = [fp8_layer(layer) for layer in layers] if fp8 and device.type == "cuda" else None
+    # FP8 experts need I a whole number of 128-blocks (the gate rows' blocks end where the up rows' begin)
+    can_fp8 = fp8 and device.type == "cuda" and shape.inter % 128 == 0
+    fp8_layers = [fp8_layer(layer) for layer in layers] if can_fp8 else None
     rows = []
     for num_tokens in token_counts:
         rows += bench_tokens(name, shape, layers, num_tokens, gen, gbps, tflops, fp8_layers)
