@@ -39,7 +39,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pdkernels import moe_gemv, moe_route
+from pdkernels import moe_gemv, moe_route, pdl
+from pdkernels.fused_ops import pdl_start
 
 ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}
 SCALE_BLOCK = 128  # FP8 expert weights' scale block (engine/fp8.py BLOCK): BLOCK_K never exceeds it
@@ -93,8 +94,9 @@ def _grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, FP8_X: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     band = GROUP_M * num_n
@@ -198,7 +200,8 @@ def _grouped_gemm_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _combine_kernel(Y, IDS, WTS, OUT, num_tokens, first_expert, num_experts, H, stride_y, stride_o,
-                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -327,7 +330,7 @@ def _launch_grouped(
         EVEN_K=k % cfg.block_k == 0, IEEE=x.dtype == torch.float32 and not fp8_x,
         E_POW2=max(2, triton.next_power_of_2(num_experts)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl.active(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl.active(),
     )
     return out
 
@@ -424,7 +427,8 @@ def fused_moe(
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, num_tokens, first_expert, num_local, hidden,
-        y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4,
+        y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block, PDL=pdl.active(), num_warps=4,
+        launch_pdl=pdl.active(),
     )
     return out
 

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdkernels import pdl
+from pdkernels.fused_ops import pdl_start
 from pdkernels.gemv import _load_k
 
 ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}
@@ -77,8 +79,9 @@ def _moe_gemv_kernel(
     stride_x, stride_we, stride_wn, stride_be, stride_o, stride_se, stride_sn,
     K: tl.constexpr, X_DIV: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0)
     expert = tl.load(IDS + row) - first_expert
     if (expert < 0) | (expert >= num_experts):  # another rank's expert, or a padding slot
@@ -171,6 +174,6 @@ def expert_gemv(
         *(w_scale.stride()[:2] if w_scale is not None else (0, 0)),
         K=k, X_DIV=x_div, ACT=ACTIVATIONS[activation], HAS_BIAS=bias is not None, HAS_SCALE=w_scale is not None,
         EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=16 // w.element_size(),
-        SCALE_BLOCK=SCALE_BLOCK, num_warps=cfg.num_warps,
+        SCALE_BLOCK=SCALE_BLOCK, PDL=pdl.active(), num_warps=cfg.num_warps, launch_pdl=pdl.active(),
     )
     return out

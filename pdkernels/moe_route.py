@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pdkernels import pdl
+from pdkernels.fused_ops import pdl_start
+
 MAX_ALIGN = 256  # assignments align() sorts in one program (its compares grow as the square); beyond, torch.sort
 _ALIGN_CHUNK = 32  # assignments compared against all others per step of align's loop
 
@@ -35,8 +38,9 @@ _ALIGN_CHUNK = 32  # assignments compared against all others per step of align's
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, counts_ptr, num_experts, stride,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    SOFTMAX_FIRST: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr,
+    SOFTMAX_FIRST: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     live = e < num_experts
@@ -94,7 +98,8 @@ def route(
         _route_kernel[(num_tokens,)](
             logits, weights, ids, counts if counts is not None else ids, num_experts, logits.stride(0),
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
-            SOFTMAX_FIRST=softmax_first, NORM=norm_topk_prob, COUNT=counts is not None, num_warps=1,
+            SOFTMAX_FIRST=softmax_first, NORM=norm_topk_prob, COUNT=counts is not None, PDL=pdl.active(),
+            num_warps=1, launch_pdl=pdl.active(),
         )  # fmt: skip
     return weights, ids
 
@@ -102,8 +107,9 @@ def route(
 @triton.jit
 def _align_kernel(
     ids_ptr, order_ptr, offsets_ptr, n, first_expert, num_local,
-    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     i = tl.arange(0, BLOCK_N)
     live = i < n
     mine = tl.load(ids_ptr + i, mask=live, other=0) - first_expert
@@ -137,6 +143,6 @@ def align(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> tuple[to
     _align_kernel[(1,)](
         ids.contiguous(), order, offsets, n, first_expert, num_local,
         BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_E=max(16, triton.next_power_of_2(num_local + 1)),
-        CHUNK=_ALIGN_CHUNK, num_warps=4,
+        CHUNK=_ALIGN_CHUNK, PDL=pdl.active(), num_warps=4, launch_pdl=pdl.active(),
     )  # fmt: skip
     return order, offsets

@@ -129,18 +129,20 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str,
 
 def moe_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """The MoE layer's kernels at Qwen3-30B-A3B's shapes (H 2048, I 768, 128 experts, top 8): the routing,
-    the assignments' sort, and the grouped GEMM in its decode and prefill tiles, bf16, FP8 weights and w8a8."""
-    from pdkernels import moe_gemm, moe_route
+    the assignments' sort, the grouped GEMM in its decode and prefill tiles, bf16, FP8 weights and w8a8, and
+    the few-token GEMVs."""
+    from pdkernels import moe_gemm, moe_gemv, moe_route
 
     out: list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]] = []
     for softmax_first in (True, False):
         out.append((f"moe route (softmax first {softmax_first})", moe_route._route_kernel,
                     {"logits_ptr": BF16, "weights_ptr": BF16, "ids_ptr": "*i64", "counts_ptr": "*i64"},
-                    dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, SOFTMAX_FIRST=softmax_first, NORM=True, COUNT=True),
+                    dict(TOP_K=8, BLOCK_K=8, BLOCK_E=128, SOFTMAX_FIRST=softmax_first, NORM=True, COUNT=True,
+                         PDL=True),
                     dict(num_warps=1)))
     out.append(("moe align (256 assignments)", moe_route._align_kernel,
                 {"ids_ptr": "*i64", "order_ptr": "*i64", "offsets_ptr": "*i32"},
-                dict(BLOCK_N=256, BLOCK_E=256, CHUNK=moe_route._ALIGN_CHUNK), dict(num_warps=4)))
+                dict(BLOCK_N=256, BLOCK_E=256, CHUNK=moe_route._ALIGN_CHUNK, PDL=True), dict(num_warps=4)))
     fp8 = "*fp8e4nv"
     for label, rows, x_type, w_type, fp8_x in [("bf16", 8, BF16, BF16, False), ("bf16", 8192 * 8, BF16, BF16, False),
                                                ("FP8 weights", 8, BF16, fp8, False),
@@ -157,8 +159,19 @@ def moe_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[
                         dict(K=k, ACT=act, HAS_ROWS=True, GATHER_DIV=8 if act else 0, HAS_BIAS=False,
                              HAS_SCALE=w_type == fp8, FP8_X=fp8_x, EVEN_K=True, IEEE=False, E_POW2=128,
                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-                             SCALE_BLOCK=moe_gemm.SCALE_BLOCK),
+                             SCALE_BLOCK=moe_gemm.SCALE_BLOCK, PDL=True),
                         dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+    for label, w_type, elem in [("bf16", BF16, 2), ("FP8 weights", fp8, 1)]:  # a decode step's token: 8 GEMVs
+        for act, n, k in [(1, 768, 2048), (0, 2048, 768)]:
+            g = moe_gemv.moe_gemv_config(n, k, 8, act != 0, elem)
+            out.append((f"moe GEMV {label}, {'gate/up' if act else 'down'} ({g.block_n}x{g.block_k})",
+                        moe_gemv._moe_gemv_kernel,
+                        {"X": BF16, "IDS": "*i64", "W": w_type, "BIAS": BF16, "OUT": BF16,
+                         "SCALE": "*fp32" if w_type == fp8 else BF16, "alpha": "fp32", "limit": "fp32"},
+                        dict(K=k, X_DIV=8 if act else 1, ACT=act, HAS_BIAS=False, HAS_SCALE=w_type == fp8,
+                             EVEN_K=k % g.block_k == 0, BLOCK_N=g.block_n, BLOCK_K=g.block_k, VEC=16 // elem,
+                             SCALE_BLOCK=128, PDL=True),
+                        dict(num_warps=g.num_warps)))
     return out
 
 
