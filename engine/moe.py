@@ -476,12 +476,19 @@ class SparseMoE(nn.Module):
     ) -> torch.Tensor:
         """The block after routing through pdkernels/moe_gemm.py (`kernels`): sort, gate/up (+ bias) and the
         activation, down (+ bias), combine in slot order; no host sync (graphs capture it). Every expert
-        must be held."""
+        must be held. FP8 experts take the dense layers' policy (fp8.compute_path): beyond the few tokens that
+        run as GEMVs, where the dense products run in FP8 on the tensor cores, the rows are quantized per
+        128-column group and both products run in FP8 (w8a8); elsewhere (--deterministic, fp8_gemm
+        "dequantize") each weight tile is dequantized to x's dtype."""
         w = self.experts
+        fp8_x = (
+            w.is_fp8 and x.shape[0] > kernels.MAX_GEMV_TOKENS and not batch_invariant
+            and x.shape[1] % fp8.BLOCK == 0 and fp8.compute_path(x) in ("triton", "cublas")
+        )  # fmt: skip
         return kernels.fused_moe(
             x, experts, weights, w.gate_up_proj, w.down_proj, w.gate_up_proj_bias, w.down_proj_bias,
             activation=self.activation, batch_invariant=batch_invariant, alpha=self.alpha, limit=self.limit,
-            w_gate_up_scale=w.gate_up_proj_scale_inv, w_down_scale=w.down_proj_scale_inv,
+            w_gate_up_scale=w.gate_up_proj_scale_inv, w_down_scale=w.down_proj_scale_inv, fp8_activations=fp8_x,
         )  # fmt: skip
 
     def _experts_sorted(

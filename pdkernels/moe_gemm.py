@@ -399,8 +399,8 @@ def fused_moe(
 
     fp8_activations (FP8 weights; H and I multiples of 128): x and the activation h quantized per row and
     128-column group (two more launches) and both projections multiplied in FP8 (the anchors' w8a8 block
-    scheme), instead of each FP8 weight tile dequantized to x's dtype. NOTE: not yet measured on a GPU,
-    so the engine does not take it (bench/micro/moe_layer.py --fp8 times it).
+    scheme), instead of each FP8 weight tile dequantized to x's dtype: faster once an expert has many
+    rows (bench/micro/moe_layer.py --fp8; the engine takes it where its dense FP8 products quantize x).
 
     gemv_tokens: up to this many tokens (not batch_invariant, not fp8_activations) each assignment's two
     products run as matrix-vector products straight from the routing (moe_gemv.py: no sort, no tensor-core
