@@ -266,6 +266,7 @@ class DecoderLayer(nn.Module):
                 scaling=arch.routed_scaling_factor,
                 shared_intermediate_size=arch.shared_intermediate_size,
                 tp_share=(tp.rank, tp.size) if tp is not None else (0, 1),
+                product=linear,
             )
         else:
             self.mlp = MLP(arch)

@@ -321,8 +321,12 @@ class SparseMoE(nn.Module):
         scaling: float = 1.0,
         shared_intermediate_size: int = 0,
         tp_share: tuple[int, int] = (0, 1),
+        product: Callable[[nn.Linear, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
+        # the router's matrix product: the model passes its forward pass's (engine/linear.py: a decode
+        # step's few rows through the GEMV); on its own, the layer calls the linear
+        self.product = product or (lambda lin, x: F.linear(x, lin.weight, lin.bias))
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
         if routing not in ROUTING_KINDS or activation not in EXPERT_ACTIVATIONS:
@@ -374,12 +378,10 @@ class SparseMoE(nn.Module):
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Row-local: [tokens, hidden] -> [tokens, num_experts], in the model dtype (a ScoreGate's: its float32
         sigmoid scores, which its route() takes)."""
-        from engine.linear import linear  # NOTE: not at the top: engine.context imports this module
-
         router = self.router_linear
         if isinstance(router, ScoreGate):
             return router(x)
-        return linear(router, x)  # a decode step's few rows through the GEMV
+        return self.product(router, x)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits -> (weights [tokens, k] in the logits' dtype, expert ids [tokens, k])."""
