@@ -1,9 +1,10 @@
 """Expert products for a decode step's few tokens (Triton): one matrix-vector product per (token, slot)
 assignment, straight from the routing, without sorting the assignments by expert.
 
-At batch 1 a MoE layer reads k experts' weights once each, and the grouped GEMM (moe_gemm.py) spends
-most of its time on what a GEMV does not need: tl.dot pads the expert's one row to 16 and stages every
-weight tile through shared memory, and the assignments are sorted first. Here program (r, j) owns
+At batch 1 a MoE layer reads k experts' weights once each. The grouped GEMM (moe_gemm.py) first sorts
+the assignments (one more launch), then pads each expert's one row to a 16-row tl.dot tile and stages
+every weight tile through shared memory; neither is needed here. Measured on an H100 (bench/RESULTS.md,
+"MoE models"): 1-11% faster per layer at 1 to 4 tokens, even at 8. Here program (r, j) owns
 assignment r (token r // k, slot r % k) and BLOCK_N output columns of its expert's weight, and walks K
 with gemv.py's register layout: elementwise FMAs, each thread one 16-byte run of K in each of the tile's
 weight rows, the matching piece of x one 16-byte load, the sum across threads once after the K loop.
@@ -20,7 +21,9 @@ range (another rank's, or a padding slot's -1) exit at once and store nothing: t
 up + bias) rounded to x's dtype, as the grouped kernel's epilogue does. FP8 weights (float8_e4m3fn with
 128x128 block scales): each thread's 16-element run lies in one block, so its partial sum is scaled once
 in float32 (weights-only FP8, x stays in its dtype). Not batch-invariant (a row's sum follows the tile
-shape): deterministic mode keeps the grouped GEMM's batch-invariant tiles.
+shape): deterministic mode keeps the grouped GEMM's batch-invariant tiles. Launched with programmatic
+dependent launch when the forward's kernels are (pdkernels/pdl.py); K is compiled in (a runtime loop
+bound does not run under Triton's interpreter with numpy 2.4).
 """
 
 from __future__ import annotations
