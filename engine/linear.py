@@ -1,7 +1,7 @@
 """A forward pass's products: `linear` takes a decode step's few rows through pdkernels/gemv.py (one kernel, no
 split-K reduction after it), FP8 weights through engine/fp8.py's paths, and everything else through
-F.linear; deterministic mode's numerics keep the batch-invariant products. engine/model.py's layers and
-engine/moe.py's router call it."""
+F.linear; deterministic mode's numerics keep the batch-invariant products. engine/model.py's layers call
+it, and hand it to engine/moe.py's router."""
 
 from __future__ import annotations
 

@@ -129,9 +129,9 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
                  gen: torch.Generator, gbps: float | None, tflops: float | None,
                  fp8_layers: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The reference and, on CUDA, fused_moe's paths and the ceiling, at one token count; with fp8_layers
-    also FP8 weights, each tile dequantized in registers (`fp8 weights`; `fp8 gemv` and `fp8 grouped` at
-    few tokens) and with the activations in FP8 too (`fp8 w8a8`), their error against the reference on
-    the dequantized weights (no ceiling: the rows compare with the bf16 ones above them)."""
+    also FP8 weights (`fp8`; `fp8 gemv` and `fp8 grouped` at few tokens, the grouped GEMM dequantizing each
+    tile in registers) and with the activations in FP8 too (`fp8 w8a8`), their error against the
+    reference on the dequantized weights (no ceiling: the rows compare with the bf16 ones above them)."""
     from pdkernels.moe_gemm import fused_moe
 
     w0 = layers[0]["w_gate_up"]
@@ -154,39 +154,34 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
 
     ref = reference()
     rows = [row("torch reference", eager_ms(reference, reps=reps))]
-    if device.type == "cuda":
-        variants = [("fused_moe", {})]
-        if num_tokens <= GEMV_ROWS_UP_TO:  # both default paths: moe_gemv.py's GEMVs and the grouped GEMM
-            variants = [("fused_moe gemv", {"gemv_tokens": num_tokens}), ("fused_moe grouped", {"gemv_tokens": 0})]
-        variants.append(("fused_moe bi", {"batch_invariant": True}))
-        for label, extra in variants:
-            out = fused_moe(x, ids, weights, **layers[0], **kw, **extra)
+    if device.type != "cuda":
+        return rows
 
-            def run(extra: dict[str, Any] = extra) -> None:
-                for layer in layers:
-                    fused_moe(x, ids, weights, **layer, **kw, **extra)
+    def timed(label: str, copies: list[dict[str, Any]], want: torch.Tensor, extra: dict[str, Any]) -> dict[str, Any]:
+        """fused_moe over the layer's copies in one CUDA graph, per layer, and its error against want."""
+        out = fused_moe(x, ids, weights, **copies[0], **kw, **extra)
 
-            rows.append(row(label, graph_ms(run, reps=reps * 2) / len(layers), rel_err(out, ref)))
-    if device.type == "cuda" and fp8_layers:
+        def run() -> None:
+            for layer in copies:
+                fused_moe(x, ids, weights, **layer, **kw, **extra)
+
+        return row(label, graph_ms(run, reps=reps * 2) / len(copies), rel_err(out, want))
+
+    # fused_moe's default path, or both of its paths where the GEMVs may take this many tokens
+    paths: list[tuple[str, dict[str, Any]]] = [("", {})]
+    if num_tokens <= GEMV_ROWS_UP_TO:
+        paths = [(" gemv", {"gemv_tokens": num_tokens}), (" grouped", {"gemv_tokens": 0})]
+    rows += [timed("fused_moe" + suffix, layers, ref, extra) for suffix, extra in paths]
+    rows.append(timed("fused_moe bi", layers, ref, {"batch_invariant": True}))
+    if fp8_layers:
         from engine.fp8 import dequantize
 
         first = fp8_layers[0]
         dense = {**layers[0], "w_gate_up": dequantize(first["w_gate_up"], first["w_gate_up_scale"], dtype),
                  "w_down": dequantize(first["w_down"], first["w_down_scale"], dtype)}  # fmt: skip
         ref8 = fused_moe_reference(x, ids, weights, **dense, **kw)
-        variants8 = [("fp8 weights", {})]
-        if num_tokens <= GEMV_ROWS_UP_TO:
-            variants8 = [("fp8 gemv", {"gemv_tokens": num_tokens}), ("fp8 grouped", {"gemv_tokens": 0})]
-        variants8.append(("fp8 w8a8", {"fp8_activations": True}))
-        for label, extra in variants8:
-            out = fused_moe(x, ids, weights, **first, **kw, **extra)
-
-            def run8(extra: dict[str, Any] = extra) -> None:
-                for layer in fp8_layers:
-                    fused_moe(x, ids, weights, **layer, **kw, **extra)
-
-            ms = graph_ms(run8, reps=reps * 2) / len(fp8_layers)
-            rows.append({**row(label, ms, rel_err(out, ref8)), "of_ceiling": None})
+        fp8_paths = [("fp8" + suffix, extra) for suffix, extra in paths] + [("fp8 w8a8", {"fp8_activations": True})]
+        rows += [{**timed(label, fp8_layers, ref8, extra), "of_ceiling": None} for label, extra in fp8_paths]
     if floor_ms:
         rows.append(row("ceiling", floor_ms))
     return rows
