@@ -617,6 +617,7 @@ class LLMEngine:
         device: str | torch.device | None = "cpu",
         alloc: Alloc | None = None,
         skip_pages: int = 0,
+        pages_in_place: bool = False,
     ) -> SequenceExport:
         """A prefilled sequence's state (every token but the last is in the cache). device=None
         keeps the gathered pages on the engine's device (NCCL/IPC transports send from there).
@@ -624,8 +625,11 @@ class LLMEngine:
         transport's exported arena), or None for new memory; used only with device=None and
         without --tp (a group's merged heads are new memory).
         skip_pages: pages the receiver holds already (its reservation's held tokens / block_size):
-        only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page)."""
-        return self.handoff_io.export(request_id, device, alloc, skip_pages)
+        only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page).
+        pages_in_place: with device=None and without --tp, the pages are not gathered: the export names
+        them in the pool (PoolPages; a transport that reads them there, ipc), held unchanged until
+        finish_handoff or an abort."""
+        return self.handoff_io.export(request_id, device, alloc, skip_pages, pages_in_place)
 
     def in_place_target(
         self, request_id: str, first_page: int, num_pages: int, hold_s: float

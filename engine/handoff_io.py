@@ -52,10 +52,17 @@ class HandoffIO:
         self.retains_at_end = retains_at_end  # a CE with a decode cache: an import's pages stay cached
 
     def export(
-        self, request_id: str, device: str | torch.device | None, alloc: Alloc | None, skip_pages: int
+        self,
+        request_id: str,
+        device: str | torch.device | None,
+        alloc: Alloc | None,
+        skip_pages: int,
+        pages_in_place: bool = False,
     ) -> SequenceExport:
         """LLMEngine.export_sequence: a parked or running sequence between steps, every token but the
-        last computed; its memory stays held (EXPORTED) until the ledger hands it off or aborts it."""
+        last computed; its memory stays held (EXPORTED) until the ledger hands it off or aborts it.
+        pages_in_place (with device=None, without --tp): the export's pages are the sequence's own pages
+        in the pool (PoolPages, no gather), which stay unchanged while it is held."""
         seq = self.ledger.parked(request_id) or self.scheduler.find(request_id)
         if seq is None or seq.status not in (SeqStatus.RUNNING, SeqStatus.PARKED) or seq.num_uncomputed != 1:
             raise InvalidRequestError(f"request {request_id!r} is not a prefilled sequence between steps")
@@ -63,20 +70,26 @@ class HandoffIO:
         n_pages = kv.layout.num_pages(seq.num_computed)
         if not 0 <= skip_pages * kv.layout.block_size <= seq.num_computed:
             raise InvalidRequestError(f"cannot skip {skip_pages} pages of {seq.num_computed} computed tokens")
+        block_ids = seq.block_ids[skip_pages:n_pages]
+        pages: torch.Tensor | PoolPages
+        pages_sum: torch.Tensor | None = None
         if self.shards is not None:  # the group's heads, merged on rank 0 (alloc's memory is not used)
-            pages, state = self.shards.read(seq.block_ids[skip_pages:n_pages], seq.state_slot)
-            pages_sum: torch.Tensor | None = None
+            pages, state = self.shards.read(block_ids, seq.state_slot)
         else:
-            out = None
-            if alloc is not None and device is None and n_pages > skip_pages:
-                out = alloc((n_pages - skip_pages, *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
-            # on CUDA the gather also hashes the pages (the handoff's checksum, at no extra pass)
-            pages, pages_sum = kv.read_pages(seq.block_ids[skip_pages:n_pages], out=out, with_checksum=True)
+            if pages_in_place and device is None and block_ids:
+                pages, pages_sum = kv.pages_in_place(block_ids, with_checksum=True)
+            else:
+                out = None
+                if alloc is not None and device is None and block_ids:
+                    out = alloc((len(block_ids), *kv.pages.shape[1:]), kv.pages.dtype, kv.device)
+                # on CUDA the gather also hashes the pages (the handoff's checksum, at no extra pass)
+                pages, pages_sum = kv.read_pages(block_ids, out=out, with_checksum=True)
             state = kv.read_state(seq.state_slot) if seq.state_slot >= 0 else None
         if state is not None and alloc is not None and device is None and self.shards is None:
             st = alloc(tuple(state.shape), state.dtype, state.device)
             state = st.copy_(state) if st is not None else state
         if device is not None:
+            assert isinstance(pages, torch.Tensor)  # in place only with device=None
             pages = pages.to(device)
             state = state.to(device) if state is not None else None
         self.ledger.export(request_id)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.handoff import KVLayout
+from engine.handoff import KVLayout, PoolPages
 from engine.model_config import ModelArch
 
 
@@ -96,6 +96,19 @@ class KVCache:
         if out is None:  # indexing with a tensor gathers into new memory: no clone needed
             return self.pages[ids], None
         return torch.index_select(self.pages, 0, ids, out=out), None
+
+    def pages_in_place(
+        self, block_ids: list[int], with_checksum: bool = False
+    ) -> tuple[PoolPages, torch.Tensor | None]:
+        """The given pages where they lie in the pool (no copy: an export a transport reads in place), and,
+        if with_checksum and the one-pass kernel runs here (CUDA), their checksum sum as read_pages gives
+        it (queued: no sync); else None."""
+        pages = PoolPages(self.pages, block_ids)
+        if with_checksum and self.device.type == "cuda" and block_ids:
+            from pdkernels.checksum_gpu import queued_pages_sum
+
+            return pages, queued_pages_sum(self.pages, block_ids)
+        return pages, None
 
     def write_pages(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.pages[torch.tensor(block_ids, dtype=torch.long, device=self.device)] = data.to(self.device, self.layout.dtype)

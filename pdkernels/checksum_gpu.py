@@ -10,10 +10,12 @@ registers; torch then weights the per-chunk sums by their chunk keys (kept on th
 Four uses, one kernel:
     segment_sum(words)               hash only (checksum.segment_sum on CUDA)
     pages_sum(pool, ids)             hash only, of pages where they lie in a pool (a handoff received in
-                                     place: checksum.pool_pages_sum on CUDA)
+                                     place: checksum.pool_pages_sum on CUDA; an export offered in place:
+                                     queued_pages_sum)
     gather_pages(pool, ids, out)     the PE's export gather, hashing the pages it writes
     copy_segments(dst, src)          the ipc receiver's copy out of the sender's memory (its sums
-                                     read in host memory: SegmentSums.fold)
+                                     read in host memory: SegmentSums.fold); either side may be Paged,
+                                     pages of a pool (the sender's pool pages into the receiver's)
 
 Integer arithmetic wraps mod 2^64 in Triton as in torch and numpy, and >> of a signed int64 is
 arithmetic in all three, so the value is the definition's bit for bit. Still, the kernel is used on a
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -72,6 +75,7 @@ def _launch(
     page_ids: torch.Tensor | None = None,
     page_words: int = 0,
     out: torch.Tensor | None = None,
+    dst_page_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weighted per-chunk sums of the num_words words (copy_hash.py; into out when given), whose
     wrapping sum is S; queued only."""
@@ -79,7 +83,7 @@ def _launch(
     keys = chunk_keys(first_chunk, -(-num_words // chunk_words), src.device)
     return copy_hash(
         src, num_words, position_keys(src.device), keys, mul, chunk_words,
-        dst=dst, page_ids=page_ids, page_words=page_words, out=out,
+        dst=dst, page_ids=page_ids, page_words=page_words, dst_page_ids=dst_page_ids, out=out,
     )  # fmt: skip
 
 
@@ -125,17 +129,61 @@ def gather_pages(pool: torch.Tensor, block_ids: list[int], out: torch.Tensor) ->
     return _s(src, dst.numel(), dst=dst, page_ids=ids, page_words=page_words)
 
 
-def pages_sum(pool: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> int | None:
+def queued_pages_sum(pool: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> torch.Tensor | None:
     """S (checksum.py) of the pages pool[block_ids[0]], pool[block_ids[1]], ... as one segment, read where
-    they lie in the pool (pool: [num_blocks, ...] pages, contiguous, on a CUDA device), in one pass; None
-    when the kernel cannot do it on this device or for this pool (the caller hashes another way)."""
+    they lie in the pool (pool: [num_blocks, ...] pages, contiguous, on a CUDA device), in one pass: a
+    0-dim int64 device tensor, queued on the current stream (no sync); None when the kernel cannot do
+    it on this device or for this pool (the caller hashes another way)."""
     src = _words(pool)
     page_bytes = pool[0].numel() * pool.element_size() if pool.shape[0] else 0
     if src is None or not block_ids or page_bytes % 8 or not pool.is_cuda or not usable(pool.device):
         return None
     ids = torch.tensor(block_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
     page_words = page_bytes // 8
-    return int(_s(src, len(block_ids) * page_words, page_ids=ids, page_words=page_words)) & MASK64
+    return _s(src, len(block_ids) * page_words, page_ids=ids, page_words=page_words)
+
+
+def pages_sum(pool: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> int | None:
+    """queued_pages_sum, read (a sync)."""
+    got = queued_pages_sum(pool, block_ids)
+    return None if got is None else int(got) & MASK64
+
+
+@dataclass(frozen=True)
+class Paged:
+    """A segment made of pages of a pool, in order: pool[ids[0]], pool[ids[1]], ... (pool: a contiguous
+    tensor of whole pages, [num_blocks, ...]; ids: int64 block ids on its device)."""
+
+    pool: torch.Tensor
+    ids: torch.Tensor
+
+    @property
+    def page_bytes(self) -> int:
+        return self.pool[0].numel() * self.pool.element_size() if self.pool.shape[0] else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.numel() * self.page_bytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    def pages(self) -> torch.Tensor:
+        """The pool as [num_blocks, page_bytes] bytes."""
+        return self.pool.reshape(self.pool.shape[0], -1).view(torch.uint8)
+
+
+Segment = torch.Tensor | Paged  # copy_segments' sides: a contiguous tensor, or pages of a pool
+
+
+def torch_copy(dst: Segment, src: Segment) -> None:
+    """dst <- src with torch, no hashing (the path where the kernel cannot run): flat bytes or pages."""
+    data = src.pages()[src.ids] if isinstance(src, Paged) else src.reshape(-1).view(torch.uint8)
+    if isinstance(dst, Paged):
+        dst.pages()[dst.ids] = data.view(-1, dst.page_bytes)
+    else:
+        dst.reshape(-1).view(torch.uint8).copy_(data.reshape(-1), non_blocking=True)
 
 
 class SegmentSums:
@@ -154,24 +202,52 @@ class SegmentSums:
         return [int(h[b[i] : b[i + 1]].sum(dtype=np.uint64)) for i in range(len(b) - 1)]
 
 
-def copy_segments(dst: list[torch.Tensor], src: list[torch.Tensor]) -> SegmentSums | None:
-    """dst[i].copy_(src[i]) for pairs of contiguous tensors of equal byte sizes on one CUDA device,
-    hashing the bytes on the way: one kernel launch per segment and one sums buffer for all of them,
-    queued on the current stream (nothing waits). None, nothing done, when the kernel cannot do all
-    of them (the caller copies and hashes with torch)."""
-    pairs = [(_words(s), _words(d)) for s, d in zip(src, dst)]
-    if not pairs or not dst[0].is_cuda or not usable(dst[0].device):
+@dataclass(frozen=True)
+class _Side:
+    """One side of a segment copy as the kernel takes it: int64 words, and the page ids if paged."""
+
+    words: torch.Tensor
+    ids: torch.Tensor | None = None
+    page_words: int = 0
+
+    @property
+    def num_words(self) -> int:
+        return self.words.numel() if self.ids is None else self.ids.numel() * self.page_words
+
+
+def _side(t: Segment) -> _Side | None:
+    if isinstance(t, Paged):
+        words = _words(t.pool)
+        if words is None or t.page_bytes % 8 or t.ids.dtype != torch.int64 or t.ids.device != t.pool.device:
+            return None
+        return _Side(words, t.ids, t.page_bytes // 8)
+    words = _words(t)
+    return None if words is None else _Side(words)
+
+
+def copy_segments(dst: list[Segment], src: list[Segment]) -> SegmentSums | None:
+    """dst[i] <- src[i] for pairs of equal byte sizes on one CUDA device (each side a contiguous tensor or
+    Paged; two paged sides have pages of one size), hashing the bytes on the way: one kernel launch per
+    segment and one sums buffer for all of them, queued on the current stream (nothing waits). None,
+    nothing done, when the kernel cannot do all of them (the caller copies and hashes with torch)."""
+    if not dst or not dst[0].device.type == "cuda" or not usable(dst[0].device):
         return None
+    pairs = [(_side(s), _side(d)) for s, d in zip(src, dst)]
     bounds = [0]
     for (s, d), t in zip(pairs, src):
-        if s is None or d is None or s.numel() != d.numel() or t.device != dst[0].device:
+        if s is None or d is None or s.num_words != d.num_words or t.device != dst[0].device:
             return None
-        bounds.append(bounds[-1] + -(-s.numel() // CHUNK_WORDS))
+        if s.ids is not None and d.ids is not None and s.page_words != d.page_words:
+            return None
+        bounds.append(bounds[-1] + -(-s.num_words // CHUNK_WORDS))
     sums = torch.empty(bounds[-1], dtype=torch.int64, device=dst[0].device)
     for i, (s, d) in enumerate(pairs):
         assert s is not None and d is not None
-        if s.numel():
-            _launch(s, s.numel(), dst=d, out=sums[bounds[i] : bounds[i + 1]])
+        if s.num_words:
+            _launch(
+                s.words, s.num_words, dst=d.words, page_ids=s.ids, page_words=s.page_words or d.page_words,
+                dst_page_ids=d.ids, out=sums[bounds[i] : bounds[i + 1]],
+            )  # fmt: skip
     return SegmentSums(sums, bounds)
 
 
@@ -184,8 +260,8 @@ def copy_segment(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
 @cache
 def usable(device: torch.device) -> bool:
     """Whether the kernel runs on device and every variant (hash only, copy, paged gather with steps
-    inside a page or across pages, paged hash only) gives the torch version's sums and bytes (checked
-    once)."""
+    inside a page or across pages, paged hash only, into pages from pages or flat words) gives the torch
+    version's sums and bytes (checked once)."""
     def torch_s(words: torch.Tensor, first: int = 0) -> int:
         return torch_segment_sum(words, first)
 
@@ -216,6 +292,15 @@ def usable(device: torch.device) -> bool:
             ok = ok and int(s) & MASK64 == torch_s(want) and torch.equal(got, want)
             s = _s(pool.reshape(-1), want.numel(), page_ids=ids, page_words=page_words)  # no copy
             ok = ok and int(s) & MASK64 == torch_s(want)
+            # pages into pages of another pool (the ipc receiver in place), from pages and from flat words
+            into = torch.full_like(pool, -1)
+            to = torch.randperm(pool.shape[0], generator=g)[: ids.numel()].to(device)
+            s = _s(pool.reshape(-1), want.numel(), dst=into.reshape(-1), page_ids=ids, page_words=page_words,
+                   dst_page_ids=to)  # fmt: skip
+            ok = ok and int(s) & MASK64 == torch_s(want) and torch.equal(into[to].reshape(-1), want)
+            into.fill_(-1)
+            s = _s(want, want.numel(), dst=into.reshape(-1), page_words=page_words, dst_page_ids=to)
+            ok = ok and int(s) & MASK64 == torch_s(want) and torch.equal(into[to].reshape(-1), want)
     except Exception as e:  # no Triton, or it cannot build for this device
         log.info("payload checksum on %s: torch path (Triton kernel unavailable: %r)", device, e)
         return False

@@ -104,6 +104,17 @@ class TransferConfig:
         default=False,
         metadata={"help": "decode, ipc: time each copy on its stream (the ack's ipc_copy_gpu phase; costs host time)"},
     )
+    # ipc: the PE's exports name their pages in its KV pool (exported once) and the CE copies them into
+    # its reservation's pages: one device-to-device copy. copy_in: the PE gathers each export into the
+    # arena, the CE copies it into a buffer of its own and the import into its pool (three copies)
+    ipc_copy_in: bool = field(
+        default=False,
+        metadata={
+            "help": "ipc: gather each export into the prefill engine's arena and land it in a decode buffer"
+            " before the KV pool (default: the decode engine copies the prefill engine's pool pages"
+            " straight into the reservation's pages)"
+        },
+    )
     # nixl: a buffer on each side registered with the NIXL agent once, on the device of the first
     # handoff's memory: the PE's exports are gathered into it, the CE's receive buffers taken from it.
     # A payload that does not fit registers its own memory for its handoff.

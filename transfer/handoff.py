@@ -65,7 +65,7 @@ from engine.handoff import (
     to_wire,
 )
 from pdkernels.checksum import MASK64, as_words, fold
-from transfer.checksum import segment_sum
+from transfer.checksum import pool_pages_sum, segment_sum
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
 
 HEADER_VERSION = 7
@@ -388,10 +388,10 @@ def peer_layout(d: Any) -> KVLayout:
 # ---- payload --------------------------------------------------------------------------------------
 
 
-def payload_segments(export: SequenceExport, layout: KVLayout) -> list[torch.Tensor]:
-    """The export's tensors in payload order (pages, then the state if the model has sliding layers)."""
-    if not isinstance(export.pages, torch.Tensor):
-        raise HandoffError(LAYOUT, "an export's pages are a tensor (pages received in place are not sent on)")
+def payload_segments(export: SequenceExport, layout: KVLayout) -> list[Buffer]:
+    """The export's tensors in payload order (pages, then the state if the model has sliding layers).
+    The pages may be PoolPages (an export made in place, engine.export_sequence(pages_in_place=True)):
+    only a transport that reads pages in a pool takes those (Transport.reads_pool_pages)."""
     if not layout.has_state:
         return [export.pages]
     if export.state is None:
@@ -401,13 +401,21 @@ def payload_segments(export: SequenceExport, layout: KVLayout) -> list[torch.Ten
 
 def export_checksum(export: SequenceExport, layout: KVLayout) -> int:
     """payload_checksum of the export's segments, taking the pages' sum from the export when its
-    gather computed it (pages_sum: then only the small SWA state is hashed here)."""
+    gather (or in-place hash) computed it (pages_sum: then only the small SWA state is hashed here)."""
     sums = []
     for i, t in enumerate(payload_segments(export, layout)):
         pages_sum = export.pages_sum if i == 0 else None
-        s = int(pages_sum) & MASK64 if pages_sum is not None else segment_sum(as_words(t))
-        sums.append((t.numel() * t.element_size(), s))
+        if pages_sum is not None:
+            sums.append((segment_bytes(t), int(pages_sum) & MASK64))
+        elif isinstance(t, PoolPages):
+            sums.append((t.nbytes, pool_pages_sum(t)))
+        else:
+            sums.append((segment_bytes(t), segment_sum(as_words(t))))
     return fold(sums)
+
+
+def segment_bytes(t: Buffer) -> int:
+    return t.nbytes if isinstance(t, PoolPages) else t.numel() * t.element_size()
 
 
 def make_header(

@@ -10,6 +10,14 @@ collected (weakref.finalize), i.e. once the PE drops the export after the ack or
 An export outside the arena (larger than its free space, or made without it) goes as before: a
 handle per tensor, which the receiver opens and drops within the handoff.
 
+In place (the default; --ipc-copy-in turns it off): the PE exports its KV pool once too, its exports
+name their pages in it (engine.export_sequence(pages_in_place=True): no gather; the pages' checksum
+sum is hashed where they lie), and the offer carries the block ids; the CE's copy reads those pages
+and writes them straight into its reservation's own pages (KVPool.target, as nixl lands), so a
+handoff moves its bytes once, device to device. The PE holds the pages unchanged until the ack (a
+handed-off sequence stays parked until finish_handoff) and the CE's copy waits for the PE's event as
+for the arena. The small SWA state still goes through the arena.
+
 Receiver: keeps the arenas it has opened (MAX_OPEN_ARENAS, by (host, arena id), least recently used
 dropped first), so a handoff opens nothing; copies each segment into its buffer on a side stream
 with the fused copy+hash kernel (checksum_gpu.copy_segments: one launch per segment, the sums copied
@@ -34,24 +42,26 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from engine.handoff import DTYPES, Alloc, dtype_name
+from engine.handoff import DTYPES, Alloc, PoolPages, dtype_name
 from pdkernels.checksum import fold
+from pdkernels.checksum_gpu import Paged, Segment, torch_copy
 from transfer.arena import Arena
 from transfer.config import TransferConfig
 from transfer.errors import TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import Buffer, HandoffHeader, dense
-from transfer.transport import Transport
+from transfer.handoff import Buffer, HandoffHeader, segment_bytes
+from transfer.transport import KVPool, Transport
 from transfer.wire import Channel
 
 log = logging.getLogger(__name__)
 POLL_S = 50e-6  # how often a worker thread asks whether the copy is done (a copy takes ~1 ms per GiB)
-MAX_OPEN_ARENAS = 4  # receiver: senders' arenas kept mapped
+MAX_OPEN_ARENAS = 8  # receiver: senders' arenas and KV pools kept mapped (a PE offers both)
 
 
 def host_id() -> str:
@@ -81,9 +91,10 @@ class IpcBackend(Protocol):
 
     def open(self, handle: dict[str, Any]) -> torch.Tensor: ...
 
-    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], after: Any = None) -> Copy:
-        """Queues dst[i] <- src[i] (flat uint8 tensors of equal sizes), hashing dst on the way where it
-        can; after: an event (open_event's) the copy waits for on the device first."""
+    def copy(self, dst: list[Segment], src: list[Segment], after: Any = None) -> Copy:
+        """Queues dst[i] <- src[i] (flat uint8 tensors, or Paged pages of a pool, of equal byte sizes),
+        hashing dst on the way where it can; after: an event (open_event's) the copy waits for on the
+        device first."""
 
     def produced(self, device: torch.device) -> Done:
         """Says when the work queued so far on device's current stream (the export's writes) is done."""
@@ -192,7 +203,7 @@ class TorchCudaIpc:
         self.time_copies = time_copies
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], after: Any = None) -> Copy:
+    def copy(self, dst: list[Segment], src: list[Segment], after: Any = None) -> Copy:
         # NOTE: on the handoff's critical path: few torch calls (each costs microseconds of host time,
         # and the launch's Python is a sizeable part of a long sequence's copy: bench/RESULTS.md). One
         # sums buffer for every segment, copied to pinned memory before the completion event: once the
@@ -217,7 +228,7 @@ class TorchCudaIpc:
             host = None
             if sums is None:
                 for d, s in zip(dst, src):
-                    d.copy_(s, non_blocking=True)
+                    torch_copy(d, s)
             else:
                 host = torch.empty(sums.sums.shape, dtype=torch.int64, pin_memory=True)
                 host.copy_(sums.sums, non_blocking=True)
@@ -287,6 +298,27 @@ class ExportArena(Arena):
         self.event_handle = event_handle
 
 
+class ExportedPool:
+    """A sender's KV pool (its pages tensor), exported once: what an offer of pages in place names."""
+
+    def __init__(
+        self, pool: torch.Tensor, handle: dict[str, Any], event: Any = None, event_handle: dict[str, Any] | None = None
+    ) -> None:
+        self.pool = pool
+        self.id = uuid.uuid4().hex
+        self.nbytes = pool.numel() * pool.element_size()
+        self.page_bytes = self.nbytes // pool.shape[0]
+        self.handle = handle
+        self.event = event  # the transport's one event (the arena's, if it has one)
+        self.event_handle = event_handle
+
+    def fields(self, pages: PoolPages) -> dict[str, Any]:
+        return {
+            "id": self.id, "handle": self.handle, "nbytes": self.nbytes, "page_bytes": self.page_bytes,
+            "event": self.event_handle, "pages": list(pages.block_ids),
+        }  # fmt: skip
+
+
 class IpcTransport(Transport):
     name = "ipc"
     reads_in_place = True
@@ -298,8 +330,13 @@ class IpcTransport(Transport):
         self._arena: ExportArena | None = None
         self._arena_lock = threading.Lock()
         self._arena_failed = False
-        self._opened: OrderedDict[tuple[str, str], tuple[torch.Tensor, Any]] = OrderedDict()  # (bytes, event)
-        self.counters = {"arena_offers": 0, "event_offers": 0, "handle_offers": 0, "arena_opens": 0, "arena_hits": 0}
+        self._event: tuple[Any, dict[str, Any] | None] | None = None  # (event, handle): made once
+        self._pools: dict[int, ExportedPool | None] = {}  # a KV pool's data_ptr -> its export (None: failed)
+        self._opened: OrderedDict[tuple[str, str], tuple[torch.Tensor, Any]] = OrderedDict()  # (memory, event)
+        self.counters = {
+            "arena_offers": 0, "event_offers": 0, "handle_offers": 0, "pool_offers": 0, "arena_opens": 0,
+            "arena_hits": 0, "pool_opens": 0, "in_place_receives": 0,
+        }  # fmt: skip
 
     # ---- sender side ---------------------------------------------------------------------------
 
@@ -309,6 +346,9 @@ class IpcTransport(Transport):
 
     def export_allocator(self) -> Alloc | None:
         return self.allocate if self.config.ipc_arena_bytes > 0 else None
+
+    def reads_pool_pages(self) -> bool:
+        return not self.config.ipc_copy_in
 
     def allocate(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -321,6 +361,17 @@ class IpcTransport(Transport):
         arena = self._arena_on(device)
         return arena.alloc(tuple(shape), dtype) if arena is not None else None
 
+    def _event_on(self, device: torch.device) -> tuple[Any, dict[str, Any] | None]:
+        """The transport's interprocess event (made once; (None, None) where the backend has none), under
+        _arena_lock."""
+        if self._event is None:
+            try:
+                self._event = self.backend.export_event(device)
+            except Exception as e:  # the offers wait for each export's writes instead
+                log.warning("no ipc event on %s (%r): offers wait for each export", device, e)
+                self._event = (None, None)
+        return self._event
+
     def _arena_on(self, device: torch.device) -> ExportArena | None:
         with self._arena_lock:
             if self._arena is None and not self._arena_failed and self.config.ipc_arena_bytes > 0:
@@ -329,12 +380,7 @@ class IpcTransport(Transport):
                     if self.backend.can_carry(torch.empty(0, device=device)):
                         buf = torch.empty(self.config.ipc_arena_bytes, dtype=torch.uint8, device=device)
                         handle = self.backend.export(buf)
-                        try:
-                            event, event_handle = self.backend.export_event(device)
-                        except Exception as e:  # the offers wait for the export's writes instead
-                            log.warning("no ipc event on %s (%r): offers wait for each export", device, e)
-                            event, event_handle = None, None
-                        self._arena = ExportArena(buf, handle, event, event_handle)
+                        self._arena = ExportArena(buf, handle, *self._event_on(device))
                         self._arena_failed = False
                         log.info("ipc export arena: %.2f GiB on %s", buf.numel() / 2**30, device)
                 except Exception as e:  # out of memory, or no IPC here: per-tensor handles
@@ -342,40 +388,88 @@ class IpcTransport(Transport):
             arena = self._arena
         return arena if arena is not None and arena.buf.device == device else None
 
-    def _arena_offsets(self, segments: list[torch.Tensor]) -> list[int] | None:
-        """Each segment's offset in the export arena, if they all lie in it."""
+    def _pool_export(self, pages: PoolPages) -> ExportedPool | None:
+        """pages' pool exported (on its first offer; None if that failed, or on another device than the
+        transport's event)."""
+        pool = pages.pool
+        with self._arena_lock:
+            key = pool.data_ptr()
+            if key not in self._pools:
+                self._pools[key] = None
+                try:
+                    if self.backend.can_carry(pool) and pool.shape[0] and pool.is_contiguous():
+                        exported = ExportedPool(pool, self.backend.export(pool), *self._event_on(pool.device))
+                        self._pools[key] = exported
+                        log.info("ipc: KV pool exported (%.2f GiB on %s)", exported.nbytes / 2**30, pool.device)
+                except Exception as e:
+                    log.warning("ipc: cannot export the KV pool (%r): its exports are gathered", e)
+            got = self._pools[key]
+        return got if got is not None and got.pool is pool else None
+
+    def carried(self, segments: list[Buffer]) -> list[Buffer]:
+        if isinstance(segments[0], PoolPages) and self._pool_export(segments[0]) is None:
+            return super().carried(segments)
+        return segments
+
+    def _arena_offsets(self, segments: list[Buffer]) -> list[int | None] | None:
+        """Each segment's offset in the export arena (None for pages offered in their pool), if they all
+        lie in one or the other."""
         arena = self._arena
-        if arena is None or not segments:
-            return None
-        offsets = [arena.offset_of(t) for t in segments]
-        return [o for o in offsets if o is not None] if None not in offsets else None
+        offsets: list[int | None] = []
+        for t in segments:
+            if isinstance(t, PoolPages):
+                if self._pool_export(t) is None:
+                    return None
+                offsets.append(None)
+                continue
+            offset = arena.offset_of(t) if arena is not None else None
+            if offset is None:
+                return None
+            offsets.append(offset)
+        return offsets if segments else None
 
-    def offers_unwritten(self, segments: list[torch.Tensor]) -> bool:
-        return self._arena is not None and self._arena.event is not None and self._arena_offsets(segments) is not None
+    def _offer_event(self, segments: list[Buffer]) -> Any:
+        """The event the receiver's copy of these segments waits for (None: none)."""
+        if isinstance(segments[0], PoolPages):
+            exported = self._pool_export(segments[0])
+            return None if exported is None else exported.event
+        return None if self._arena is None else self._arena.event
 
-    async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
-        if not all(self.backend.can_carry(t) for t in segments):
+    def offers_unwritten(self, segments: list[Buffer]) -> bool:
+        return self._arena_offsets(segments) is not None and self._offer_event(segments) is not None
+
+    async def offer(self, ch: Channel, segments: list[Buffer]) -> dict[str, Any]:
+        if not all(self.backend.can_carry(t.pool if isinstance(t, PoolPages) else t) for t in segments):
             raise HandoffError(TRANSPORT, "the ipc transport needs the payload on a CUDA device")
-        arena, offsets = self._arena, self._arena_offsets(segments)
-        if arena is None or offsets is None:
+        offsets = self._arena_offsets(segments)
+        if offsets is None:
+            if any(isinstance(t, PoolPages) for t in segments):
+                raise HandoffError(TRANSPORT, "ipc: pages in a pool that is not exported (carried() gathers them)")
             self.counters["handle_offers"] += 1
-            return {"host": self._host, "handles": [self.backend.export(t) for t in segments]}
+            return {"host": self._host, "handles": [self.backend.export(t) for t in segments if isinstance(t, torch.Tensor)]}
         device = segments[0].device
-        if arena.event is not None:  # the receiver's copy waits for the export on the device
-            self.backend.record(arena.event, device)
+        event = self._offer_event(segments)
+        if event is not None:  # the receiver's copy waits for the export on the device
+            self.backend.record(event, device)
             self.counters["event_offers"] += 1
         else:
             done = self.backend.produced(device)
             if not done.done() and not await self._wait(done):
                 raise HandoffError(TIMEOUT, "the export was not written in time")
-        self.counters["arena_offers"] += 1
-        return {
-            "host": self._host,
-            "arena": {"id": arena.id, "handle": arena.handle, "nbytes": arena.nbytes, "event": arena.event_handle},
-            "offsets": offsets,
-        }
+        extra: dict[str, Any] = {"host": self._host, "offsets": offsets}
+        if isinstance(segments[0], PoolPages):
+            exported = self._pool_export(segments[0])
+            assert exported is not None
+            extra["pool"] = exported.fields(segments[0])
+            self.counters["pool_offers"] += 1
+        if any(o is not None for o in offsets):
+            arena = self._arena
+            assert arena is not None
+            extra["arena"] = {"id": arena.id, "handle": arena.handle, "nbytes": arena.nbytes, "event": arena.event_handle}
+            self.counters["arena_offers"] += 1
+        return extra
 
-    async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
+    async def push(self, ch: Channel, segments: list[Buffer], ready: dict[str, Any]) -> None:
         """Nothing to move: the receiver reads the tensors in place (and acks when it has)."""
 
     async def _wait(self, done: Done) -> bool:
@@ -391,17 +485,29 @@ class IpcTransport(Transport):
 
     # ---- receiver side -------------------------------------------------------------------------
 
+    def receive_buffers(
+        self, header: HandoffHeader, device: torch.device, pool: KVPool | None = None
+    ) -> list[Buffer] | None:
+        """In place (not --ipc-copy-in): the reservation's own pages and SWA slot in pool, where the engine
+        lets the payload land there; else None (the receiver allocates). A failed copy may still write
+        there for idle_timeout_s (the engine keeps a reservation's pages that long)."""
+        if pool is None or self.config.ipc_copy_in or not pool.tensors or not self.backend.can_carry(pool.tensors[0]):
+            return None
+        target = pool.target(header, self.config.idle_timeout_s)
+        if target is not None:
+            self.counters["in_place_receives"] += 1
+        return target
+
     async def accept(
         self, ch: Channel, header: HandoffHeader, extra: dict[str, Any], buffers: list[Buffer]
     ) -> dict[str, Any]:
-        segments = dense(buffers, "ipc")
         if extra.get("host") != self._host:
             raise HandoffError(
                 TRANSPORT, "the ipc transport works only between processes of one host (use tcp or nccl)"
             )
-        if not _well_formed(extra, [t.numel() * t.element_size() for t in segments]):
+        if not _well_formed(extra, [segment_bytes(t) for t in buffers]):
             raise HandoffError(TRANSPORT, "malformed ipc offer")
-        if not all(self.backend.can_carry(t) for t in segments):
+        if not all(self.backend.can_carry(t.pool if isinstance(t, PoolPages) else t) for t in buffers):
             raise HandoffError(TRANSPORT, "the ipc transport needs the receive buffers on a CUDA device")
         return {}
 
@@ -414,18 +520,31 @@ class IpcTransport(Transport):
         *,
         phases: dict[str, float] | None = None,
     ) -> int | None:
-        segments = dense(buffers, "ipc")
         marks = [time.perf_counter()]
-        sizes = [t.numel() * t.element_size() for t in segments]
+        sizes = [segment_bytes(t) for t in buffers]
+        dst = [_destination(t) for t in buffers]
         event = None
-        if "arena" in extra:
-            buf, event = await self._open_arena(extra["host"], extra["arena"])
-            src = [buf[off : off + n] for off, n in zip(extra["offsets"], sizes)]
+        src: list[Segment] = []
+        if "offsets" in extra:
+            arena = pool = None
+            if "pool" in extra:
+                pool, event = await self._open_shared(extra["host"], extra["pool"], "pool")
+            if "arena" in extra:
+                arena, arena_event = await self._open_shared(extra["host"], extra["arena"], "arena")
+                event = event if event is not None else arena_event
+            for off, n in zip(extra["offsets"], sizes):
+                if off is None:
+                    assert pool is not None
+                    pages = torch.tensor(extra["pool"]["pages"], dtype=torch.int64).to(pool.device)
+                    src.append(Paged(pool.view(-1, extra["pool"]["page_bytes"]), pages))
+                else:
+                    assert arena is not None
+                    src.append(arena[off : off + n])
         else:
-            src = await self._open_handles(extra["handles"], segments)
+            src = list(await self._open_handles(extra["handles"], buffers))
         try:
             marks.append(time.perf_counter())
-            copy = self.backend.copy([_bytes(t) for t in segments], src, event)
+            copy = self.backend.copy(dst, src, event)
             marks.append(time.perf_counter())
             if not copy.done() and not await self._wait(copy):
                 raise HandoffError(TIMEOUT, "ipc copy did not finish")
@@ -442,9 +561,7 @@ class IpcTransport(Transport):
                 phases["ipc_copy_gpu"] = gpu_s
         return None if sums is None else fold(list(zip(sizes, sums)))
 
-    async def _open_handles(
-        self, handles: list[dict[str, Any]], segments: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
+    async def _open_handles(self, handles: list[dict[str, Any]], buffers: list[Buffer]) -> list[torch.Tensor]:
         loop = asyncio.get_running_loop()
         try:
             src = await loop.run_in_executor(self.executor, lambda: [self.backend.open(h) for h in handles])
@@ -452,17 +569,17 @@ class IpcTransport(Transport):
             raise
         except Exception as e:
             raise HandoffError(TRANSPORT, f"cannot open the sender's CUDA IPC handles: {e}") from None
-        for s, d in zip(src, segments):
-            if s.shape != d.shape or s.dtype != d.dtype or not s.is_contiguous():
+        for s, d in zip(src, buffers):
+            if tuple(s.shape) != tuple(d.shape) or s.dtype != d.dtype or not s.is_contiguous():
                 raise HandoffError(
                     TRANSPORT, f"ipc tensor {tuple(s.shape)} {s.dtype} != buffer {tuple(d.shape)} {d.dtype}"
                 )
         return [_bytes(s) for s in src]
 
-    async def _open_arena(self, host: str, arena: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-        """The sender's arena as flat bytes and its event (None if it has none), opened on its first
-        handoff and kept (a few, LRU)."""
-        key = (host, arena["id"])
+    async def _open_shared(self, host: str, shared: dict[str, Any], kind: str) -> tuple[torch.Tensor, Any]:
+        """A sender's arena or KV pool (kind) as flat bytes and its event (None if it has none), opened on
+        its first handoff and kept (a few, LRU)."""
+        key = (host, shared["id"])
         opened = self._opened.get(key)
         if opened is not None:
             self._opened.move_to_end(key)
@@ -471,8 +588,8 @@ class IpcTransport(Transport):
         loop = asyncio.get_running_loop()
 
         def open_both() -> tuple[torch.Tensor, Any]:
-            t = self.backend.open(arena["handle"])
-            event = None if arena["event"] is None else self.backend.open_event(arena["event"])
+            t = self.backend.open(shared["handle"])
+            event = None if shared["event"] is None else self.backend.open_event(shared["event"])
             return t, event
 
         try:
@@ -480,11 +597,11 @@ class IpcTransport(Transport):
         except HandoffError:
             raise
         except Exception as e:
-            raise HandoffError(TRANSPORT, f"cannot open the sender's CUDA IPC arena: {e}") from None
-        if t.numel() * t.element_size() != arena["nbytes"] or not t.is_contiguous():
-            raise HandoffError(TRANSPORT, "the sender's arena is not the size its offer says")
+            raise HandoffError(TRANSPORT, f"cannot open the sender's CUDA IPC {kind}: {e}") from None
+        if t.numel() * t.element_size() != shared["nbytes"] or not t.is_contiguous():
+            raise HandoffError(TRANSPORT, f"the sender's {kind} is not the size its offer says")
         opened = (_bytes(t), event)
-        self.counters["arena_opens"] += 1
+        self.counters[f"{kind}_opens"] += 1
         self._opened[key] = opened
         while len(self._opened) > MAX_OPEN_ARENAS:
             self._opened.popitem(last=False)  # drops the mapping (once no copy uses it)
@@ -494,23 +611,54 @@ class IpcTransport(Transport):
         self._opened.clear()
 
 
+def _destination(t: Buffer) -> Segment:
+    """A receive buffer as the copy writes it: flat bytes, or the reservation's pages in the pool."""
+    if isinstance(t, PoolPages):
+        return Paged(t.pool, torch.tensor(t.block_ids, dtype=torch.int64).to(t.device))
+    return _bytes(t)
+
+
 def _well_formed(extra: dict[str, Any], sizes: list[int]) -> bool:
-    """An offer names either an arena and an in-bounds offset per segment, or a handle per segment."""
+    """An offer names an in-bounds offset per segment (None for pages in the sender's pool: then it names
+    the pool, its page size and the pages' block ids, in bounds, as many as the segment's size says)
+    and the arena where any offset is given, or a handle per segment."""
 
     def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    if "arena" in extra:
-        arena, offsets = extra["arena"], extra.get("offsets")
+    def shared_ok(d: Any) -> bool:
         return (
-            isinstance(arena, dict)
-            and isinstance(arena.get("id"), str)
-            and isinstance(arena.get("handle"), dict)
-            and is_int(arena.get("nbytes"))
-            and (arena.get("event", 0) is None or isinstance(arena.get("event"), dict))
-            and isinstance(offsets, list)
-            and len(offsets) == len(sizes)
-            and all(is_int(o) and 0 <= o and o + n <= arena["nbytes"] for o, n in zip(offsets, sizes))
+            isinstance(d, dict)
+            and isinstance(d.get("id"), str)
+            and isinstance(d.get("handle"), dict)
+            and is_int(d.get("nbytes"))
+            and (d.get("event", 0) is None or isinstance(d.get("event"), dict))
+        )
+
+    if "offsets" in extra:
+        offsets = extra["offsets"]
+        if not isinstance(offsets, list) or len(offsets) != len(sizes):
+            return False
+        in_pool = [o is None for o in offsets]
+        if any(in_pool):
+            pool = extra.get("pool")
+            if in_pool != [True] + [False] * (len(sizes) - 1) or not isinstance(pool, dict) or not shared_ok(pool):
+                return False
+            page_bytes, pages, nbytes = pool.get("page_bytes"), pool.get("pages"), pool["nbytes"]
+            if not isinstance(page_bytes, int) or not is_int(page_bytes) or page_bytes <= 0 or nbytes % page_bytes:
+                return False
+            num_blocks = nbytes // page_bytes
+            if not isinstance(pages, list) or len(pages) * page_bytes != sizes[0]:
+                return False
+            if not all(is_int(p) and 0 <= p < num_blocks for p in pages):
+                return False
+        elif "pool" in extra:
+            return False
+        if all(in_pool):
+            return "arena" not in extra
+        arena = extra.get("arena")
+        return isinstance(arena, dict) and shared_ok(arena) and all(
+            o is None or (is_int(o) and 0 <= o and o + n <= arena["nbytes"]) for o, n in zip(offsets, sizes)
         )
     handles = extra.get("handles")
     return (

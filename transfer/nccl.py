@@ -179,8 +179,8 @@ class NcclTransport(Transport):
         async with self._out_locks[peer]:
             yield
 
-    async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
-        self._require_device(segments, "sender")
+    async def offer(self, ch: Channel, segments: list[Buffer]) -> dict[str, Any]:
+        self._require_device(dense(segments, self.name), "sender")
         known = self._out.get(ch.peer)
         if known is not None and known[1] is not None:
             return {"comm": known[0]}
@@ -188,7 +188,8 @@ class NcclTransport(Transport):
         self._out[ch.peer] = (key, None, uid)
         return {"comm": key, "uid": uid}
 
-    async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
+    async def push(self, ch: Channel, buffers: list[Buffer], ready: dict[str, Any]) -> None:
+        segments = dense(buffers, self.name)
         key, comm, uid = self._out[ch.peer]
         if comm is None:
             assert uid is not None

@@ -86,7 +86,7 @@ from engine.handoff import Alloc, PoolPages
 from transfer.arena import Arena
 from transfer.config import NIXL_MISSING, NIXL_MODULES, TransferConfig
 from transfer.errors import LAYOUT, PROTOCOL, TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import Buffer, HandoffHeader
+from transfer.handoff import Buffer, HandoffHeader, dense
 from transfer.messages import Written
 from transfer.transport import KVPool, Transport
 from transfer.wire import Channel
@@ -460,11 +460,13 @@ class NixlTransport(Transport):
         got = self._arena_on(EXPORT, torch.device(device))
         return got.arena.alloc(tuple(shape), dtype) if got is not None else None
 
-    async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
+    async def offer(self, ch: Channel, buffers: list[Buffer]) -> dict[str, Any]:
+        segments = dense(buffers, self.name)
         _descs(segments, _mem_type(segments)[1])  # refused before the receiver reserves anything
         return {}
 
-    async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
+    async def push(self, ch: Channel, buffers: list[Buffer], ready: dict[str, Any]) -> None:
+        segments = dense(buffers, self.name)
         metadata, remote_mem, remote, kept, hold_s = _read_ready(ready)
         nbytes = sum(t.numel() * t.element_size() for t in segments)
         await self._push(ch, segments, metadata, (remote_mem, _cut(remote, 0, nbytes)), kept, hold_s)

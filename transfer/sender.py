@@ -44,6 +44,7 @@ from transfer.errors import (
     printable,
 )
 from transfer.handoff import (
+    Buffer,
     HandoffHeader,
     check_layout,
     export_checksum,
@@ -207,7 +208,7 @@ class KVSender:
     async def _send(
         self, addr: str, export: SequenceExport, logprobs: tuple[TokenLogprob, ...], t0: float
     ) -> Ack:
-        segments = payload_segments(export, self.layout)
+        segments = self.transport.carried(payload_segments(export, self.layout))
         loop = asyncio.get_running_loop()
         checksum: asyncio.Future[int] | None = None
         if self.transport.offers_unwritten(segments):  # the offer goes now, the checksum once read
@@ -242,7 +243,7 @@ class KVSender:
         self,
         addr: str,
         header: HandoffHeader,
-        segments: list[torch.Tensor],
+        segments: list[Buffer],
         t0: float,
         checksum_s: float,
         checksum: asyncio.Future[int] | None,
@@ -420,7 +421,7 @@ class KVSender:
         header = await loop.run_in_executor(
             self.transport.executor, make_header, export, self.layout, self.model, tuple(export.output_logprobs)
         )
-        segments = payload_segments(export, self.layout)
+        segments = self.transport.carried(payload_segments(export, self.layout))
         ch = conn.ch
         marks = [time.perf_counter()]
         extra = await self.transport.offer(ch, segments)
@@ -535,6 +536,12 @@ class KVSender:
         alloc): the ipc transport's exported arena, nixl's registered one; None for the others (new
         memory)."""
         return self.transport.export_allocator()
+
+    @property
+    def exports_pages_in_place(self) -> bool:
+        """Whether exports for this sender's transport should leave their pages in the KV pool
+        (engine.export_sequence(pages_in_place=True)): ipc, which reads them there."""
+        return self.transport.reads_pool_pages()
 
     def close(self) -> None:
         for idle in self._idle.values():

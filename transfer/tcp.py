@@ -135,11 +135,12 @@ class TcpTransport(Transport):
         nbytes = sum(t.numel() * t.element_size() for t in segments)
         return max(1, min(len(ch.data) + 1, math.ceil(nbytes / CHUNK_BYTES)))
 
-    async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
-        n = self._num_streams(ch, segments)
+    async def offer(self, ch: Channel, segments: list[Buffer]) -> dict[str, Any]:
+        n = self._num_streams(ch, dense(segments, self.name))
         return {"streams": n} if n > 1 else {}  # NOTE: none for one stream: the protocol's offer as before
 
-    async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
+    async def push(self, ch: Channel, buffers: list[Buffer], ready: dict[str, Any]) -> None:
+        segments = dense(buffers, self.name)
         runs = stripe(segments, self._num_streams(ch, segments), self.config.chunk_bytes)
         socks = [ch.sock] + [d.sock for d in ch.data[: len(runs) - 1]]
         if any(t.is_cuda for t in segments):

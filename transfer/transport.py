@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from engine.handoff import Alloc
+from engine.handoff import Alloc, PoolPages
 from transfer.config import TransferConfig
 from transfer.handoff import Buffer, HandoffHeader
 from transfer.wire import Channel, io_executor
@@ -88,17 +88,27 @@ class Transport(ABC):
         """Held by the sender from offer to ack (NCCL: one handoff at a time per communicator)."""
         yield
 
-    def offers_unwritten(self, segments: list[torch.Tensor]) -> bool:
+    def reads_pool_pages(self) -> bool:
+        """Whether exports for this transport may leave their pages in the engine's KV pool (PoolPages:
+        engine.export_sequence(pages_in_place=True), no gather): its receiver reads them there (ipc)."""
+        return False
+
+    def carried(self, segments: list[Buffer]) -> list[Buffer]:
+        """segments as this transport carries them (what offer and push get): pages in a pool that it
+        cannot read there gathered into a tensor of their own."""
+        return [t.gather() if isinstance(t, PoolPages) else t for t in segments]
+
+    def offers_unwritten(self, segments: list[Buffer]) -> bool:
         """Whether this offer may go before the export's writes to segments are done (its receiver
         waits for them on the device: ipc's exported event), so the checksum follows the offer."""
         return False
 
-    async def offer(self, ch: Channel, segments: list[torch.Tensor]) -> dict[str, Any]:
+    async def offer(self, ch: Channel, segments: list[Buffer]) -> dict[str, Any]:
         """Transport fields for the offer message. Raises HandoffError(TRANSPORT) if it cannot carry these."""
         return {}
 
     @abstractmethod
-    async def push(self, ch: Channel, segments: list[torch.Tensor], ready: dict[str, Any]) -> None:
+    async def push(self, ch: Channel, segments: list[Buffer], ready: dict[str, Any]) -> None:
         """Moves the payload after the receiver is ready; raises HandoffError."""
 
     async def write_part(self, ch: Channel, pages: torch.Tensor, offset: int, opened: dict[str, Any]) -> None:

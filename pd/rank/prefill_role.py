@@ -97,6 +97,9 @@ class PrefillRole:
         # ipc, nixl: the export is gathered straight into the transport's arena (exported or registered
         # once; hashed on the way)
         self.export_alloc = self.sender.export_allocator
+        # ipc: the pages are not gathered at all; the CE copies them out of this engine's pool (exported
+        # once), which holds them unchanged until the ack (finish_handoff)
+        self.pages_in_place = self.sender.exports_pages_in_place
         self.lt = LoopThread(ctx, "kv-sender")
         self.wake = self.lt.wake
         self.jobs: dict[str, _Job] = {}
@@ -152,6 +155,7 @@ class PrefillRole:
                         device=None,
                         alloc=self.export_alloc if st is None else None,
                         skip_pages=job.skip_pages if st is None else st.next_page,
+                        pages_in_place=self.pages_in_place and st is None,
                     )
                     job.skipped_tokens = job.skip_pages * self.engine.layout.block_size
                 except Exception as e:

@@ -1,7 +1,7 @@
 """The fused copy+hash kernel (pdkernels/copy_hash.py) with its chunk keys applied in the kernel, and
 several segments' sums in one buffer folded on the host (checksum_gpu.SegmentSums, the ipc
-receiver's way), against the torch checksum: flat and paged sources, ragged last chunks, an empty
-segment. On CUDA, or on the CPU with TRITON_INTERPRET=1."""
+receiver's way), against the torch checksum: flat and paged sources, paged destinations (pages of
+one pool into another's), ragged last chunks, an empty segment. On CUDA, or on the CPU with TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -42,6 +42,27 @@ def test_paged_source_into_a_slice_of_a_shared_buffer() -> None:
     assert torch.equal(got, want)
     assert buf[0] == 77 and bool((buf[3:] == 77).all())  # nothing written outside its slice
     assert int(buf[1:3].sum()) & MASK64 == torch_segment_sum(want, 0)
+
+
+@pytest.mark.parametrize("page_words", [6144, 1000])  # steps inside a page, and steps across pages
+@pytest.mark.parametrize("paged_source", [True, False])
+def test_into_pages_of_another_pool(page_words: int, paged_source: bool) -> None:
+    src_pool = _words(30 * page_words, 3).view(30, page_words)
+    src_ids = torch.tensor([4, 29, 0, 17, 5, 6, 7, 21, 13, 2, 11, 8, 9, 10, 12, 14, 15, 16, 18, 19, 20, 22, 23],
+                           dtype=torch.int64, device=DEVICE)  # fmt: skip
+    want = src_pool[src_ids].reshape(-1)
+    dst_pool = torch.full((40, page_words), -1, dtype=torch.int64, device=DEVICE)
+    dst_ids = torch.randperm(40, generator=torch.Generator().manual_seed(4))[:23].to(DEVICE)
+    if paged_source:
+        sums = _launch(src_pool.reshape(-1), want.numel(), dst=dst_pool.reshape(-1), page_ids=src_ids,
+                       page_words=page_words, dst_page_ids=dst_ids)  # fmt: skip
+    else:
+        sums = _launch(want, want.numel(), dst=dst_pool.reshape(-1), page_words=page_words, dst_page_ids=dst_ids)
+    assert torch.equal(dst_pool[dst_ids].reshape(-1), want)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[dst_ids.cpu()] = False
+    assert bool((dst_pool[untouched.to(DEVICE)] == -1).all())  # no page outside dst_ids written
+    assert int(sums.sum()) & MASK64 == torch_segment_sum(want, 0)
 
 
 def test_segments_folded_on_the_host_match_torch() -> None:

@@ -1,5 +1,6 @@
 """What the transfer tests share: a small hybrid KV layout and a latent (MLA) one, a synthetic export of
-either, the cluster token, and a KVReceiver around a recording sink (a CE stand-in)."""
+either, the cluster token, and a KVReceiver around a recording sink (a CE stand-in), or one with a KV
+pool that handoffs land in place in (PoolSink)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.handoff import KVLayout, SequenceExport
+from engine.handoff import KVLayout, PoolPages, SequenceExport
 from engine.request import SamplingParams
 from transfer.config import TransferConfig
 from transfer.errors import HandoffError
@@ -97,3 +98,32 @@ def receiver(
     return KVReceiver(
         TOKEN, layout, sink.on_handoff, sink.on_complete, on_error=sink.on_error, config=config, **kw
     )
+
+
+class PoolSink(Sink):
+    """A CE stand-in with a KV pool (pages and SWA slots, as engine/kv_cache.py lays them out) that lets
+    each handoff land in place: its pages in the blocks `blocks` (scattered, out of order), its state in
+    slot 1, through KVReceiver.receive_buffers as a decode rank does."""
+
+    def __init__(self, layout: KVLayout, blocks: list[int], *expected: str) -> None:
+        super().__init__(*expected)
+        self.layout, self.blocks = layout, blocks
+        self.pages = torch.zeros(layout.page_shape(16), dtype=layout.dtype)
+        self.swa = torch.zeros(layout.state_shape(3), dtype=layout.dtype)
+        self.receiver: KVReceiver | None = None
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.pages, self.swa
+
+    def target(self, header: HandoffHeader, hold_s: float) -> list:
+        first, n = header.first_page, header.page_shape[0]
+        out: list = [PoolPages(self.pages, self.blocks[first : first + n])]
+        return out + ([self.swa[1]] if header.has_state else [])
+
+    def on_handoff(self, header: HandoffHeader) -> list | None:
+        self.offered.append(header.request_id)
+        if header.request_id not in self.expected:
+            return None
+        assert self.receiver is not None
+        return self.receiver.receive_buffers(header, "cpu", self)

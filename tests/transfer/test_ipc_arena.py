@@ -1,7 +1,9 @@
 """The ipc transport's export arena on the CPU, with an in-process fake of CUDA IPC: the allocator, the
 offer's format, the receiver's cache of opened arenas (hits, eviction), the fallback to per-tensor
 handles, slices freed after an ack and after a failure, the checksum from the copy (and a corrupt
-copy refused); also the export's recorded pages sum in the header, and the sender's phase timings."""
+copy refused); also the export's recorded pages sum in the header, and the sender's phase timings.
+Pages in place: an export naming its pages in the sender's pool (exported once) copied straight into
+the receiver's reservation pages, malformed page lists refused, and the other transports gathering them."""
 
 from __future__ import annotations
 
@@ -16,8 +18,18 @@ from typing import Any
 import pytest
 import torch
 
-from engine.handoff import SequenceExport
-from tests.transfer.support import LAYOUT_SWA, TOKEN, Sink, make_export, receiver
+from engine.handoff import KVLayout, PoolPages, SequenceExport
+from pdkernels.checksum_gpu import Paged, Segment, torch_copy
+from tests.transfer.support import (
+    FAST,
+    LAYOUT_LATENT,
+    LAYOUT_SWA,
+    TOKEN,
+    PoolSink,
+    Sink,
+    make_export,
+    receiver,
+)
 from transfer import ipc
 from transfer.arena import ALIGN
 from transfer.checksum import as_words, segment_sum
@@ -40,6 +52,10 @@ class _Copy:
 
     def segment_sums(self) -> list[int] | None:
         return self.sums
+
+
+def _flat(t: Segment) -> torch.Tensor:
+    return t.pages()[t.ids].reshape(-1) if isinstance(t, Paged) else t
 
 
 class FakeEvent:
@@ -89,13 +105,17 @@ class FakeIpc:
             self.opens.append(handle["key"])
         return self.shared[handle["key"]]
 
-    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], after: Any = None) -> _Copy:
+    def copy(self, dst: list[Segment], src: list[Segment], after: Any = None) -> _Copy:
         self.waited.append(after)
         for d, s in zip(dst, src):
-            d.copy_(s)
+            torch_copy(d, s)
+        first = dst[0]
         if self.corrupt:
-            dst[0][3] ^= 0x10
-        return _Copy([segment_sum(as_words(d)) for d in dst] if self.hash else None)
+            if isinstance(first, Paged):
+                first.pages()[first.ids[0], 3] ^= 0x10
+            else:
+                first[3] ^= 0x10
+        return _Copy([segment_sum(as_words(_flat(d))) for d in dst] if self.hash else None)
 
     def produced(self, device: torch.device) -> _Copy | _Pending:
         return _Copy(None) if self.written else _Pending()
@@ -468,3 +488,163 @@ async def test_a_checksum_for_another_request_is_refused(monkeypatch: pytest.Mon
     err, sink = await refused(FakeIpc())
     assert err.code == PROTOCOL and "someone-else" in err.message
     assert "req-1" not in sink.delivered and sink.errors
+
+
+# ---- pages in place: the sender's pool pages into the receiver's ---------------------------------------
+
+
+def a_pool(layout: KVLayout) -> torch.Tensor:
+    """A PE's KV pool of 16 pages, random bytes."""
+    return torch.randn(layout.page_shape(16), generator=torch.Generator().manual_seed(99))
+
+
+def in_pool(
+    exp: SequenceExport, layout: KVLayout, blocks: list[int], tr: IpcTransport | None = None, pool: torch.Tensor | None = None
+) -> SequenceExport:
+    """The export as the PE makes it in place: its pages written at `blocks` of pool (a new one unless
+    given), its state (if any) in tr's arena."""
+    pool = a_pool(layout) if pool is None else pool
+    pool[torch.tensor(blocks)] = exp.pages
+    state = exp.state
+    if state is not None and tr is not None:
+        state = tr.allocate(tuple(state.shape), state.dtype, CPU)
+        assert state is not None
+        state.copy_(exp.state)
+    return dataclasses.replace(exp, pages=PoolPages(pool, blocks), state=state)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_SWA, LAYOUT_LATENT], ids=["swa", "latent"])
+@pytest.mark.parametrize("hash", [True, False])
+async def test_pool_pages_are_copied_straight_into_the_receivers_pool(layout: KVLayout, hash: bool) -> None:
+    fake = FakeIpc(hash=hash)
+    sender_tr = RecordingIpc(config(), fake)
+    recv_tr = IpcTransport(config(), fake)
+    sink = PoolSink(layout, [9, 3, 4, 5, 14, 0, 1, 7], "a", "b")
+    sender = KVSender(TOKEN, layout, config=config(), transport=sender_tr)
+    assert sender.exports_pages_in_place
+    src_blocks = {"a": [2, 11, 12, 13, 0, 6, 8, 15], "b": [15, 14, 1, 2, 3, 4, 5, 10]}
+    pool = a_pool(layout)
+    async with receiver(sink, layout=layout, config=config(), transports={"ipc": recv_tr}) as r:
+        sink.receiver = r
+        for rid in ("a", "b"):
+            exp = dataclasses.replace(make_export(layout, num_prompt=120, seed=ord(rid)), request_id=rid)
+            ex = in_pool(exp, layout, src_blocks[rid], sender_tr, pool)
+            await sender.send(r.address, ex)
+            del ex
+            got = sink.delivered[rid]  # (the sink lands every handoff in the same blocks: checked now)
+            assert isinstance(got.pages, PoolPages) and got.pages.pool is sink.pages
+            assert got.pages.block_ids == tuple(sink.blocks) and torch.equal(got.pages.gather(), exp.pages)
+            if layout.has_state:
+                assert got.state is not None and torch.equal(got.state, exp.state)
+    for rid, extra in zip(("a", "b"), sender_tr.offers):
+        assert extra["pool"]["pages"] == src_blocks[rid] and extra["offsets"][0] is None
+        assert extra["pool"]["page_bytes"] == layout.page_bytes and extra["pool"]["event"] is not None
+        assert ("arena" in extra) == layout.has_state and len(extra["offsets"]) == (2 if layout.has_state else 1)
+    assert sender_tr.counters["pool_offers"] == 2 and sender_tr.counters["event_offers"] == 2
+    assert recv_tr.counters["pool_opens"] == 1 and recv_tr.counters["in_place_receives"] == 2  # opened once
+    assert len({extra["pool"]["id"] for extra in sender_tr.offers}) == 1  # exported once
+    assert recv_tr.counters["arena_opens"] == (1 if layout.has_state else 0)
+
+
+async def test_pool_pages_into_a_buffer_of_the_receivers_own() -> None:
+    """A receiver without a pool to land in (--ipc-copy-in, or no reservation pages) copies the sender's
+    pool pages into its own buffer."""
+    fake = FakeIpc()
+    sender_tr = IpcTransport(config(), fake)
+    sink = Sink("req-1")
+    exp = make_export(num_prompt=60)
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
+            r.address, in_pool(exp, LAYOUT_SWA, [7, 0, 3, 12], sender_tr)
+        )
+    got = sink.delivered["req-1"]
+    assert isinstance(got.pages, torch.Tensor) and torch.equal(got.pages, exp.pages)
+
+
+async def test_a_corrupt_copy_into_the_pool_is_refused() -> None:
+    fake = FakeIpc()
+    fake.corrupt = True
+    sender_tr = IpcTransport(config(), fake)
+    sink = PoolSink(LAYOUT_SWA, [1, 2, 3, 4], "req-1")
+    async with receiver(sink, config=config(), transports={"ipc": IpcTransport(config(), fake)}) as r:
+        sink.receiver = r
+        with pytest.raises(HandoffError) as e:
+            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
+                r.address, in_pool(make_export(num_prompt=60), LAYOUT_SWA, [0, 5, 6, 9], sender_tr)
+            )
+    assert e.value.code == CHECKSUM and "req-1" not in sink.delivered and sink.errors
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        lambda x: x["pool"]["pages"].__setitem__(0, x["pool"]["nbytes"] // x["pool"]["page_bytes"]),  # past the pool
+        lambda x: x["pool"]["pages"].pop(),  # one page short of the header's
+        lambda x: x["pool"].__setitem__("page_bytes", x["pool"]["page_bytes"] // 2),
+        lambda x: x["offsets"].__setitem__(1, None),  # the state "in the pool" too
+        lambda x: x.pop("pool"),
+    ],
+    ids=["page-past-the-pool", "page-missing", "page-size", "state-in-pool", "no-pool"],
+)
+async def test_malformed_pool_offers_are_refused(lie: Callable[[dict[str, Any]], Any]) -> None:
+    fake = FakeIpc()
+
+    class Lying(IpcTransport):
+        async def offer(self, ch: Any, segments: list[Any]) -> dict[str, Any]:
+            extra = await super().offer(ch, segments)
+            lie(extra)
+            return extra
+
+    sender_tr = Lying(config(), fake)
+    sink = Sink("req-1")
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        with pytest.raises(HandoffError) as e:
+            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
+                r.address, in_pool(make_export(num_prompt=60), LAYOUT_SWA, [0, 5, 6, 9], sender_tr)
+            )
+    assert e.value.code == TRANSPORT and "malformed" in e.value.message
+    assert fake.opens == [] and "req-1" not in sink.delivered
+
+
+async def test_other_transports_gather_pool_pages_first() -> None:
+    """tcp reads no pool: the sender gathers an in-place export's pages before the offer."""
+    sink = Sink("req-1")
+    exp = make_export(num_prompt=60)
+    async with receiver(sink) as r:
+        sender = KVSender(TOKEN, LAYOUT_SWA, config=FAST)
+        assert not sender.exports_pages_in_place
+        await sender.send(r.address, in_pool(exp, LAYOUT_SWA, [4, 2, 8, 1]))
+    assert torch.equal(sink.delivered["req-1"].pages, exp.pages)
+
+
+def test_copy_in_turns_pages_in_place_off() -> None:
+    cfg = dataclasses.replace(config(), ipc_copy_in=True)
+    tr = IpcTransport(cfg, FakeIpc())
+    assert not KVSender(TOKEN, LAYOUT_SWA, config=cfg, transport=tr).exports_pages_in_place
+    sink = PoolSink(LAYOUT_SWA, [1, 2, 3, 4], "r")
+    header = make_header(make_export(num_prompt=60), LAYOUT_SWA)
+    assert tr.receive_buffers(header, CPU, sink) is None  # the receiver allocates its own buffers
+    assert IpcTransport(config(), FakeIpc()).receive_buffers(header, CPU, sink) is not None
+
+
+def test_engine_export_names_its_pages_in_the_pool(tiny_model_dir) -> None:
+    from engine.request import SamplingParams
+    from tests.engine_utils import small_engine
+
+    eng = small_engine(tiny_model_dir("qwen3_hybrid"), hicache_gb=0)
+    tr = IpcTransport(config(), FakeIpc())
+    eng.add_request("r", list(range(3, 44)), SamplingParams(max_tokens=4, ignore_eos=True), use_prefix_cache=False)
+    seq = eng.scheduler.find("r")
+    assert seq is not None
+    while not seq.output_token_ids:
+        eng.step()
+    plain = eng.export_sequence("r", device=None)
+    ex = eng.export_sequence("r", device=None, alloc=tr.allocate, pages_in_place=True)
+    assert isinstance(ex.pages, PoolPages) and ex.pages.pool is eng.kv.pages
+    assert list(ex.pages.block_ids) == seq.block_ids[: len(ex.pages)]
+    assert torch.equal(ex.pages.gather().view(torch.uint8), plain.pages.view(torch.uint8))
+    assert ex.state is not None and tr.arena is not None and tr.arena.offset_of(ex.state) is not None
+    assert ex.pages_sum is None  # CPU: hashed by the sender from the pool
+    assert make_header(ex, eng.handoff_layout).checksum == make_header(plain, eng.handoff_layout).checksum
+    skipped = eng.export_sequence("r", device=None, skip_pages=1, pages_in_place=True)
+    assert isinstance(skipped.pages, PoolPages) and list(skipped.pages.block_ids) == seq.block_ids[1 : len(ex.pages)]

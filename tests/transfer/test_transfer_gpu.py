@@ -325,6 +325,80 @@ async def ipc_arena_from_a_child_process() -> None:
     assert same(host_payload(sink.delivered["a2"]), [-t for t in want])
 
 
+# The child: a PE's KV pool on its GPU, exported once; two exports name their pages where they lie
+# (engine.export_sequence(pages_in_place=True)), the second after the pool's pages were overwritten (and
+# the overwrite held back on the GPU: only the receiver's wait for the sender's event keeps its copy from
+# reading the old bytes). The receiver copies them straight into its own pool's pages.
+_POOL_SENDER = """
+import asyncio, dataclasses, sys, torch
+from engine.kv_cache import KVCache
+from tests.transfer.test_transfer_gpu import CONFIG, LAYOUT, TOKEN, cuda_export, pool_pages_of
+from transfer.sender import KVSender
+
+async def main():
+    sender = KVSender(TOKEN, LAYOUT, config=dataclasses.replace(CONFIG, transport="ipc", ipc_arena_gb=64 / 1024))
+    tr = sender.transport
+    assert sender.exports_pages_in_place
+    kv = KVCache(LAYOUT, num_blocks=64, num_slots=1, device=torch.device("cuda"))
+    exp = cuda_export(seed=4, request_id="p1")
+    ids = pool_pages_of(exp)
+    kv.pages[torch.tensor(ids, device="cuda")] = exp.pages
+
+    def in_place(rid):
+        pages, pages_sum = kv.pages_in_place(ids, with_checksum=True)
+        state = tr.allocate(tuple(exp.state.shape), exp.state.dtype, exp.state.device).copy_(exp.state)
+        return dataclasses.replace(exp, request_id=rid, pages=pages, state=state, pages_sum=pages_sum)
+
+    a1 = await sender.send({addr!r}, in_place("p1"))
+    torch.cuda._sleep(400_000_000)  # the overwrite ends ~0.2 s after the offer goes out
+    kv.pages.neg_()
+    exp.state.neg_()
+    a2 = await sender.send({addr!r}, in_place("p2"))
+    print("acks", a1.transport, a2.transport, tr.counters)
+
+asyncio.run(main())
+"""
+
+
+def pool_pages_of(exp: SequenceExport) -> list[int]:
+    """Where the child's pool holds exp's pages: scattered, out of order, runs of one and more."""
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(8)).tolist()
+    return order[: exp.pages.shape[0]]
+
+
+def test_ipc_pool_pages_into_the_receivers_pool_between_two_processes() -> None:
+    """The default ipc handoff: one device-to-device copy from the sender's pool pages to the receiver's."""
+    asyncio.run(ipc_pool_pages_from_a_child_process())
+
+
+async def ipc_pool_pages_from_a_child_process() -> None:
+    from transfer.ipc import IpcTransport
+
+    want = host_payload(cuda_export(seed=4, request_id="p1"))
+    sink = CudaPoolSink("p1", "p2", device="cuda:0")
+    recv_tr = IpcTransport(CONFIG)
+    async with receiver(sink, layout=LAYOUT, config=CONFIG, transports={"ipc": recv_tr}) as r:
+        sink.receiver = r
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _POOL_SENDER.format(addr=r.address), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        counters = dict(recv_tr.counters)
+    text = out.decode(errors="replace")[-3000:]
+    assert proc.returncode == 0, text
+    assert "acks ipc ipc" in text and "'pool_offers': 2" in text and "'event_offers': 2" in text, text
+    assert counters["pool_opens"] == 1 and counters["in_place_receives"] == 2, counters
+    assert not sink.errors, sink.errors
+    for rid, sign in (("p1", 1), ("p2", -1)):
+        got = sink.delivered[rid]
+        assert isinstance(got.pages, PoolPages) and got.pages.pool is sink.kv.pages
+        assert got.pages.block_ids == tuple(sink.blocks[rid][: len(got.pages)])
+        assert got.state is not None
+        assert same([got.pages.gather().cpu(), got.state.cpu()], [sign * t for t in want])
+
+
 # ---- two GPUs: the PE's GPU 0 to the CE's GPU 1 ----------------------------------------------------
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

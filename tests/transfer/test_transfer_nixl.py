@@ -23,7 +23,16 @@ import pytest
 import torch
 
 from engine.handoff import KVLayout, PoolPages, SequenceExport
-from tests.transfer.support import FAST, LAYOUT_LATENT, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
+from tests.transfer.support import (
+    FAST,
+    LAYOUT_LATENT,
+    LAYOUT_SWA,
+    TOKEN,
+    PoolSink,
+    Sink,
+    make_export,
+    receiver,
+)
 from transfer import nixl
 from transfer.arena import Arena
 from transfer.auth import client_handshake
@@ -569,35 +578,6 @@ async def test_engine_export_gathers_into_the_nixl_arena(tiny_model_dir: Callabl
 
 
 # ---- in place: the payload written straight into scattered pages of the receiver's KV pool -------------
-
-
-class PoolSink(Sink):
-    """A CE stand-in with a KV pool (pages and SWA slots, as engine/kv_cache.py lays them out) that lets
-    each handoff land in place: its pages in the blocks `blocks` (scattered, out of order), its state in
-    slot 1, through KVReceiver.receive_buffers as a decode rank does."""
-
-    def __init__(self, layout: KVLayout, blocks: list[int], *expected: str) -> None:
-        super().__init__(*expected)
-        self.layout, self.blocks = layout, blocks
-        self.pages = torch.zeros(layout.page_shape(16), dtype=layout.dtype)
-        self.swa = torch.zeros(layout.state_shape(3), dtype=layout.dtype)
-        self.receiver: KVReceiver | None = None
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.pages, self.swa
-
-    def target(self, header: HandoffHeader, hold_s: float) -> list:
-        first, n = header.first_page, header.page_shape[0]
-        out: list = [PoolPages(self.pages, self.blocks[first : first + n])]
-        return out + ([self.swa[1]] if header.has_state else [])
-
-    def on_handoff(self, header: HandoffHeader) -> list | None:
-        self.offered.append(header.request_id)
-        if header.request_id not in self.expected:
-            return None
-        assert self.receiver is not None
-        return self.receiver.receive_buffers(header, "cpu", self)
 
 
 @needs_nixl
