@@ -152,7 +152,8 @@ def pages_sum(pool: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> int
 @dataclass(frozen=True)
 class Paged:
     """A segment made of pages of a pool, in order: pool[ids[0]], pool[ids[1]], ... (pool: a contiguous
-    tensor of whole pages, [num_blocks, ...]; ids: int64 block ids on its device)."""
+    tensor of whole pages, [num_blocks, ...]; ids: int64 block ids on its device, or in (pinned) host
+    memory: copy_segments then moves them on the current stream, without a sync)."""
 
     pool: torch.Tensor
     ids: torch.Tensor
@@ -218,9 +219,9 @@ class _Side:
 def _side(t: Segment) -> _Side | None:
     if isinstance(t, Paged):
         words = _words(t.pool)
-        if words is None or t.page_bytes % 8 or t.ids.dtype != torch.int64 or t.ids.device != t.pool.device:
+        if words is None or t.page_bytes % 8 or t.ids.dtype != torch.int64:
             return None
-        return _Side(words, t.ids, t.page_bytes // 8)
+        return _Side(words, t.ids.to(t.pool.device, non_blocking=True), t.page_bytes // 8)
     words = _words(t)
     return None if words is None else _Side(words)
 

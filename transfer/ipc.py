@@ -535,8 +535,7 @@ class IpcTransport(Transport):
             for off, n in zip(extra["offsets"], sizes):
                 if off is None:
                     assert pool is not None
-                    pages = torch.tensor(extra["pool"]["pages"], dtype=torch.int64).to(pool.device)
-                    src.append(Paged(pool.view(-1, extra["pool"]["page_bytes"]), pages))
+                    src.append(Paged(pool.view(-1, extra["pool"]["page_bytes"]), _host_ids(extra["pool"]["pages"])))
                 else:
                     assert arena is not None
                     src.append(arena[off : off + n])
@@ -613,9 +612,13 @@ class IpcTransport(Transport):
 
 def _destination(t: Buffer) -> Segment:
     """A receive buffer as the copy writes it: flat bytes, or the reservation's pages in the pool."""
-    if isinstance(t, PoolPages):
-        return Paged(t.pool, torch.tensor(t.block_ids, dtype=torch.int64).to(t.device))
-    return _bytes(t)
+    return Paged(t.pool, _host_ids(t.block_ids)) if isinstance(t, PoolPages) else _bytes(t)
+
+
+def _host_ids(ids: Any) -> torch.Tensor:
+    """Block ids in pinned host memory where CUDA is here: the copy moves them on its own stream, with no
+    sync (a copy from pageable memory would wait for the decode step the engine has queued)."""
+    return torch.tensor(ids, dtype=torch.int64, pin_memory=torch.cuda.is_available())
 
 
 def _well_formed(extra: dict[str, Any], sizes: list[int]) -> bool:

@@ -470,10 +470,13 @@ def measure(
             rows.append(row(f"  handoff {name} (new connection)", first.elapsed_s, ceiling, ceiling_s))
         rows.append(row(f"  payload+verify {name}", ack.recv_s + ack.verify_s, ceiling, ceiling_s))
         rows.append(row(f"  payload {name}", ack.recv_s, ceiling, ceiling_s))
-        for phase, s in ack.phases.items():  # the sender's, in order: where the fixed costs go
-            rows.append(row(f"    sender {phase} {name}", s))
-        for phase, s in ack.receiver_phases.items():  # the receiver's steps, in order
-            rows.append(row(f"    receiver {phase} {name}", s))
+        # the phases of the best send and of the median one (where a slow send's time went)
+        mid = sorted(acks[1:], key=lambda a: a.elapsed_s)[(len(acks) - 2) // 2]
+        for which, a in (("", ack), (" (median)", mid)):
+            for phase, s in a.phases.items():  # the sender's, in order: where the fixed costs go
+                rows.append(row(f"    sender {phase} {name}{which}", s))
+            for phase, s in a.receiver_phases.items():  # the receiver's steps, in order
+                rows.append(row(f"    receiver {phase} {name}{which}", s))
     return rows
 
 
