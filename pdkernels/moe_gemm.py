@@ -261,6 +261,18 @@ def moe_align(
     return order[: int(offsets[-1])], offsets
 
 
+def _check_config(config: GemmConfig, batch_invariant: bool, has_scale: bool, fp8_x: bool) -> None:
+    """Refuses a given launch configuration that the kernel cannot honour."""
+    if batch_invariant:
+        raise ValueError("a batch-invariant launch takes bi_config's tiles, not a given config")
+    tiles = (config.block_m, config.block_n, config.block_k)
+    # a K step never straddles two weight scale blocks; with FP8 rows it is one (one row scale per step)
+    fits_scales = not has_scale or (config.block_k == SCALE_BLOCK if fp8_x else SCALE_BLOCK % config.block_k == 0)
+    if any(t < 16 or t & (t - 1) for t in tiles) or not fits_scales:
+        raise ValueError(f"tiles {tiles}: powers of two from 16, BLOCK_K dividing {SCALE_BLOCK} with FP8 weights "
+                         f"and equal to it with FP8 rows")
+
+
 def _launch_grouped(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -275,11 +287,13 @@ def _launch_grouped(
     batch_invariant: bool,
     w_scale: torch.Tensor | None = None,
     fp8_x: bool = False,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """grouped_matmul over num_rows rows. With rows: row r reads x[rows[r] // gather_div] if gather_div,
     else x[r] and its result is stored at row rows[r] (rows: a permutation of range(num_rows)). fp8_x (FP8
     weights, K a multiple of 128): x quantized per row and 128-column group first (fp8_gemm's
-    per_token_group_quant), the products in FP8."""
+    per_token_group_quant), the products in FP8. config: the launch configuration instead of
+    gemm_config's (not batch_invariant; with FP8 weights BLOCK_K divides 128, with fp8_x it is 128)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}: one of {sorted(map(str, ACTIVATIONS))}")
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
@@ -304,10 +318,12 @@ def _launch_grouped(
         raise ValueError(f"expert weights {w.dtype} and rows {x.dtype} differ (FP8 weights need their scales)")
     if fp8_x and (w_scale is None or k % SCALE_BLOCK or x.stride(1) != 1):
         raise ValueError(f"FP8 rows need FP8 weights with scales and K a multiple of {SCALE_BLOCK} (got K = {k})")
+    if config is not None:
+        _check_config(config, batch_invariant, w_scale is not None, fp8_x)
     out = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n_out == 0:
         return out
-    cfg = gemm_config(num_rows, num_experts, n_out, k, is_glu, batch_invariant)
+    cfg = config or gemm_config(num_rows, num_experts, n_out, k, is_glu, batch_invariant)
     x_scale = None
     if fp8_x:  # one scale per K step: BLOCK_K is the scale block
         from pdkernels.fp8_gemm import per_token_group_quant
@@ -389,6 +405,7 @@ def fused_moe(
     w_down_scale: torch.Tensor | None = None,
     fp8_activations: bool = False,
     gemv_tokens: int = MAX_GEMV_TOKENS,
+    configs: tuple[GemmConfig, GemmConfig] | None = None,
 ) -> torch.Tensor:
     """x [T, H], topk_ids / topk_weights [T, k] (global expert ids), w_gate_up [E_local, 2I, H] (gate
     rows, then up rows), w_down [E_local, H, I], biases [E_local, 2I] / [E_local, H] (FP8 weights with
@@ -404,14 +421,18 @@ def fused_moe(
 
     gemv_tokens: up to this many tokens (not batch_invariant, not fp8_activations) each assignment's two
     products run as matrix-vector products straight from the routing (moe_gemv.py: no sort, no tensor-core
-    tiles padded to 16 rows); 0 keeps the grouped GEMM at every size."""
+    tiles padded to 16 rows); 0 keeps the grouped GEMM at every size.
+
+    configs: the gate/up and the down grouped GEMMs' launch configurations instead of gemm_config's (a
+    tile sweep's, bench/micro/moe_layer.py --w8a8-sweep): the grouped GEMM at every size, not with
+    batch_invariant; with fp8_activations BLOCK_K is 128."""
     _check_moe_shapes(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
     num_tokens, hidden = x.shape
     top_k, num_local = topk_ids.shape[1], w_gate_up.shape[0]
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
-    if num_tokens <= gemv_tokens and not (batch_invariant or fp8_activations):
+    if num_tokens <= gemv_tokens and not (batch_invariant or fp8_activations or configs):
         # row r = token * k + slot: gate/up reads token r // k, down reads h's row r
         h = moe_gemv.expert_gemv(x, topk_ids, w_gate_up, top_k, b_gate_up, activation, first_expert, alpha,
                                  limit, w_gate_up_scale)  # fmt: skip
@@ -420,10 +441,11 @@ def fused_moe(
         order, offsets = _sort_assignments(topk_ids, first_expert, num_local)
         num_rows = order.shape[0]
         # gate/up reads token order[r] // k; down stores row r at order[r], the (token, slot) it belongs to
+        gate_up_config, down_config = configs or (None, None)
         h = _launch_grouped(x, w_gate_up, offsets, num_rows, order, top_k, b_gate_up, activation, alpha, limit,
-                            batch_invariant, w_gate_up_scale, fp8_activations)
+                            batch_invariant, w_gate_up_scale, fp8_activations, gate_up_config)
         y = _launch_grouped(h, w_down, offsets, num_rows, order, 0, b_down, None, alpha, limit, batch_invariant,
-                            w_down_scale, fp8_activations)
+                            w_down_scale, fp8_activations, down_config)
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, topk_ids.contiguous(), topk_weights.contiguous(), out, num_tokens, first_expert, num_local, hidden,

@@ -5,7 +5,9 @@ falls: a check that costs no device time before a device call.
     python bench/checks/offline_compile.py            # needs triton (the project's .venv has it), no GPU
 
 What it cannot tell: speed, and whether the kernels compute the right thing (the Triton interpreter
-tests do that: TRITON_INTERPRET=1 pytest tests/pdkernels).
+tests do that: TRITON_INTERPRET=1 pytest tests/pdkernels). The MoE grouped GEMM is compiled with its
+launch's integer arguments (unit strides become constants, as at a launch); the other kernels with their
+strides unknown, which can differ from what a launch compiles (more registers, no vectorized loads).
 """
 
 from __future__ import annotations
@@ -23,21 +25,32 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 BF16 = "*bf16"
+Variant = tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]  # name, kernel, types, consts, launch
 ALIGNED_INTS = {"N", "K", "n_cols", "M"}  # integer arguments a real launch sees as multiples of 16
 
 
 def compile_kernel(fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int = 4,
-                   num_stages: int = 3, pdl: bool = False) -> str:
+                   num_stages: int = 3, pdl: bool = False, ints: dict[str, int] | None = None) -> str:
     """PTX of fn for sm_90a; pointers, strides and ALIGNED_INTS marked 16-byte divisible as a launch
-    with aligned tensors would specialize them; other arguments are i32 unless typed."""
+    with aligned tensors would specialize them; other arguments are i32 unless typed. ints: integer
+    arguments' values at the launch modelled, specialized as Triton's launch does: 1 a constant, a
+    multiple of 16 divisible, others neither. NOTE: a unit stride left unknown changes the code (no
+    vectorized or asynchronous loads, more registers): give ints where the launch's strides are known."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    ints = ints or {}
+    consts = {**consts, **{n: 1 for n, v in ints.items() if v == 1}}
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    aligned = [n for n in names if n not in consts and (sig[n].startswith("*") or n.startswith("stride")
-                                                       or n in ALIGNED_INTS)]
+
+    def is_aligned(n: str) -> bool:
+        if n in ints:
+            return ints[n] % 16 == 0
+        return sig[n].startswith("*") or n.startswith("stride") or n in ALIGNED_INTS
+
+    aligned = [n for n in names if n not in consts and is_aligned(n)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn, sig, {(names.index(k),): v for k, v in consts.items()}, attrs)
     opts: dict[str, Any] = {"num_warps": num_warps, "num_stages": num_stages}
@@ -127,6 +140,37 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str,
     return out
 
 
+def grouped_gemm_variant(label: str, rows: int, is_glu: bool, n: int, k: int, cfg: Any, w8: bool, fp8_x: bool,
+                         num_experts: int = 128) -> Variant:
+    """moe_gemm's grouped GEMM over `rows` (token, slot) rows as fused_moe launches it: gate/up (is_glu) a
+    SwiGLU of rows gathered from top-8 tokens, down scattering its rows; contiguous x [., k], w [E, n or 2n,
+    k] (FP8 with 128x128 block scales if w8; fp8_x: x too, in K steps of 128), out [., n], no bias; cfg a
+    moe_gemm.GemmConfig."""
+    import triton
+
+    from pdkernels import moe_gemm
+
+    fp8 = "*fp8e4nv"
+    n_w, scale_k = 2 * n if is_glu else n, -(-k // moe_gemm.SCALE_BLOCK)
+    block_k = moe_gemm.SCALE_BLOCK if fp8_x else cfg.block_k
+    types = {"X": fp8 if fp8_x else BF16, "ROWS": "*i64", "W": fp8 if w8 else BF16, "BIAS": BF16, "OUT": BF16,
+             "OFFS": "*i32", "W_SCALE": "*fp32" if w8 else BF16, "X_SCALE": "*fp32" if fp8_x else BF16,
+             "alpha": "fp32", "limit": "fp32"}
+    # _launch_grouped's integer arguments: its strides (0 for an absent bias or scales), N, the expert count
+    ints = dict(num_experts=num_experts, N=n, stride_xm=k, stride_xk=1, stride_we=n_w * k, stride_wn=k, stride_wk=1,
+                stride_be=0, stride_bn=0, stride_om=n, stride_on=1,
+                stride_se=-(-n_w // moe_gemm.SCALE_BLOCK) * scale_k if w8 else 0, stride_sn=scale_k if w8 else 0,
+                stride_sk=int(w8), stride_xsm=scale_k if fp8_x else 0, stride_xsk=int(fp8_x))
+    consts = dict(K=k, ACT=int(is_glu), HAS_ROWS=True, GATHER_DIV=8 if is_glu else 0, HAS_BIAS=False, HAS_SCALE=w8,
+                  FP8_X=fp8_x, EVEN_K=k % block_k == 0, IEEE=False,
+                  E_POW2=max(2, triton.next_power_of_2(num_experts)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=block_k, GROUP_M=cfg.group_m, SCALE_BLOCK=moe_gemm.SCALE_BLOCK, PDL=True)
+    name = (f"moe grouped GEMM {label}, {rows} rows, {'gate/up' if is_glu else 'down'} "
+            f"({cfg.block_m}x{cfg.block_n}x{block_k} w{cfg.num_warps} s{cfg.num_stages})")
+    return (name, moe_gemm._grouped_gemm_kernel, types, consts,
+            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, ints=ints))
+
+
 def moe_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, Any]]]:
     """The MoE layer's kernels at Qwen3-30B-A3B's shapes (H 2048, I 768, 128 experts, top 8): the routing,
     the assignments' sort, the grouped GEMM in its decode and prefill tiles, bf16, FP8 weights and w8a8, and
@@ -144,23 +188,13 @@ def moe_variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[
                 {"ids_ptr": "*i64", "order_ptr": "*i64", "offsets_ptr": "*i32"},
                 dict(BLOCK_N=256, BLOCK_E=256, CHUNK=moe_route._ALIGN_CHUNK, PDL=True), dict(num_warps=4)))
     fp8 = "*fp8e4nv"
-    for label, rows, x_type, w_type, fp8_x in [("bf16", 8, BF16, BF16, False), ("bf16", 8192 * 8, BF16, BF16, False),
-                                               ("FP8 weights", 8, BF16, fp8, False),
-                                               ("FP8 weights", 8192 * 8, BF16, fp8, False),
-                                               ("w8a8", 8192 * 8, fp8, fp8, True)]:
-        for act, n, k in [(1, 768, 2048), (0, 2048, 768)]:
-            cfg = moe_gemm.gemm_config(rows, 128, n, k, act != 0, False)
-            block_k = moe_gemm.SCALE_BLOCK if fp8_x else cfg.block_k
-            types = {"X": x_type, "ROWS": "*i64", "W": w_type, "BIAS": BF16, "OUT": BF16, "OFFS": "*i32",
-                     "W_SCALE": "*fp32" if w_type == fp8 else BF16, "X_SCALE": "*fp32" if fp8_x else BF16,
-                     "alpha": "fp32", "limit": "fp32"}
-            out.append((f"moe grouped GEMM {label}, {rows} rows, {'gate/up' if act else 'down'} "
-                        f"({cfg.block_m}x{cfg.block_n}x{block_k})", moe_gemm._grouped_gemm_kernel, types,
-                        dict(K=k, ACT=act, HAS_ROWS=True, GATHER_DIV=8 if act else 0, HAS_BIAS=False,
-                             HAS_SCALE=w_type == fp8, FP8_X=fp8_x, EVEN_K=True, IEEE=False, E_POW2=128,
-                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-                             SCALE_BLOCK=moe_gemm.SCALE_BLOCK, PDL=True),
-                        dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
+    # rows: a decode step's 1 or 64 tokens, an 8k prefill's, times top-8 (fused_moe's w8a8 has no GEMV path)
+    for label, rows, w8, fp8_x in [("bf16", 8, False, False), ("bf16", 8192 * 8, False, False),
+                                   ("FP8 weights", 8, True, False), ("FP8 weights", 8192 * 8, True, False),
+                                   ("w8a8", 64 * 8, True, True), ("w8a8", 8192 * 8, True, True)]:
+        for is_glu, n, k in [(True, 768, 2048), (False, 2048, 768)]:
+            cfg = moe_gemm.gemm_config(rows, 128, n, k, is_glu, False)
+            out.append(grouped_gemm_variant(label, rows, is_glu, n, k, cfg, w8, fp8_x))
     for label, w_type, elem in [("bf16", BF16, 2), ("FP8 weights", fp8, 1)]:  # a decode step's token: 8 GEMVs
         for act, n, k in [(1, 768, 2048), (0, 2048, 768)]:
             g = moe_gemv.moe_gemv_config(n, k, 8, act != 0, elem)
@@ -187,7 +221,7 @@ def main() -> int:
             report = ptxas_report(compile_kernel(fn, types, consts, pdl=consts.get("PDL", False), **launch))
         except Exception as e:  # a kernel that does not compile is the finding
             report, failed = f"FAILED {type(e).__name__}: {str(e)[:400]}", failed + 1
-        print(f"{name:<58} {report}", flush=True)
+        print(f"{name:<70} {report}", flush=True)
     return 1 if failed else 0
 
 

@@ -15,19 +15,27 @@ the L2 holds, as in a forward pass), divided by the copies; the reference syncs 
 runs eagerly. Prints one table; --out writes JSON. --tiny rehearses the script on the CPU at tiny
 shapes, through the reference only.
 
+--w8a8-sweep times, instead, the w8a8 layer (FP8 weights and activations) of the models whose H and I
+are multiples of 128 with each of W8A8_TILES' candidate tiles for one grouped GEMM, the other at
+gemm_config's, then with both at the fastest found; beside each its error against gemm_config's tiles'
+output and ptxas's registers and spills for sm_90a (bench/checks/offline_compile.py's compile, as the
+launch specializes it). With --tiny (and TRITON_INTERPRET=1) it rehearses on the CPU, timed eagerly.
+
     python bench/micro/moe_layer.py [--tokens 1,4,64,8192] [--fp8] [--out DIR]
     python bench/micro/moe_layer.py --tiny
+    python bench/micro/moe_layer.py --w8a8-sweep [--tokens 64,8192] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +71,24 @@ MODELS = {
 TINY_MODELS = {
     "tiny": MoEShape(64, 32, 8, 2, False, "swiglu"),
     "tiny-oai": MoEShape(64, 32, 8, 2, True, "swiglu_oai"),
+    "tiny-w8a8": MoEShape(256, 128, 8, 2, False, "swiglu"),  # H and I whole 128-blocks: --w8a8-sweep's
+}
+TINY_SWEEP_TOKENS = [8, 256]  # 2 and 64 rows per expert: the decode and the prefill candidates
+
+# --w8a8-sweep's candidates per grouped GEMM, (BLOCK_M, BLOCK_N, num_warps, num_stages) with BLOCK_K 128:
+# "decode" where gemm_config picks 16-row tiles, "prefill" above. At Qwen3-30B-A3B's shapes none spills
+# at sm_90a (offline_compile.py) but gemm_config's own prefill down tile, 128x128 with 8 warps (80 bytes)
+W8A8_TILES = {
+    "decode": {
+        "gate/up": [(16, 32, 4, 4), (16, 32, 4, 5), (16, 32, 2, 4), (16, 64, 4, 4), (16, 64, 2, 4), (16, 128, 4, 4)],
+        "down": [(16, 64, 4, 4), (16, 64, 4, 5), (16, 32, 4, 4), (16, 64, 2, 4), (16, 128, 4, 4), (16, 256, 4, 3)],
+    },
+    "prefill": {
+        "gate/up": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3), (64, 64, 8, 4), (64, 64, 4, 4),
+                    (128, 32, 4, 4), (128, 32, 8, 4), (256, 32, 8, 3)],
+        "down": [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4),
+                 (64, 128, 8, 3), (64, 256, 8, 3), (256, 64, 8, 3), (64, 64, 8, 4)],
+    },
 }
 
 
@@ -187,6 +213,84 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
     return rows
 
 
+def ptxas_usage(shape: MoEShape, num_rows: int, gemm: str, cfg: Any) -> str:
+    """ptxas's registers and spills for one w8a8 grouped GEMM launch at sm_90a, or why not known."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "- (interpreted kernels: no compile)"
+    try:
+        from bench.checks.offline_compile import compile_kernel, grouped_gemm_variant, ptxas_report
+
+        is_glu = gemm == "gate/up"
+        n, k = (shape.inter, shape.hidden) if is_glu else (shape.hidden, shape.inter)
+        _, fn, types, consts, launch = grouped_gemm_variant("w8a8", num_rows, is_glu, n, k, cfg, True, True,
+                                                            shape.num_experts)  # fmt: skip
+        return ptxas_report(compile_kernel(fn, types, consts, pdl=True, **launch)).split(", PDL")[0]
+    except Exception as e:  # no triton backend or ptxas here: the timing stands without it
+        return f"- ({type(e).__name__})"
+
+
+def sweep_w8a8(name: str, shape: MoEShape, fp8_layers: list[dict[str, Any]], num_tokens: int,
+               dtype: torch.dtype, gen: torch.Generator) -> list[dict[str, Any]]:
+    """The w8a8 layer at num_tokens with each candidate tile of one grouped GEMM (W8A8_TILES), the other at
+    gemm_config's, then both at the fastest: a row each, gemm_config's tiles first."""
+    from pdkernels.moe_gemm import SCALE_BLOCK, GemmConfig, fused_moe, gemm_config
+
+    device = fp8_layers[0]["w_gate_up"].device
+    x = torch.randn(num_tokens, shape.hidden, generator=gen, device=device).to(dtype)
+    ids, weights = route(shape, num_tokens, device, dtype, gen)
+    num_rows, e, h, i = num_tokens * shape.top_k, shape.num_experts, shape.hidden, shape.inter
+    default = {gemm: replace(gemm_config(num_rows, e, n, k, gemm == "gate/up", False), block_k=SCALE_BLOCK)
+               for gemm, n, k in [("gate/up", i, h), ("down", h, i)]}  # fmt: skip
+    phase = "decode" if default["gate/up"].block_m == 16 else "prefill"
+    kw: dict[str, Any] = {"activation": shape.activation, "fp8_activations": True}
+    reps = 3 if num_tokens >= 4096 else 10
+
+    def layer_ms(configs: tuple[GemmConfig, GemmConfig]) -> tuple[float, torch.Tensor]:
+        out = fused_moe(x, ids, weights, **fp8_layers[0], **kw, configs=configs)
+
+        def run() -> None:
+            for layer in fp8_layers:
+                fused_moe(x, ids, weights, **layer, **kw, configs=configs)
+
+        ms = graph_ms(run, reps=reps * 2) if device.type == "cuda" else eager_ms(run, reps=1)
+        return ms / len(fp8_layers), out
+
+    base_ms, base = layer_ms((default["gate/up"], default["down"]))
+
+    def row(gemm: str, tiles: str, ms: float, out: torch.Tensor, usage: str = "") -> dict[str, Any]:
+        return {"model": name, "tokens": num_tokens, "gemm": gemm, "tiles": tiles, "ms": ms,
+                "vs_default": ms / base_ms, "err": rel_err(out, base), "ptxas": usage}
+
+    rows = [row("default", f"{tiles_label(default['gate/up'])} + {tiles_label(default['down'])}", base_ms, base)]
+    best = dict(default)
+    for gemm in ("gate/up", "down"):
+        best_ms = float("inf")
+        for block_m, block_n, num_warps, num_stages in W8A8_TILES[phase][gemm]:
+            cfg = GemmConfig(block_m, block_n, SCALE_BLOCK, num_warps, num_stages)
+            ms, out = layer_ms((cfg, default["down"]) if gemm == "gate/up" else (default["gate/up"], cfg))
+            label = gemm + (" *" if cfg == default[gemm] else "")
+            rows.append(row(label, tiles_label(cfg), ms, out, ptxas_usage(shape, num_rows, gemm, cfg)))
+            if ms < best_ms:
+                best_ms, best[gemm] = ms, cfg
+    ms, out = layer_ms((best["gate/up"], best["down"]))
+    rows.append(row("both fastest", f"{tiles_label(best['gate/up'])} + {tiles_label(best['down'])}", ms, out))
+    return rows
+
+
+def tiles_label(cfg: Any) -> str:
+    """BLOCK_MxBLOCK_N, warps and stages of a moe_gemm.GemmConfig (BLOCK_K is 128 in the sweep)."""
+    return f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def print_sweep(rows: list[dict[str, Any]]) -> None:
+    """The sweep's table: one GEMM's tiles per row (* gemm_config's), the layer's ms and its ratio to the
+    default tiles', the error against their output, ptxas's registers and spills."""
+    print(f"{'model':<14} {'T':>5} {'gemm':<12} {'tiles':<34} {'ms':>9} {'vs dflt':>8} {'err':>8}  ptxas sm_90a")
+    for r in rows:
+        print(f"{r['model']:<14} {r['tokens']:>5} {r['gemm']:<12} {r['tiles']:<34} {r['ms']:9.3f} "
+              f"{r['vs_default']:8.3f} {r['err']:8.1e}  {r['ptxas']}")
+
+
 def bench_model(name: str, shape: MoEShape, token_counts: list[int], device: torch.device,
                 gbps: float | None, tflops: float | None, fp8: bool = False) -> list[dict[str, Any]]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -202,15 +306,53 @@ def bench_model(name: str, shape: MoEShape, token_counts: list[int], device: tor
     return rows
 
 
+def run_sweep(args: argparse.Namespace) -> int:
+    """--w8a8-sweep: sweep_w8a8's rows for the models whose H and I are whole 128-blocks (w8a8's steps)."""
+    if args.tiny:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("moe_layer --w8a8-sweep --tiny: needs TRITON_INTERPRET=1 (the kernels run on the CPU)")
+            return 0
+        device, models, token_counts = torch.device("cpu"), TINY_MODELS, TINY_SWEEP_TOKENS
+    elif not torch.cuda.is_available():
+        print("moe_layer --w8a8-sweep: needs CUDA (or --tiny with TRITON_INTERPRET=1)")
+        return 0
+    else:
+        device, models, token_counts = torch.device("cuda"), MODELS, [int(t) for t in args.tokens.split(",")]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    copies = LAYER_COPIES if device.type == "cuda" else 1
+    rows = []
+    for name, shape in models.items():
+        if shape.hidden % 128 or shape.inter % 128:
+            continue
+        gen = torch.Generator(device=device).manual_seed(SEED)
+        fp8_layers = [fp8_layer(make_layer(shape, device, dtype, gen)) for _ in range(copies)]
+        for num_tokens in token_counts:
+            rows += sweep_w8a8(name, shape, fp8_layers, num_tokens, dtype, gen)
+        del fp8_layers
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print_sweep(rows)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        payload = {"layer_copies": copies, "models": {k: asdict(v) for k, v in models.items()}, "rows": rows}
+        (Path(args.out) / "moe_layer_w8a8_sweep.json").write_text(json.dumps(payload, indent=1))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,4,64,8192")
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, the reference only")
     p.add_argument("--fp8", action="store_true",
                    help="CUDA: also FP8 expert weights, dequantized per tile and with FP8 activations (w8a8)")
+    p.add_argument("--w8a8-sweep", action="store_true",
+                   help="instead: the w8a8 layer per candidate grouped GEMM tile (W8A8_TILES); CUDA, or --tiny "
+                        "with TRITON_INTERPRET=1")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.manual_seed(SEED)
+    if args.w8a8_sweep:
+        return run_sweep(args)
     if args.tiny:
         device, models, token_counts, gbps, tflops = torch.device("cpu"), TINY_MODELS, [1, 64], None, None
     elif not torch.cuda.is_available():

@@ -16,6 +16,7 @@ from tests.gpu_support import DEVICE, DTYPE, require_triton
 require_triton()
 
 from pdkernels.moe_gemm import (  # noqa: E402
+    GemmConfig,
     bi_config,
     fused_moe,
     fused_moe_reference,
@@ -450,3 +451,31 @@ def test_fp8_activations(batch_invariant: bool, num_tokens: int, activation: str
     with pytest.raises(ValueError, match="FP8 rows"):
         fused_moe(x, ids, weights, dense["w_gate_up"], dense["w_down"], **biases, activation=activation,
                   fp8_activations=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_tokens", [3, 21])
+def test_fp8_activations_given_tiles(num_tokens: int) -> None:
+    """fused_moe(fp8_activations=True) with given tiles (moe_layer.py's sweep) whose column tiles cross N's
+    edge (BLOCK_N 256 over I = H = 384: the weight tiles' boundary check; K is always whole 128-column
+    steps) and an expert without rows, against fused_moe_reference(fp8_activations=True). Refused: a K
+    step other than 128 with FP8 rows, given tiles with batch_invariant."""
+    from engine.fp8 import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(11 * num_tokens)
+    hidden, inter, num_experts, top_k = 384, 384, 4, 2
+    gu8, gu_s = (t.to(DEVICE) for t in quantize(torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.05))
+    d8, d_s = (t.to(DEVICE) for t in quantize(torch.randn(num_experts, hidden, inter, generator=gen) * 0.05))
+    x = _rand(gen, num_tokens, hidden)
+    ids, weights = _route(gen, num_tokens, num_experts, top_k, experts=[0, 2, 3])  # expert 1: no rows
+    dense: dict[str, Any] = {"w_gate_up": dequantize(gu8, gu_s, DTYPE), "w_down": dequantize(d8, d_s, DTYPE)}
+    ref = fused_moe_reference(x, ids, weights, **dense, fp8_activations=True)
+    fp8: dict[str, Any] = {"w_gate_up_scale": gu_s, "w_down_scale": d_s, "fp8_activations": True}
+    configs = (GemmConfig(16, 256, 128, 4, 2), GemmConfig(32, 256, 128, 4, 2))  # M, N, K tiles, warps, stages
+    out = fused_moe(x, ids, weights, gu8, d8, **fp8, configs=configs)
+    assert out.shape == x.shape and not out.isnan().any()
+    assert _rel_err(out, ref) < TOL
+    assert _rel_err(out, fused_moe(x, ids, weights, gu8, d8, **fp8)) < TOL  # the default tiles
+    with pytest.raises(ValueError, match="tiles"):
+        fused_moe(x, ids, weights, gu8, d8, **fp8, configs=(GemmConfig(16, 64, 64, 4, 2), configs[1]))
+    with pytest.raises(ValueError, match="batch-invariant"):
+        fused_moe(x, ids, weights, gu8, d8, **fp8, configs=configs, batch_invariant=True)
