@@ -104,29 +104,41 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
     return t.reshape(-1).view(torch.uint8).view(torch.int64)
 
 
+@dataclass(frozen=True)
+class _Side:
+    """One side of a segment copy as the kernel takes it: int64 words, and the page ids if paged."""
+
+    words: torch.Tensor
+    ids: torch.Tensor | None = None
+    page_words: int = 0
+
+    @property
+    def num_words(self) -> int:
+        return self.words.numel() if self.ids is None else self.ids.numel() * self.page_words
+
+
+def _paged_source(pool: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> _Side | None:
+    """pool's pages block_ids as the kernel reads them (its words, the ids on its device, words per page),
+    or None where the kernel cannot (no CUDA or no usable kernel here, no pages, pages not whole words)."""
+    words = _words(pool)
+    page_bytes = pool[0].numel() * pool.element_size() if pool.shape[0] else 0
+    if words is None or not block_ids or page_bytes % 8 or not pool.is_cuda or not usable(pool.device):
+        return None
+    ids = torch.tensor(block_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
+    return _Side(words, ids, page_bytes // 8)
+
+
 def gather_pages(pool: torch.Tensor, block_ids: list[int], out: torch.Tensor) -> torch.Tensor | None:
     """out[i] = pool[block_ids[i]] (pool: [num_blocks, ...] pages, out: [len(block_ids), ...]) in one
     pass that also hashes out's bytes: returns its S (checksum.py) as a 0-dim int64 device tensor,
     queued on the current stream (read it later: no sync here). None, with out untouched, when the
     kernel cannot do it on this device or for these tensors (the caller gathers with torch)."""
-    src, dst = _words(pool), _words(out)
-    page_bytes = pool[0].numel() * pool.element_size() if pool.shape[0] else 0
-    if (
-        src is None
-        or dst is None
-        or not block_ids
-        or page_bytes % 8
-        or out.shape[0] != len(block_ids)
-        or out.shape[1:] != pool.shape[1:]
-        or out.dtype != pool.dtype
-        or out.device != pool.device
-        or not pool.is_cuda
-        or not usable(pool.device)
-    ):
+    dst = _words(out)
+    fits = out.shape == (len(block_ids), *pool.shape[1:]) and out.dtype == pool.dtype and out.device == pool.device
+    src = _paged_source(pool, block_ids) if dst is not None and fits else None
+    if src is None or dst is None:
         return None
-    ids = torch.tensor(block_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
-    page_words = page_bytes // 8
-    return _s(src, dst.numel(), dst=dst, page_ids=ids, page_words=page_words)
+    return _s(src.words, dst.numel(), dst=dst, page_ids=src.ids, page_words=src.page_words)
 
 
 def queued_pages_sum(pool: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> torch.Tensor | None:
@@ -134,13 +146,10 @@ def queued_pages_sum(pool: torch.Tensor, block_ids: list[int] | tuple[int, ...])
     they lie in the pool (pool: [num_blocks, ...] pages, contiguous, on a CUDA device), in one pass: a
     0-dim int64 device tensor, queued on the current stream (no sync); None when the kernel cannot do
     it on this device or for this pool (the caller hashes another way)."""
-    src = _words(pool)
-    page_bytes = pool[0].numel() * pool.element_size() if pool.shape[0] else 0
-    if src is None or not block_ids or page_bytes % 8 or not pool.is_cuda or not usable(pool.device):
+    src = _paged_source(pool, block_ids)
+    if src is None:
         return None
-    ids = torch.tensor(block_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
-    page_words = page_bytes // 8
-    return _s(src, len(block_ids) * page_words, page_ids=ids, page_words=page_words)
+    return _s(src.words, src.num_words, page_ids=src.ids, page_words=src.page_words)
 
 
 def pages_sum(pool: torch.Tensor, block_ids: list[int] | tuple[int, ...]) -> int | None:
@@ -201,19 +210,6 @@ class SegmentSums:
         h = host.numpy().view(np.uint64)
         b = self.bounds
         return [int(h[b[i] : b[i + 1]].sum(dtype=np.uint64)) for i in range(len(b) - 1)]
-
-
-@dataclass(frozen=True)
-class _Side:
-    """One side of a segment copy as the kernel takes it: int64 words, and the page ids if paged."""
-
-    words: torch.Tensor
-    ids: torch.Tensor | None = None
-    page_words: int = 0
-
-    @property
-    def num_words(self) -> int:
-        return self.words.numel() if self.ids is None else self.ids.numel() * self.page_words
 
 
 def _side(t: Segment) -> _Side | None:
