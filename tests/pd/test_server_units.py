@@ -537,7 +537,8 @@ def test_flags_are_the_settings_fields():
     assert ServerConfig.from_argv([]) == ServerConfig()
     cfg = ServerConfig.from_argv(
         "--hicache-size-gb 2 --prefill-sdpa off --prefill-sdpa-min-pairs 7 --no-chain-residuals "
-        "--accept-transports tcp,ipc --ipc-time-copies --idle-timeout-s 3 --num-swa-slots 5 --nixl-copy-in".split()
+        "--accept-transports tcp,ipc --ipc-time-copies --idle-timeout-s 3 --num-swa-slots 5 --nixl-copy-in "
+        "--ipc-copy-in".split()
     )
     assert (cfg.engine.hicache_gb, cfg.engine.num_swa_slots, cfg.engine.forward) == (
         2.0,
@@ -545,7 +546,8 @@ def test_flags_are_the_settings_fields():
         ForwardConfig(prefill_sdpa="off", prefill_sdpa_min_pairs=7, chain_residuals=False),
     )
     assert cfg.transfer == TransferConfig(
-        accept_transports=("tcp", "ipc"), ipc_time_copies=True, idle_timeout_s=3.0, nixl_copy_in=True
+        accept_transports=("tcp", "ipc"), ipc_time_copies=True, idle_timeout_s=3.0, nixl_copy_in=True,
+        ipc_copy_in=True,
     )
 
 
