@@ -16,7 +16,9 @@ For each sequence length (tokens), one export of the layout of bench/configs/<la
     straight into shuffled blocks of the receiver's KV pool, registered once, and verified there, as a
     decode rank receives).
 Reported per row: milliseconds and GB/s of the whole send (connect, auth, sender checksum, payload,
-receiver verify, ack: `handoff`), the receiver's payload phase with and without its checksum pass
+receiver verify, ack: `handoff`; on a GPU the receiver acks after writing a payload that landed in a
+buffer of its own into its KV pool, as a CE's import does), the same with the PE's export before it
+(`export+handoff`: the gather, or the hash of pages offered in place), the receiver's payload phase with and without its checksum pass
 (`payload+verify`, `payload`: for ipc, opening the handles and the copy), the sender's checksum
 pass, and the ratio to the ceiling. Bars: the whole tcp handoff at least 70% of the raw socket, the
 whole ipc handoff at least 50% of the device copy and its median at least 60% (`--json` writes rows
@@ -215,6 +217,18 @@ def receiver_main(
     kv_layout = KVLayout.from_fields(layout)
     pool = ReceiverPool(kv_layout, pool_blocks, device) if pool_blocks else None
 
+    def on_complete(h: HandoffHeader, exp: SequenceExport) -> None:
+        """As a CE's import (its ack goes after it): a payload landed in a buffer of its own is written into
+        the pool's pages (the sequence cannot decode before that), on a GPU; one landed in place is there."""
+        if pool is None or not isinstance(exp.pages, torch.Tensor) or exp.pages.device.type != "cuda":
+            return
+        n = exp.pages.shape[0]
+        if n and exp.first_page + n <= len(pool.order):
+            pool.kv.write_pages(pool.order[exp.first_page : exp.first_page + n], exp.pages)
+        if exp.state is not None:
+            pool.kv.write_state(0, exp.state)
+        torch.cuda.synchronize(exp.pages.device)
+
     def on_handoff(h: HandoffHeader) -> list[Any]:
         """nixl and ipc: LANDS_IN_POOL's in the pool's pages; nixl's others in slices of its registered
         landing arena (freed after each handoff, so reused), as a CE's; the other transports (and a payload
@@ -226,7 +240,7 @@ def receiver_main(
     async def main() -> None:
         cfg = TransferConfig(idle_timeout_s=120.0, nixl_arena_mb=nixl_arena_mb)
         async with KVReceiver(
-            token, kv_layout, on_handoff, lambda h, e: None, config=cfg
+            token, kv_layout, on_handoff, on_complete, config=cfg
         ) as r:
             receivers.append(r)
             conn.send((r.port, lst.getsockname()[1]))
@@ -453,7 +467,8 @@ def measure(
     rows.append(row("export gather+hash", gather_hash_s, "d2d copy" if copy_s else None, copy_s))
     for name, sender in senders.items():
         # the first send opens (and authenticates) the sender's connection, which later sends reuse
-        acks = [_ack(loop, sender, addr, pool, name)[1] for _ in range(repeats + 1)]
+        sends = [_ack(loop, sender, addr, pool, name) for _ in range(repeats + 1)]
+        acks = [a for _, a, _ in sends]
         first, ack = acks[0], min(acks[1:], key=lambda a: a.elapsed_s)
         if name == "tcp" or (name.startswith("nixl") and device.type != "cuda"):  # host memory: loopback's ceiling
             ceiling, ceiling_s = "raw tcp socket", raw_s
@@ -466,6 +481,10 @@ def measure(
         rows.append(row(f"handoff {name}", ack.elapsed_s, ceiling, ceiling_s))
         median = statistics.median(a.elapsed_s for a in acks[1:])
         rows.append(row(f"  handoff {name} (median)", median, ceiling, ceiling_s))
+        # with the PE's export before it (a gather, or a hash of the pages in place): the sequence's way
+        # from its prefill's end to decodable pages on the CE
+        with_export = statistics.median(export_s + a.elapsed_s for _, a, export_s in sends[1:])
+        rows.append(row(f"  export+handoff {name} (median)", with_export, ceiling, ceiling_s))
         if not first.reused:
             rows.append(row(f"  handoff {name} (new connection)", first.elapsed_s, ceiling, ceiling_s))
         rows.append(row(f"  payload+verify {name}", ack.recv_s + ack.verify_s, ceiling, ceiling_s))
@@ -520,15 +539,23 @@ def _timed(fn: Any, device: torch.device) -> float:
 
 def _ack(
     loop: asyncio.AbstractEventLoop, sender: KVSender, addr: str, pool: SyntheticPool, name: str
-) -> tuple[float, Any]:
-    """One handoff of a fresh export (made as the PE makes it for this sender's transport, and
-    finished before the clock starts): the whole send, from sender.send() to the ack. Its request id
-    starts with the sender's name (the receiver lets IN_PLACE's land in its pool)."""
+) -> tuple[float, Any, float]:
+    """One handoff of a fresh export, made as the PE makes it for this sender's transport and finished
+    before the handoff's clock starts: the whole send, from sender.send() to the ack (the receiver
+    acks after its import), its ack, and the export's own seconds. Its request id starts with the
+    sender's name (the receiver lets LANDS_IN_POOL's land in its pool)."""
+    device = pool.kv.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
     exp = pool.export(sender.export_allocator, f"{name}-{pool.tokens}", sender.exports_pages_in_place)
-    if exp.pages.device.type == "cuda":
-        torch.cuda.synchronize(exp.pages.device)
+    if exp.pages_sum is not None:
+        int(exp.pages_sum)  # the sender reads it for the header: done when it can
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    export_s = time.perf_counter() - t0
     ack = loop.run_until_complete(sender.send(addr, exp))
-    return ack.elapsed_s, ack
+    return ack.elapsed_s, ack, export_s
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
