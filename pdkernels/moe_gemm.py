@@ -69,11 +69,18 @@ def bi_config(n: int, k: int, is_glu: bool) -> GemmConfig:
     return GemmConfig(64, _fit(block_n, n), _fit(64, k), num_warps=4, num_stages=4)
 
 
-def gemm_config(m: int, num_experts: int, n: int, k: int, is_glu: bool, batch_invariant: bool) -> GemmConfig:
-    """The launch configuration for m rows over num_experts experts; by shape unless batch_invariant."""
+def gemm_config(
+    m: int, num_experts: int, n: int, k: int, is_glu: bool, batch_invariant: bool, fp8_x: bool = False
+) -> GemmConfig:
+    """The launch configuration for m rows over num_experts experts; by shape unless batch_invariant.
+    fp8_x (FP8 x FP8 products, BLOCK_K 128): prefill takes 64-row tiles 128 columns wide, the fastest of
+    bench/micro/moe_layer.py --w8a8-sweep at 8,192 tokens of Qwen3-30B-A3B's layer (bench/RESULTS.md)."""
     if batch_invariant:
         return bi_config(n, k, is_glu)
     rows_per_expert = m / max(1, min(num_experts, m))
+    if fp8_x and rows_per_expert > 160:
+        cfg = GemmConfig(64, 128, 128, num_warps=8, num_stages=3) if is_glu else GemmConfig(64, 128, 128, 4, 4)
+        return replace(cfg, block_n=_fit(cfg.block_n, n), block_k=_fit(cfg.block_k, k))
     if rows_per_expert <= 16:  # decode: bound by reading the weights, so many narrow programs, long K steps
         cfg = GemmConfig(16, 32 if is_glu else 64, 128, num_warps=4, num_stages=4)
     elif rows_per_expert <= 48:
@@ -323,7 +330,7 @@ def _launch_grouped(
     out = torch.empty((num_rows, n_out), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n_out == 0:
         return out
-    cfg = config or gemm_config(num_rows, num_experts, n_out, k, is_glu, batch_invariant)
+    cfg = config or gemm_config(num_rows, num_experts, n_out, k, is_glu, batch_invariant, fp8_x)
     x_scale = None
     if fp8_x:  # one scale per K step: BLOCK_K is the scale block
         from pdkernels.fp8_gemm import per_token_group_quant

@@ -323,6 +323,9 @@ def test_config_depends_on_weight_shape_only() -> None:
     assert all(gemm_config(m, e, 768, 2048, True, True) == bi for m in (1, 64, 65536) for e in (1, 128))
     assert gemm_config(8, 128, 768, 2048, True, False).block_m == 16
     assert gemm_config(65536, 128, 768, 2048, True, False).block_m == 128
+    # FP8 x FP8 prefill: the w8a8 sweep's fastest tiles (BLOCK_K the scale block)
+    assert gemm_config(65536, 128, 768, 2048, True, False, fp8_x=True) == GemmConfig(64, 128, 128, 8, 3)
+    assert gemm_config(65536, 128, 2048, 768, False, False, fp8_x=True) == GemmConfig(64, 128, 128, 4, 4)
     assert all(min(c.block_m, c.block_n, c.block_k) >= 16 for c in (bi, bi_config(8, 8, False)))  # tl.dot
 
 
