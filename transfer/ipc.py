@@ -335,7 +335,7 @@ class IpcTransport(Transport):
         self._opened: OrderedDict[tuple[str, str], tuple[torch.Tensor, Any]] = OrderedDict()  # (memory, event)
         self.counters = {
             "arena_offers": 0, "event_offers": 0, "handle_offers": 0, "pool_offers": 0, "arena_opens": 0,
-            "arena_hits": 0, "pool_opens": 0, "in_place_receives": 0,
+            "arena_hits": 0, "pool_opens": 0, "pool_hits": 0, "in_place_receives": 0,
         }  # fmt: skip
 
     # ---- sender side ---------------------------------------------------------------------------
@@ -389,8 +389,8 @@ class IpcTransport(Transport):
         return arena if arena is not None and arena.buf.device == device else None
 
     def _pool_export(self, pages: PoolPages) -> ExportedPool | None:
-        """pages' pool exported (on its first offer; None if that failed, or on another device than the
-        transport's event)."""
+        """pages' pool exported (on its first offer, keyed by its address; None if that failed, or if the
+        memory there is now another tensor)."""
         pool = pages.pool
         with self._arena_lock:
             key = pool.data_ptr()
@@ -582,7 +582,7 @@ class IpcTransport(Transport):
         opened = self._opened.get(key)
         if opened is not None:
             self._opened.move_to_end(key)
-            self.counters["arena_hits"] += 1
+            self.counters[f"{kind}_hits"] += 1
             return opened
         loop = asyncio.get_running_loop()
 
