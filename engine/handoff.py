@@ -164,10 +164,11 @@ class KVLayout:
 
 
 class PoolPages:
-    """Pages of a KV pool where a handoff lands in place: pool[block_ids[i]] is page i. Shaped, typed and
-    sliced as the contiguous page tensor it stands for ([len(block_ids), *pool.shape[1:]]), so a receiver
-    treats it as one (a transport that writes one-sided writes into its runs; the checksum reads them
-    where they are); the import then finds its pages written already (engine/handoff_io.py).
+    """Pages of a KV pool where a handoff lands in place, or that an export offers in place (ipc: the PE's
+    pages, read by the CE where they lie): pool[block_ids[i]] is page i. Shaped, typed and sliced as the
+    contiguous page tensor it stands for ([len(block_ids), *pool.shape[1:]]), so a receiver treats it as
+    one (a transport that writes one-sided writes into its runs; the checksum reads them where they are);
+    the import then finds its pages written already (engine/handoff_io.py).
 
     A run is a view of consecutive block ids: one contiguous stretch of the pool (block-major layout)."""
 
