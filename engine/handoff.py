@@ -228,7 +228,8 @@ class SequenceExport:
     pages: layout.page_shape(layout.num_pages(num_computed) - first_page), the sequence's pages from
     first_page on (the receiver holds pages [0, first_page) already); state: layout.state_shape() or None.
     A received export's pages may be PoolPages: they landed in the importer's pool already, in the
-    blocks of its reservation (and state then is its reservation's slot)
+    blocks of its reservation (and state then is its reservation's slot). An export made with
+    pages_in_place has PoolPages too: the exporter's own pages, which it holds until the handoff ends.
     """
 
     request_id: str
