@@ -1,6 +1,8 @@
 """Where the ipc receiver's copy launch spends host time, and the fused copy+hash kernel's launch
 constants, on one GPU: 2 GiB, microseconds of host time per call (launch only) and milliseconds on
-the GPU per variant (warps x words per step).
+the GPU per variant (warps x words per step); also the in-place copy (the ipc default: 128 pages of
+16 MiB from shuffled blocks of one pool into shuffled blocks of another, block ids from pinned host
+memory as the receiver makes them).
 
     python bench/micro/ipc_launch.py
 """
@@ -18,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pdkernels.copy_hash as ch  # noqa: E402
-from pdkernels.checksum_gpu import copy_segment, copy_segments, usable  # noqa: E402
-from transfer.ipc import TorchCudaIpc  # noqa: E402
+from pdkernels.checksum_gpu import Paged, copy_segment, copy_segments, usable  # noqa: E402
+from transfer.ipc import TorchCudaIpc, _host_ids  # noqa: E402
 
 
 def host_us(fn: Callable[[], object], n: int = 20) -> float:
@@ -64,6 +66,17 @@ def main() -> int:
     done = backend.copy([dst], [src])
     done.synchronize()  # type: ignore[attr-defined]
     print(f"segment_sums after the event, host: {host_us(lambda: done.segment_sums()):.1f} us")
+    # in place: pool pages into pool pages, the ids made per call as the receiver makes them
+    pool_a, pool_b = src.view(-1, 16 << 20), dst.view(-1, 16 << 20)
+    order_a, order_b = (torch.randperm(pool_a.shape[0], generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2))
+
+    def in_place() -> object:
+        return backend.copy([Paged(pool_b, _host_ids(order_b))], [Paged(pool_a, _host_ids(order_a))])
+
+    print(f"backend.copy 2 GiB in place (pages to pages), host: {host_us(in_place, 5):.1f} us")
+    print(f"host ids x2 (pinned), host: {host_us(lambda: (_host_ids(order_a), _host_ids(order_b))):.1f} us")
+    paged = [Paged(pool_b, _host_ids(order_b))], [Paged(pool_a, _host_ids(order_a))]
+    print(f"copy+hash 2 GiB in place, GPU: {gpu_ms(lambda: copy_segments(*paged)):.3f} ms")
     print(f"torch copy_ 2 GiB, host: {host_us(lambda: dst.copy_(src), 5):.1f} us")
     print(f"torch copy 2 GiB, GPU: {gpu_ms(lambda: dst.copy_(src)):.3f} ms")
     saved = ch.NUM_WARPS, ch.MAX_BLOCK_WORDS
