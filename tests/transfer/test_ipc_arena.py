@@ -607,6 +607,33 @@ async def test_malformed_pool_offers_are_refused(lie: Callable[[dict[str, Any]],
     assert fake.opens == [] and "req-1" not in sink.delivered
 
 
+async def test_a_pool_that_cannot_be_exported_is_gathered() -> None:
+    """The KV pool's export fails (no IPC for that memory): the pages are gathered, then go as before."""
+    exp = make_export(num_prompt=60)
+    pool = a_pool(LAYOUT_SWA)
+
+    class NoPool(FakeIpc):
+        pool_tries = 0
+
+        def export(self, t: torch.Tensor) -> dict[str, Any]:
+            if t is pool:  # the arena, the event and other tensors export fine
+                self.pool_tries += 1
+                raise RuntimeError("this memory cannot be exported")
+            return super().export(t)
+
+    fake = NoPool()
+    sender_tr = RecordingIpc(config(), fake)
+    sink = Sink("req-1")
+    async with receiver(sink, transports={"ipc": IpcTransport(config(), fake)}) as r:
+        await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr).send(
+            r.address, in_pool(exp, LAYOUT_SWA, [3, 9, 0, 5], sender_tr, pool)
+        )
+    (extra,) = sender_tr.offers
+    assert "pool" not in extra and sender_tr.counters["pool_offers"] == 0  # the gathered pages: their own handle
+    assert torch.equal(sink.delivered["req-1"].pages, exp.pages)
+    assert sender_tr._pool_export(PoolPages(pool, [0])) is None and fake.pool_tries == 1  # tried once, remembered
+
+
 async def test_other_transports_gather_pool_pages_first() -> None:
     """tcp reads no pool: the sender gathers an in-place export's pages before the offer."""
     sink = Sink("req-1")
