@@ -77,7 +77,8 @@ TINY_SWEEP_TOKENS = [8, 256]  # 2 and 64 rows per expert: the decode and the pre
 
 # --w8a8-sweep's candidates per grouped GEMM, (BLOCK_M, BLOCK_N, num_warps, num_stages) with BLOCK_K 128:
 # "decode" where gemm_config picks 16-row tiles, "prefill" above. At Qwen3-30B-A3B's shapes none spills
-# at sm_90a (offline_compile.py) but gemm_config's own prefill down tile, 128x128 with 8 warps (80 bytes)
+# at sm_90a (offline_compile.py) but the down tile 128x128 with 8 warps (80 bytes), gemm_config's before
+# this sweep chose 64x128 (bench/RESULTS.md)
 W8A8_TILES = {
     "decode": {
         "gate/up": [(16, 32, 4, 4), (16, 32, 4, 5), (16, 32, 2, 4), (16, 64, 4, 4), (16, 64, 2, 4), (16, 128, 4, 4)],
@@ -239,7 +240,7 @@ def sweep_w8a8(name: str, shape: MoEShape, fp8_layers: list[dict[str, Any]], num
     x = torch.randn(num_tokens, shape.hidden, generator=gen, device=device).to(dtype)
     ids, weights = route(shape, num_tokens, device, dtype, gen)
     num_rows, e, h, i = num_tokens * shape.top_k, shape.num_experts, shape.hidden, shape.inter
-    default = {gemm: replace(gemm_config(num_rows, e, n, k, gemm == "gate/up", False), block_k=SCALE_BLOCK)
+    default = {gemm: replace(gemm_config(num_rows, e, n, k, gemm == "gate/up", False, fp8_x=True), block_k=SCALE_BLOCK)
                for gemm, n, k in [("gate/up", i, h), ("down", h, i)]}  # fmt: skip
     phase = "decode" if default["gate/up"].block_m == 16 else "prefill"
     kw: dict[str, Any] = {"activation": shape.activation, "fp8_activations": True}
