@@ -47,6 +47,15 @@ def to_wire(obj: Any) -> Any:
 
 
 def _encode_any(obj: Any) -> Any:
+    kind = type(obj)
+    if kind in _PLAIN:  # the common values first, by exact type (a handoff offer's fields are these)
+        return obj
+    if kind is list or kind is tuple:
+        if all(type(v) in _PLAIN for v in obj):  # e.g. block ids: no call per item
+            return list(obj)
+        return [_encode_any(v) for v in obj]
+    if kind is dict:
+        return {k: v if type(v) in _PLAIN else _encode_any(v) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return _encoder(type(obj))(obj)
     if isinstance(obj, (list, tuple)):
@@ -57,6 +66,7 @@ def _encode_any(obj: Any) -> Any:
 
 
 _SCALARS = (int, float, str, bytes, bool, type(None))
+_PLAIN = frozenset(_SCALARS)
 
 
 @cache

@@ -212,14 +212,27 @@ class SegmentSums:
         return [int(h[b[i] : b[i + 1]].sum(dtype=np.uint64)) for i in range(len(b) - 1)]
 
 
-def _side(t: Segment) -> _Side | None:
+def _side(t: Segment, moved: dict[int, torch.Tensor]) -> _Side | None:
     if isinstance(t, Paged):
         words = _words(t.pool)
         if words is None or t.page_bytes % 8 or t.ids.dtype != torch.int64:
             return None
-        return _Side(words, t.ids.to(t.pool.device, non_blocking=True), t.page_bytes // 8)
+        return _Side(words, _ids_on(t.ids, t.pool.device, moved), t.page_bytes // 8)
     words = _words(t)
     return None if words is None else _Side(words)
+
+
+def _ids_on(ids: torch.Tensor, device: torch.device, moved: dict[int, torch.Tensor]) -> torch.Tensor:
+    """ids on device, queued (no sync from pinned memory); ids that are slices of one host tensor move
+    in one copy of it (moved: what this call moved so far, by the host tensor's id)."""
+    base = ids._base
+    if ids.device == device or base is None or base.dim() != 1 or ids.dim() != 1 or not ids.is_contiguous():
+        return ids.to(device, non_blocking=True)
+    on = moved.get(id(base))
+    if on is None:
+        on = moved[id(base)] = base.to(device, non_blocking=True)
+    at = ids.storage_offset() - base.storage_offset()
+    return on[at : at + ids.numel()]
 
 
 def copy_segments(dst: list[Segment], src: list[Segment]) -> SegmentSums | None:
@@ -229,7 +242,8 @@ def copy_segments(dst: list[Segment], src: list[Segment]) -> SegmentSums | None:
     nothing done, when the kernel cannot do all of them (the caller copies and hashes with torch)."""
     if not dst or not dst[0].device.type == "cuda" or not usable(dst[0].device):
         return None
-    pairs = [(_side(s), _side(d)) for s, d in zip(src, dst)]
+    moved: dict[int, torch.Tensor] = {}
+    pairs = [(_side(s, moved), _side(d, moved)) for s, d in zip(src, dst)]
     bounds = [0]
     for (s, d), t in zip(pairs, src):
         if s is None or d is None or s.num_words != d.num_words or t.device != dst[0].device:

@@ -522,12 +522,16 @@ class IpcTransport(Transport):
     ) -> int | None:
         marks = [time.perf_counter()]
         sizes = [segment_bytes(t) for t in buffers]
-        dst = [_destination(t) for t in buffers]
+        in_pool = "offsets" in extra and "pool" in extra
+        ids = _HostIds(
+            extra["pool"]["pages"] if in_pool else [], [b for t in buffers if isinstance(t, PoolPages) for b in t.block_ids]
+        )
+        dst = [Paged(t.pool, ids.take(len(t.block_ids))) if isinstance(t, PoolPages) else _bytes(t) for t in buffers]
         event = None
         src: list[Segment] = []
         if "offsets" in extra:
             arena = pool = None
-            if "pool" in extra:
+            if in_pool:
                 pool, event = await self._open_shared(extra["host"], extra["pool"], "pool")
             if "arena" in extra:
                 arena, arena_event = await self._open_shared(extra["host"], extra["arena"], "arena")
@@ -535,7 +539,7 @@ class IpcTransport(Transport):
             for off, n in zip(extra["offsets"], sizes):
                 if off is None:
                     assert pool is not None
-                    src.append(Paged(pool.view(-1, extra["pool"]["page_bytes"]), _host_ids(extra["pool"]["pages"])))
+                    src.append(Paged(pool.view(-1, extra["pool"]["page_bytes"]), ids.sender))
                 else:
                     assert arena is not None
                     src.append(arena[off : off + n])
@@ -610,14 +614,27 @@ class IpcTransport(Transport):
         self._opened.clear()
 
 
-def _destination(t: Buffer) -> Segment:
-    """A receive buffer as the copy writes it: flat bytes, or the reservation's pages in the pool."""
-    return Paged(t.pool, _host_ids(t.block_ids)) if isinstance(t, PoolPages) else _bytes(t)
+class _HostIds:
+    """A pull's block ids, the sender's pages then the receiver's, in one tensor of pinned host memory
+    where CUDA is here: the copy moves them on its own stream, with no sync (a copy from pageable memory
+    would wait for the decode step the engine has queued), in one host-to-device copy
+    (checksum_gpu.copy_segments moves views of one tensor together)."""
+
+    def __init__(self, sender: list[int], receiver: list[int]) -> None:
+        both = [*sender, *receiver]
+        self.ids = _host_ids(both) if both else torch.empty(0, dtype=torch.int64)
+        self.sender = self.ids[: len(sender)]
+        self._next = len(sender)
+
+    def take(self, n: int) -> torch.Tensor:
+        """The receiver's next n block ids."""
+        got = self.ids[self._next : self._next + n]
+        self._next += n
+        return got
 
 
 def _host_ids(ids: Any) -> torch.Tensor:
-    """Block ids in pinned host memory where CUDA is here: the copy moves them on its own stream, with no
-    sync (a copy from pageable memory would wait for the decode step the engine has queued)."""
+    """Block ids in pinned host memory where CUDA is here (see _HostIds)."""
     return torch.tensor(ids, dtype=torch.int64, pin_memory=torch.cuda.is_available())
 
 

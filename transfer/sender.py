@@ -130,6 +130,24 @@ async def _ack_within(inner: asyncio.Future[Ack], timeout: float, late: str) -> 
         raise HandoffError(TIMEOUT, late) from None
 
 
+class _Later:
+    """fn(*args) in a worker thread, started on the first start() (a retry on another connection gets
+    the same future). Why later: a worker thread started before the offer goes takes the GIL from the
+    loop whenever it makes a syscall, and the offer waits (a 16k-token ipc handoff's checksum read
+    cost its offer ~0.15 ms on a loaded host)."""
+
+    def __init__(self, executor: Any, fn: Callable[..., int], *args: Any) -> None:
+        self._job = executor, fn, args
+        self._fut: asyncio.Future[int] | None = None
+
+    def start(self) -> asyncio.Future[int]:
+        if self._fut is None:
+            executor, fn, args = self._job
+            self._fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+            self._fut.add_done_callback(_retrieved)
+        return self._fut
+
+
 def _retrieved(fut: asyncio.Future[Any]) -> None:
     """Reads a finished future's exception, so that one nobody awaited (a checksum whose send failed
     first, a send's inner task whose caller was cancelled) is not reported as never retrieved."""
@@ -210,11 +228,10 @@ class KVSender:
     ) -> Ack:
         segments = self.transport.carried(payload_segments(export, self.layout))
         loop = asyncio.get_running_loop()
-        checksum: asyncio.Future[int] | None = None
+        checksum: _Later | None = None
         if self.transport.offers_unwritten(segments):  # the offer goes now, the checksum once read
             header = make_header(export, self.layout, self.model, logprobs, checksum_follows=True)
-            checksum = loop.run_in_executor(self.transport.executor, export_checksum, export, self.layout)
-            checksum.add_done_callback(_retrieved)
+            checksum = _Later(self.transport.executor, export_checksum, export, self.layout)
         elif export.pages_sum is not None and not self.layout.num_swa_layers:
             header = make_header(export, self.layout, self.model, logprobs)  # no hashing left to do
         else:
@@ -246,10 +263,10 @@ class KVSender:
         segments: list[Buffer],
         t0: float,
         checksum_s: float,
-        checksum: asyncio.Future[int] | None,
+        checksum: _Later | None,
     ) -> Ack:
-        """One try on one connection; checksum: the payload's, being read, when the header says it
-        follows the offer."""
+        """One try on one connection; checksum: the payload's, read once the offer has gone, when the
+        header says it follows the offer."""
         marks = [time.perf_counter()]  # the end of each phase
         conn, reused = self._kept(addr), True
         if conn is None:
@@ -261,10 +278,11 @@ class KVSender:
             extra = await self.transport.offer(ch, segments)
             try:
                 await ch.send(Offer(self.transport.name, header.encode(), extra))
+                reading = None if checksum is None else checksum.start()  # off the offer's path
                 if not header.ids_inline:  # a long prompt's ids follow: packed while the receiver starts
                     await ch.send(Ids(header.ids_bytes()))
-                if checksum is not None:  # the receiver's copy is under way meanwhile (ipc)
-                    await ch.send(Sum(header.request_id, await checksum))
+                if reading is not None:  # the receiver's copy is under way meanwhile (ipc)
+                    await ch.send(Sum(header.request_id, await reading))
                 marks.append(time.perf_counter())
                 ready = await ch.expect(Ready)
             except (HandoffError, OSError) as e:

@@ -20,8 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pdkernels.copy_hash as ch  # noqa: E402
+from pdkernels import checksum_gpu  # noqa: E402
 from pdkernels.checksum_gpu import Paged, copy_segment, copy_segments, usable  # noqa: E402
-from transfer.ipc import TorchCudaIpc, _host_ids  # noqa: E402
+from transfer.ipc import TorchCudaIpc, _HostIds  # noqa: E402
 
 
 def host_us(fn: Callable[[], object], n: int = 20) -> float:
@@ -71,11 +72,32 @@ def main() -> int:
     order_a, order_b = (torch.randperm(pool_a.shape[0], generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2))
 
     def in_place() -> object:
-        return backend.copy([Paged(pool_b, _host_ids(order_b))], [Paged(pool_a, _host_ids(order_a))])
+        ids = _HostIds(order_a, order_b)
+        return backend.copy([Paged(pool_b, ids.take(len(order_b)))], [Paged(pool_a, ids.sender)])
 
     print(f"backend.copy 2 GiB in place (pages to pages), host: {host_us(in_place, 5):.1f} us")
-    print(f"host ids x2 (pinned), host: {host_us(lambda: (_host_ids(order_a), _host_ids(order_b))):.1f} us")
-    paged = [Paged(pool_b, _host_ids(order_b))], [Paged(pool_a, _host_ids(order_a))]
+    # its pieces, each alone (host time of a call, the GPU idle before it)
+    stream, cur = torch.cuda.Stream(), torch.cuda.current_stream()
+    ids = _HostIds(order_a, order_b)
+    paged = [Paged(pool_b, ids.take(len(order_b)))], [Paged(pool_a, ids.sender)]
+    moved: dict[int, torch.Tensor] = {}
+    sa, sb = checksum_gpu._side(paged[1][0], moved), checksum_gpu._side(paged[0][0], moved)
+    assert sa is not None and sb is not None
+    sums = torch.empty(2048, dtype=torch.int64, device=dev)
+    pieces: list[tuple[str, Callable[[], object]]] = [
+        ("stream.wait_stream", lambda: stream.wait_stream(cur)),
+        ("set_stream x2", lambda: (torch.cuda.set_stream(stream), torch.cuda.set_stream(cur))),
+        ("_HostIds 128+128 (pinned)", lambda: _HostIds(order_a, order_b)),
+        ("_side x2 (ids to the device in one copy)", lambda: [checksum_gpu._side(p[0], {}) for p in paged]),
+        ("torch.empty sums", lambda: torch.empty(2048, dtype=torch.int64, device=dev)),
+        ("_launch (chunk keys + copy_hash + Triton launch)", lambda: checksum_gpu._launch(
+            sa.words, sa.num_words, dst=sb.words, page_ids=sa.ids, page_words=sa.page_words, dst_page_ids=sb.ids, out=sums)),
+        ("pinned sums + copy to host", lambda: torch.empty(2048, dtype=torch.int64, pin_memory=True).copy_(sums, non_blocking=True)),
+        ("event create + record", lambda: torch.cuda.Event().record(stream)),
+        ("copy_segments in place", lambda: copy_segments(*paged)),
+    ]
+    for name, fn in pieces:
+        print(f"  piece {name}, host: {host_us(fn, 9):.1f} us", flush=True)
     print(f"copy+hash 2 GiB in place, GPU: {gpu_ms(lambda: copy_segments(*paged)):.3f} ms")
     print(f"torch copy_ 2 GiB, host: {host_us(lambda: dst.copy_(src), 5):.1f} us")
     print(f"torch copy 2 GiB, GPU: {gpu_ms(lambda: dst.copy_(src)):.3f} ms")

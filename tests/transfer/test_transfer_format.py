@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import torch
 
+from engine.codec import to_wire
 from engine.handoff import KVLayout, PoolPages
 from engine.request import PromptLogprobs, SamplingParams, TokenLogprob
 from pdkernels import checksum as ck
@@ -30,6 +31,8 @@ from transfer.handoff import (
     payload_segments,
     to_export,
 )
+from transfer.messages import Offer
+from transfer.wire import pack, unpack
 
 # ---- checksum ---------------------------------------------------------------------------------
 
@@ -344,6 +347,20 @@ def test_header_params_decode_through_the_codec() -> None:
     with pytest.raises(HandoffError) as e:
         HandoffHeader.decode(_tamper(h, params={"top_k": "x"}))
     assert e.value.code == BAD_HEADER and "params.top_k" in e.value.message
+
+
+def test_offer_fields_round_trip_and_nested_dataclasses_are_still_encoded() -> None:
+    """An offer's transport fields (Any) go as plain values (tuples as lists, bytes and None as they are),
+    and a dataclass nested anywhere in them is still encoded as its map."""
+    extra = {"host": "h", "offsets": (None, 64), "pool": {"pages": (3, 1, 2), "handle": {"k": b"\x00\x01"}, "event": None}}
+    got = unpack(msgpack.unpackb(pack(Offer("ipc", b"hdr", extra))[4:], raw=False), "peer")
+    assert isinstance(got, Offer) and got.header == b"hdr"
+    assert got.extra == {"host": "h", "offsets": [None, 64], "pool": {"pages": [3, 1, 2], "handle": {"k": b"\x00\x01"}, "event": None}}
+    lp = TokenLogprob(5, -0.5, ((5, -0.5),))
+    assert to_wire({"a": [1, lp], "b": (lp,), "c": {"d": lp}}) == {
+        "a": [1, to_wire(lp)], "b": [to_wire(lp)], "c": {"d": to_wire(lp)}
+    }
+    assert to_wire(lp) == {"token_id": 5, "logprob": -0.5, "top": [[5, -0.5]]}
 
 
 def test_header_decode_refuses_garbage() -> None:
