@@ -245,12 +245,18 @@ class Fp8Linear(nn.Linear):
             return F.linear(x, self.dense_weight(x.dtype), self.bias)
         if path == "gemv":
             return self.gemv(x)
+        return self.gemm(x, path)
+
+    def gemm(self, x: torch.Tensor, path: str, act: str | None = None) -> torch.Tensor:
+        """x through the block-scaled FP8 GEMM of path ("cublas" or "triton", compute_path), x quantized on
+        the fly; act (fused_ops.ACTIVATIONS): x is [gate | up] and the input is act(gate) * up, computed
+        in the quantizing pass."""
         kernels = cast(ModuleType, _kernel_module())
         if path == "cublas" and self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0:
             if self.cublas_scales is None:  # prepared at load (prepare_kernels); a module built later: here
                 self.prepare_kernels()
-            return kernels.scaled_mm_blockwise(x, self.weight, self.cublas_scales, self.bias)
-        return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+            return kernels.scaled_mm_blockwise(x, self.weight, self.cublas_scales, self.bias, act=act)
+        return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, act=act)
 
     def gemv(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         """x's few rows through the GEMV reading the FP8 weight (act: x is [gate | up], as gemv takes it)."""

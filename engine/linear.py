@@ -72,10 +72,14 @@ fp8.set_compute_policy(fp8_compute_path)
 def linear(lin: nn.Linear, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
     """lin(x): a decode step's few rows through pdkernels/gemv.py (one kernel, no split-K reduction after
     it), everything else through F.linear. act (CUDA): x is [gate | up] and the input is act(gate) * up
-    (fused_ops.silu_mul; inside the GEMV's kernel when it takes x)."""
+    (fused_ops.silu_mul; inside the GEMV's kernel when it takes x, inside the quantization of x for an FP8
+    weight's GEMM)."""
     if isinstance(lin, fp8.Fp8Linear):  # FP8 weights choose their own products (fp8.compute_path)
-        if act is not None and fp8.compute_path(x) == "gemv":
+        path = fp8.compute_path(x) if act is not None else None
+        if path == "gemv":
             return lin.gemv(x, act)
+        if path is not None:  # the activation computed as x is quantized: one pass, no bf16 product written
+            return lin.gemm(x, path, act)
     else:
         g = _gemv_for(x)
         if g is not None:

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdkernels.fused_ops import ACTIVATIONS, act_mul
+
 GROUP = 128  # the quantization block of weights and activations
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 EPS = 1e-10  # the smallest group maximum a scale is computed from (an all-zero group gets a tiny scale)
@@ -36,14 +38,21 @@ EPS = 1e-10  # the smallest group maximum a scale is computed from (an all-zero 
 @triton.jit
 def _quant_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_sm, stride_sg, num_groups, eps, fp8_max,
-    GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr, ACT: tl.constexpr, GELU_TANH: tl.constexpr,
 ):  # fmt: skip
-    """GROUPS groups of one row per program, as a [GROUPS, GROUP_SIZE] tile (16-byte loads, one max per group)."""
+    """GROUPS groups of one row per program, as a [GROUPS, GROUP_SIZE] tile (16-byte loads, one max per group).
+    ACT: the row is [gate | up] (2K wide) and what is quantized is act(gate) * up in x's dtype
+    (fused_ops.act_mul: the values fused_ops.silu_mul writes), in the same pass."""
     row = tl.program_id(0)
     gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = gs[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
     mask = cols < K
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACT:
+        g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        u = tl.load(x_ptr + row * stride_x + K + cols, mask=mask, other=0.0)
+        x = act_mul(g, u, x_ptr.dtype.element_ty, GELU_TANH).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), eps) / fp8_max
     q = tl.clamp(x / scale[:, None], -fp8_max, fp8_max)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -53,19 +62,26 @@ def _quant_kernel(
 QUANT_GROUPS = 8  # groups of a row per program of _quant_kernel
 
 
-def per_token_group_quant(x: torch.Tensor, rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant(
+    x: torch.Tensor, rows_to: int = 1, act: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (any float dtype) -> (x8 [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32).
 
     rows_to > 1 (cuBLAS's block-scaled product, scaled_mm_blockwise): both have M rounded up to a multiple
     of rows_to (the added rows unspecified) and the scales are stored column-major ([groups, M'] in
     memory, its transpose returned), as cuBLAS reads 1x128 scales.
 
+    act ("silu" or "gelu_tanh", fused_ops.ACTIVATIONS): x is [M, 2K], [gate | up], and what is quantized
+    is fused_ops.silu_mul(x, act), computed in the same pass (never written in x's dtype).
+
     NOTE: under TRITON_INTERPRET the kernel stores the scaled values in float32 and torch casts them: Triton
     3.6's interpreter rounds float32 to e4m3 wrongly where the rounding carries into the exponent (31.9 became
     16, not 32), which the GPU's conversion does not."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"per_token_group_quant takes [M, K] with unit column stride, got {tuple(x.shape)}")
-    m, k = x.shape
+    if act is not None and (act not in ACTIVATIONS or x.shape[1] % 2):
+        raise ValueError(f"per_token_group_quant: activation {act!r} of a [gate | up] x, got {tuple(x.shape)}")
+    m, k = x.shape[0], x.shape[1] // (2 if act is not None else 1)
     num_groups = triton.cdiv(k, GROUP)
     rows = triton.cdiv(m, rows_to) * rows_to
     is_interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -78,7 +94,7 @@ def per_token_group_quant(x: torch.Tensor, rows_to: int = 1) -> tuple[torch.Tens
         groups = min(QUANT_GROUPS, triton.next_power_of_2(num_groups))
         _quant_kernel[(m, triton.cdiv(num_groups, groups))](
             x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1), num_groups, EPS, FP8_MAX,
-            GROUP, groups, num_warps=4,
+            GROUP, groups, ACT=act is not None, GELU_TANH=act == "gelu_tanh", num_warps=4,
         )  # fmt: skip
     return q.to(torch.float8_e4m3fn), scales
 
@@ -185,11 +201,16 @@ def block_fp8_matmul(
 
 
 def fp8_linear(
-    x: torch.Tensor, w8: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
-    """x [..., K] through an FP8 weight: x quantized per token group of 128, block_fp8_matmul, in x's dtype."""
+    """x [..., K] through an FP8 weight: x quantized per token group of 128, block_fp8_matmul, in x's dtype.
+    act: x is [..., 2K], [gate | up], and the input is act(gate) * up (per_token_group_quant's act)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    a8, a_scale = per_token_group_quant(x2)
+    a8, a_scale = per_token_group_quant(x2, act=act)
     out = block_fp8_matmul(a8, a_scale, w8, w_scale_inv, bias, out_dtype=x.dtype)
     return out.view(*x.shape[:-1], w8.shape[0])
 
@@ -225,16 +246,21 @@ def prepare_weight_scales(w_scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_mm_blockwise(
-    x: torch.Tensor, w8: torch.Tensor, w_scale_t: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    w8: torch.Tensor,
+    w_scale_t: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
     """x [..., K] through an FP8 weight [N, K] (K and N multiples of 128) with prepare_weight_scales'
     scales, by cuBLAS: x quantized per token group of 128 (per_token_group_quant, column-major scales),
-    torch.nn.functional.scaled_mm, the bias added after; in x's dtype."""
+    torch.nn.functional.scaled_mm, the bias added after; in x's dtype. act: x is [..., 2K], [gate | up],
+    and the input is act(gate) * up, computed in the quantizing pass."""
     import torch.nn.functional as F
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m = x2.shape[0]
-    a8, a_scale = per_token_group_quant(x2, rows_to=CUBLAS_ROWS_TO)
+    a8, a_scale = per_token_group_quant(x2, rows_to=CUBLAS_ROWS_TO, act=act)
     out = F.scaled_mm(
         a8, w8.t(), a_scale, F.ScalingType.BlockWise1x128, w_scale_t, F.ScalingType.BlockWise128x128,
         output_dtype=x.dtype,

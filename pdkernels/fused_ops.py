@@ -214,22 +214,32 @@ def _silu_mul_kernel(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr, G
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    g = tl.load(GU + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + row * stride_g + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-    dt = OUT.dtype.element_ty
+    g = tl.load(GU + row * stride_g + offs, mask=mask, other=0.0)
+    u = tl.load(GU + row * stride_g + n_cols + offs, mask=mask, other=0.0)
+    tl.store(OUT + row * stride_o + offs, act_mul(g, u, OUT.dtype.element_ty, GELU_TANH), mask=mask)
+
+
+@triton.jit
+def act_mul(g, u, dt, GELU_TANH: tl.constexpr):
+    """act(g) * u in dt (silu, or GELU tanh), rounded where torch rounds; also the FP8 activations'
+    quantization of the down projection's input (pdkernels/fp8_gemm.py), so both give the same values."""
+    g = g.to(tl.float32)
     if GELU_TANH:  # F.gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * z))
         a = (0.5 * g * (1.0 + t)).to(dt).to(tl.float32)  # the activation in the dtype, then the product
     else:
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # F.silu in the dtype, then the product
-    tl.store(OUT + row * stride_o + offs, (a * u).to(dt), mask=mask)
+    return (a * u.to(tl.float32)).to(dt)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")  # what act_mul computes
 
 
 def silu_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """act(gate) * up for gate_up = [gate | up] along the last axis: [tokens, 2n] -> [tokens, n].
     act: "silu" or "gelu_tanh" (within a rounding of torch's F.gelu(approximate="tanh"))."""
-    if act not in ("silu", "gelu_tanh"):
+    if act not in ACTIVATIONS:
         raise ValueError(f"no fused kernel for activation {act!r}")
     tokens, width = gate_up.shape
     n = width // 2

@@ -144,3 +144,31 @@ def test_cublas_blockwise_matches_the_triton_kernel(m: int, n: int, k: int) -> N
     bound = 2 * torch.finfo(torch.bfloat16).eps * ref.abs() + 2**-10 * (a.abs() @ w.abs().t()) + 1e-30
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert bool(((out.double() - ref).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m,k", [(1, 128), (5, 300), (70, 640)])
+def test_activation_fused_into_the_quantization(act: str, m: int, k: int) -> None:
+    """act (the down projection's input, [gate | up]): the same FP8 values and scales as fused_ops.silu_mul's
+    output quantized, both layouts; and fp8_linear (and cuBLAS where it runs) with act equal to the two
+    steps."""
+    from pdkernels.fused_ops import silu_mul
+
+    gen = torch.Generator().manual_seed(m * k)
+    gate_up = (torch.randn(m, 2 * k, generator=gen) * 3).to(DEVICE, torch.bfloat16)
+    mid = silu_mul(gate_up, act)
+    for rows_to in (1, 4):
+        q, s = per_token_group_quant(mid, rows_to=rows_to)
+        qa, sa = per_token_group_quant(gate_up, rows_to=rows_to, act=act)
+        assert qa.shape == q.shape and sa.shape == s.shape
+        assert torch.equal(qa[:m].float(), q[:m].float()) and torch.equal(sa[:m], s[:m]) and sa.stride() == s.stride()
+    n = 256
+    w8, w_scale = (t.to(DEVICE) for t in quantize(torch.randn(n, k, generator=gen) * 0.05))
+    assert torch.equal(fp8_linear(gate_up, w8, w_scale, act=act), fp8_linear(mid, w8, w_scale))
+    if cublas_blockwise_supported(DEVICE) and k % 128 == 0:
+        w_t = prepare_weight_scales(w_scale)
+        assert torch.equal(scaled_mm_blockwise(gate_up, w8, w_t, act=act), scaled_mm_blockwise(mid, w8, w_t))
+    with pytest.raises(ValueError, match="activation"):
+        per_token_group_quant(gate_up, act="relu")
+    with pytest.raises(ValueError, match="activation"):
+        per_token_group_quant(gate_up[:, 1:], act="silu")
