@@ -252,11 +252,19 @@ class Fp8Linear(nn.Linear):
         the fly; act (fused_ops.ACTIVATIONS): x is [gate | up] and the input is act(gate) * up, computed
         in the quantizing pass."""
         kernels = cast(ModuleType, _kernel_module())
-        if path == "cublas" and self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0:
+        rows_to = self.input_rows_to(path)
+        quantized = None if act is not None else quantized_input(x, rows_to)
+        if rows_to > 1:
             if self.cublas_scales is None:  # prepared at load (prepare_kernels); a module built later: here
                 self.prepare_kernels()
-            return kernels.scaled_mm_blockwise(x, self.weight, self.cublas_scales, self.bias, act=act)
-        return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, act=act)
+            return kernels.scaled_mm_blockwise(x, self.weight, self.cublas_scales, self.bias, act=act, quantized=quantized)
+        return kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, act=act, quantized=quantized)
+
+    def input_rows_to(self, path: str) -> int:
+        """How gemm(x, path) lays out x's quantization: rows rounded up to this many (cuBLAS's layout: 4;
+        the Triton GEMM's: 1), as pdkernels/fp8_gemm.py per_token_group_quant's rows_to."""
+        cublas = path == "cublas" and self.in_features % BLOCK == 0 and self.out_features % BLOCK == 0
+        return CUBLAS_ROWS_TO if cublas else 1
 
     def gemv(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
         """x's few rows through the GEMV reading the FP8 weight (act: x is [gate | up], as gemv takes it)."""
@@ -270,6 +278,37 @@ class Fp8Linear(nn.Linear):
         kernels = _kernel_module()
         if self.weight.is_cuda and kernels is not None and _has_cublas_blockwise(self.weight.device):
             self.cublas_scales = kernels.prepare_weight_scales(self.weight_scale_inv)
+
+
+CUBLAS_ROWS_TO = 4  # pdkernels/fp8_gemm.py CUBLAS_ROWS_TO (not imported here: that module needs triton)
+_QUANTIZED = "fp8_quantized"  # the attribute a tensor carries its FP8 quantization in (with_quantized)
+
+
+def with_quantized(
+    x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None, rows_to: int
+) -> torch.Tensor:
+    """x, carrying quantized: its FP8 values and scales as per_token_group_quant(x, rows_to) makes them,
+    made in the pass that wrote x (a norm: pdkernels/fused_ops.py rms_norm_quant), which an Fp8Linear's
+    GEMM then takes instead of quantizing x again."""
+    if quantized is not None:
+        setattr(x, _QUANTIZED, (rows_to, quantized))
+    return x
+
+
+def quantized_input(x: torch.Tensor, rows_to: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The quantization x carries (with_quantized) if it has that layout, else None."""
+    got = getattr(x, _QUANTIZED, None)
+    return got[1] if got is not None and got[0] == rows_to else None
+
+
+def input_rows_to(lin: nn.Linear | None, x: torch.Tensor) -> int:
+    """For a norm whose output (like x: [rows, n]) goes into lin: the rows_to of the quantization lin's
+    GEMM would make of it, so the norm can make it in its own pass; 0 where lin will not quantize it
+    (not FP8, a GEMV's few rows, no FP8 compute here, n not whole groups)."""
+    if not isinstance(lin, Fp8Linear) or x.dim() != 2 or x.shape[1] % BLOCK:
+        return 0
+    path = compute_path(x)
+    return lin.input_rows_to(path) if path in ("cublas", "triton") else 0
 
 
 def dense_weight(lin: nn.Linear, dtype: torch.dtype) -> torch.Tensor:

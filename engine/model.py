@@ -380,10 +380,12 @@ class DecoderLayer(nn.Module):
         the final norm) does. The same roundings as forward(): each add (and each sandwich output norm)
         is rounded to the dtype before it is normed, so the result is bit-identical, with fewer launches."""
         a, norm = self.self_attn, self.input_layernorm
+        rows_to = fp8.input_rows_to(getattr(a, "qkv_proj", None), x)  # FP8 qkv: its input quantized in the norm
         if pending is None:
-            normed = norm(x)
+            normed, quantized = ops.rms_norm_quant(x, norm.weight, norm.eps, norm.is_gemma, rows_to)
+            normed = fp8.with_quantized(normed, quantized, rows_to)
         else:
-            x, normed = pending.add_norm(ops, x, norm)
+            x, normed = pending.add_norm(ops, x, norm, rows_to)
         qkv = rowwise(a.qkv, normed, cos, sin)
         attn = a.attend(qkv, self.spec, x, cos, sin)
         h = rowwise(lambda t: linear(a.o_proj, t), attn)
@@ -392,9 +394,12 @@ class DecoderLayer(nn.Module):
                                          h_weight=self.post_attention_layernorm.weight)
             return x, Pending(rowwise(self.mlp, normed), self.post_feedforward_layernorm)
         norm = self.post_attention_layernorm
-        x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
-        out = self._sparse_mlp(normed) if self.is_sparse else rowwise(self.mlp, normed)
-        return x, Pending(out, None)
+        if self.is_sparse:
+            x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
+            return x, Pending(self._sparse_mlp(normed), None)
+        rows_to = fp8.input_rows_to(cast(MLP, self.mlp).gate_up_proj, x)
+        x, normed, quantized = ops.add_rms_norm_quant(x, h, norm.weight, norm.eps, norm.is_gemma, quant_rows=rows_to)
+        return x, Pending(rowwise(self.mlp, fp8.with_quantized(normed, quantized, rows_to)), None)
 
 
 class Pending:
@@ -405,10 +410,16 @@ class Pending:
         self.out = out
         self.out_norm = out_norm
 
-    def add_norm(self, ops: ModuleType, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + out, norm(x + out)), out passed through out_norm first if any (one kernel)."""
+    def add_norm(
+        self, ops: ModuleType, x: torch.Tensor, norm: RMSNorm, rows_to: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + out, norm(x + out)), out passed through out_norm first if any (one kernel); rows_to > 0: the
+        norm's output carries its FP8 quantization too (fp8.with_quantized), made in the same pass."""
         w = None if self.out_norm is None else self.out_norm.weight
-        return ops.add_rms_norm(x, self.out, norm.weight, norm.eps, norm.is_gemma, h_weight=w)
+        x, normed, quantized = ops.add_rms_norm_quant(
+            x, self.out, norm.weight, norm.eps, norm.is_gemma, h_weight=w, quant_rows=rows_to
+        )
+        return x, fp8.with_quantized(normed, quantized, rows_to)
 
 
 class Rotary(nn.Module):

@@ -206,11 +206,14 @@ def fp8_linear(
     w_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     act: str | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [..., K] through an FP8 weight: x quantized per token group of 128, block_fp8_matmul, in x's dtype.
-    act: x is [..., 2K], [gate | up], and the input is act(gate) * up (per_token_group_quant's act)."""
+    act: x is [..., 2K], [gate | up], and the input is act(gate) * up (per_token_group_quant's act).
+    quantized: x's quantization made already (per_token_group_quant(x2)'s, x2 = x as [M, K]; a norm's
+    kernel makes it in its pass: fused_ops.rms_norm_quant)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    a8, a_scale = per_token_group_quant(x2, act=act)
+    a8, a_scale = quantized if quantized is not None else per_token_group_quant(x2, act=act)
     out = block_fp8_matmul(a8, a_scale, w8, w_scale_inv, bias, out_dtype=x.dtype)
     return out.view(*x.shape[:-1], w8.shape[0])
 
@@ -251,16 +254,21 @@ def scaled_mm_blockwise(
     w_scale_t: torch.Tensor,
     bias: torch.Tensor | None = None,
     act: str | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [..., K] through an FP8 weight [N, K] (K and N multiples of 128) with prepare_weight_scales'
     scales, by cuBLAS: x quantized per token group of 128 (per_token_group_quant, column-major scales),
     torch.nn.functional.scaled_mm, the bias added after; in x's dtype. act: x is [..., 2K], [gate | up],
-    and the input is act(gate) * up, computed in the quantizing pass."""
+    and the input is act(gate) * up, computed in the quantizing pass. quantized: x's quantization made
+    already (per_token_group_quant(x2, rows_to=CUBLAS_ROWS_TO)'s, as fp8_linear takes it)."""
     import torch.nn.functional as F
 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m = x2.shape[0]
-    a8, a_scale = per_token_group_quant(x2, rows_to=CUBLAS_ROWS_TO, act=act)
+    if quantized is not None:
+        a8, a_scale = quantized
+    else:
+        a8, a_scale = per_token_group_quant(x2, rows_to=CUBLAS_ROWS_TO, act=act)
     out = F.scaled_mm(
         a8, w8.t(), a_scale, F.ScalingType.BlockWise1x128, w_scale_t, F.ScalingType.BlockWise128x128,
         output_dtype=x.dtype,

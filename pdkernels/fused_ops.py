@@ -17,6 +17,8 @@ other rows, which keeps deterministic mode's batch invariance.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -52,9 +54,9 @@ def _normed(x, w, n_cols, eps, IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(X, H, SUM, W, W0, OUT, stride_x, stride_h, stride_s, stride_o, n_cols, eps,
-                     IS_GEMMA: tl.constexpr, HAS_ADD: tl.constexpr, NORM_H: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+def _rms_norm_kernel(X, H, SUM, W, W0, OUT, Q, QS, stride_x, stride_h, stride_s, stride_o, stride_q, stride_qm,
+                     stride_qg, n_cols, eps, fp8_max, IS_GEMMA: tl.constexpr, HAS_ADD: tl.constexpr,
+                     NORM_H: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -71,6 +73,45 @@ def _rms_norm_kernel(X, H, SUM, W, W0, OUT, stride_x, stride_h, stride_s, stride
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     y = _normed(x, w, n_cols, eps, IS_GEMMA, OUT.dtype.element_ty)
     tl.store(OUT + row * stride_o + offs, y, mask=mask)
+    if QUANT:  # also y quantized per group of QUANT columns (pdkernels/fp8_gemm.py per_token_group_quant's)
+        groups = tl.reshape(y.to(tl.float32), (BLOCK // QUANT, QUANT))
+        gi = tl.arange(0, BLOCK // QUANT)
+        scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-10) / fp8_max
+        q = tl.reshape(tl.clamp(groups / scale[:, None], -fp8_max, fp8_max), (BLOCK,))
+        tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(QS + row * stride_qm + gi * stride_qg, scale, mask=gi * QUANT < n_cols)
+
+
+def _quant_out(rows: int, n: int, quant_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a norm's FP8 output goes (the layout of fp8_gemm.per_token_group_quant(rows_to=quant_rows)):
+    values [rows', n] (rows rounded up to quant_rows) and scales [rows', n / 128], column-major past 1 row."""
+    padded = -(-rows // quant_rows) * quant_rows
+    is_interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (per_token_group_quant's NOTE)
+    q = torch.empty(padded, n, dtype=torch.float32 if is_interpreted else torch.float8_e4m3fn, device=device)
+    groups = n // 128
+    if quant_rows > 1:
+        return q, torch.empty(groups, padded, dtype=torch.float32, device=device).t()
+    return q, torch.empty(padded, groups, dtype=torch.float32, device=device)
+
+
+def _norm_launch(x: torch.Tensor, h: torch.Tensor | None, total: torch.Tensor | None, weight: torch.Tensor,
+                 h_weight: torch.Tensor | None, out: torch.Tensor, eps: float, is_gemma: bool,
+                 quant_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """_rms_norm_kernel over x's rows (x + h first where h is given: the sum into total); with quant_rows,
+    out quantized too: returns (values as float8_e4m3fn, scales)."""
+    rows, n = x.shape
+    quant = quant_rows > 0 and n % 128 == 0
+    q, qs = _quant_out(rows, n, quant_rows, x.device) if quant else (out, out)
+    if rows:
+        hh = h if h is not None else x
+        _rms_norm_kernel[(rows,)](
+            x, hh, total if total is not None else x, weight, weight if h_weight is None else h_weight, out, q, qs,
+            x.stride(0), hh.stride(0), 0 if total is None else total.stride(0), out.stride(0), q.stride(0),
+            qs.stride(0), qs.stride(1), n, eps, 448.0, IS_GEMMA=is_gemma, HAS_ADD=h is not None,
+            NORM_H=h_weight is not None, BLOCK=triton.next_power_of_2(n), QUANT=128 if quant else 0,
+            PDL=pdl.active(), num_warps=4 if n <= 4096 else 8, launch_pdl=pdl.active(),
+        )
+    return (q.to(torch.float8_e4m3fn), qs) if quant else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool) -> torch.Tensor:
@@ -80,13 +121,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool) 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, x2, x2, weight, weight, out, x2.stride(0), 0, 0, out.stride(0), shape[-1], eps,
-            IS_GEMMA=is_gemma, HAS_ADD=False, NORM_H=False, BLOCK=triton.next_power_of_2(shape[-1]),
-            PDL=pdl.active(), num_warps=4 if shape[-1] <= 4096 else 8, launch_pdl=pdl.active(),
-        )
+    _norm_launch(x2, None, None, weight, None, out, eps, is_gemma, 0)
     return out.view(shape)
+
+
+def rms_norm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool, quant_rows: int
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(rms_norm(x), its FP8 quantization) for x [rows, n] in one pass: the values and scales
+    pdkernels/fp8_gemm.py per_token_group_quant(rms_norm(x), rows_to=quant_rows) gives; None for them
+    when n is not whole groups of 128."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"rms_norm_quant needs a [rows, n] tensor with contiguous rows, got {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    return out, _norm_launch(x, None, None, weight, None, out, eps, is_gemma, quant_rows)
 
 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool,
@@ -94,6 +142,16 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
     """(x + h, rms_norm(x + h)) in one pass. x, h: [rows, n], contiguous rows. With h_weight (a
     sandwich norm's output norm, same eps): (s, rms_norm(s)) for s = x + rms_norm(h, h_weight), each
     rounded to the dtype where the layer-by-layer code rounds (one pass for Gemma norms in bf16/fp16)."""
+    total, out, _ = add_rms_norm_quant(x, h, weight, eps, is_gemma, h_weight)
+    return total, out
+
+
+def add_rms_norm_quant(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool,
+    h_weight: torch.Tensor | None = None, quant_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """add_rms_norm, and with quant_rows > 0 the norm's output quantized in the same pass, as
+    rms_norm_quant gives it (None where it cannot)."""
     if x.dim() != 2 or x.shape != h.shape or x.stride(-1) != 1 or h.stride(-1) != 1:
         raise ValueError(f"add_rms_norm needs two [rows, n] tensors, got {tuple(x.shape)} and {tuple(h.shape)}")
     if h_weight is not None and not (is_gemma and x.dtype in (torch.bfloat16, torch.float16)):
@@ -103,14 +161,8 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
         h, h_weight = rms_norm(h, h_weight, eps, is_gemma), None
     total = torch.empty_like(x)
     out = torch.empty_like(x)
-    if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](
-            x, h, total, weight, weight if h_weight is None else h_weight, out,
-            x.stride(0), h.stride(0), total.stride(0), out.stride(0), x.shape[1], eps,
-            IS_GEMMA=is_gemma, HAS_ADD=True, NORM_H=h_weight is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
-            PDL=pdl.active(), num_warps=4 if x.shape[1] <= 4096 else 8, launch_pdl=pdl.active(),
-        )
-    return total, out
+    quantized = _norm_launch(x, h, total, weight, h_weight, out, eps, is_gemma, quant_rows)
+    return total, out, quantized
 
 
 @triton.jit

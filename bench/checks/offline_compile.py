@@ -107,8 +107,13 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str,
                 {"X": BF16, "COS": BF16, "SIN": BF16, "QW": BF16, "KW": BF16, "eps": "fp32"},
                 dict(HEAD_DIM=128, QK_NORM=True, IS_GEMMA=True, BLOCK_H=16, BLOCK_D=128, PDL=True), {}))
     out.append(("add_rms_norm (sandwich)", fused_ops._rms_norm_kernel,
-                {"X": BF16, "H": BF16, "SUM": BF16, "W": BF16, "W0": BF16, "OUT": BF16, "eps": "fp32"},
-                dict(IS_GEMMA=True, HAS_ADD=True, NORM_H=True, BLOCK=4096, PDL=True), {}))
+                {"X": BF16, "H": BF16, "SUM": BF16, "W": BF16, "W0": BF16, "OUT": BF16, "Q": BF16, "QS": BF16,
+                 "eps": "fp32", "fp8_max": "fp32"},
+                dict(IS_GEMMA=True, HAS_ADD=True, NORM_H=True, BLOCK=4096, QUANT=0, PDL=True), {}))
+    out.append(("add_rms_norm + FP8 quantization", fused_ops._rms_norm_kernel,
+                {"X": BF16, "H": BF16, "SUM": BF16, "W": BF16, "W0": BF16, "OUT": BF16, "Q": "*fp8e4nv",
+                 "QS": "*fp32", "eps": "fp32", "fp8_max": "fp32"},
+                dict(IS_GEMMA=False, HAS_ADD=True, NORM_H=False, BLOCK=4096, QUANT=128, PDL=True), {}))
     out.append(("silu_mul", fused_ops._silu_mul_kernel, {"GU": BF16, "OUT": BF16},
                 dict(BLOCK=1024, GELU_TANH=False, PDL=True), {}))
     cfg = bi_matmul.matmul_config(4096, 4096)

@@ -172,3 +172,40 @@ def test_activation_fused_into_the_quantization(act: str, m: int, k: int) -> Non
         per_token_group_quant(gate_up, act="relu")
     with pytest.raises(ValueError, match="activation"):
         per_token_group_quant(gate_up[:, 1:], act="silu")
+
+
+@pytest.mark.parametrize("rows_to", [1, 4])
+@pytest.mark.parametrize("m,n", [(1, 128), (5, 384), (70, 256)])
+def test_norms_quantize_their_output_in_the_same_pass(rows_to: int, m: int, n: int) -> None:
+    """fused_ops.rms_norm_quant and add_rms_norm_quant (also with a sandwich norm's output norm): the norm's
+    output as before, and the FP8 values and scales per_token_group_quant makes of it, in its layout; no
+    quantization where the width is not whole groups of 128. engine/fp8.py's carrier hands them to the GEMM
+    in that layout only."""
+    from engine import fp8
+    from pdkernels.fp8_gemm import CUBLAS_ROWS_TO
+    from pdkernels.fused_ops import add_rms_norm, add_rms_norm_quant, rms_norm, rms_norm_quant
+
+    assert fp8.CUBLAS_ROWS_TO == CUBLAS_ROWS_TO
+    gen = torch.Generator().manual_seed(m * n)
+    x, h = ((torch.randn(m, n, generator=gen) * 3).to(DEVICE, torch.bfloat16) for _ in range(2))
+    w, w0 = ((1 + torch.randn(n, generator=gen) * 0.1).to(DEVICE, torch.bfloat16) for _ in range(2))
+
+    def same(quantized: tuple[torch.Tensor, torch.Tensor] | None, normed: torch.Tensor) -> None:
+        assert quantized is not None
+        q, s = per_token_group_quant(normed, rows_to=rows_to)
+        assert quantized[0].dtype == torch.float8_e4m3fn and quantized[0].shape == q.shape
+        assert quantized[1].shape == s.shape and quantized[1].stride() == s.stride()
+        assert torch.equal(quantized[0][:m].float(), q[:m].float()) and torch.equal(quantized[1][:m], s[:m])
+
+    normed, quantized = rms_norm_quant(x, w, 1e-6, False, rows_to)
+    assert torch.equal(normed, rms_norm(x, w, 1e-6, False))
+    same(quantized, normed)
+    for is_gemma, h_weight in ((False, None), (True, w0)):
+        total, normed, quantized = add_rms_norm_quant(x, h, w, 1e-6, is_gemma, h_weight=h_weight, quant_rows=rows_to)
+        want_total, want = add_rms_norm(x, h, w, 1e-6, is_gemma, h_weight=h_weight)
+        assert torch.equal(total, want_total) and torch.equal(normed, want)
+        same(quantized, normed)
+    assert rms_norm_quant(x[:, :100].contiguous(), w[:100], 1e-6, False, rows_to)[1] is None
+    carried = fp8.with_quantized(normed, quantized, rows_to)
+    assert fp8.quantized_input(carried, rows_to) is quantized and fp8.quantized_input(carried, 5 - rows_to) is None
+    assert fp8.quantized_input(x, rows_to) is None
