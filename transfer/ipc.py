@@ -238,6 +238,11 @@ class TorchCudaIpc:
             torch.cuda.set_stream(current)
         return _EventCopy(event, sums, host, start)
 
+    def idle(self) -> None:
+        """Waits for every copy queued on the copy streams (before a mapping they may read is closed)."""
+        for stream in self._streams.values():
+            stream.synchronize()
+
     def produced(self, device: torch.device) -> Done:
         stream = torch.cuda.current_stream(device)
         if stream.query():  # nothing left to wait for: no event needed
@@ -333,9 +338,10 @@ class IpcTransport(Transport):
         self._event: tuple[Any, dict[str, Any] | None] | None = None  # (event, handle): made once
         self._pools: dict[int, ExportedPool | None] = {}  # a KV pool's data_ptr -> its export (None: failed)
         self._opened: OrderedDict[tuple[str, str], tuple[torch.Tensor, Any]] = OrderedDict()  # (memory, event)
+        self._users: dict[tuple[str, str], set[int]] = {}  # an opened one's key -> the channels (ids) it served
         self.counters = {
             "arena_offers": 0, "event_offers": 0, "handle_offers": 0, "pool_offers": 0, "arena_opens": 0,
-            "arena_hits": 0, "pool_opens": 0, "pool_hits": 0, "in_place_receives": 0,
+            "arena_hits": 0, "pool_opens": 0, "pool_hits": 0, "in_place_receives": 0, "released": 0,
         }  # fmt: skip
 
     # ---- sender side ---------------------------------------------------------------------------
@@ -532,9 +538,9 @@ class IpcTransport(Transport):
         if "offsets" in extra:
             arena = pool = None
             if in_pool:
-                pool, event = await self._open_shared(extra["host"], extra["pool"], "pool")
+                pool, event = await self._open_shared(ch, extra["host"], extra["pool"], "pool")
             if "arena" in extra:
-                arena, arena_event = await self._open_shared(extra["host"], extra["arena"], "arena")
+                arena, arena_event = await self._open_shared(ch, extra["host"], extra["arena"], "arena")
                 event = event if event is not None else arena_event
             for off, n in zip(extra["offsets"], sizes):
                 if off is None:
@@ -579,13 +585,16 @@ class IpcTransport(Transport):
                 )
         return [_bytes(s) for s in src]
 
-    async def _open_shared(self, host: str, shared: dict[str, Any], kind: str) -> tuple[torch.Tensor, Any]:
+    async def _open_shared(
+        self, ch: Channel, host: str, shared: dict[str, Any], kind: str
+    ) -> tuple[torch.Tensor, Any]:
         """A sender's arena or KV pool (kind) as flat bytes and its event (None if it has none), opened on
-        its first handoff and kept (a few, LRU)."""
+        its first handoff over ch and kept (a few, LRU) while a connection it served is open."""
         key = (host, shared["id"])
         opened = self._opened.get(key)
         if opened is not None:
             self._opened.move_to_end(key)
+            self._users.setdefault(key, set()).add(id(ch))
             self.counters[f"{kind}_hits"] += 1
             return opened
         loop = asyncio.get_running_loop()
@@ -606,12 +615,37 @@ class IpcTransport(Transport):
         opened = (_bytes(t), event)
         self.counters[f"{kind}_opens"] += 1
         self._opened[key] = opened
+        self._users.setdefault(key, set()).add(id(ch))
         while len(self._opened) > MAX_OPEN_ARENAS:
-            self._opened.popitem(last=False)  # drops the mapping (once no copy uses it)
+            self._release(next(iter(self._opened)))  # the least recently used
         return opened
 
+    def channel_closed(self, ch: Channel) -> None:
+        """The mappings only ch's handoffs used go: a sender that died (or whose connections idled out)
+        must not keep its memory allocated through this process (an importer's mapping holds an exported
+        allocation on the GPU until it is closed, even after the exporter's exit: a restarted PE could
+        not allocate its KV pool). Its next handoff opens them again."""
+        for key in [k for k, users in self._users.items() if users == {id(ch)}]:
+            self._release(key)
+        for users in self._users.values():
+            users.discard(id(ch))
+
+    def _release(self, key: tuple[str, str]) -> None:
+        """Drops a mapping once no copy can still be reading it (the copies' streams drained)."""
+        self._backend_idle()
+        self._opened.pop(key, None)
+        self._users.pop(key, None)
+        self.counters["released"] += 1
+
+    def _backend_idle(self) -> None:
+        idle = getattr(self.backend, "idle", None)
+        if idle is not None:
+            idle()
+
     def close(self) -> None:
+        self._backend_idle()
         self._opened.clear()
+        self._users.clear()
 
 
 class _HostIds:

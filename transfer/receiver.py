@@ -340,6 +340,8 @@ class KVReceiver:
             await ch.nack(HandoffError(PROTOCOL, "internal error on the receiver"))
         finally:
             ch.close()  # its data connections too; their tasks end now
+            for transport in self._transports.values():
+                transport.channel_closed(ch)
             for j in joined:
                 if not j.released.done():
                     j.released.set_result(None)

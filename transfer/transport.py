@@ -150,6 +150,11 @@ class Transport(ABC):
         """Undoes accept for segments whose pull will not run (the handoff failed in between)."""
         return None
 
+    def channel_closed(self, ch: Channel) -> None:
+        """A sender's control connection to this receiver ended (what the transport keeps for that
+        sender's handoffs alone may go: ipc's mappings of its memory)."""
+        return None
+
     @abstractmethod
     async def pull(
         self,

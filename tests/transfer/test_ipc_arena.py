@@ -271,17 +271,51 @@ async def test_receiver_keeps_a_few_arenas_and_drops_the_oldest() -> None:
     rids = [f"r{i}" for i in range(n + 1)]
     sink = Sink(*rids)
     exp = make_export()
+    kv_senders = [KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=tr) for tr in senders]  # alive: connected
     async with receiver(sink, transports={"ipc": recv_tr}) as r:
-        for rid, tr in zip(rids, senders + senders[:1]):  # the first sender again, after eviction
-            await KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=tr).send(
-                r.address, in_arena(tr, exp, rid)
-            )
+        for rid, i in zip(rids, [*range(n), 0]):  # the first sender again, after eviction
+            await kv_senders[i].send(r.address, in_arena(senders[i], exp, rid))
         kept = {arena_id for _, arena_id in recv_tr._opened}
     assert len(kept) == ipc.MAX_OPEN_ARENAS and not recv_tr._opened  # closing drops them all
     assert recv_tr.counters["arena_opens"] == n + 1 and recv_tr.counters["arena_hits"] == 0
     assert senders[1].arena is not None and senders[1].arena.id not in kept  # the least recently used
     assert senders[0].arena is not None and senders[0].arena.id in kept
     assert all(torch.equal(sink.delivered[rid].pages, exp.pages) for rid in rids)
+
+
+async def test_a_senders_mappings_go_when_its_connections_close() -> None:
+    """The receiver keeps a sender's pool (and arena) mapped while a connection that used it is open: when
+    the sender's connections close (it died, or they idled out) the mappings go (an imported mapping
+    holds the exporter's GPU memory even after the exporter exits), and its next handoff opens them again."""
+    fake = FakeIpc()
+    sender_tr, recv_tr = IpcTransport(config(), fake), IpcTransport(config(), fake)
+    sink = PoolSink(LAYOUT_SWA, [1, 2, 3, 4], *(f"r{i}" for i in range(4)))
+    pool = a_pool(LAYOUT_SWA)
+    exp = make_export(num_prompt=60)
+
+    async def released(count: int) -> None:
+        for _ in range(200):  # the receiver sees the connection end on its own loop turn (bounded wait)
+            if recv_tr.counters["released"] >= count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"released {recv_tr.counters['released']}, want {count}")
+
+    async with receiver(sink, config=config(), transports={"ipc": recv_tr}) as r:
+        sink.receiver = r
+        first = KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr)
+        for rid in ("r0", "r1"):  # one kept connection: the pool and the arena opened once
+            await first.send(r.address, dataclasses.replace(in_pool(exp, LAYOUT_SWA, [7, 0, 3, 12], sender_tr, pool), request_id=rid))
+        assert recv_tr.counters["pool_opens"] == 1 and recv_tr.counters["arena_opens"] == 1 and len(recv_tr._opened) == 2
+        first.close()  # its connections end (as a PE's do when it dies)
+        await released(2)
+        assert not recv_tr._opened and not recv_tr._users
+        second = KVSender(TOKEN, LAYOUT_SWA, config=config(), transport=sender_tr)
+        for rid in ("r2", "r3"):
+            await second.send(r.address, dataclasses.replace(in_pool(exp, LAYOUT_SWA, [7, 0, 3, 12], sender_tr, pool), request_id=rid))
+        assert recv_tr.counters["pool_opens"] == 2 and recv_tr.counters["pool_hits"] == 2 and len(recv_tr._opened) == 2
+        second.close()
+        await released(4)
+    assert all(torch.equal(sink.delivered[f"r{i}"].pages.gather(), exp.pages) for i in range(4))
 
 
 async def test_payload_larger_than_the_arena_goes_with_per_tensor_handles() -> None:
