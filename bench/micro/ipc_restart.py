@@ -7,7 +7,7 @@ Three processes besides this one (which only watches the GPU's free memory): PE1
 --fraction of the free memory, fills it and exports it (TorchCudaIpc.export, as ExportedPool does); the
 CE opens it (TorchCudaIpc.open, as IpcTransport._open_shared does) and reads it; PE1 is killed (SIGKILL,
 as a crash); PE2 then allocates a pool of the same size while the CE still holds the mapping; then the
-CE drops its mapping (as IpcTransport.close does) and PE3 tries again. Each step's free memory is
+CE drops its mapping (as IpcTransport.channel_closed does when the dead PE's connections end) and PE3 tries again. Each step's free memory is
 printed, and a table at the end.
 
     python bench/micro/ipc_restart.py [--fraction 0.6]
