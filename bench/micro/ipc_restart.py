@@ -106,24 +106,21 @@ def main() -> int:
     step("PE1 killed (SIGKILL), CE still mapping its pool")
     cmds.put("read")
     step("CE reads the dead PE's pool", ce_out.get(timeout=60))
-    out2, hold2 = ctx.Queue(), ctx.Queue()
-    pe2 = ctx.Process(target=pe, args=(nbytes, out2, hold2))
-    pe2.start()
-    got2 = out2.get(timeout=120)
-    step("PE2 allocates a pool of the same size", got2[0] if got2[0] == "ok" else got2[1])
-    if got2[0] == "ok":
-        hold2.put(None)
-    pe2.join()
+    def new_pe(label: str) -> None:
+        """A PE allocating a pool of the same size, reported, then let go."""
+        out, hold = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=pe, args=(nbytes, out, hold))
+        p.start()
+        status, got = out.get(timeout=120)
+        step(f"{label} allocates a pool of the same size", status if status == "ok" else got)
+        if status == "ok":
+            hold.put(None)
+        p.join()
+
+    new_pe("PE2")
     cmds.put("drop")
     step("CE dropped its mapping", ce_out.get(timeout=60))
-    out3, hold3 = ctx.Queue(), ctx.Queue()
-    pe3 = ctx.Process(target=pe, args=(nbytes, out3, hold3))
-    pe3.start()
-    got3 = out3.get(timeout=120)
-    step("PE3 allocates a pool of the same size", got3[0] if got3[0] == "ok" else got3[1])
-    if got3[0] == "ok":
-        hold3.put(None)
-    pe3.join()
+    new_pe("PE3")
     cmds.put("quit")
     cep.join()
     step("all gone")
