@@ -98,6 +98,38 @@ def main() -> int:
     ]
     for name, fn in pieces:
         print(f"  piece {name}, host: {host_us(fn, 9):.1f} us", flush=True)
+    # TorchCudaIpc.copy's body step by step, as it runs (its side stream, the GPU busy with the copy it
+    # launched): where its host time goes beyond copy_segments' (the pieces above, each alone, do not
+    # add up to it)
+    marks: dict[str, list[float]] = {}
+    for _ in range(9):
+        torch.cuda.synchronize()
+        t = [time.perf_counter()]
+        ids = _HostIds(order_a, order_b)
+        dst_p, src_p = [Paged(pool_b, ids.take(len(order_b)))], [Paged(pool_a, ids.sender)]
+        t.append(time.perf_counter())
+        current = torch.cuda.current_stream(dev)
+        stream.wait_stream(current)
+        t.append(time.perf_counter())
+        torch.cuda.set_stream(stream)
+        t.append(time.perf_counter())
+        got = copy_segments(dst_p, src_p)
+        t.append(time.perf_counter())
+        assert got is not None
+        host = torch.empty(got.sums.shape, dtype=torch.int64, pin_memory=True)
+        t.append(time.perf_counter())
+        host.copy_(got.sums, non_blocking=True)
+        t.append(time.perf_counter())
+        event = torch.cuda.Event()
+        event.record(stream)
+        t.append(time.perf_counter())
+        torch.cuda.set_stream(current)
+        t.append(time.perf_counter())
+        names = ("ids", "wait_stream", "set_stream", "copy_segments", "pinned empty", "copy to host", "event", "set_stream back")
+        for n, a, b in zip(names, t, t[1:]):
+            marks.setdefault(n, []).append((b - a) * 1e6)
+    for n, v in marks.items():
+        print(f"  step {n}, host: {statistics.median(v):.1f} us", flush=True)
     print(f"copy+hash 2 GiB in place, GPU: {gpu_ms(lambda: copy_segments(*paged)):.3f} ms")
     print(f"torch copy_ 2 GiB, host: {host_us(lambda: dst.copy_(src), 5):.1f} us")
     print(f"torch copy 2 GiB, GPU: {gpu_ms(lambda: dst.copy_(src)):.3f} ms")
