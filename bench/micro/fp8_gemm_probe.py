@@ -5,7 +5,7 @@ against bf16 (F.linear, the bf16 GEMV) and the ceilings measured in the same run
 For each M it also tries a few tile settings and prints the best, so gemm_config / gemv_config can be
 checked against what the device does.
 
-    python bench/micro/fp8_gemm_probe.py [--ms 1,8,64,8192] [--sweep] [--out FILE]
+    python bench/micro/fp8_gemm_probe.py [--ms 1,8,64,8192] [--sweep] [--quant-sweep] [--out FILE]
 """
 
 from __future__ import annotations
@@ -135,11 +135,12 @@ def main() -> None:
     ap.add_argument("--ms", default="1,8,64,8192")
     ap.add_argument("--sweep", action="store_true", help="also try other tile settings and print the best")
     ap.add_argument("--out", type=Path, help="also write the table here")
+    ap.add_argument("--quant-sweep", action="store_true", help="also time the activations' quantization alone")
     args = ap.parse_args()
     copy_gbs = copy_bytes_per_s(DEV) / 1e9
     lines = [f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {copy_gbs:.0f} GB/s "
              "(read + write)"]
-    ms = [int(v) for v in args.ms.split(",")]
+    ms = [int(v) for v in args.ms.split(",") if v]  # --ms "": the quantization sweep alone
     if any(m <= 8 for m in ms):
         lines.append(f"{'shape':8s} {'M':>5s} | {'F.linear':>8s} {'gemv':>8s} {'gemv fp8':>9s} {'gemm fp8':>9s} | "
                      f"{'bf16%':>6s} {'fp8%':>6s} | fp8 speedup | max rel err")
@@ -156,8 +157,31 @@ def main() -> None:
         for name, (n, k) in SHAPES.items():
             lines.append(large_m_row(name, m, n, k, args.sweep))
             print(lines[-1], flush=True)
+    if args.quant_sweep:
+        lines += quant_sweep(copy_gbs)
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
+
+
+def quant_sweep(copy_gbs: float) -> list[str]:
+    """The activations' quantization alone (per_token_group_quant, cuBLAS's layout) at prefill's and a
+    decode batch's rows, for each number of 128-column groups a program takes (fp8_gemm.QUANT_GROUPS), as
+    a share of the copy ceiling (2 bytes read and 1 written per value)."""
+    from pdkernels import fp8_gemm
+
+    lines = [f"{'quant M x K':>14s} | " + " ".join(f"{g:>2d} groups" for g in (4, 8, 16, 32)) + " | ms, % of copy"]
+    saved = fp8_gemm.QUANT_GROUPS
+    for m, k in ((8192, 4096), (8192, 14336), (64, 4096), (64, 14336)):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        cells = []
+        for groups in (4, 8, 16, 32):
+            fp8_gemm.QUANT_GROUPS = groups
+            t = timed(functools.partial(fp8_gemm.per_token_group_quant, x, rows_to=fp8_gemm.CUBLAS_ROWS_TO))
+            cells.append(f"{t:.4f} {100 * 3 * m * k / (t * 1e-3) / (copy_gbs * 1e9):4.0f}%")
+        fp8_gemm.QUANT_GROUPS = saved
+        lines.append(f"{m:>6d} x {k:<5d} | " + " | ".join(cells))
+        print(lines[-1], flush=True)
+    return lines
 
 
 if __name__ == "__main__":
