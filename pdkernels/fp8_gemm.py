@@ -20,7 +20,6 @@ the engine's deterministic mode does not take it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 
@@ -28,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdkernels.fused_ops import ACTIVATIONS, act_mul
+from pdkernels.fused_ops import ACTIVATIONS, act_mul, quant_buffers
 
 GROUP = 128  # the quantization block of weights and activations
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -83,13 +82,7 @@ def per_token_group_quant(
         raise ValueError(f"per_token_group_quant: activation {act!r} of a [gate | up] x, got {tuple(x.shape)}")
     m, k = x.shape[0], x.shape[1] // (2 if act is not None else 1)
     num_groups = triton.cdiv(k, GROUP)
-    rows = triton.cdiv(m, rows_to) * rows_to
-    is_interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    q = torch.empty(rows, k, dtype=torch.float32 if is_interpreted else torch.float8_e4m3fn, device=x.device)
-    if rows_to > 1:
-        scales = torch.empty(num_groups, rows, dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
+    q, scales = quant_buffers(m, k, rows_to, x.device)
     if m:
         groups = min(QUANT_GROUPS, triton.next_power_of_2(num_groups))
         _quant_kernel[(m, triton.cdiv(num_groups, groups))](

@@ -82,14 +82,16 @@ def _rms_norm_kernel(X, H, SUM, W, W0, OUT, Q, QS, stride_x, stride_h, stride_s,
         tl.store(QS + row * stride_qm + gi * stride_qg, scale, mask=gi * QUANT < n_cols)
 
 
-def _quant_out(rows: int, n: int, quant_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where a norm's FP8 output goes (the layout of fp8_gemm.per_token_group_quant(rows_to=quant_rows)):
-    values [rows', n] (rows rounded up to quant_rows) and scales [rows', n / 128], column-major past 1 row."""
-    padded = -(-rows // quant_rows) * quant_rows
-    is_interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # (per_token_group_quant's NOTE)
-    q = torch.empty(padded, n, dtype=torch.float32 if is_interpreted else torch.float8_e4m3fn, device=device)
-    groups = n // 128
-    if quant_rows > 1:
+def quant_buffers(rows: int, k: int, rows_to: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where an FP8 quantization of [rows, k] values per group of 128 columns goes (pdkernels/fp8_gemm.py
+    per_token_group_quant's layout, also a norm's quantized output): values [rows', k], rows rounded up to
+    rows_to (float32 under TRITON_INTERPRET: per_token_group_quant's NOTE), and scales [rows', ceil(k/128)],
+    stored column-major when rows_to > 1 (cuBLAS's 1x128 scales)."""
+    padded = -(-rows // rows_to) * rows_to
+    is_interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    q = torch.empty(padded, k, dtype=torch.float32 if is_interpreted else torch.float8_e4m3fn, device=device)
+    groups = -(-k // 128)
+    if rows_to > 1:
         return q, torch.empty(groups, padded, dtype=torch.float32, device=device).t()
     return q, torch.empty(padded, groups, dtype=torch.float32, device=device)
 
@@ -101,7 +103,7 @@ def _norm_launch(x: torch.Tensor, h: torch.Tensor | None, total: torch.Tensor | 
     out quantized too: returns (values as float8_e4m3fn, scales)."""
     rows, n = x.shape
     quant = quant_rows > 0 and n % 128 == 0
-    q, qs = _quant_out(rows, n, quant_rows, x.device) if quant else (out, out)
+    q, qs = quant_buffers(rows, n, quant_rows, x.device) if quant else (out, out)
     if rows:
         hh = h if h is not None else x
         _rms_norm_kernel[(rows,)](
