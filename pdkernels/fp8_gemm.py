@@ -28,10 +28,9 @@ import triton
 import triton.language as tl
 
 from pdkernels.fused_ops import ACTIVATIONS, act_mul, quant_buffers
-
-GROUP = 128  # the quantization block of weights and activations
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-EPS = 1e-10  # the smallest group maximum a scale is computed from (an all-zero group gets a tiny scale)
+from pdkernels.fused_ops import FP8_EPS as EPS
+from pdkernels.fused_ops import FP8_GROUP as GROUP
+from pdkernels.fused_ops import FP8_MAX as FP8_MAX
 
 
 @triton.jit

@@ -26,6 +26,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pdkernels import pdl
 
+# The FP8 quantization of activations (pdkernels/fp8_gemm.py, and a norm's quantized output here)
+FP8_GROUP = 128  # the quantization block of weights and activations
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP8_EPS = 1e-10  # the smallest group maximum a scale is computed from (an all-zero group gets a tiny scale)
+
 
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
@@ -76,7 +81,7 @@ def _rms_norm_kernel(X, H, SUM, W, W0, OUT, Q, QS, stride_x, stride_h, stride_s,
     if QUANT:  # also y quantized per group of QUANT columns (pdkernels/fp8_gemm.py per_token_group_quant's)
         groups = tl.reshape(y.to(tl.float32), (BLOCK // QUANT, QUANT))
         gi = tl.arange(0, BLOCK // QUANT)
-        scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-10) / fp8_max
+        scale = tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-10) / fp8_max  # 1e-10: FP8_EPS
         q = tl.reshape(tl.clamp(groups / scale[:, None], -fp8_max, fp8_max), (BLOCK,))
         tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=mask)
         tl.store(QS + row * stride_qm + gi * stride_qg, scale, mask=gi * QUANT < n_cols)
@@ -90,7 +95,7 @@ def quant_buffers(rows: int, k: int, rows_to: int, device: torch.device) -> tupl
     padded = -(-rows // rows_to) * rows_to
     is_interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     q = torch.empty(padded, k, dtype=torch.float32 if is_interpreted else torch.float8_e4m3fn, device=device)
-    groups = -(-k // 128)
+    groups = -(-k // FP8_GROUP)
     if rows_to > 1:
         return q, torch.empty(groups, padded, dtype=torch.float32, device=device).t()
     return q, torch.empty(padded, groups, dtype=torch.float32, device=device)
@@ -102,15 +107,15 @@ def _norm_launch(x: torch.Tensor, h: torch.Tensor | None, total: torch.Tensor | 
     """_rms_norm_kernel over x's rows (x + h first where h is given: the sum into total); with quant_rows,
     out quantized too: returns (values as float8_e4m3fn, scales)."""
     rows, n = x.shape
-    quant = quant_rows > 0 and n % 128 == 0
+    quant = quant_rows > 0 and n % FP8_GROUP == 0
     q, qs = quant_buffers(rows, n, quant_rows, x.device) if quant else (out, out)
     if rows:
         hh = h if h is not None else x
         _rms_norm_kernel[(rows,)](
             x, hh, total if total is not None else x, weight, weight if h_weight is None else h_weight, out, q, qs,
             x.stride(0), hh.stride(0), 0 if total is None else total.stride(0), out.stride(0), q.stride(0),
-            qs.stride(0), qs.stride(1), n, eps, 448.0, IS_GEMMA=is_gemma, HAS_ADD=h is not None,
-            NORM_H=h_weight is not None, BLOCK=triton.next_power_of_2(n), QUANT=128 if quant else 0,
+            qs.stride(0), qs.stride(1), n, eps, FP8_MAX, IS_GEMMA=is_gemma, HAS_ADD=h is not None,
+            NORM_H=h_weight is not None, BLOCK=triton.next_power_of_2(n), QUANT=FP8_GROUP if quant else 0,
             PDL=pdl.active(), num_warps=4 if n <= 4096 else 8, launch_pdl=pdl.active(),
         )
     return (q.to(torch.float8_e4m3fn), qs) if quant else None
