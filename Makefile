@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 models: setup
-	$(BIN)/python -m engine.models fetch smollm2-135m-instruct
-	$(BIN)/python -m engine.models fetch gemma3-270m
+	$(BIN)/python -m engine.checkpoints fetch smollm2-135m-instruct
+	$(BIN)/python -m engine.checkpoints fetch gemma3-270m
 
 # Two pytest processes side by side: the tests that start servers, one module after another as in one process
 # (their engines' memory never overlaps: one engine process is ~1.4 GB, a module runs up to eleven), and the
@@ -57,22 +57,22 @@ LOWEST_PYTHON ?= $(or $(shell pyenv prefix 3.10 2>/dev/null),3.10)
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
 # Its own models, converted by these versions (a newer transformers' conversion may not load in an older one),
 # kept outside the venv so that rebuilding it reuses them: LOWEST_HOME/versions.txt says which versions (and
-# which engine/models code) converted them, and a rebuild that installs anything else converts them anew.
+# which engine/checkpoints code) converted them, and a rebuild that installs anything else converts them anew.
 LOWEST_HOME ?= $(or $(PDSERVE_HOME),$(HOME)/.cache/pdserve)/lowest
 LOWEST_RUN := PDSERVE_HOME=$(LOWEST_HOME) $(LOWEST_VENV)/bin/python
 
 # Every direct dependency (the test extra's too) at its lower bound, what they pull in at its newest.
 # torch comes from PyPI, its CUDA build (it runs on the CPU): CPU builds are only on download.pytorch.org,
 # which CI does not reach.
-# uv's cache (~/.cache/uv, about 7 GB) makes a rebuild seconds; --seed: engine.models installs with pip.
+# uv's cache (~/.cache/uv, about 7 GB) makes a rebuild seconds; --seed: engine.checkpoints installs with pip.
 $(LOWEST_STAMP): pyproject.toml $(STAMP)
 	rm -rf $(LOWEST_VENV)
 	$(BIN)/uv venv -q --seed --python $(LOWEST_PYTHON) $(LOWEST_VENV)
 	$(BIN)/uv pip install -q --python $(LOWEST_VENV)/bin/python --resolution lowest-direct -e '.[test]'
 	{ $(BIN)/uv pip freeze --python $(LOWEST_VENV)/bin/python | grep -v '^-e '; \
-	  cat engine/models/*.py | sha256sum; } >$(LOWEST_VENV)/versions.txt
+	  cat engine/checkpoints/*.py | sha256sum; } >$(LOWEST_VENV)/versions.txt
 	cmp -s $(LOWEST_VENV)/versions.txt $(LOWEST_HOME)/versions.txt || rm -rf $(LOWEST_HOME)/models
-	$(LOWEST_RUN) -m engine.models fetch smollm2-135m-instruct
+	$(LOWEST_RUN) -m engine.checkpoints fetch smollm2-135m-instruct
 	cp $(LOWEST_VENV)/versions.txt $(LOWEST_HOME)/versions.txt
 	touch $(LOWEST_STAMP)
 
@@ -82,6 +82,6 @@ test-lowest: $(LOWEST_STAMP)
 # ---- demo (owned by the server work) ----
 .PHONY: demo
 demo: setup
-	$(BIN)/python -m engine.models fetch smollm2-135m-instruct
+	$(BIN)/python -m engine.checkpoints fetch smollm2-135m-instruct
 	deploy/pd_run.sh start localhost localhost
 	$(BIN)/python -m pd.tools.demo --url http://127.0.0.1:8888/v1 --stop-command "deploy/pd_run.sh stop localhost localhost"

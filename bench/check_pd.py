@@ -14,7 +14,7 @@ Prints one line per case and a summary; exits 1 on any difference or failed requ
 list several CEs of one cluster (comma-separated): the cases take them in turn. `--parallel N` runs N
 cases at once (both servers --deterministic: the batches they share do not change a token); on a CPU
 that takes a fraction of the time: --deterministic computes every matrix product over a multiple of 16
-rows (engine/numerics.py), so a decode step of one sequence costs what one of sixteen does.
+rows (engine/layers/numerics.py), so a decode step of one sequence costs what one of sixteen does.
 
     python bench/check_pd.py --ref http://127.0.0.1:8890 --pd http://127.0.0.1:8888
     python bench/check_pd.py --ref http://127.0.0.1:8890 --pd http://127.0.0.4:8888,http://127.0.0.5:8888

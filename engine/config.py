@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.fp8 import QUANTIZATIONS
+from engine.quantization import QUANTIZATIONS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 LOAD_FORMATS = ("auto", "dummy")
@@ -25,7 +25,7 @@ MAX_DEFAULT_MODEL_LEN = 32768  # the context without --max-model-len: the model'
 @dataclass(frozen=True)
 class ForwardConfig:
     """How a forward pass runs on CUDA (the CPU path ignores it). It travels in the step's forward
-    context (engine/context.py), so a runner's may be replaced between steps; NOTE: decode CUDA graphs
+    context (engine/layers/context.py), so a runner's may be replaced between steps; NOTE: decode CUDA graphs
     keep the one they were captured with (only chain_residuals matters to them)."""
 
     prefill_sdpa: str = field(
@@ -97,7 +97,7 @@ class EngineConfig:
     model: str = field(
         default=DEFAULT_MODEL,
         metadata={
-            "help": "a local Hugging Face folder, a catalogue name (python -m engine.models list) or a Hugging "
+            "help": "a local Hugging Face folder, a catalogue name (python -m engine.checkpoints list) or a Hugging "
             "Face hub id ORG/NAME[@REVISION] (downloaded once into huggingface_hub's cache: $HF_HOME, "
             "$HF_HUB_CACHE; $HF_TOKEN for gated models, $HF_HUB_OFFLINE=1 for the cache alone)"
         },
@@ -256,7 +256,7 @@ class EngineStats:
     decode_cache_hit_tokens_total: int = 0
     decode_cache_retained_pages: int = 0  # evictable or pinned again; they count as free in num_free_blocks
     decode_cache_evictions_total: int = 0
-    # MoE (engine/moe.py): per sparse layer (moe_layers), this rank's routed assignments per logical
+    # MoE (engine/layers/moe.py): per sparse layer (moe_layers), this rank's routed assignments per logical
     # expert and the rows its experts computed (under --ep, for every rank's tokens), since the start
     moe_layers: tuple[int, ...] = ()
     moe_tokens_per_expert: tuple[tuple[int, ...], ...] = ()

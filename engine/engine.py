@@ -5,20 +5,20 @@ Here: the constructor, admission (validate, add_request, abort) and the step loo
 model, sample, append and detokenize; a failure ends only the request(s) it came from). The rest is
 composed in, one job a module:
 
-    engine/launch_ahead.py       whether the next decode batch may be launched, or fed on the device,
+    engine/execution/launch_ahead.py       whether the next decode batch may be launched, or fed on the device,
                                  before this step returns; the batch launched ahead (engine.ahead)
-    engine/host_prefix_cache.py  the host prefix cache's memory: a prompt's cached prefix restored on
+    engine/core/host_prefix_cache.py  the host prefix cache's memory: a prompt's cached prefix restored on
                                  admission, its full pages stored once computed (engine.prefix_cache)
-    engine/handoff_io.py         export_sequence / import_sequence's memory (engine.handoff_io), beside
-                                 the ledger of every P/D phase (engine/handoff_ledger.py, engine.handoffs);
-                                 under --tp through engine/kv_shards.py (every KV head, re-sharded)
-    engine/engine_stats.py       stats()
-    engine/memory_plan.py        the KV memory's size at start (engine.memory)
+    engine/handoff/pages.py         export_sequence / import_sequence's memory (engine.handoff_io), beside
+                                 the ledger of every P/D phase (engine/handoff/ledger.py, engine.handoffs);
+                                 under --tp through engine/handoff/kv_shards.py (every KV head, re-sharded)
+    engine/execution/engine_stats.py       stats()
+    engine/execution/memory_plan.py        the KV memory's size at start (engine.memory)
     engine/faults.py             which failures are fatal: those propagate and the rank exits
 
-In a tensor-parallel group (engine/tensor_parallel.py) every rank builds the same engine on its share
+In a tensor-parallel group (engine/parallel/tensor_parallel.py) every rank builds the same engine on its share
 of the model; rank 0 serves (add_request, step, ...) and broadcasts each forward's plan, and the others
-call follow(), which runs those forwards until rank 0 closes(). With --ep too (engine/world.py) rank 0 also
+call follow(), which runs those forwards until rank 0 closes(). With --ep too (engine/parallel/world.py) rank 0 also
 tells them of its empty MoE exchanges and expert rebalancing, and gathers their MoE counters for stats().
 """
 
@@ -33,37 +33,37 @@ from typing import Any
 
 import torch
 
-from engine import expert_parallel
-from engine.attention import preload_sdpa
-from engine.block_pool import BlockPool
+from engine.arch import ModelArch
 from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig, EngineStats
-from engine.cuda_graphs import GraphCaptureStats, graph_batch_sizes
-from engine.decode_cache import DecodeCache
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_stats import MoeCounters, engine_stats, moe_counters
-from engine.eplb import RebalanceStats, rebalance_layer
+from engine.core.block_pool import BlockPool
+from engine.core.decode_cache import DecodeCache
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.grammar import GrammarCompiler, mask_logits
+from engine.core.host_prefix_cache import HostPrefixCache
+from engine.core.kv_cache import KVCache, layout_of
+from engine.core.prompt_logprobs import PromptLogprobsCollector
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.sequence import SeqStatus, Sequence
 from engine.errors import InvalidRequestError
+from engine.execution.cuda_graphs import GraphCaptureStats, graph_batch_sizes
+from engine.execution.engine_stats import MoeCounters, engine_stats, moe_counters
+from engine.execution.launch_ahead import LaunchAhead, LaunchedBatch
+from engine.execution.memory_plan import plan_memory
+from engine.execution.runner import ModelRunner, StepPlan
 from engine.faults import raise_if_fatal
-from engine.fp8 import fp8_format
-from engine.grammar import GrammarCompiler, mask_logits
 from engine.handoff import Alloc, PoolPages, SequenceExport
-from engine.handoff_io import HandoffIO
-from engine.handoff_ledger import HandoffLedger, Phase
-from engine.host_prefix_cache import HostPrefixCache
-from engine.kv_cache import KVCache, layout_of
-from engine.kv_shards import KVShards
-from engine.launch_ahead import LaunchAhead, LaunchedBatch
-from engine.loader import build_model
-from engine.memory_plan import plan_memory
-from engine.model_config import ModelArch, arch_from_hf, generation_eos_ids, load_hf_config
-from engine.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
-from engine.prompt_logprobs import PromptLogprobsCollector
-from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
-from engine.runner import ModelRunner, StepPlan
-from engine.sampler import process_logits, sample
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import SeqStatus, Sequence
-from engine.tensor_parallel import (
+from engine.handoff.kv_shards import KVShards
+from engine.handoff.ledger import HandoffLedger, Phase
+from engine.handoff.pages import HandoffIO
+from engine.layers.attention import preload_sdpa
+from engine.layers.eplb import RebalanceStats, rebalance_layer
+from engine.layers.fp8 import fp8_format
+from engine.layers.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
+from engine.layers.sampler import process_logits, sample
+from engine.models.hf_config import arch_from_hf, generation_eos_ids, load_hf_config
+from engine.models.loader import build_model
+from engine.parallel import expert_parallel
+from engine.parallel.tensor_parallel import (
     PLAN_COPY,
     PLAN_COUNTERS,
     PLAN_EXCHANGE,
@@ -75,6 +75,7 @@ from engine.tensor_parallel import (
     PLAN_STOP,
     TensorGroup,
 )
+from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
 
 log = logging.getLogger(__name__)
 # what a client hears of a failure that is not its request's fault (the log has the exception)
@@ -84,7 +85,7 @@ FAILED = "the engine failed while {phase} this request (the server's log has why
 class LLMEngine:
     def __init__(self, config: EngineConfig, tp: TensorGroup | None = None) -> None:
         """tp: this rank's tensor-parallel group (`--tp N`; every rank of it builds its engine at once)."""
-        from engine.models import resolve_model
+        from engine.checkpoints import resolve_model
 
         if tp is not None:  # NOTE: the forwards follow rank 0's plans: nothing launched ahead of them
             config = dataclasses.replace(config, launch_ahead=False)
@@ -147,7 +148,7 @@ class LLMEngine:
             tp=tp,
         )
         # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges); with
-        # --tp, the world's (engine/world.py): every process of every tensor-parallel group
+        # --tp, the world's (engine/parallel/world.py): every process of every tensor-parallel group
         self.ep = expert_parallel.current()
         if self.ep is not None and not self.arch.sparse_layers:
             raise InvalidRequestError(f"--ep {self.ep.size} needs a mixture-of-experts model; {config.model} is dense")
@@ -282,7 +283,7 @@ class LLMEngine:
         In an expert-parallel group every call runs exactly one forward, an empty one when nothing was
         scheduled (the peers' MoE layers wait for this rank's rows), and a failed forward is fatal
         (its peers are left mid-exchange: the group restarts). Every eplb_interval calls, the group
-        rebalances its experts (engine/eplb.py). Under --tp (engine/world.py) the group's other processes
+        rebalances its experts (engine/layers/eplb.py). Under --tp (engine/parallel/world.py) the group's other processes
         are told to do the same (PLAN_EXCHANGE, PLAN_REBALANCE), as they are told each forward."""
         if self.ep is None:
             return self._step()
@@ -312,7 +313,7 @@ class LLMEngine:
         """Schedule and run a batch (or take the one launched ahead by the last step), sample it; then,
         with launch_ahead, launch the next batch before this step's outputs are built and returned,
         so the device runs it while the host builds them and the caller handles them
-        (engine/launch_ahead.py)."""
+        (engine/execution/launch_ahead.py)."""
         outputs, self._pending = self._pending, []
         launched = self.ahead.take()
         if launched is None:
@@ -635,7 +636,7 @@ class LLMEngine:
         self, request_id: str, first_page: int, num_pages: int, hold_s: float
     ) -> tuple[PoolPages, torch.Tensor | None] | None:
         """Any thread: where a receiving handoff may land in place, the reservation's own pages and SWA
-        slot, or None (engine/handoff_io.py's in_place_target)."""
+        slot, or None (engine/handoff/pages.py's in_place_target)."""
         return self.handoff_io.in_place_target(request_id, first_page, num_pages, hold_s)
 
     def export_pages(

@@ -39,7 +39,7 @@ StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "gramm
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A constraint on the output (engine/grammar.py compiles it): `spec` is the JSON schema's text
+    """A constraint on the output (engine/core/grammar.py compiles it): `spec` is the JSON schema's text
     (json_schema), "" (json_object: any JSON object), a regular expression (regex), a JSON array of the
     allowed strings (choice), or a Lark or GBNF grammar (grammar). It travels with the request's
     parameters, so a CE rebuilds the matcher from it and the tokens it was handed."""
@@ -77,9 +77,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N >= 0: chosen token's logprob plus the top N
     # None: none; N >= 0: each prompt token's logprob plus the top N there (vLLM's prompt_logprobs: the
-    # prompt is computed whole, its cached prefix not restored; engine/prompt_logprobs.py)
+    # prompt is computed whole, its cached prefix not restored; engine/core/prompt_logprobs.py)
     prompt_logprobs: int | None = None
-    # Logit processors, with OpenAI's and vLLM's meanings (engine/sampler.py applies them, batched):
+    # Logit processors, with OpenAI's and vLLM's meanings (engine/layers/sampler.py applies them, batched):
     presence_penalty: float = 0.0  # [-2, 2], subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # [-2, 2], times the token's count in the output
     repetition_penalty: float = 1.0  # [MIN_REPETITION_PENALTY, 2]: a token in the prompt or output: logit / p if > 0, else * p
@@ -149,7 +149,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether the logits are changed before the choice (engine/sampler.py: process_logits)."""
+        """Whether the logits are changed before the choice (engine/layers/sampler.py: process_logits)."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
             or self.min_tokens

@@ -365,7 +365,7 @@ class ServerConfig:
             raise ValueError(f"--dp must be >= 1, got {self.dp}")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
-        # the group's first process re-shards a handoff (engine/kv_shards.py): tcp and nixl carry it (tested
+        # the group's first process re-shards a handoff (engine/handoff/kv_shards.py): tcp and nixl carry it (tested
         # on the CPU); ipc and nccl have not run with a group of GPUs yet
         if self.tp > 1 and self.role == "pe" and self.transfer.transport not in TP_TRANSPORTS:
             raise ValueError(
@@ -471,7 +471,7 @@ class ServerConfig:
         misspelled flag or config key; a bad value raises ValueError)."""
         ns = parse_args(cls.parser(prog, is_model_positional), cls, argv)
         if getattr(ns, "model_tag", None) is not None:
-            setattr(ns, "engine.model", ns.model_tag)
+            setattr(ns, "engine.models.decoder", ns.model_tag)
         cfg = from_flags(cls, ns)
         if cfg.api_key is None and os.environ.get(API_KEY_ENV):
             cfg = dataclasses.replace(cfg, api_key=os.environ[API_KEY_ENV])

@@ -321,7 +321,7 @@ def pin_hub_model(cfg: ServerConfig) -> ServerConfig:
     first if missing: the ranks (restarts included) and the tokenizer then read that one snapshot and call
     the hub no more. Clients keep the name: --served-model-name, else ORG/NAME. A local folder or a
     catalogue name is left to the ranks, as before. Raises ModelNotFoundError (one line: what to do)."""
-    from engine.models import download, hub_model_of
+    from engine.checkpoints import download, hub_model_of
 
     engine = cfg.engine
     hub = hub_model_of(engine.model, engine.revision, engine.download_dir)

@@ -52,7 +52,7 @@ MAX_ROWS = 8
 ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
 TARGET_PROGRAMS = 132  # at least one program per multiprocessor of an H200
 LINE_BYTES = 128  # one L2 prefetch per cache line
-SCALE_BLOCK = 128  # an FP8 weight's scale block (engine/fp8.py BLOCK)
+SCALE_BLOCK = 128  # an FP8 weight's scale block (engine/layers/fp8.py BLOCK)
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def gemv(
     TRITON_INTERPRET=1). prefetch: weight tiles per program prefetched into L2 before the kernel waits on the
     previous one (0: none; GPU only, like pdl). config: overrides gemv_config (benchmarks).
 
-    scale: a float8_e4m3fn weight's block scales [ceil(N/128), ceil(K/128)] float32 (engine/fp8.py's
+    scale: a float8_e4m3fn weight's block scales [ceil(N/128), ceil(K/128)] float32 (engine/layers/fp8.py's
     `weight_scale_inv`): weight[n, k] stands for weight[n, k] * scale[n // 128, k // 128]. Each thread's
     16-element run of K lies in one block, so its partial sum is scaled once, in float32, before it is added
     to the accumulator; x stays in its dtype (weights-only FP8: a decode row reads 1 byte per weight)."""

@@ -1,11 +1,11 @@
-"""Paged decode attention over latents (Triton): multi-head latent attention's absorbed decode (engine/mla.py),
+"""Paged decode attention over latents (Triton): multi-head latent attention's absorbed decode (engine/layers/mla.py),
 one query token per sequence, the latents read in place from the paged pool.
 
 A latent-attention layer keeps one latent per token, `| c_kv (R) | k_rot (Dr) |`, in pages of the same pool
 as the other families (`[blocks, layers, 1, block_size, 1, R + Dr]`, KVLayout.page_kind "latent"). Decode
 absorbs the key and value up-projections (the query arrives as `| W_UK^T q_nope (R) | q_rot (Dr) |` per
 head), so attention is multi-query: every head scores the same latents, and its output is the softmax's
-mix of their c_kv parts, R wide (engine/mla.py un-absorbs it with W_UV):
+mix of their c_kv parts, R wide (engine/layers/mla.py un-absorbs it with W_UV):
 
     score[h, j] = (q[h, :R] . c_kv[j] + q[h, R:] . k_rot[j]) * scale        out[h] = sum_j p[h, j] c_kv[j]
 
@@ -16,7 +16,7 @@ and their fold are decode_attention.py's (`_split_bounds`, `_decode_reduce_kerne
 context length alone, so a row's output does not depend on its batch and deterministic mode uses the same
 kernels. A row with context length 0 (a padded row of a CUDA graph) gets zeros. The new token's latent must
 be in the pages already: `store_latents` writes a step's decode rows' latents through their block tables
-(engine/mla.py stores a prefill chunk's by page ids before it attends).
+(engine/layers/mla.py stores a prefill chunk's by page ids before it attends).
 """
 
 from __future__ import annotations

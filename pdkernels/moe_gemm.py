@@ -43,7 +43,7 @@ from pdkernels import moe_gemv, moe_route, pdl
 from pdkernels.fused_ops import pdl_start
 
 ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}
-SCALE_BLOCK = 128  # FP8 expert weights' scale block (engine/fp8.py BLOCK): BLOCK_K never exceeds it
+SCALE_BLOCK = 128  # FP8 expert weights' scale block (engine/layers/fp8.py BLOCK): BLOCK_K never exceeds it
 MAX_GEMV_TOKENS = 4  # fused_moe's default: up to this many tokens, one GEMV per assignment (moe_gemv.py)
 
 

@@ -40,7 +40,7 @@ from pdkernels.fused_ops import pdl_start
 from pdkernels.gemv import _load_k
 
 ACTIVATIONS = {None: 0, "swiglu": 1, "swiglu_oai": 2}
-SCALE_BLOCK = 128  # FP8 expert weights' scale block (engine/fp8.py BLOCK)
+SCALE_BLOCK = 128  # FP8 expert weights' scale block (engine/layers/fp8.py BLOCK)
 TARGET_PROGRAMS = 264  # two programs per multiprocessor of an H200 at least
 
 

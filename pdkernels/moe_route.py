@@ -83,7 +83,7 @@ def route(
     counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, top_k] in logits' dtype, expert ids [T, top_k] int64): softmax_first,
-    engine/moe.py's route_softmax_topk (norm_topk_prob: renormalized over the k); else its
+    engine/layers/moe.py's route_softmax_topk (norm_topk_prob: renormalized over the k); else its
     route_topk_softmax. counts [E] int64: each chosen expert's count grows by its assignments. Queued
     only (no host sync)."""
     num_tokens, num_experts = logits.shape

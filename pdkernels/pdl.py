@@ -8,7 +8,7 @@ hides is each kernel boundary's launch, ramp and the previous kernel's tail: abo
 hundred times in a batch-1 decode step of an 8B model. CUDA graphs keep it: stream capture records
 the launch attribute as a programmatic edge.
 
-`scope(on)` (entered by engine/context.py's forward_context from ForwardConfig.pdl) sets whether the
+`scope(on)` (entered by engine/layers/context.py's forward_context from ForwardConfig.pdl) sets whether the
 kernels launched inside it use PDL; `active()` is what a kernel wrapper passes as its PDL flag. This
 module imports no Triton: the engine asks it on machines without one.
 """

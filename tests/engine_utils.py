@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.core.sequence import Sequence
 from engine.engine import LLMEngine
 from engine.request import SamplingParams
-from engine.sequence import Sequence
 
 
 def small_engine(folder: Path, **kw) -> LLMEngine:
@@ -104,6 +104,6 @@ def decode_logits(
     finally:
         eng.runner.run = run  # type: ignore[method-assign]
     eng.check_idle()
-    # a sequence fed ahead (engine/launch_ahead.py) has one more row computed after its last token, which
+    # a sequence fed ahead (engine/execution/launch_ahead.py) has one more row computed after its last token, which
     # the engine drops: so are its logits here
     return {rid: rows[:max_tokens] for rid, rows in captured.items()}

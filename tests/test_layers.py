@@ -6,6 +6,10 @@ every import counted, including those inside functions:
 - transfer/ imports from engine/ only engine.handoff, the boundary module, and that module's own
   imports stay CUDA-free (no pdkernels, no model, loader or attention);
 - no import cycle among the project's modules;
+- inside engine/, the rooms import down: the modules every room shares (engine/*.py: errors, codec, request,
+  config, faults, arch, quantization, and the handoff boundary engine.handoff) at the bottom, then
+  checkpoints/ <- core/ <- parallel/ <- layers/ <- models/ <- execution/ <- handoff/ (the ledger and the
+  pages of an export or import), and engine.engine (LLMEngine) on top; the layers never name a model family;
 - inside pd/, the rooms keep the same rule: the modules the whole server shares (pd/*.py) at the bottom,
   then http/ <- chat/ <- rank/ <- disagg/ <- frontend/ <- api/ <- router/ (`pdserve router`, its own
   process), the server's entry (pd/server.py), and
@@ -26,6 +30,14 @@ PD_ROOMS = (
     "pd", "pd.http", "pd.chat", "pd.rank", "pd.disagg", "pd.frontend", "pd.api", "pd.router", "pd.server", "pd.tools"
 )  # fmt: skip
 PD_SHARED = {"pd", "pd.config", "pd.errors", "pd.flags", "pd.lifecycle", "pd.messages"}
+ENGINE_ROOMS = (
+    "engine", "engine.checkpoints", "engine.core", "engine.parallel", "engine.layers", "engine.models",
+    "engine.execution", "engine.handoff", "engine.engine",
+)  # fmt: skip
+ENGINE_SHARED = {
+    "engine", "engine.errors", "engine.codec", "engine.request", "engine.config", "engine.faults", "engine.arch",
+    "engine.quantization", "engine.handoff",
+}  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:
@@ -67,8 +79,8 @@ def _layer(module: str) -> int:
 
 
 def test_the_tree_is_seen() -> None:
-    assert {"engine.engine", "engine.handoff", "transfer.handoff", "pd.server", "pdkernels.checksum"} <= set(MODULES)
-    assert "engine.handoff" in GRAPH["transfer.handoff"]
+    assert {"engine.engine", "engine.handoff", "transfer.header", "pd.server", "pdkernels.checksum"} <= set(MODULES)
+    assert "engine.handoff" in GRAPH["transfer.header"]
 
 
 def _room(module: str) -> int:
@@ -147,3 +159,24 @@ def test_pd_top_level_holds_only_what_the_server_shares() -> None:
     rooms = {f"pd.{p.name}" for p in (ROOT / "pd").iterdir() if (p / "__init__.py").is_file()}
     assert top - {"pd.server"} == PD_SHARED
     assert rooms == set(PD_ROOMS) - {"pd", "pd.server"}  # a new room takes its place in the order
+
+
+def _engine_room(module: str) -> int:
+    """The index in ENGINE_ROOMS of an engine module's room (the shared modules and the boundary: "engine")."""
+    if module in ENGINE_SHARED:
+        return 0
+    if module == "engine.engine":
+        return ENGINE_ROOMS.index(module)
+    return ENGINE_ROOMS.index(".".join(module.split(".")[:2]))
+
+
+def test_engine_rooms_import_down() -> None:
+    wrong = _upward({mod for mod in GRAPH if mod.split(".")[0] == "engine"}, _engine_room)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_engine_top_level_holds_only_what_the_rooms_share() -> None:
+    top = {mod for mod, path in MODULES.items() if mod.startswith("engine") and path.parent == ROOT / "engine"}
+    rooms = {f"engine.{p.name}" for p in (ROOT / "engine").iterdir() if (p / "__init__.py").is_file()}
+    assert top - {"engine.engine"} == ENGINE_SHARED - {"engine.handoff"}
+    assert rooms == set(ENGINE_ROOMS) - {"engine", "engine.engine"}  # a new room takes its place in the order

@@ -144,7 +144,7 @@ def make_servable(
     return folder
 
 
-# ---- FP8 checkpoints (engine/fp8.py's format, as FP8 releases ship it) --------------------------------
+# ---- FP8 checkpoints (engine/layers/fp8.py's format, as FP8 releases ship it) --------------------------------
 
 FP8_BLOCK = 128
 

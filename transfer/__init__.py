@@ -20,7 +20,7 @@ from typing import Any
 
 _LAZY = {
     "HandoffError": "transfer.errors",
-    "HandoffHeader": "transfer.handoff",
+    "HandoffHeader": "transfer.header",
     "TransferConfig": "transfer.config",
     "KVSender": "transfer.sender",
     "Ack": "transfer.sender",

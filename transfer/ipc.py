@@ -55,7 +55,7 @@ from pdkernels.checksum_gpu import Paged, Segment, torch_copy
 from transfer.arena import Arena
 from transfer.config import TransferConfig
 from transfer.errors import TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import Buffer, HandoffHeader, segment_bytes
+from transfer.header import Buffer, HandoffHeader, segment_bytes
 from transfer.transport import KVPool, Transport
 from transfer.wire import Channel
 

@@ -31,7 +31,7 @@ import torch
 
 from transfer.config import TransferConfig
 from transfer.errors import STALE, TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import Buffer, HandoffHeader, dense
+from transfer.header import Buffer, HandoffHeader, dense
 from transfer.transport import Transport
 from transfer.wire import Channel
 

@@ -23,7 +23,7 @@ In place, the pages the PE writes are the reservation's fresh pages: never a pag
 holds (a delta handoff starts after the held pages; a full one over held pages lands in the arena), and
 never a page any other sequence has. A reservation released while a write may still land there (an
 abort mid-write, an expiry after a failed write) keeps its pages out of every other sequence's reach for
-hold_s (engine/handoff_ledger.py's quarantine). A tensor-parallel CE re-shards what it receives: it
+hold_s (engine/handoff/ledger.py's quarantine). A tensor-parallel CE re-shards what it receives: it
 lands in the arena.
 
 One NIXL agent per transport, i.e. per process and role (a rank sends or receives, not both), made on
@@ -86,7 +86,7 @@ from engine.handoff import Alloc, PoolPages
 from transfer.arena import Arena
 from transfer.config import NIXL_MISSING, NIXL_MODULES, TransferConfig
 from transfer.errors import LAYOUT, PROTOCOL, TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import Buffer, HandoffHeader, dense
+from transfer.header import Buffer, HandoffHeader, dense
 from transfer.messages import Written
 from transfer.transport import KVPool, Transport
 from transfer.wire import Channel

@@ -61,7 +61,7 @@ from transfer.errors import (
     HandoffError,
     printable,
 )
-from transfer.handoff import (
+from transfer.header import (
     Buffer,
     HandoffHeader,
     PackedIds,

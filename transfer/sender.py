@@ -43,7 +43,7 @@ from transfer.errors import (
     HandoffError,
     printable,
 )
-from transfer.handoff import (
+from transfer.header import (
     Buffer,
     HandoffHeader,
     check_layout,

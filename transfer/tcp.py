@@ -43,7 +43,7 @@ from pdkernels.checksum import CHUNK_BYTES, MASK64, as_words, fold
 from transfer.checksum import segment_sum
 from transfer.config import MAX_TCP_STREAMS, TransferConfig
 from transfer.errors import INCOMPLETE, TRANSPORT, HandoffError
-from transfer.handoff import Buffer, HandoffHeader, dense
+from transfer.header import Buffer, HandoffHeader, dense
 from transfer.transport import Transport
 from transfer.wire import Channel, blocking_recv_into, blocking_send
 

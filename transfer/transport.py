@@ -28,7 +28,7 @@ import torch
 
 from engine.handoff import Alloc, PoolPages
 from transfer.config import TransferConfig
-from transfer.handoff import Buffer, HandoffHeader
+from transfer.header import Buffer, HandoffHeader
 from transfer.wire import Channel, io_executor
 
 _REGISTRY: dict[str, str] = {

@@ -17,8 +17,8 @@ import time
 import torch
 
 from engine.config import EngineConfig
+from engine.core.grammar import GrammarCompiler, mask_logits
 from engine.engine import LLMEngine
-from engine.grammar import GrammarCompiler, mask_logits
 from engine.request import SamplingParams, StructuredOutput
 
 ROWS: list[tuple[str, bool, str]] = []

@@ -9,7 +9,7 @@
                batch composition): tokens and their logprobs must be bit-identical.
 
 Models: `--model NAME=SRC`, SRC a Hugging Face folder, a .gguf file (converted here with the project's
-converter, engine.models.convert) or GGUF parts joined by '+'. `--synthetic` adds random-weight models
+converter, engine.checkpoints.convert) or GGUF parts joined by '+'. `--synthetic` adds random-weight models
 with the real models' shapes (Gemma 3 270M, SmolLM2 135M) and widened weights so greedy steps have clear
 winners: they exercise the same code paths, but they are no substitute for a real checkpoint's golden
 check and are reported apart.
@@ -42,9 +42,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.core.sequence import Sequence  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
 
 LONG_PROMPT_TOKENS = 1150  # over 1,100: several of Gemma 3's 512-token windows slide
 
@@ -97,7 +97,7 @@ def prepare_model(name: str, src: str, scratch: Path) -> Path:
                     shutil.copyfileobj(f, out, 1 << 24)
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
     log(f"{name}: GGUF {gguf.stat().st_size / 2**20:.1f} MiB, sha256 {digest}")
-    from engine.models.convert import gguf_to_hf
+    from engine.checkpoints.convert import gguf_to_hf
 
     folder = scratch / name
     t0 = time.monotonic()

@@ -170,15 +170,15 @@ def environment() -> dict[str, Any]:
 def prepare_smollm2(gguf: str | None, fallback: Path | None) -> dict[str, Any]:
     """The SmolLM2 checkpoint the check step serves: converted from the GGUF parts, else already
     converted, else the fallback folder's shape with dummy weights."""
-    from engine.models import models_home
-    from engine.models.store import is_converted
+    from engine.checkpoints import models_home
+    from engine.checkpoints.store import is_converted
 
     folder = models_home() / SMOLLM2
     parts = [Path(p) for p in gguf.split("+")] if gguf else []
     if is_converted(folder):
         return {"model": SMOLLM2, "folder": str(folder), "weights": "real (already converted)", "flags": []}
     if parts and all(p.exists() for p in parts):
-        from engine.models.convert import gguf_to_hf
+        from engine.checkpoints.convert import gguf_to_hf
 
         scratch = Path(
             tempfile.mkdtemp(prefix="smollm2-", dir=folder.parent if folder.parent.exists() else None)

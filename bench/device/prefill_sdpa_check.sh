@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The default-mode SDPA prefill path (engine/attention.py) on one GPU, in one device call: which SDPA
+# The default-mode SDPA prefill path (engine/layers/attention.py) on one GPU, in one device call: which SDPA
 # backend torch picks here, the SDPA path's tests (with each path's TFLOP/s on an 8B layer), the prefill
 # kernel and CUDA decode tests, then engine_speed.py prefill rows (1k, 8k, 32k; no decode rows) of llama8b
 # and hybrid8b with the SDPA path on (default-sdpa) and off (default-triton), against transformers. Logs

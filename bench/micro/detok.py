@@ -22,7 +22,7 @@ TEXT = (
 
 
 def run_ours(tok: Any, ids: list[int], window: bool = False) -> tuple[str, float]:
-    from engine.detokenizer import IncrementalDetokenizer
+    from engine.core.detokenizer import IncrementalDetokenizer
 
     d = IncrementalDetokenizer(tok, ())
     if window:  # the engine's path for tokenizers without a `tokenizers` backend (and its former one)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     rows = []
     for name in args.models.split(","):

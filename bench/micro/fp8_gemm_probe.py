@@ -32,8 +32,8 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A bf16 weight and its block-scaled FP8 form (engine/fp8.py quantize)."""
-    from engine.fp8 import quantize
+    """A bf16 weight and its block-scaled FP8 form (engine/layers/fp8.py quantize)."""
+    from engine.layers.fp8 import quantize
 
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
     w8, scales = quantize(w)
@@ -46,7 +46,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def small_m_row(name: str, m: int, n: int, k: int, copy_gbs: float, sweep: bool) -> str:
     """M <= 8: the GEMVs, as a share of the copy ceiling counting the weight's bytes once (2 B bf16, 1 B FP8)."""
-    from engine.fp8 import dequantize
+    from engine.layers.fp8 import dequantize
     from pdkernels.fp8_gemm import fp8_linear
     from pdkernels.gemv import GemvConfig, gemv, gemv_config
 
@@ -79,7 +79,7 @@ def small_m_row(name: str, m: int, n: int, k: int, copy_gbs: float, sweep: bool)
 def large_m_row(name: str, m: int, n: int, k: int, sweep: bool) -> str:
     """M > 8: the block GEMM (activation quantization included, and without it) against bf16 F.linear and
     torch._scaled_mm, in TFLOP/s."""
-    from engine.fp8 import dequantize
+    from engine.layers.fp8 import dequantize
     from pdkernels.fp8_gemm import (
         block_fp8_matmul,
         cublas_blockwise_supported,

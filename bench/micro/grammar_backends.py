@@ -1,4 +1,4 @@
-"""Structured outputs: llguidance (what pdserve uses, engine/grammar.py) against xgrammar (what vLLM and
+"""Structured outputs: llguidance (what pdserve uses, engine/core/grammar.py) against xgrammar (what vLLM and
 SGLang default to), on the same tokenizer and the same token streams.
 
 For each grammar it measures the first use (tokenizer wrapping is reported once; then compile, or
@@ -84,7 +84,7 @@ def run_llguidance(tok: Any, vocab: int, eos: list[int], ids_of: dict[str, list[
     import llguidance.hf
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
-    from engine.grammar import grammar_text
+    from engine.core.grammar import grammar_text
     from engine.request import StructuredOutput
 
     wrap_s, lltok = _timed(lambda: llguidance.hf.from_tokenizer(tok, n_vocab=vocab, eos_token=eos))
@@ -100,9 +100,9 @@ def run_llguidance(tok: Any, vocab: int, eos: list[int], ids_of: dict[str, list[
             return bool(m.consume_token(t))
 
         out[name] = _walk(name, ids_of[name], step, compile_s)
-    # the engine's whole per-step path (engine/grammar.py mask_logits: the fill, the byte-table add) on a
+    # the engine's whole per-step path (engine/core/grammar.py mask_logits: the fill, the byte-table add) on a
     # batch of rows, each in the middle of the person schema
-    from engine.grammar import GrammarCompiler, mask_logits
+    from engine.core.grammar import GrammarCompiler, mask_logits
 
     compiler = GrammarCompiler(tok, vocab, set(eos))
     so = StructuredOutput("json_schema", json.dumps(PERSON))
@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from engine.model_config import generation_eos_ids, load_hf_config
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
+    from engine.models.hf_config import generation_eos_ids, load_hf_config
 
     folder = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(folder))

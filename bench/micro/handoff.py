@@ -59,19 +59,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from engine.core.kv_cache import KVCache  # noqa: E402
+from engine.core.kv_cache import layout_of as engine_layout_of  # noqa: E402
 from engine.handoff import (  # noqa: E402
     KVLayout,
     PoolPages,
     SequenceExport,
 )
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.kv_cache import layout_of as engine_layout_of  # noqa: E402
-from engine.model_config import arch_from_hf  # noqa: E402
+from engine.models.hf_config import arch_from_hf
 from engine.request import SamplingParams  # noqa: E402
 from pdkernels.checksum import as_words, fold, torch_segment_sum
 from transfer.checksum import payload_checksum  # noqa: E402
 from transfer.config import TransferConfig, nixl_installed  # noqa: E402
-from transfer.handoff import (  # noqa: E402
+from transfer.header import (  # noqa: E402
     HandoffHeader,
     allocate_payload,
     payload_segments,
@@ -87,7 +87,7 @@ GB = 1e9
 
 
 def layout_of(name: str, block_size: int = 128, dtype: torch.dtype = torch.bfloat16) -> KVLayout:
-    """The KV layout an engine gives bench/configs/<name>.json (engine/kv_cache.py's layout_of: K/V pages,
+    """The KV layout an engine gives bench/configs/<name>.json (engine/core/kv_cache.py's layout_of: K/V pages,
     or deepseek_v3's latent pages)."""
     from transformers import AutoConfig
 

@@ -144,8 +144,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def fp8_layer(layer: dict[str, Any]) -> dict[str, Any]:
-    """layer's expert weights quantized to 128x128-block FP8 (engine/fp8.py), as fused_moe takes them."""
-    from engine.fp8 import quantize
+    """layer's expert weights quantized to 128x128-block FP8 (engine/layers/fp8.py), as fused_moe takes them."""
+    from engine.layers.fp8 import quantize
 
     gu8, gu_s = quantize(layer["w_gate_up"])
     d8, d_s = quantize(layer["w_down"])
@@ -201,7 +201,7 @@ def bench_tokens(name: str, shape: MoEShape, layers: list[dict[str, Any]], num_t
     rows += [timed("fused_moe" + suffix, layers, ref, extra) for suffix, extra in paths]
     rows.append(timed("fused_moe bi", layers, ref, {"batch_invariant": True}))
     if fp8_layers:
-        from engine.fp8 import dequantize
+        from engine.layers.fp8 import dequantize
 
         first = fp8_layers[0]
         dense = {**layers[0], "w_gate_up": dequantize(first["w_gate_up"], first["w_gate_up_scale"], dtype),

@@ -107,7 +107,7 @@ class AttnCase:
         return kv[:, 0].reshape(-1, KV_HEADS, DIM)[:end], kv[:, 1].reshape(-1, KV_HEADS, DIM)[:end], 0
 
     def sdpa_mask_fn(self) -> Any:
-        from engine.attention import sdpa_attend
+        from engine.layers.attention import sdpa_attend
 
         def run() -> torch.Tensor:
             ks, vs, lo = self.gathered()
@@ -167,7 +167,7 @@ def attention_rows(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-# (name, N, K) of Llama-3-8B's projections with q/k/v and gate/up fused (engine/model.py on CUDA)
+# (name, N, K) of Llama-3-8B's projections with q/k/v and gate/up fused (engine/models/decoder.py on CUDA)
 MM_SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
              ("lm_head", 128256, 4096)]
 MM_ROWS = [1, 8, 64, 256, 2048, 8192]

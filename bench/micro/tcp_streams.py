@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.micro.handoff import TOKEN, first_answer, layout_of, reused_payload, synthetic_export  # noqa: E402
 from engine.handoff import KVLayout  # noqa: E402
 from transfer.config import TransferConfig  # noqa: E402
-from transfer.handoff import payload_segments  # noqa: E402
+from transfer.header import payload_segments  # noqa: E402
 from transfer.receiver import KVReceiver  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
 from transfer.tcp import byte_view  # noqa: E402

@@ -1,5 +1,5 @@
 """Decode speed of one engine at `--tp N`: this process is the group's first rank (it schedules, samples
-and times the steps), ranks 1..N-1 are spawned processes that follow it (engine/tensor_parallel.py), each
+and times the steps), ranks 1..N-1 are spawned processes that follow it (engine/parallel/tensor_parallel.py), each
 on its own GPU (cuda:K, as pd/rank/worker.py places them) with NCCL, or on the CPU with gloo. Dummy
 weights of a bench/configs/ shape; decode steps timed as bench/micro/engine_speed.py times them (prompts
 admitted as prefilled, median step). `--tp 1` runs the same rows with no group at all, so
@@ -27,7 +27,7 @@ import torch
 from bench.micro.engine_speed import engine_decode, model_folder, parse_ints
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.tensor_parallel import PLAN_STEP, PLAN_STOP, close_group, init_group
+from engine.parallel.tensor_parallel import PLAN_STEP, PLAN_STOP, close_group, init_group
 
 
 def device_of(kind: str, rank: int) -> str:

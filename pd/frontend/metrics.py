@@ -76,7 +76,7 @@ class _RankCollector:
 
 
 def _moe_families(ranks: list[RankSnapshot]) -> Iterator[Metric]:
-    """MoE models: the experts' load per layer, from every rank's counts (engine/moe.py)."""
+    """MoE models: the experts' load per layer, from every rank's counts (engine/layers/moe.py)."""
     tokens: dict[tuple[int, int], float] = {}  # (layer, expert) -> assignments, all ranks
     rows: dict[tuple[int, int], float] = {}  # (layer, rank) -> rows its experts computed
     for r in ranks:

@@ -228,7 +228,7 @@ class RankClient:
             [] if self.role_config is None else ["--role-config", json.dumps(to_wire(self.role_config))]
         )
         if self.group is not None:
-            # every process of every member: --dp x --tp (engine/world.py)
+            # every process of every member: --dp x --tp (engine/parallel/world.py)
             role_args += ["--ep", str(len(self.group.members) * self.tp), "--ep-address", self.group.address]
         if self.tp > 1:
             role_args += ["--tp", str(self.tp)]

@@ -7,7 +7,7 @@ A request reaches a CE rank in three steps, each one a message or a handoff:
                   └─ AbortRequests frees it in any of these states ─────────────────────┘
 
 The states, the commit accounting (admission never overcommits) and every transition belong to the
-engine (engine.handoffs, engine/handoff_ledger.py); this role turns messages into transitions and
+engine (engine.handoffs, engine/handoff/ledger.py); this role turns messages into transitions and
 their outcomes into messages. The KV receiver (transfer.KVReceiver, port kv_port) runs in a
 LoopThread; it takes an offer only for a reserved request (handoffs.begin_receive, one of the two
 transitions made on its thread), and the import happens on the engine thread, before the PE gets its ack.
@@ -27,7 +27,7 @@ import zmq
 from engine.errors import InvalidRequestError
 from engine.faults import raise_if_fatal
 from engine.handoff import SequenceExport
-from engine.handoff_ledger import Phase
+from engine.handoff.ledger import Phase
 from engine.request import RequestOutput
 from pd.config import RoleConfig
 from pd.messages import AbortRequests, AddRequest, Message, Reserve, Reserved, StepOutputs
@@ -35,7 +35,7 @@ from pd.rank.loop_thread import LoopThread
 from pd.rank.role import admission_error, rejection
 from transfer.auth import load_token
 from transfer.errors import ENGINE_ERROR, UNEXPECTED, HandoffError
-from transfer.handoff import Buffer, HandoffHeader, allocate_payload, model_fingerprint
+from transfer.header import Buffer, HandoffHeader, allocate_payload, model_fingerprint
 from transfer.receiver import KVReceiver
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ the export carries only the pages after the parts and the SWA state:
            (open on the first)             (while chunk 3 computes)                      ─► ack
 
 The sequence's states (parked, exported, handed off, aborted) are the engine's (engine.handoffs,
-engine/handoff_ledger.py): this role keeps only what it needs to answer (timings, the send in flight).
+engine/handoff/ledger.py): this role keeps only what it needs to answer (timings, the send in flight).
 The PE keeps the sequence's KV until the CE acknowledges or the lease runs out. A first token that
 already ends the request (EOS, a stop, max_tokens 1) is not handed off: its output goes back in the
 PrefillResult. Nothing a PE rank computes streams to the HTTP process; it answers once per request.
@@ -41,7 +41,7 @@ from pd.rank.loop_thread import LoopThread
 from pd.rank.role import add_request, rejection
 from transfer.auth import load_token
 from transfer.errors import ENGINE_ERROR, TRANSPORT, HandoffError
-from transfer.handoff import HandoffHeader, model_fingerprint, stream_plan
+from transfer.header import HandoffHeader, model_fingerprint, stream_plan
 from transfer.sender import Ack, KVSender, PagesPart, StreamParts
 
 if TYPE_CHECKING:

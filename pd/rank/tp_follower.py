@@ -2,11 +2,11 @@
 
     python -m pd.rank.tp_follower --tp-rank K --tp N --address HOST:PORT [--dp-rank I --dp D] --engine-config JSON
 
-(`--dp-rank`/`--dp` under `--ep`: the group joins the world of every rank's processes, engine/world.py.)
+(`--dp-rank`/`--dp` under `--ep`: the group joins the world of every rank's processes, engine/parallel/world.py.)
 
 Started by the group's first process (pd/rank/worker.py), which schedules; this one joins the group,
 builds its share of the engine and runs the forwards the first process broadcasts
-(engine/tensor_parallel.py) until it says stop. It dies with its parent (PR_SET_PDEATHSIG), and a
+(engine/parallel/tensor_parallel.py) until it says stop. It dies with its parent (PR_SET_PDEATHSIG), and a
 failed collective (a peer gone) ends it with an error: the parent's next collective fails too, the
 parent exits and the server restarts the rank, followers and all.
 """
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, required=True, help="the group's size")
     p.add_argument("--address", required=True, help="the group's rendezvous (the first process hosts it)")
     p.add_argument("--dp-rank", type=int, default=None, help="--ep: the engine rank whose group this is; --address "
-                   "is then the world's rendezvous (engine/world.py: engine rank 0's first process hosts it)")
+                   "is then the world's rendezvous (engine/parallel/world.py: engine rank 0's first process hosts it)")
     p.add_argument("--dp", type=int, default=1, help="--ep: the engine ranks of the world")
     p.add_argument("--engine-config", required=True, help="the EngineConfig as JSON (engine/codec.py), device resolved")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text", help="the server's --log-format")
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     from engine.engine import LLMEngine
-    from engine.tensor_parallel import init_group
-    from engine.world import join_world, leave_world
+    from engine.parallel.tensor_parallel import init_group
+    from engine.parallel.world import join_world, leave_world
 
     cfg = from_wire(EngineConfig, json.loads(args.engine_config))
     try:

@@ -11,16 +11,16 @@ sends its stats once a second as a heartbeat. It dies with its parent (PR_SET_PD
 outlives the server holding memory.
 
 `--ep N` (with `--dp N` and `--ep-address HOST:PORT`, which the server gives every rank of the group):
-the ranks split every MoE layer's experts (engine/expert_parallel.py) and step in lockstep: each loop
+the ranks split every MoE layer's experts (engine/parallel/expert_parallel.py) and step in lockstep: each loop
 they agree whether any of them has work, and if so all run one engine step (a rank with nothing to do
 runs an empty forward, so every rank enters the same MoE exchanges). Idle, they poll every
 EP_IDLE_POLL_S instead of blocking, so a new request waits at most that long for its group.
 
-`--tp N` with `--ep`: one world of every rank's processes (engine/world.py): the rank's followers join it at
+`--tp N` with `--ep`: one world of every rank's processes (engine/parallel/world.py): the rank's followers join it at
 the `--ep-address` too, and the group's first process takes part in the loop above for the group.
 
 `--tp N`: the rank is a tensor-parallel group of N processes holding one model split across them
-(engine/tensor_parallel.py). This process is the group's first: it starts the other N - 1
+(engine/parallel/tensor_parallel.py). This process is the group's first: it starts the other N - 1
 (pd/rank/tp_follower.py, its children, on the next GPUs: rank i's group takes GPUs i*N .. i*N + N-1),
 schedules and samples, and broadcasts every forward's plan; idle, it broadcasts an idle plan every
 TP_HEARTBEAT_S. A follower that dies fails this process's next collective, so the rank
@@ -70,8 +70,8 @@ from pd.rank.role import RankRole, add_request, rejection
 
 if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed import is a RankFatal
     from engine.engine import LLMEngine
-    from engine.expert_parallel import ExpertGroup
-    from engine.tensor_parallel import TensorGroup
+    from engine.parallel.expert_parallel import ExpertGroup
+    from engine.parallel.tensor_parallel import TensorGroup
 
 HEARTBEAT_S = 1.0
 BUSY_STATS_EVERY_S = 0.1
@@ -113,7 +113,7 @@ def start_followers(
 ) -> tuple[str, list[subprocess.Popen[bytes]]]:
     """The group's rendezvous address and its other N - 1 processes (pd/rank/tp_follower.py), each on
     its own device and a share of the cores, logging as the rank does (log_format). world_address
-    (--ep): the group joins the world of every rank's processes there instead (engine/world.py)."""
+    (--ep): the group joins the world of every rank's processes there instead (engine/parallel/world.py)."""
     address = world_address
     if address is None:
         with socket.socket() as s:
@@ -301,18 +301,18 @@ def main(argv: list[str] | None = None) -> int:
         tp = ep = None
         if args.ep > 1 and (args.ep != args.dp * args.tp or not args.ep_address):
             raise ValueError("--ep N needs N = --dp x --tp and --ep-address")
-        if args.tp > 1 and args.ep > 1:  # one world of every rank's processes (engine/world.py)
-            from engine.world import join_world
+        if args.tp > 1 and args.ep > 1:  # one world of every rank's processes (engine/parallel/world.py)
+            from engine.parallel.world import join_world
 
             _, followers = start_followers(requested, args.rank, args.dp, args.tp, args.log_format, args.ep_address)
             tp, ep = join_world(args.rank, args.dp, 0, args.tp, args.ep_address, cfg.torch_device())
         elif args.tp > 1:
-            from engine.tensor_parallel import init_group as init_tp_group
+            from engine.parallel.tensor_parallel import init_group as init_tp_group
 
             address, followers = start_followers(requested, args.rank, args.dp, args.tp, args.log_format)
             tp = init_tp_group(0, args.tp, address, cfg.torch_device())
         elif args.ep > 1:
-            from engine.expert_parallel import init_group
+            from engine.parallel.expert_parallel import init_group
 
             ep = init_group(args.rank, args.ep, args.ep_address, cfg.torch_device())
         t0 = time.monotonic()

@@ -2,9 +2,9 @@
 
     pdserve serve MODEL [server flags] [--config FILE.yaml]   python -m pd.server --model MODEL ...
     pdserve pd start|stop|status ...                         deploy/pd_run.sh start|stop|status ...
-    pdserve download MODEL [--revision R] [--download-dir D]  python -m engine.models download MODEL ...
+    pdserve download MODEL [--revision R] [--download-dir D]  python -m engine.checkpoints download MODEL ...
     pdserve router --decode-url URL[,URL...] [flags]         python -m pd.router.server ...
-    pdserve models fetch|list|path ...                       python -m engine.models ...
+    pdserve models fetch|list|path ...                       python -m engine.checkpoints ...
     pdserve bench load|compare ...                           bench/load/replay.py, bench/load/compare.py
 
 Everything after the subcommand goes to the tool it names, unchanged; its exit status is pdserve's.
@@ -23,9 +23,9 @@ COMMANDS = {
     "serve": "the OpenAI-compatible server (python -m pd.server; `pdserve serve --help`: its flags)",
     "pd": "a P/D cluster across hosts: start|stop|status (deploy/pd_run.sh)",
     "download": "a Hugging Face hub model (ORG/NAME[@REVISION]) into the cache, ahead of `serve` "
-    "(python -m engine.models download)",
+    "(python -m engine.checkpoints download)",
     "router": "an HTTP front over the CEs: conversation affinity, failover (python -m pd.router.server)",
-    "models": "the model catalogue: fetch|list|path (python -m engine.models)",
+    "models": "the model catalogue: fetch|list|path (python -m engine.checkpoints)",
     "bench": "benchmarks against running endpoints: load|compare (bench/load/replay.py, bench/load/compare.py)",
 }
 BENCHES = {"load": "bench.load.replay", "compare": "bench.load.compare"}  # name: module
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         os.execv(script, [str(script), *rest])
     if command in ("models", "download"):
-        from engine.models.__main__ import main as models_main
+        from engine.checkpoints.__main__ import main as models_main
 
         if command == "models":
             return models_main(rest, prog="pdserve models")

@@ -509,7 +509,7 @@ def _fetcher(server: Server) -> dict[str, Any]:
 
 
 def test_the_init_container_fills_the_cache_the_server_reads_offline() -> None:
-    from engine.models.hub import parse_hub_model
+    from engine.checkpoints.hub import parse_hub_model
     from pd.tools.cli import COMMANDS
 
     assert "download" in COMMANDS and image_entrypoint() == ["pdserve"]
@@ -540,7 +540,7 @@ def test_init_container_then_server_on_a_fake_hub(tmp_path: Path) -> None:
     import os
     import sys
 
-    from engine.models import models_home
+    from engine.checkpoints import models_home
     from tests.fake_hub import FakeHub, Repo, commit_of, files_of
     from tests.tiny_models import make_servable
 

@@ -1,4 +1,4 @@
-"""The default-mode SDPA prefill path (engine/attention.py `_sdpa_chunk`) on CUDA, through
+"""The default-mode SDPA prefill path (engine/layers/attention.py `_sdpa_chunk`) on CUDA, through
 `chunked_attention` over a real, NaN-poisoned KVCache: against the Triton kernel path (prefill_sdpa
 "off") and a float32 torch reference, at bf16. Each run passes its ForwardConfig (the setting and the
 thresholds) into the forward context, as the engine's runner does. Which chunks took which path is recorded, so a case
@@ -21,13 +21,13 @@ if not torch.cuda.is_available():  # under TRITON_INTERPRET: the SDPA path needs
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import pdkernels.prefill_attention as prefill_kernel  # noqa: E402
-from engine import attention  # noqa: E402
-from engine.attention import AttnSpec, chunked_attention  # noqa: E402
 from engine.config import ForwardConfig  # noqa: E402
-from engine.context import SeqChunk, forward_context  # noqa: E402
+from engine.core.kv_cache import KVCache  # noqa: E402
 from engine.handoff import KVLayout  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.numerics import Numerics  # noqa: E402
+from engine.layers import attention  # noqa: E402
+from engine.layers.attention import AttnSpec, chunked_attention  # noqa: E402
+from engine.layers.context import SeqChunk, forward_context  # noqa: E402
+from engine.layers.numerics import Numerics  # noqa: E402
 from tests.engine_utils import prompt_logits, small_engine  # noqa: E402
 
 pytestmark = pytest.mark.cuda

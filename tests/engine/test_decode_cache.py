@@ -10,15 +10,15 @@ import time
 import pytest
 import torch
 
-from engine.block_pool import BlockPool
-from engine.decode_cache import DecodeCache
+from engine.core.block_pool import BlockPool
+from engine.core.decode_cache import DecodeCache
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.sequence import Sequence
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.handoff import SequenceExport
-from engine.handoff_ledger import Grant, HandoffLedger, Phase
+from engine.handoff.ledger import Grant, HandoffLedger, Phase
 from engine.request import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence
 from tests.engine_utils import small_engine
 
 BS = 4  # unit tests: tokens per page

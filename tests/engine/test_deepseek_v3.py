@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.core.kv_cache import layout_of
 from engine.errors import InvalidRequestError
-from engine.kv_cache import layout_of
-from engine.loader import build_model
-from engine.mla import LatentAttention
-from engine.model import RMSNorm
-from engine.model_config import arch_from_hf, load_hf_config
-from engine.moe import ScoreGate, route_group_topk
-from engine.numerics import Numerics
+from engine.layers.mla import LatentAttention
+from engine.layers.moe import ScoreGate, route_group_topk
+from engine.layers.numerics import Numerics
+from engine.models.decoder import RMSNorm
+from engine.models.hf_config import arch_from_hf, load_hf_config
+from engine.models.loader import build_model
 from engine.request import SamplingParams
 from tests.engine_utils import (
     compare_greedy,
@@ -252,9 +252,9 @@ def test_nextn_layers_are_skipped_with_one_log_line(tiny_model_dir, tmp_path: Pa
     hf = load_hf_config(with_nextn)
     arch = arch_from_hf(hf)
     cpu = torch.device("cpu")
-    with caplog.at_level(logging.INFO, logger="engine.loader"):
+    with caplog.at_level(logging.INFO, logger="engine.models.loader"):
         state = build_model(arch, hf, with_nextn, torch.float32, cpu, 64).state_dict()
-    lines = [r.getMessage() for r in caplog.records if r.name == "engine.loader"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.models.loader"]
     assert len(lines) == 1 and f"skipped {len(nextn)} tensors" in lines[0] and "model.layers.4" in lines[0], lines
     plain = build_model(arch, hf, folder, torch.float32, cpu, 64).state_dict()
     assert state.keys() == plain.keys() and all(torch.equal(state[k], plain[k]) for k in state)
@@ -271,7 +271,7 @@ def test_nextn_layers_are_skipped_with_one_log_line(tiny_model_dir, tmp_path: Pa
 def test_legacy_rope_scaling_reads_as_rope_parameters(tiny_model_dir, tmp_path: Path) -> None:
     """DeepSeek-V3's config.json ships `rope_scaling` ({"type": "yarn", ...}) and `rope_theta`, not transformers
     5's `rope_parameters`: the same arch (softmax scale included) and rope tables."""
-    from engine.model_config import rope_inv_freq
+    from engine.models.hf_config import rope_inv_freq
 
     folder = tiny_model_dir("deepseek_v3")
     config = json.loads((folder / "config.json").read_text())

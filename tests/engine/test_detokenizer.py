@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.models import resolve_model
+from engine.checkpoints import resolve_model
+from engine.core.detokenizer import IncrementalDetokenizer
 
 TEXT = "Hello wörld! 東京は晴れ 🌤️ — naïve café, def f(x):\n    return x**2  # done."
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import ForwardConfig
-from engine.runner import ModelRunner
+from engine.execution.runner import ModelRunner
 from tests.engine_utils import decode_logits, random_prompts, small_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

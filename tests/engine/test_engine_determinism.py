@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.numerics import Numerics, run_rows
+from engine.layers.numerics import Numerics, run_rows
 from engine.request import SamplingParams
 from tests.engine_utils import prompt_logits, small_engine
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_pool import BlockPool, OutOfBlocksError
-from engine.handoff_ledger import Grant
+from engine.core.block_pool import BlockPool, OutOfBlocksError
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.sequence import Sequence
+from engine.handoff.ledger import Grant
 from engine.request import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence
 from tests.engine_utils import small_engine
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

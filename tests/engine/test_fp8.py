@@ -1,4 +1,4 @@
-"""FP8 weights (engine/fp8.py): block-scaled FP8 checkpoints as the releases ship them load as FP8 and give
+"""FP8 weights (engine/layers/fp8.py): block-scaled FP8 checkpoints as the releases ship them load as FP8 and give
 transformers' tokens and logits on the same checkpoint; `--quantization fp8` gives what the pre-quantized
 checkpoint gives; everything else in a quantization_config is refused, naming the field.
 
@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import fp8
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.loader import fp8_candidates
-from engine.model_config import arch_from_hf, load_hf_config
+from engine.layers import fp8
+from engine.models.hf_config import arch_from_hf, load_hf_config
+from engine.models.loader import fp8_candidates
 from engine.request import SamplingParams
 from tests.engine_utils import compare_greedy, hf_greedy, prompt_logits, random_prompts, small_engine
 from tests.tiny_models import (
@@ -302,7 +302,7 @@ def _fp8_moe(ep=None, seed: int = 0):  # type: ignore[no-untyped-def]
     weights quantized, the router's bias pushing tokens to experts 0-3."""
     import torch.nn.functional as F
 
-    from engine.moe import SparseMoE
+    from engine.layers.moe import SparseMoE
 
     moe = SparseMoE(64, 128, 8, 2, False, F.silu, ep, routing="topk_softmax", activation="swiglu_oai", has_bias=True)
     moe.experts.to_fp8()
@@ -326,8 +326,8 @@ def test_fp8_experts_under_expert_parallelism_with_rebalancing() -> None:
     """Two expert-parallel ranks holding four FP8 experts each (weights, scales and biases): each rank's
     output is the whole layer's for its tokens, bit for bit under the tiled numerics, before and after
     rebalancing moves experts (FP8 bytes, scales and biases together) between the ranks."""
-    from engine.eplb import rebalance_layer
-    from engine.numerics import Numerics
+    from engine.layers.eplb import rebalance_layer
+    from engine.layers.numerics import Numerics
     from tests.engine.test_gpt_oss import ThreadGroup, _run_ranks
 
     whole = _fp8_moe()

@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
+from engine.checkpoints import resolve_model
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.models import resolve_model
 from engine.request import SamplingParams
 from tests.engine_utils import compare_greedy, hf_greedy, prompt_logits
 

@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from engine.attention import sdpa_attend, tiled_attend
-from engine.eplb import rebalance_layer
 from engine.errors import InvalidRequestError
-from engine.loader import build_model
-from engine.model_config import arch_from_hf, load_hf_config
-from engine.moe import SparseMoE
-from engine.numerics import Numerics
+from engine.layers.attention import sdpa_attend, tiled_attend
+from engine.layers.eplb import rebalance_layer
+from engine.layers.moe import SparseMoE
+from engine.layers.numerics import Numerics
+from engine.models.hf_config import arch_from_hf, load_hf_config
+from engine.models.loader import build_model
 from engine.request import SamplingParams
 from tests.engine_utils import compare_greedy, hf_greedy, prompt_logits, small_engine
 from tests.tiny_models import MOE_FAMILIES, make_servable, make_tiny
@@ -242,7 +242,7 @@ def test_gpt_oss_expert_ranges_sum_to_the_whole() -> None:
 
 
 class ThreadGroup:
-    """`size` expert-parallel ranks as threads of this process (a stand-in for engine/expert_parallel.py's
+    """`size` expert-parallel ranks as threads of this process (a stand-in for engine/parallel/expert_parallel.py's
     ExpertGroup): every collective meets at a barrier and reads what the others put down."""
 
     def __init__(self, size: int) -> None:
@@ -390,7 +390,7 @@ def test_cuda_engine_matches(folder: Path, reference: tuple, dtype: str) -> None
 @needs_cuda
 def test_cuda_deterministic_is_batch_invariant(folder: Path) -> None:
     """BATCH_INVARIANT on CUDA with sinks and biased experts: a prompt's logits alone and in a batch."""
-    from engine.numerics import batch_invariant_available
+    from engine.layers.numerics import batch_invariant_available
 
     if not batch_invariant_available(torch.device("cuda")):
         pytest.skip("needs triton")

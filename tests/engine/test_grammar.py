@@ -1,4 +1,4 @@
-"""Structured outputs in the engine (engine/grammar.py): every kind compiles and constrains SmolLM2's
+"""Structured outputs in the engine (engine/core/grammar.py): every kind compiles and constrains SmolLM2's
 greedy output; bad specs are InvalidRequestError; the mask is batched and leaves other rows alone; a
 CE that replays the handed-over tokens continues exactly as the PE's engine would have."""
 
@@ -10,9 +10,9 @@ import re
 import pytest
 import torch
 
+from engine.checkpoints import resolve_model
+from engine.core.grammar import GrammarCompiler, Matcher, grammar_text, mask_logits
 from engine.errors import InvalidRequestError
-from engine.grammar import GrammarCompiler, Matcher, grammar_text, mask_logits
-from engine.models import resolve_model
 from engine.request import SamplingParams, StructuredOutput
 from tests.engine_utils import small_engine
 

@@ -1,4 +1,4 @@
-"""Qwen3-MoE: the grouped expert MLP (engine/moe.py) against a per-token reference, and the engine against
+"""Qwen3-MoE: the grouped expert MLP (engine/layers/moe.py) against a per-token reference, and the engine against
 transformers' Qwen3MoeForCausalLM on tiny random checkpoints written by save_pretrained."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine.errors import InvalidRequestError
-from engine.loader import build_model
-from engine.model_config import arch_from_hf, load_hf_config
-from engine.moe import SparseMoE, can_use_grouped_mm, grouped_linear
-from engine.numerics import Numerics
+from engine.layers.moe import SparseMoE, can_use_grouped_mm, grouped_linear
+from engine.layers.numerics import Numerics
+from engine.models.hf_config import arch_from_hf, load_hf_config
+from engine.models.loader import build_model
 from engine.request import SamplingParams
 from tests.engine_utils import (
     compare_greedy,
@@ -337,7 +337,7 @@ def test_cuda_engine_matches_cpu(moe_dir, dtype: str, chained: bool) -> None:
 def test_cuda_deterministic_is_batch_invariant(moe_dir) -> None:
     """BATCH_INVARIANT on CUDA: the experts through the Triton path's batch-invariant variant (its tiles
     a function of (N, K) only), eager and from CUDA graphs."""
-    from engine.numerics import batch_invariant_available
+    from engine.layers.numerics import batch_invariant_available
 
     if not batch_invariant_available(torch.device("cuda")):
         pytest.skip("needs triton")

@@ -1,4 +1,4 @@
-"""engine/handoff_ledger.py on the CPU: a sequence's P/D lifecycle on small pools (no model), then on
+"""engine/handoff/ledger.py on the CPU: a sequence's P/D lifecycle on small pools (no model), then on
 a tiny engine (check_idle sees the ledger). FIFO grants, commits that never overcommit, expiry that
 waits for a receive in progress, the receiver's thread-safe transitions, abort in every phase."""
 
@@ -9,12 +9,12 @@ import threading
 
 import pytest
 
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.sequence import SeqStatus, Sequence
 from engine.errors import InvalidRequestError
-from engine.handoff_ledger import Grant, HandoffLedger, Phase
+from engine.handoff.ledger import Grant, HandoffLedger, Phase
 from engine.request import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import SeqStatus, Sequence
 from tests.engine_utils import small_engine
 
 BLOCK = 4  # tokens per page: a commit of t tokens takes ceil((t + 1) / 4) pages

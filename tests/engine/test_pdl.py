@@ -24,7 +24,7 @@ def test_not_on_the_cpu() -> None:
 
 def test_a_cpu_forward_context_leaves_it_off(tiny_model_dir) -> None:
     from engine.config import ForwardConfig
-    from engine.context import forward_context
+    from engine.layers.context import forward_context
     from tests.engine_utils import small_engine
 
     eng = small_engine(tiny_model_dir("llama"))

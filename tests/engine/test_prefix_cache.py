@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.prefix_cache import PrefixIndex, chain_hashes
+from engine.core.prefix_cache import PrefixIndex, chain_hashes
 from engine.request import SamplingParams
 from tests.engine_utils import small_engine
 

@@ -1,4 +1,4 @@
-"""Logit processors (engine/sampler.py process_logits): logit_bias, min_tokens, repetition, frequency
+"""Logit processors (engine/layers/sampler.py process_logits): logit_bias, min_tokens, repetition, frequency
 and presence penalties with OpenAI's and vLLM's meanings, batched and row-invariant; min-p; and the
 same through a tiny engine (greedy output moved the way the parameters say, the P/D export/import
 path continuing with the same penalties)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.layers.sampler import process_logits, sample
 from engine.request import MIN_REPETITION_PENALTY, RequestOutput, SamplingParams
-from engine.sampler import process_logits, sample
 from tests.engine_utils import small_engine
 
 V = 12

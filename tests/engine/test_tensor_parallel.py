@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU: a real group of two processes over gloo on loopback. This process is
 rank 0 (it schedules and samples); the other rank is a spawned process that follows its plans
-(engine/tensor_parallel.py). `--tp 2` against `--tp 1` on the same checkpoint: greedy tokens identical
+(engine/parallel/tensor_parallel.py). `--tp 2` against `--tp 1` on the same checkpoint: greedy tokens identical
 and logits within 1e-4 (float32); in deterministic mode a sequence's logits bit-identical whatever
 its batch and chunking.
 
@@ -24,10 +24,17 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.fp8 import Fp8Linear
 from engine.handoff import SequenceExport
+from engine.layers.fp8 import Fp8Linear
+from engine.parallel.tensor_parallel import (
+    PLAN_STEP,
+    PLAN_STOP,
+    TensorGroup,
+    TpShard,
+    close_group,
+    init_group,
+)
 from engine.request import SamplingParams
-from engine.tensor_parallel import PLAN_STEP, PLAN_STOP, TensorGroup, TpShard, close_group, init_group
 from tests.engine_utils import decode_logits, prompt_logits, random_prompts
 from tests.tiny_models import make_tiny
 
@@ -271,7 +278,7 @@ def _computed(exp: SequenceExport) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["gemma3_hybrid", "mqa", "deepseek_v3"])
 def test_handoff_between_tp_sizes(group: Group, tiny_model_dir, odd_models: dict[str, Path], kind: str) -> None:
-    """The P/D handoff's memory between --tp 2 and --tp 1 (engine/kv_shards.py): a --tp 2 export carries
+    """The P/D handoff's memory between --tp 2 and --tp 1 (engine/handoff/kv_shards.py): a --tp 2 export carries
     every KV head of the model in the --tp 1 layout, pages and SWA state within 1e-4 of a --tp 1 export
     (heads in order); imported into --tp 1, and a --tp 1 export imported into --tp 2, each decodes the
     tokens a --tp 1 engine generates. gemma3_hybrid: 2 KV heads split, sliding layers (prompts past the
@@ -300,7 +307,7 @@ def test_handoff_between_tp_sizes(group: Group, tiny_model_dir, odd_models: dict
 
 def test_shard_slices_and_refusals(tmp_path: Path) -> None:
     """What each rank loads (KV heads split, then replicated past their count) and what is refused."""
-    from engine.model_config import arch_from_hf, load_hf_config
+    from engine.models.hf_config import arch_from_hf, load_hf_config
 
     arch = arch_from_hf(load_hf_config(make_tiny("qwen3", tmp_path / "q")))  # 4 heads, 2 KV heads, head_dim 32
     name = "model.layers.0.self_attn.k_proj.weight"
@@ -324,7 +331,7 @@ def test_shard_slices_and_refusals(tmp_path: Path) -> None:
     per_expert = TpShard(1, 2, moe).slice_of("model.layers.0.mlp.experts.5.down_proj.weight")
     assert per_expert is not None and (per_expert.dim, per_expert.ranges) == (1, ((16, 32),))
     assert TpShard(1, 2, moe).is_zero_here("model.layers.0.mlp.experts.down_proj_bias")
-    whole = TpShard(1, 2, moe, splits_experts=False)  # --ep (engine/world.py): experts held whole, each bias too
+    whole = TpShard(1, 2, moe, splits_experts=False)  # --ep (engine/parallel/world.py): experts held whole, each bias too
     assert whole.slice_of("model.layers.0.mlp.experts.gate_up_proj") is None
     assert whole.slice_of("model.layers.0.mlp.experts.5.down_proj.weight") is None
     assert whole.local_arch.moe_intermediate_size == moe.moe_intermediate_size == 32

@@ -1,4 +1,4 @@
-"""`--dp 2 --tp 2 --ep 4` on the CPU: one world of four processes over gloo on loopback (engine/world.py).
+"""`--dp 2 --tp 2 --ep 4` on the CPU: one world of four processes over gloo on loopback (engine/parallel/world.py).
 Engine rank 0 is this process (its scheduler) and a spawned follower; engine rank 1 is a spawned
 scheduler and its follower. Attention is tensor-parallel inside each pair, the routed experts are split
 over all four (two whole experts of eight each), and the two schedulers step in lockstep.
@@ -24,9 +24,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.expert_parallel import ExpertGroup
-from engine.tensor_parallel import PLAN_STEP, PLAN_STOP, TensorGroup
-from engine.world import join_world, leave_world
+from engine.parallel.expert_parallel import ExpertGroup
+from engine.parallel.tensor_parallel import PLAN_STEP, PLAN_STOP, TensorGroup
+from engine.parallel.world import join_world, leave_world
 from tests.engine_utils import decode_logits, random_prompts
 
 pytestmark = pytest.mark.slow

@@ -147,8 +147,8 @@ def _patch_chat(mod: ModuleType) -> None:
 
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "engine.engine": _patch_engine,
-    "engine.launch_ahead": _patch_launch_ahead,
-    "engine.handoff_ledger": _patch_ledger,
+    "engine.execution.launch_ahead": _patch_launch_ahead,
+    "engine.handoff.ledger": _patch_ledger,
     "pd.api.chat": _patch_chat,
 }
 

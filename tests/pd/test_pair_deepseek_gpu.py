@@ -29,7 +29,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     if tokenizer:
         source = Path(tokenizer)
     else:
-        from engine.models import resolve_model
+        from engine.checkpoints import resolve_model
 
         source = resolve_model("smollm2-135m-instruct")
     return str(make_servable("deepseek_v3", tmp_path_factory.mktemp("tiny-deepseek-v3"), source))

@@ -15,7 +15,7 @@ import zmq
 
 from engine.codec import to_wire
 from engine.errors import InvalidRequestError
-from engine.handoff_ledger import Phase
+from engine.handoff.ledger import Phase
 from engine.request import RequestOutput, SamplingParams, TokenLogprob
 from pd.api.prefill import parse_prefill
 from pd.config import RoleConfig, ServerConfig

@@ -31,7 +31,7 @@ PROMPTS = story_prompts(8)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     folder = tmp_path_factory.mktemp("tiny-deepseek-v3")
     return str(make_servable("deepseek_v3", folder, resolve_model("smollm2-135m-instruct")))

@@ -60,7 +60,7 @@ VLLM_BUCKETS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     folder = make_servable("llama", tmp_path_factory.mktemp("tiny-llama"), resolve_model("smollm2-135m-instruct"))
     args = ("--model", str(folder), "--served-model-name", SERVED, "--max-model-len", "2048",

@@ -39,7 +39,7 @@ PROMPTS = story_prompts(10)
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     folder = tmp_path_factory.mktemp("tiny-qwen3-moe")
     return str(make_servable("qwen3_moe", folder, resolve_model("smollm2-135m-instruct")))
@@ -47,7 +47,7 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def gpt_oss_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     folder = tmp_path_factory.mktemp("tiny-gpt-oss")
     return str(make_servable("gpt_oss", folder, resolve_model("smollm2-135m-instruct")))

@@ -1,6 +1,6 @@
 """Tensor parallelism with expert parallelism through real servers and the openai client, on the CPU
 (gloo over loopback): a tiny Qwen3-MoE with SmolLM2's tokenizer served by `--dp 2 --tp 2 --ep 4` (one
-world of four processes, engine/world.py: each rank's pair splits attention by heads, all four split
+world of four processes, engine/parallel/world.py: each rank's pair splits attention by heads, all four split
 the experts, rebalanced every few steps) gives the greedy tokens of a single `--tp 1 --ep 1` server,
 logprobs within 1e-4, and in deterministic mode the same bits one request at a time and ten at once;
 a P/D pair whose PE and CE are each a `--tp 2 --ep 2` world hands off (streamed, delta handoffs
@@ -38,7 +38,7 @@ PROMPTS = story_prompts(10)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     folder = tmp_path_factory.mktemp("tiny-qwen3-moe")
     return str(make_servable("qwen3_moe", folder, resolve_model("smollm2-135m-instruct")))

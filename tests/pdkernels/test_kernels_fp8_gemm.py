@@ -13,7 +13,7 @@ from tests.gpu_support import DEVICE, require_triton
 
 require_triton()
 
-from engine.fp8 import dequantize, quantize  # noqa: E402
+from engine.layers.fp8 import dequantize, quantize  # noqa: E402
 from pdkernels.fp8_gemm import (  # noqa: E402
     block_fp8_matmul,
     cublas_blockwise_supported,
@@ -179,9 +179,9 @@ def test_activation_fused_into_the_quantization(act: str, m: int, k: int) -> Non
 def test_norms_quantize_their_output_in_the_same_pass(rows_to: int, m: int, n: int) -> None:
     """fused_ops.rms_norm_quant and add_rms_norm_quant (also with a sandwich norm's output norm): the norm's
     output as before, and the FP8 values and scales per_token_group_quant makes of it, in its layout; no
-    quantization where the width is not whole groups of 128. engine/fp8.py's carrier hands them to the GEMM
+    quantization where the width is not whole groups of 128. engine/layers/fp8.py's carrier hands them to the GEMM
     in that layout only."""
-    from engine import fp8
+    from engine.layers import fp8
     from pdkernels.fp8_gemm import CUBLAS_ROWS_TO
     from pdkernels.fused_ops import add_rms_norm, add_rms_norm_quant, rms_norm, rms_norm_quant
 

@@ -1,4 +1,4 @@
-"""pdkernels/fused_ops.py against the torch code it replaces (engine/model.py), on random inputs with
+"""pdkernels/fused_ops.py against the torch code it replaces (engine/models/decoder.py), on random inputs with
 poisoned outputs (skipped without CUDA; TRITON_INTERPRET=1 runs it on the CPU in float32)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tests.gpu_support import DEVICE, DTYPE, require_triton
 
 require_triton()
 
-from engine.model import RMSNorm, rotate_half  # noqa: E402
+from engine.models.decoder import RMSNorm, rotate_half  # noqa: E402
 from pdkernels.fused_ops import add_rms_norm, qk_rope_, rms_norm, silu_mul  # noqa: E402
 
 pytestmark = pytest.mark.cuda

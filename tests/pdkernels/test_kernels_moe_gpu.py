@@ -264,7 +264,7 @@ def test_gemv_path(num_tokens: int, activation: str, has_bias: bool, fp8: bool) 
     MAX_GEMV_TOKENS): against fused_moe_reference and the grouped GEMM (gemv_tokens=0) for float and FP8
     weights; a padding slot (-1) and another rank's experts add nothing (a local subset's partial sums
     equal the reference's with those slots weighted zero); the config fills the device's programs."""
-    from engine.fp8 import dequantize, quantize
+    from engine.layers.fp8 import dequantize, quantize
     from pdkernels.moe_gemm import MAX_GEMV_TOKENS
     from pdkernels.moe_gemv import moe_gemv_config
 
@@ -360,12 +360,12 @@ def test_cuda_graph_and_bandwidth_report() -> None:
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_sparse_moe_fused_path_matches_its_torch_path(family: str, batch_invariant: bool) -> None:
-    """engine/moe.py's CUDA branch (SparseMoE.fused_experts: these kernels, with gpt-oss's biases in
+    """engine/layers/moe.py's CUDA branch (SparseMoE.fused_experts: these kernels, with gpt-oss's biases in
     the model's gate-then-up order and its clamped SwiGLU) against the module's torch path on the CPU
     in float32, with the same routing."""
     import copy
 
-    from engine.moe import SparseMoE
+    from engine.layers.moe import SparseMoE
     from pdkernels import moe_gemm
 
     gen = torch.Generator().manual_seed(17)
@@ -391,12 +391,12 @@ def test_sparse_moe_fused_path_matches_its_torch_path(family: str, batch_invaria
 @pytest.mark.parametrize("batch_invariant", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 33] + ([200] if IS_CUDA else []))
 def test_fp8_experts(batch_invariant: bool, num_tokens: int) -> None:
-    """FP8 expert weights with 128x128 block scales (engine/fp8.py quantize): fused_moe dequantizes each
+    """FP8 expert weights with 128x128 block scales (engine/layers/fp8.py quantize): fused_moe dequantizes each
     weight tile in registers, so it matches fused_moe_reference on the dequantized weights to the
     tolerance of the float path (the products then run in x's dtype, as with float weights); the
     grouped GEMM alone likewise, gate and up blocks stacked (I a multiple of 128). Refusals: FP8 weights
     without scales, scales of the wrong shape."""
-    from engine.fp8 import dequantize, quantize
+    from engine.layers.fp8 import dequantize, quantize
 
     gen = torch.Generator().manual_seed(num_tokens + batch_invariant)
     hidden, inter, num_experts, top_k = (256, 128, 4, 2) if not IS_CUDA else (1024, 256, 16, 4)
@@ -432,7 +432,7 @@ def test_fp8_activations(batch_invariant: bool, num_tokens: int, activation: str
     fused_moe_reference(fp8_activations=True) on the dequantized weights, the same quantization in torch,
     to the float path's tolerance; against the float path itself within FP8's own error. Refused without
     FP8 weights or with K not a multiple of 128."""
-    from engine.fp8 import dequantize, quantize
+    from engine.layers.fp8 import dequantize, quantize
 
     gen = torch.Generator().manual_seed(7 * num_tokens + batch_invariant)
     hidden, inter, num_experts, top_k = (256, 128, 4, 2) if not IS_CUDA else (1024, 256, 16, 4)
@@ -462,7 +462,7 @@ def test_fp8_activations_given_tiles(num_tokens: int) -> None:
     edge (BLOCK_N 256 over I = H = 384: the weight tiles' boundary check; K is always whole 128-column
     steps) and an expert without rows, against fused_moe_reference(fp8_activations=True). Refused: a K
     step other than 128 with FP8 rows, given tiles with batch_invariant."""
-    from engine.fp8 import dequantize, quantize
+    from engine.layers.fp8 import dequantize, quantize
 
     gen = torch.Generator().manual_seed(11 * num_tokens)
     hidden, inter, num_experts, top_k = 384, 384, 4, 2

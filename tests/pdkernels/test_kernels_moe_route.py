@@ -1,4 +1,4 @@
-"""pdkernels/moe_route.py: the routing kernel against engine/moe.py's torch routers (the same experts in
+"""pdkernels/moe_route.py: the routing kernel against engine/layers/moe.py's torch routers (the same experts in
 the same order, weights to float32 rounding, the expert counters), its ties, NaNs and batch invariance,
 and the one-program counting sort against torch's stable sort bit for bit. Skipped without CUDA;
 TRITON_INTERPRET=1 runs it on the CPU."""
@@ -12,7 +12,7 @@ from tests.gpu_support import DEVICE, require_triton
 
 require_triton()
 
-from engine.moe import route_softmax_topk, route_topk_softmax  # noqa: E402
+from engine.layers.moe import route_softmax_topk, route_topk_softmax  # noqa: E402
 from pdkernels import moe_route  # noqa: E402
 from pdkernels.moe_gemm import _sort_assignments  # noqa: E402
 

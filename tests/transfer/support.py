@@ -13,7 +13,7 @@ from engine.handoff import KVLayout, PoolPages, SequenceExport
 from engine.request import SamplingParams
 from transfer.config import TransferConfig
 from transfer.errors import HandoffError
-from transfer.handoff import HandoffHeader, allocate_payload
+from transfer.header import HandoffHeader, allocate_payload
 from transfer.receiver import KVReceiver
 
 LAYOUT_SWA = KVLayout(
@@ -101,7 +101,7 @@ def receiver(
 
 
 class PoolSink(Sink):
-    """A CE stand-in with a KV pool (pages and SWA slots, as engine/kv_cache.py lays them out) that lets
+    """A CE stand-in with a KV pool (pages and SWA slots, as engine/core/kv_cache.py lays them out) that lets
     each handoff land in place: its pages in the blocks `blocks` (scattered, out of order), its state in
     slot 1, through KVReceiver.receive_buffers as a decode rank does."""
 

@@ -35,7 +35,7 @@ from transfer.arena import ALIGN
 from transfer.checksum import as_words, segment_sum
 from transfer.config import TransferConfig
 from transfer.errors import CHECKSUM, PROTOCOL, TIMEOUT, TRANSPORT, UNEXPECTED, HandoffError
-from transfer.handoff import IDS_INLINE_MAX, make_header, payload_segments
+from transfer.header import IDS_INLINE_MAX, make_header, payload_segments
 from transfer.ipc import ExportArena, IpcTransport
 from transfer.sender import KVSender
 

@@ -17,7 +17,7 @@ from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, Sink, make_export, r
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig
 from transfer.errors import MESSAGE_CHARS, PROTOCOL, UNEXPECTED, HandoffError, printable
-from transfer.handoff import make_header
+from transfer.header import make_header
 from transfer.messages import Nack, Offer
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender

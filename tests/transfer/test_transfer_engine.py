@@ -15,7 +15,7 @@ from engine.request import SamplingParams
 from pd.rank.decode_role import _EnginePool
 from tests.engine_utils import small_engine
 from transfer.config import TransferConfig, nixl_installed
-from transfer.handoff import HandoffHeader, allocate_payload, model_fingerprint
+from transfer.header import HandoffHeader, allocate_payload, model_fingerprint
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 

@@ -20,7 +20,7 @@ from tests.transfer.support import LAYOUT_LATENT, LAYOUT_SWA, make_export
 from transfer import auth
 from transfer import checksum as tc
 from transfer.errors import BAD_HEADER, LAYOUT, VERSION, HandoffError
-from transfer.handoff import (
+from transfer.header import (
     HEADER_VERSION,
     IDS_INLINE_MAX,
     HandoffHeader,

@@ -21,7 +21,7 @@ from pdkernels.checksum import CHUNK_BYTES, GPU_GROUP_CHUNKS, fold
 from tests.transfer.support import TOKEN, Sink, make_export, receiver
 from transfer.checksum import SegmentHasher, payload_checksum
 from transfer.config import TransferConfig, nixl_installed
-from transfer.handoff import HandoffHeader, allocate_payload, payload_segments
+from transfer.header import HandoffHeader, allocate_payload, payload_segments
 from transfer.nccl import nccl_version
 from transfer.sender import KVSender
 
@@ -86,7 +86,7 @@ def test_pages_in_a_pool_hash_in_one_pass_as_gathered(monkeypatch: pytest.Monkey
     """A handoff received in place is verified where its pages lie (scattered blocks, runs of one and
     more): the one-pass kernel's sum equals the gathered pages' and the staged runs' (the CPU's way)."""
     pytest.importorskip("triton")
-    from engine.kv_cache import KVCache
+    from engine.core.kv_cache import KVCache
     from pdkernels import checksum_gpu
 
     kv = KVCache(LAYOUT, num_blocks=64, num_slots=1, device=torch.device("cuda"))
@@ -111,7 +111,7 @@ def test_fused_copy_hash_gathers_and_copies_like_torch() -> None:
     """The export gather (pages of a pool, in a shuffled order; a chunk spans several pages) and the
     ipc receiver's copy, each against torch's copy and the torch checksum path; prints GB/s."""
     pytest.importorskip("triton")
-    from engine.kv_cache import KVCache
+    from engine.core.kv_cache import KVCache
     from pdkernels.checksum import MASK64, as_words, torch_segment_sum
     from pdkernels.checksum_gpu import copy_segment, usable
 
@@ -209,7 +209,7 @@ class CudaPoolSink(CudaSink):
 
     def __init__(self, *expected: str, device: str) -> None:
         super().__init__(*expected, device=device)
-        from engine.kv_cache import KVCache
+        from engine.core.kv_cache import KVCache
 
         self.kv = KVCache(LAYOUT, num_blocks=96, num_slots=len(expected) + 1, device=torch.device(device))
         self.kv.pages.zero_()
@@ -331,7 +331,7 @@ async def ipc_arena_from_a_child_process() -> None:
 # reading the old bytes). The receiver copies them straight into its own pool's pages.
 _POOL_SENDER = """
 import asyncio, dataclasses, sys, torch
-from engine.kv_cache import KVCache
+from engine.core.kv_cache import KVCache
 from tests.transfer.test_transfer_gpu import CONFIG, LAYOUT, TOKEN, cuda_export, pool_pages_of
 from transfer.sender import KVSender
 

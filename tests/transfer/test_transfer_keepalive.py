@@ -14,7 +14,7 @@ import torch
 from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, Sink, make_export, receiver
 from transfer.auth import client_handshake
 from transfer.errors import BAD_HEADER, TIMEOUT, UNEXPECTED, HandoffError
-from transfer.handoff import IDS_INLINE_MAX, make_header
+from transfer.header import IDS_INLINE_MAX, make_header
 from transfer.messages import Ids, Nack, Offer
 from transfer.sender import KVSender
 from transfer.wire import Channel

@@ -38,7 +38,7 @@ from transfer.arena import Arena
 from transfer.auth import client_handshake
 from transfer.config import NIXL_MODULES, TransferConfig
 from transfer.errors import AUTH, CHECKSUM, INCOMPLETE, TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import HandoffHeader, allocate_payload, payload_segments
+from transfer.header import HandoffHeader, allocate_payload, payload_segments
 from transfer.messages import ControlMessage, Nack, Offer
 from transfer.nixl import EXPORT, LANDING, NixlTransport
 from transfer.receiver import KVReceiver
@@ -81,7 +81,7 @@ def test_transport_nixl_without_the_extra_names_it(monkeypatch: pytest.MonkeyPat
 
 async def test_receiver_without_the_extra_refuses_a_nixl_offer(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CE that accepts nixl (the default) but lacks the package nacks the offer, naming the extra."""
-    from transfer.handoff import make_header
+    from transfer.header import make_header
 
     _hide_nixl(monkeypatch)
     sink = Sink("req-1")
@@ -197,7 +197,7 @@ KILLED_SENDER = r"""
 import asyncio, socket, sys
 from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, make_export
 from transfer.auth import client_handshake
-from transfer.handoff import make_header, payload_segments
+from transfer.header import make_header, payload_segments
 from transfer.messages import Offer, Ready
 from transfer.nixl import NixlTransport
 from transfer.wire import Channel

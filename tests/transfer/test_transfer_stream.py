@@ -18,7 +18,7 @@ from tests.transfer.support import FAST, LAYOUT_SWA, TOKEN, Sink, make_export, r
 from transfer import sender as sender_module
 from transfer.config import TransferConfig, nixl_installed
 from transfer.errors import BAD_HEADER, CHECKSUM, INCOMPLETE, TIMEOUT, TRANSPORT, HandoffError
-from transfer.handoff import HandoffHeader, stream_plan
+from transfer.header import HandoffHeader, stream_plan
 from transfer.receiver import KVReceiver
 from transfer.sender import Ack, KVSender, PagesPart, StreamParts
 

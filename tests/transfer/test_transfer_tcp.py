@@ -34,7 +34,7 @@ from transfer.errors import (
     VERSION,
     HandoffError,
 )
-from transfer.handoff import HandoffHeader, make_header, payload_segments
+from transfer.header import HandoffHeader, make_header, payload_segments
 from transfer.messages import Auth, AuthOk, ControlMessage, HandoffAck, Hello, Ids, Nack, Offer, Ready
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender

@@ -21,7 +21,7 @@ from transfer.auth import client_handshake, server_handshake
 from transfer.checksum import payload_checksum
 from transfer.config import MAX_TCP_STREAMS, TransferConfig
 from transfer.errors import INCOMPLETE, PROTOCOL, TIMEOUT, HandoffError
-from transfer.handoff import HandoffHeader, make_header, payload_segments
+from transfer.header import HandoffHeader, make_header, payload_segments
 from transfer.messages import AuthOk, Join, Nack, Offer, Ready, Streams
 from transfer.sender import KVSender
 from transfer.tcp import byte_view, stripe

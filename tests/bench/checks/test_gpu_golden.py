@@ -4,7 +4,7 @@ Greedy tokens identical to transformers bf16 for 32 new tokens, or parting only 
 reference's top-2 logit gap under 0.05 at that step, reported); in deterministic mode, the engine's
 batched and one-at-a-time runs bit-identical. The checks live in bench/checks/gpu_golden.py, which also runs
 them on the GPU machine without pytest. Skipped without CUDA or without the converted checkpoints
-(`python -m engine.models fetch NAME`)."""
+(`python -m engine.checkpoints fetch NAME`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models import models_home
+from engine.checkpoints import models_home
 
 pytestmark = [
     pytest.mark.cuda,
@@ -34,7 +34,7 @@ def _gpu_check():
 def _folder(name: str) -> Path:
     folder = models_home() / name
     if not (folder / "config.json").is_file():
-        pytest.skip(f"{name} is not converted: python -m engine.models fetch {name}")
+        pytest.skip(f"{name} is not converted: python -m engine.checkpoints fetch {name}")
     return folder
 
 

@@ -125,7 +125,7 @@ class Target:
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     folder = make_servable(
         "llama", tmp_path_factory.mktemp("tiny-llama"), resolve_model("smollm2-135m-instruct")

@@ -33,7 +33,7 @@ def evaluate(url: str, model: str, task: str, **kw: Any) -> tuple[dict[str, Any]
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     path = "/v1/completions" if model == "local-completions" else "/v1/chat/completions"
     args: dict[str, Any] = dict(base_url=url + path, model=MODEL, num_concurrent=1, max_retries=1)

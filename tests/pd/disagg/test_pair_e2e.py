@@ -150,13 +150,13 @@ def post_prefill(pair: PDPair, headers: dict[str, str], data: bytes) -> tuple[in
 async def test_cluster_token_required(servers):
     import torch
 
+    from engine.checkpoints import resolve_model
+    from engine.core.kv_cache import layout_of
     from engine.handoff import SequenceExport
-    from engine.kv_cache import layout_of
-    from engine.model_config import arch_from_hf, load_hf_config
-    from engine.models import resolve_model
+    from engine.models.hf_config import arch_from_hf, load_hf_config
     from engine.request import SamplingParams
     from transfer.errors import AUTH, HandoffError
-    from transfer.handoff import model_fingerprint
+    from transfer.header import model_fingerprint
     from transfer.sender import KVSender
 
     _, pair = servers

@@ -34,11 +34,11 @@ import torch
 from aiohttp import web
 from openai import APIStatusError
 
+from engine.checkpoints import resolve_model
 from engine.codec import from_wire
+from engine.core.kv_cache import layout_of
 from engine.handoff import SequenceExport
-from engine.kv_cache import layout_of
-from engine.model_config import arch_from_hf, load_hf_config
-from engine.models import resolve_model
+from engine.models.hf_config import arch_from_hf, load_hf_config
 from pd.messages import PrefillBody
 from pd.tools.server_process import (
     PDPair,
@@ -52,7 +52,7 @@ from pd.tools.server_process import (
 from tests.server_fixtures import openai_client
 from transfer.auth import client_handshake
 from transfer.config import TransferConfig
-from transfer.handoff import allocate_payload, make_header, model_fingerprint, payload_segments
+from transfer.header import allocate_payload, make_header, model_fingerprint, payload_segments
 from transfer.messages import ControlMessage, Nack, Offer, Ready
 from transfer.receiver import KVReceiver
 from transfer.tcp import TcpTransport, byte_view

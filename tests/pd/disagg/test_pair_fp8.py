@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     root = tmp_path_factory.mktemp("fp8")
     original = make_servable("qwen3_moe", root / "float", resolve_model("smollm2-135m-instruct"), families=FP8_FAMILIES)

@@ -2,7 +2,7 @@
 at --tp 1 hands off to a CE at --tp 2 over tcp, a PE at --tp 2 to a CE at --tp 1 and to one at --tp 2
 over nixl where the extra is installed (the --tp 1 CE takes it in place, into its reservation's pages;
 the --tp 2 CE in its arena, then re-sharded), over tcp otherwise. A handoff
-carries every KV head of the model and each group's first process re-shards them (engine/kv_shards.py).
+carries every KV head of the model and each group's first process re-shards them (engine/handoff/kv_shards.py).
 The model: a tiny Gemma 3 (2 KV heads, split at --tp 2; sliding-window layers, whose SWA state travels
 per head too) with SmolLM2's tokenizer and chat template. bench/check_pd.py finds each pair's tokens
 identical to a single engine at the PE's --tp (the prompt logprobs, which the PE computes, bit for bit),
@@ -33,7 +33,7 @@ PE2_TRANSPORT = "nixl" if nixl_installed() else "tcp"  # the --tp 2 PE's
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     root = tmp_path_factory.mktemp("pair-tp")
     model = str(make_servable("gemma3_hybrid", root / "model", resolve_model("smollm2-135m-instruct")))

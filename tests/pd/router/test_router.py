@@ -129,7 +129,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     skip_unless_bindable(PE_HOST, *CE_HOSTS, *ROUTER_HOSTS)
-    from engine.models import resolve_model
+    from engine.checkpoints import resolve_model
 
     model = make_servable("llama", tmp_path_factory.mktemp("tiny-llama"), resolve_model("smollm2-135m-instruct"))
     logs = tmp_path_factory.mktemp("router")

@@ -1,0 +1,101 @@
+"""DecodeCache (CE side of P/D): the KV pages of finished requests, kept in the engine's own pool as
+evictable pages and indexed by the prefix cache's hash chain, so that the next turn of a conversation
+is handed over with only the pages this engine lacks.
+
+    page i covers tokens [i*bs, (i+1)*bs);   key_i = chain_hashes(tokens)[i]   (engine/core/prefix_cache.py)
+    retain: the FULL pages of a finished sequence's COMPUTED tokens [0, num_computed)
+    match:  pages 0..k-1 while key_i is indexed AND its stored tokens equal the asked ones, token by
+            token: an edited history matches up to its first differing page
+
+Keys are the PE's (same seed, same bytes), so "k pages held" means the same tokens on both sides.
+The pool owns a page's life (referenced / evictable / free: engine/core/block_pool.py); this index owns only
+key -> page. A page enters through retain() (pool.mark_cached) and leaves only when the pool evicts it
+for an allocation (on_evict). An indexed page is never written: every sequence that holds it has all of
+its tokens computed, and a sequence writes only positions >= its num_computed.
+Bookkeeping only (ints, bytes, lists); CPU-testable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.block_pool import BlockPool
+from engine.core.prefix_cache import chain_hashes
+
+
+@dataclass
+class DecodeCacheCounters:
+    lookups: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+
+
+@dataclass(frozen=True)
+class _Entry:
+    block_id: int
+    tokens: tuple[int, ...]
+
+
+class DecodeCache:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.block_size = block_size
+        self._pool = pool
+        self._entries: dict[bytes, _Entry] = {}
+        self._keys: dict[int, bytes] = {}  # block id -> its key
+        self.counters = DecodeCacheCounters()
+        pool.set_on_evict(self._evicted)
+
+    @property
+    def num_retained_pages(self) -> int:
+        return len(self._entries)
+
+    def match(self, token_ids: list[int]) -> tuple[int, list[int]]:
+        """(num_tokens, block_ids): the longest run of whole pages of token_ids held here, from the
+        first page on. Nothing is pinned: the caller shares (pins) the pages it keeps."""
+        self.counters.lookups += 1
+        bs = self.block_size
+        block_ids: list[int] = []
+        for i, key in enumerate(chain_hashes(token_ids, bs)):
+            e = self._entries.get(key)
+            if e is None or e.tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break
+            block_ids.append(e.block_id)
+        num_tokens = len(block_ids) * bs
+        self.counters.hit_tokens += num_tokens
+        return num_tokens, block_ids
+
+    def retain(self, token_ids: list[int], block_ids: list[int]) -> int:
+        """A sequence ends: indexes its full pages. token_ids: its COMPUTED tokens (the last sampled
+        token has no KV); block_ids: its pages, still referenced (the caller frees them right after,
+        and the indexed ones become evictable). A page whose key is indexed already (this very page,
+        pinned from here; or another page with the same tokens) is not indexed twice: it is simply
+        freed. Returns the number of pages newly indexed."""
+        bs = self.block_size
+        num_pages = min(len(token_ids) // bs, len(block_ids))
+        added = 0
+        for i, key in enumerate(chain_hashes(token_ids[: num_pages * bs], bs)):
+            b = block_ids[i]
+            if key in self._entries or b in self._keys:
+                continue
+            self._entries[key] = _Entry(b, tuple(token_ids[i * bs : (i + 1) * bs]))
+            self._keys[b] = key
+            self._pool.mark_cached(b)
+            added += 1
+        return added
+
+    def _evicted(self, block_id: int) -> None:
+        """The pool's on_evict: the page is reused; its key goes (pages after it in the chain stay
+        until evicted themselves: the pool evicts a chain tail first, so this is rare)."""
+        del self._entries[self._keys.pop(block_id)]
+        self.counters.evictions += 1
+
+    def check_idle(self) -> None:
+        """With nothing referenced, the indexed pages are exactly the pool's evictable ones."""
+        if not (len(self._entries) == len(self._keys) == self._pool.num_evictable):
+            raise AssertionError(
+                f"decode cache: {len(self._entries)} keys, {len(self._keys)} pages, "
+                f"{self._pool.num_evictable} evictable in the pool"
+            )
+        stray = [b for b in self._keys if not self._pool.is_cached(b)]
+        if stray:
+            raise AssertionError(f"decode cache indexes pages the pool does not keep: {stray[:8]}")

@@ -1,0 +1,97 @@
+"""CUDA graphs for decode steps.
+
+A decode step of an 8B model is a few hundred small kernels; launched one by one from Python they
+take longer than the weights take to read. So each bucketed batch size gets one graph, captured once
+at engine start, of the whole forward from the static decode buffers (engine/layers/decode.py) to the float32
+logits. A step pads its rows up to the next bucket (padded rows have context length 0: the kernels skip
+them and they store nothing), refills the buffers, replays, and hands back the logits of its real rows;
+only the sampled token ids then travel to the host. Prefill and mixed steps run eagerly.
+
+Graphs share one memory pool and are captured largest first, so the smaller ones reuse its blocks;
+each graph's logits stay valid until the next replay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ForwardConfig
+from engine.core.kv_cache import KVCache
+from engine.core.sequence import Sequence
+from engine.layers.context import forward_context
+from engine.layers.decode import DecodeInputs, DecodeMeta
+from engine.layers.numerics import Numerics
+from engine.models.decoder import CausalLM
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The buckets up to max_num_seqs (which is a bucket itself when it is at most the largest)."""
+    sizes = [b for b in GRAPH_BATCH_SIZES if b < max_num_seqs]
+    return sizes + [min(max_num_seqs, GRAPH_BATCH_SIZES[-1])]
+
+
+@dataclass(frozen=True)
+class GraphCaptureStats:
+    batch_sizes: tuple[int, ...]
+    capture_s: float
+    pool_bytes: int  # device memory reserved by the capture (the graphs' shared pool)
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model: CausalLM, kv: KVCache, numerics: Numerics, inputs: DecodeInputs, config: ForwardConfig
+    ) -> None:
+        self.model, self.kv, self.numerics, self.inputs = model, kv, numerics, inputs
+        self.config = config  # NOTE: captured into the graphs: replacing it later changes nothing
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _forward(self, meta: DecodeMeta) -> torch.Tensor:
+        with forward_context([], self.kv, self.numerics, decode=meta, config=self.config):
+            return self.model.logits(self.model(meta.input_ids, meta.positions))
+
+    @torch.inference_mode()
+    def capture(self, batch_sizes: list[int]) -> GraphCaptureStats:
+        device = self.inputs.device_buf.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device)
+        for b in sorted(set(batch_sizes), reverse=True):
+            meta = self.inputs.fill([], b)  # every row padded: nothing is stored
+            # Warm-up outside the graph: compiles the Triton kernels and lets cuBLAS pick this shape's algorithm.
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self._forward(meta)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(meta)
+            self._graphs[b] = (graph, logits)
+        torch.cuda.synchronize(device)
+        return GraphCaptureStats(
+            batch_sizes=tuple(sorted(self._graphs)),
+            capture_s=time.perf_counter() - t0,
+            pool_bytes=torch.cuda.memory_reserved(device) - before,
+        )
+
+    def bucket(self, num_rows: int) -> int | None:
+        return min((b for b in self._graphs if b >= num_rows), default=None)
+
+    def run(self, seqs: list[Sequence], fed_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [len(seqs), vocab] of one decode step of seqs (every one a decode row); fed_ids:
+        their input tokens on the device (the last step's, not yet on the host) instead of their last."""
+        b = self.bucket(len(seqs))
+        if b is None:
+            raise ValueError(f"no graph for {len(seqs)} rows (largest {max(self._graphs, default=0)})")
+        meta = self.inputs.fill(seqs, b)
+        if fed_ids is not None:
+            meta.input_ids[: len(seqs)].copy_(fed_ids)  # NOTE: queued after fill's copy, before the replay
+        graph, logits = self._graphs[b]
+        graph.replay()
+        return logits[: len(seqs)]

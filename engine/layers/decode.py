@@ -1,0 +1,152 @@
+"""Decode rows on CUDA: their per-step metadata in static device buffers, and their attention.
+
+A decode row is one generated token of one sequence (a prompt's tokens, even a one-token chunk of
+them, always take the chunked path in engine/layers/attention.py, so a prompt's K/V never depend on how it
+was chunked). The step puts its decode rows last in the flattened batch and describes them with
+`DecodeMeta`: int32 tensors that live in one static buffer (`DecodeInputs`), filled on the host in
+pinned memory and copied to the device in one copy. CUDA graphs (engine/execution/cuda_graphs.py) capture
+views of that buffer, so a replay only needs the buffer refilled.
+
+    device buffer (int32), R = max rows, W = max blocks per sequence:
+    | input ids [R] | positions [R] | context lens [R] | state slots [R] | block table [R, W] |
+      a padded row: id 0, position 0, context len 0 (the kernels skip it), slot -1
+
+The attention reads K/V in place through pdkernels/decode_attention.py (full layers: pages through the
+block table; sliding layers: the sequence's ring slot), storing the row's new K/V there as it goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.core.kv_cache import KVCache
+from engine.core.sequence import Sequence
+
+if TYPE_CHECKING:  # the kernel module imports triton
+    from pdkernels.decode_attention import Rope
+
+
+@dataclass(frozen=True)
+class DecodeMeta:
+    """The decode rows of a step (the last num_rows tokens of the flattened batch), on the device."""
+
+    num_rows: int
+    input_ids: torch.Tensor  # [num_rows] int32
+    positions: torch.Tensor  # [num_rows] int32
+    context_lens: torch.Tensor  # [num_rows] int32: position + 1; 0 marks a padded row
+    state_slots: torch.Tensor  # [num_rows, 1] int32: each row's ring slot (-1: none)
+    block_table: torch.Tensor  # [num_rows, max_blocks] int32
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Decode rows' values on the host: each row's input token, position, state slot and the block
+    table entries up to its position's page."""
+
+    input_ids: list[int]
+    positions: list[int]
+    state_slots: list[int]
+    block_tables: list[list[int]]
+
+
+def decode_rows(seqs: list[Sequence], block_size: int) -> DecodeRows:
+    rows = DecodeRows([], [], [], [])
+    for seq in seqs:
+        p = seq.num_computed
+        rows.input_ids.append(seq.output_token_ids[p - seq.num_prompt_tokens])  # a decode row's token is generated
+        rows.positions.append(p)
+        rows.state_slots.append(seq.state_slot)
+        rows.block_tables.append(seq.block_ids[: p // block_size + 1] if seq.block_ids else [])
+    return rows
+
+
+def is_decode_row(seq: Sequence, num_new_tokens: int) -> bool:
+    """One generated token (its position is past the prompt)."""
+    return num_new_tokens == 1 and seq.num_computed >= seq.num_prompt_tokens
+
+
+class DecodeInputs:
+    """Static buffers for up to max_rows decode rows (see the module docstring)."""
+
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.max_rows, self.max_blocks, self.block_size = max_rows, max(1, max_blocks), block_size
+        size = 4 * max_rows + max_rows * self.max_blocks
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
+        self._np = self.host.numpy()
+        self._copied = torch.cuda.Event()
+        self._head = 4 * max_rows
+
+    def _field(self, buf: torch.Tensor | np.ndarray, i: int, rows: int):  # type: ignore[no-untyped-def]
+        return buf[i * self.max_rows : i * self.max_rows + rows]
+
+    def _table(self, buf: torch.Tensor | np.ndarray, rows: int):  # type: ignore[no-untyped-def]
+        return buf[self._head : self._head + rows * self.max_blocks].reshape(rows, self.max_blocks)
+
+    def meta(self, rows: int) -> DecodeMeta:
+        """Views of the device buffer for the first `rows` rows (what a graph of that size captures)."""
+        d = self.device_buf
+        return DecodeMeta(
+            num_rows=rows,
+            input_ids=self._field(d, 0, rows),
+            positions=self._field(d, 1, rows),
+            context_lens=self._field(d, 2, rows),
+            state_slots=self._field(d, 3, rows).view(rows, 1),
+            block_table=self._table(d, rows),
+        )
+
+    def fill(self, seqs: list[Sequence], padded_rows: int) -> DecodeMeta:
+        """Writes the rows of `seqs` (then padding up to padded_rows) and copies them to the device."""
+        return self.fill_rows(decode_rows(seqs, self.block_size), padded_rows)
+
+    def fill_rows(self, rows: DecodeRows, padded_rows: int) -> DecodeMeta:
+        """fill() from the rows' values (a tensor-parallel follower has them from rank 0's plan)."""
+        n = len(rows.input_ids)
+        if not n <= padded_rows <= self.max_rows:
+            raise ValueError(f"{n} decode rows padded to {padded_rows}; the buffers hold {self.max_rows}")
+        self._copied.synchronize()  # NOTE: the previous step's copy must be done before the host rewrites
+        h = self._np
+        ids, pos, ctx, slots = (self._field(h, i, padded_rows) for i in range(4))
+        table = self._table(h, padded_rows)
+        for i, (t, p, slot, blocks) in enumerate(zip(rows.input_ids, rows.positions, rows.state_slots, rows.block_tables)):
+            ids[i] = t
+            pos[i] = p
+            ctx[i] = p + 1
+            slots[i] = slot
+            table[i, : len(blocks)] = blocks
+        ids[n:] = 0
+        pos[n:] = 0
+        ctx[n:] = 0
+        slots[n:] = -1
+        end = self._head + padded_rows * self.max_blocks  # the four fields whole, then the table's rows
+        self.device_buf[:end].copy_(self.host[:end], non_blocking=True)
+        self._copied.record()
+        return self.meta(padded_rows)
+
+
+# Default mode: from this many rows (the step's padded batch) the attention takes the kernel's wide
+# splits. Deterministic mode never does: a row's splits must not depend on its batch.
+WIDE_SPLIT_ROWS = 32
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_sliding: bool, cache_index: int,
+                     window: int | None, scale: float, kv: KVCache, meta: DecodeMeta,
+                     batch_invariant: bool = True, sinks: torch.Tensor | None = None,
+                     rope: Rope | None = None) -> torch.Tensor:
+    """Stores the rows' new K/V and attends over each row's cached keys, in one kernel pass. q: [rows, heads, dim];
+    sinks: [heads] attention sink logits, or None; rope: q and k still raw, normed and rotated in the kernel
+    (pdkernels/decode_attention.py Rope), or None."""
+    from pdkernels.decode_attention import WIDE_SPLIT_TOKENS, paged_decode_attention
+
+    if is_sliding:
+        assert window is not None
+        cache, table, ring = kv.swa, meta.state_slots, window
+    else:
+        cache, table, ring = kv.pages, meta.block_table, 0
+    wide = not batch_invariant and meta.num_rows >= WIDE_SPLIT_ROWS
+    return paged_decode_attention(q, cache, cache_index, table, meta.context_lens, scale, window=ring, k_new=k, v_new=v,
+                                  min_split=WIDE_SPLIT_TOKENS if wide else None, sinks=sinks, rope=rope)

@@ -1,0 +1,568 @@
+"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss, Gemma 3 text and
+DeepSeek-V3 checkpoints.
+
+Parameter names follow Hugging Face's, so loading is a direct mapping. forward(input_ids, positions)
+reads the step's sequence layout from the forward context (engine/layers/context.py).
+
+In deterministic mode every row-local computation (norms, projections, rotary, MLP, logits) runs
+under batch-invariant numerics (engine/layers/numerics.py), so a row's result never depends on how many
+rows share the call.
+
+On CUDA, after loading, `fuse_projections()` stacks q/k/v into one `qkv_proj` and gate/up into one
+`gate_up_proj` (one matrix-vector product each instead of three and two in a decode step), and the
+norms, rotary (with the q/k norms) and SiLU-and-mul run as one Triton kernel each (pdkernels/fused_ops.py).
+A decode row's q/k norms and rotary run inside the decode attention kernel instead
+(ForwardConfig.decode_rope), and a projection of few rows may take pdkernels/gemv.py
+(ForwardConfig.gemv_rows, engine/layers/linear.py). Loading, the KV layout and everything outside the model are unchanged.
+
+A sparse layer's MLP (engine/layers/moe.py) groups tokens by expert, so it is not row-local: it runs outside
+`rowwise`, after the row-local attention output and norm, and applies the step's numerics to its own
+matmuls.
+
+gpt-oss's attention sinks (`self_attn.sinks`, one logit per query head) travel to every attention path
+with the layer's q, k, v (engine/layers/attention.py); None for the other families.
+
+A layer's attention is `Attention` (per-head K and V in the pages) or, for DeepSeek-V3, engine/layers/mla.py's
+`LatentAttention` (one latent per token in the pages); both give the layer `qkv` (row-local: everything
+attention needs from the normed hidden state, packed in one tensor), `attend` (stores the step's tokens'
+KV and attends: [tokens, out_width]) and `o_proj`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.arch import SLIDING, ModelArch
+from engine.layers import fp8
+from engine.layers.attention import AttnSpec, paged_attention
+from engine.layers.context import current_context, get_context
+from engine.layers.linear import fused_ops_for, linear
+from engine.layers.meta import on_meta
+from engine.layers.mla import LatentAttention
+from engine.layers.moe import SparseMoE
+from engine.layers.numerics import Numerics, run_rows
+from engine.parallel import expert_parallel
+
+if TYPE_CHECKING:  # the kernel module imports triton
+    from engine.parallel.tensor_parallel import TensorGroup, TpShard
+    from pdkernels.decode_attention import Rope
+
+PROBE_VOCAB_ROWS = 8192
+
+
+def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output is the given linears' outputs side by side (fp8.can_concat must hold)."""
+    if isinstance(linears[0], fp8.Fp8Linear):
+        return fp8.concat(linears)
+    has_bias = linears[0].bias is not None
+    out_features = sum(lin.out_features for lin in linears)
+    with on_meta():
+        fused = nn.Linear(linears[0].in_features, out_features, bias=has_bias)
+    fused.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([cast(torch.Tensor, lin.bias) for lin in linears]), requires_grad=False)
+    return fused
+
+
+def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """fn(*xs) for a row-local fn, under the step's numerics."""
+    return run_rows(fn, xs, get_context().numerics)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, is_gemma: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.is_gemma = is_gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops_for(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps, self.is_gemma)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.is_gemma:  # (x * (1 + w)) in float32, then cast, as Gemma 3 does
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    if name == "silu":
+        return F.silu
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        d, h, kvh = arch.head_dim, arch.num_heads, arch.num_kv_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.q_proj = nn.Linear(arch.hidden_size, h * d, bias=arch.attention_bias)
+        self.k_proj = nn.Linear(arch.hidden_size, kvh * d, bias=arch.attention_bias)
+        self.v_proj = nn.Linear(arch.hidden_size, kvh * d, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=arch.o_proj_bias)
+        self.sinks: nn.Parameter | None = nn.Parameter(torch.empty(h)) if arch.attn_sinks else None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(d, arch.rms_norm_eps, arch.gemma_norm)
+            self.k_norm = RMSNorm(d, arch.rms_norm_eps, arch.gemma_norm)
+        self.has_qk_norm = arch.qk_norm
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """q/k/v as one qkv_proj (kept apart where FP8 blocks do not stack: fp8.can_concat)."""
+        if not fp8.can_concat([self.q_proj, self.k_proj, self.v_proj]):
+            return
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    @property
+    def out_width(self) -> int:
+        """o_proj's input: every head's value."""
+        return self.num_heads * self.head_dim
+
+    def row_functions(self) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
+        """Row-local functions attend() runs besides qkv(): none."""
+        return []
+
+    def attend(
+        self, qkv: torch.Tensor, spec: AttnSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """qkv()'s output -> [tokens, heads * head_dim]: stores the new K/V and attends (paged_attention); x,
+        cos, sin: the layer's input and rotary rows, for the decode rows qkv() left raw (decode_rope)."""
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        return paged_attention(q, k, v, spec, self.sinks, self.decode_rope(x, cos, sin)).flatten(1)
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Row-local: normed hidden -> q, k, v with rotary applied, packed along the head axis."""
+        if self.qkv_proj is not None:
+            return self._fused_qkv(h, cos, sin)
+        q = self.q_proj(h).view(-1, self.num_heads, self.head_dim)
+        k = self.k_proj(h).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(-1, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return torch.cat([q, k, v], dim=1)
+
+    def _decode_rows_raw(self, x: torch.Tensor) -> int:
+        """How many rows (the step's last) leave qkv() unnormed and unrotated, for the decode kernel to do
+        (CUDA with fused projections: every decode row; 0 elsewhere)."""
+        ctx = current_context()
+        dec = ctx.decode if ctx is not None else None
+        if ctx is None or dec is None or not ctx.config.decode_rope or self.qkv_proj is None or fused_ops_for(x) is None:
+            return 0
+        return dec.num_rows
+
+    def decode_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rope | None:
+        """The decode kernel's Rope (pdkernels/decode_attention.py) for the rows qkv() left raw, or None."""
+        rows = self._decode_rows_raw(x)
+        if not rows:
+            return None
+        from pdkernels.decode_attention import Rope
+
+        if not self.has_qk_norm:
+            return Rope(cos[-rows:], sin[-rows:])
+        qn, kn = self.q_norm, self.k_norm
+        return Rope(cos[-rows:], sin[-rows:], qn.weight, kn.weight, qn.eps, qn.is_gemma)
+
+    def _fused_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        assert self.qkv_proj is not None
+        h_q, h_k = self.num_heads, self.num_kv_heads
+        qkv = linear(self.qkv_proj, h).view(-1, h_q + 2 * h_k, self.head_dim)
+        ops = fused_ops_for(h)
+        if ops is not None:  # one kernel: qk norms and rotary; the decode rows' in the attention kernel
+            n = qkv.shape[0] - self._decode_rows_raw(h)
+            if n and self.has_qk_norm:
+                qn, kn = self.q_norm, self.k_norm
+                ops.qk_rope_(qkv[:n, : h_q + h_k], h_q, cos[:n], sin[:n], qn.weight, kn.weight, qn.eps, qn.is_gemma)
+            elif n:
+                ops.qk_rope_(qkv[:n, : h_q + h_k], h_q, cos[:n], sin[:n])
+            return qkv
+        if self.has_qk_norm:
+            qkv[:, :h_q] = self.q_norm(qkv[:, :h_q])
+            qkv[:, h_q : h_q + h_k] = self.k_norm(qkv[:, h_q : h_q + h_k])
+        qk = qkv[:, : h_q + h_k]
+        qk.copy_(qk * cos[:, None] + rotate_half(qk) * sin[:, None])
+        return qkv
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        act = arch.hidden_act
+        self.act = activation(act)
+        self.is_silu = act == "silu"
+        self.fused_act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """gate/up as one gate_up_proj (kept apart where FP8 blocks do not stack: fp8.can_concat)."""
+        if not fp8.can_concat([self.gate_proj, self.up_proj]):
+            return
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = linear(self.gate_up_proj, x)
+        if fused_ops_for(x) is not None and self.fused_act is not None:
+            return linear(self.down_proj, gate_up, act=self.fused_act)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, arch: ModelArch, spec: AttnSpec, is_sparse: bool = False, tp: TensorGroup | None = None
+    ) -> None:
+        """tp: the tensor-parallel group (arch is then this rank's share: its heads, its intermediate size)."""
+        super().__init__()
+        self.spec = spec
+        self.tp = tp
+        self.self_attn: Attention | LatentAttention
+        if arch.is_mla:
+            self.self_attn = LatentAttention(arch, lambda width: RMSNorm(width, arch.rms_norm_eps, False))
+        else:
+            self.self_attn = Attention(arch)
+        self.is_sparse = is_sparse
+        self.mlp: MLP | SparseMoE
+        if is_sparse:
+            self.mlp = SparseMoE(
+                arch.hidden_size,
+                arch.moe_intermediate_size,
+                arch.num_experts,
+                arch.num_experts_per_tok,
+                arch.norm_topk_prob,
+                activation(arch.hidden_act),
+                expert_parallel.current(),
+                routing=arch.routing,
+                activation=arch.expert_activation,
+                has_bias=arch.has_expert_bias,
+                alpha=arch.swiglu_alpha,
+                limit=arch.swiglu_limit,
+                num_groups=arch.num_expert_groups,
+                topk_groups=arch.topk_groups,
+                scaling=arch.routed_scaling_factor,
+                shared_intermediate_size=arch.shared_intermediate_size,
+                tp_share=(tp.rank, tp.size) if tp is not None else (0, 1),
+                product=linear,
+            )
+        else:
+            self.mlp = MLP(arch)
+        eps, g = arch.rms_norm_eps, arch.gemma_norm
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps, g)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, g)
+        self.is_sandwich = arch.sandwich_norm
+        if arch.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, g)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, g)
+
+    def _pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def _add_norm(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, post_attention_layernorm(x + h))."""
+        norm = self.post_attention_layernorm
+        ops = fused_ops_for(x)
+        if ops is not None:
+            return ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
+        x = x + h
+        return x, norm(x)
+
+    def _post(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = linear(self.self_attn.o_proj, attn)
+        if self.is_sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x, normed = self._add_norm(x, h)
+        return x + self.mlp(normed)
+
+    def _post_sparse(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """A sparse layer's row-local part after attention: [x + o_proj(attn) | its norm] side by side."""
+        return torch.cat(self._add_norm(x, linear(self.self_attn.o_proj, attn)), dim=1)
+
+    def _sparse_mlp(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.mlp(normed, get_context().numerics)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        qkv = rowwise(self._pre, x, cos, sin)
+        attn = self.self_attn.attend(qkv, self.spec, x, cos, sin)
+        if self.tp is not None:
+            return self._post_tp(x, attn)
+        if not self.is_sparse:
+            return rowwise(self._post, x, attn)
+        x, normed = rowwise(self._post_sparse, x, attn).chunk(2, dim=1)
+        return x + self._sparse_mlp(normed)
+
+    def _o_proj(self, attn: torch.Tensor) -> torch.Tensor:
+        return linear(self.self_attn.o_proj, attn)
+
+    def _sandwich_attn(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """[x + post_attention_layernorm(h) | pre_feedforward_layernorm of it] side by side."""
+        x = x + self.post_attention_layernorm(h)
+        return torch.cat([x, self.pre_feedforward_layernorm(x)], dim=1)
+
+    def _add_norm_cat(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._add_norm(x, h), dim=1)
+
+    def _sandwich_mlp(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return x + self.post_feedforward_layernorm(m)
+
+    def _post_tp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """A tensor-parallel rank's layer after its heads' attention: o_proj and down_proj (every routed
+        expert's, in a sparse layer) give partial sums, each all-reduced (engine/parallel/tensor_parallel.py);
+        everything between them is row-local, or the MoE block's own numerics."""
+        tp = self.tp
+        assert tp is not None
+        is_det = get_context().numerics.is_deterministic
+        h = tp.all_reduce(rowwise(self._o_proj, attn), is_det)
+        x, normed = rowwise(self._sandwich_attn if self.is_sandwich else self._add_norm_cat, x, h).chunk(2, dim=1)
+        if isinstance(self.mlp, SparseMoE) and self.mlp.ep is not None:
+            m = self._expert_parallel_mlp(self.mlp, normed, is_det)
+        else:
+            m = tp.all_reduce(self._sparse_mlp(normed) if self.is_sparse else rowwise(self.mlp, normed), is_det)
+        return rowwise(self._sandwich_mlp, x, m) if self.is_sandwich else x + m
+
+    def _expert_parallel_mlp(self, moe: SparseMoE, normed: torch.Tensor, is_det: bool) -> torch.Tensor:
+        """A sparse layer under --tp with --ep (engine/parallel/world.py): each process's routed share of the tokens
+        (whole experts, across the expert-parallel group) and its split of the shared experts, both summed
+        over the group in one all-reduce, then added as a single rank adds them (routed + shared): the
+        routed sum is one value and zeros, so a token's result does not depend on which process had it."""
+        tp = self.tp
+        assert tp is not None
+        numerics = get_context().numerics
+        routed = moe.forward_share(normed, numerics)
+        if moe.shared_experts is None:
+            return tp.all_reduce(routed, is_det)
+        shared = run_rows(moe.shared_experts, (normed,), numerics)
+        summed_routed, summed_shared = tp.all_reduce(torch.cat([routed, shared], dim=1), is_det).chunk(2, dim=1)
+        return summed_routed + summed_shared
+
+    def tp_row_functions(self, hidden: int) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
+        """The row-local functions _post_tp runs, with their input widths (for the probe)."""
+        fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = [
+            (self._o_proj, [self.self_attn.out_width]),
+            (self._sandwich_attn if self.is_sandwich else self._add_norm_cat, [hidden, hidden]),
+        ]
+        fns += self.mlp.row_functions() if isinstance(self.mlp, SparseMoE) else [(self.mlp, [hidden])]
+        if self.is_sandwich:
+            fns.append((self._sandwich_mlp, [hidden, hidden]))
+        return fns
+
+    def forward_chained(
+        self, ops: ModuleType, x: torch.Tensor, pending: Pending | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, Pending]:
+        """forward() with the residual adds moved into the norms that follow them (CUDA kernels): x is
+        the residual stream without the previous layer's MLP output (`pending`: that output, and for
+        sandwich norms the output norm it still needs; None for the first layer); returns
+        (x + attention, this layer's pending MLP output), whose add the next layer's input norm (or
+        the final norm) does. The same roundings as forward(): each add (and each sandwich output norm)
+        is rounded to the dtype before it is normed, so the result is bit-identical, with fewer launches."""
+        a, norm = self.self_attn, self.input_layernorm
+        rows_to = fp8.input_rows_to(getattr(a, "qkv_proj", None), x)  # FP8 qkv: its input quantized in the norm
+        if pending is None:
+            normed, quantized = ops.rms_norm_quant(x, norm.weight, norm.eps, norm.is_gemma, rows_to)
+            normed = fp8.with_quantized(normed, quantized, rows_to)
+        else:
+            x, normed = pending.add_norm(ops, x, norm, rows_to)
+        qkv = rowwise(a.qkv, normed, cos, sin)
+        attn = a.attend(qkv, self.spec, x, cos, sin)
+        h = rowwise(lambda t: linear(a.o_proj, t), attn)
+        if self.is_sandwich:
+            x, normed = ops.add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, norm.eps, norm.is_gemma,
+                                         h_weight=self.post_attention_layernorm.weight)
+            return x, Pending(rowwise(self.mlp, normed), self.post_feedforward_layernorm)
+        norm = self.post_attention_layernorm
+        if self.is_sparse:
+            x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
+            return x, Pending(self._sparse_mlp(normed), None)
+        rows_to = fp8.input_rows_to(cast(MLP, self.mlp).gate_up_proj, x)
+        x, normed, quantized = ops.add_rms_norm_quant(x, h, norm.weight, norm.eps, norm.is_gemma, quant_rows=rows_to)
+        return x, Pending(rowwise(self.mlp, fp8.with_quantized(normed, quantized, rows_to)), None)
+
+
+class Pending:
+    """A layer's MLP output not yet added to the residual stream (DecoderLayer.forward_chained), with
+    the sandwich output norm it gets first (None without sandwich norms)."""
+
+    def __init__(self, out: torch.Tensor, out_norm: RMSNorm | None) -> None:
+        self.out = out
+        self.out_norm = out_norm
+
+    def add_norm(
+        self, ops: ModuleType, x: torch.Tensor, norm: RMSNorm, rows_to: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + out, norm(x + out)), out passed through out_norm first if any (one kernel); rows_to > 0: the
+        norm's output carries its FP8 quantization too (fp8.with_quantized), made in the same pass."""
+        w = None if self.out_norm is None else self.out_norm.weight
+        x, normed, quantized = ops.add_rms_norm_quant(
+            x, self.out, norm.weight, norm.eps, norm.is_gemma, h_weight=w, quant_rows=rows_to
+        )
+        return x, fp8.with_quantized(normed, quantized, rows_to)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables per layer type for every position, computed once in float32 then cast as
+    transformers does; a step gathers its rows (a gather is exact, so no row depends on the batch)."""
+
+    def __init__(self, inv_freqs: dict[str, tuple[torch.Tensor, float]]) -> None:
+        super().__init__()
+        self.inv_freqs = inv_freqs
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def build(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        positions = torch.arange(max_positions, device=device).float()
+        for t, (inv, scale) in self.inv_freqs.items():
+            freqs = positions[:, None] * inv.to(device)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.tables[t] = ((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype))
+
+    def forward(self, positions: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables[layer_type]
+        return cos[positions], sin[positions]
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, layers and the final norm: Hugging Face's `model.` prefix."""
+
+    def __init__(self, arch: ModelArch, tp: TensorGroup | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        full_i = sliding_i = 0
+        layers = []
+        for i, t in enumerate(arch.layer_types):
+            is_sliding = t == SLIDING
+            idx = sliding_i if is_sliding else full_i
+            spec = AttnSpec(is_sliding, idx, arch.sliding_window if is_sliding else None, arch.attn_scale)
+            layers.append(DecoderLayer(arch, spec, arch.is_sparse(i), tp))
+            sliding_i += is_sliding
+            full_i += not is_sliding
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        inv_freqs: dict[str, tuple[torch.Tensor, float]],
+        tp: TensorGroup | None = None,
+        shard: TpShard | None = None,
+    ) -> None:
+        """tp and shard: a tensor-parallel rank's group and share of the model (engine/parallel/tensor_parallel.py):
+        its layers hold their heads and intermediate rows, the LM head its vocabulary rows."""
+        super().__init__()
+        self.tp = tp
+        self.vocab_rows = shard.vocab_rows if shard is not None else (0, arch.vocab_size)
+        self.vocab_size = arch.vocab_size
+        if shard is not None:
+            arch = shard.local_arch
+        self.arch = arch
+        self.model = DecoderStack(arch, tp)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, self.vocab_rows[1] - self.vocab_rows[0], bias=False)
+        self.rotary = Rotary(inv_freqs)
+
+    def fuse_projections(self) -> None:
+        """Stacks each layer's q/k/v and gate/up weights (after loading: parameter names change)."""
+        for layer in self.model.layers:
+            layer = cast(DecoderLayer, layer)
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection's weight in the model's dtype (an FP8 lm_head dequantized); a
+        tensor-parallel rank's: its vocabulary rows."""
+        if self.arch.tie_word_embeddings:
+            start, stop = self.vocab_rows
+            w = self.model.embed_tokens.weight
+            return w if stop - start == w.shape[0] else w[start:stop]
+        return fp8.dense_weight(self.lm_head, self.model.embed_tokens.weight.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm, [tokens, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        if self.arch.embed_scale:
+            x = x * torch.tensor(self.arch.hidden_size**0.5, dtype=x.dtype)
+        tables = {t: self.rotary(positions, t) for t in set(self.arch.layer_types)}
+        ops = fused_ops_for(x)
+        # CUDA: residual adds inside the following norms (DecoderLayer.forward_chained), as the step's
+        # ForwardConfig says
+        if ops is not None and get_context().config.chain_residuals and self.tp is None:
+            pending: Pending | None = None
+            for layer, t in zip(self.model.layers, self.arch.layer_types):
+                x, pending = cast(DecoderLayer, layer).forward_chained(ops, x, pending, *tables[t])
+            norm = self.model.norm
+            if pending is None:
+                return norm(x)
+            return pending.add_norm(ops, x, norm)[1]
+        for layer, t in zip(self.model.layers, self.arch.layer_types):
+            cos, sin = tables[t]
+            x = layer(x, cos, sin)
+        return rowwise(self.model.norm, x)
+
+    def sparse_layers(self) -> list[SparseMoE]:
+        return [m for m in (cast(DecoderLayer, layer).mlp for layer in self.model.layers) if isinstance(m, SparseMoE)]
+
+    @torch.inference_mode()
+    def idle_exchange(self, numerics: Numerics) -> None:
+        """An expert-parallel rank with nothing scheduled: its part, with no rows, in every MoE layer's
+        exchange of this step (in layer order, as a forward would)."""
+        w = self.model.embed_tokens.weight
+        for moe in self.sparse_layers():
+            moe.idle_exchange(self.arch.hidden_size, w.dtype, w.device, numerics)
+
+    def row_functions(self) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
+        """Every kind of row-local function this model runs, with its input widths (for the probe)."""
+        a = self.arch
+        fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = []
+        kinds = {(t, a.is_sparse(i)): i for i, t in reversed(list(enumerate(a.layer_types)))}  # first layer of each
+        for i in sorted(kinds.values()):
+            layer = cast(DecoderLayer, self.model.layers[i])
+            fns.append((lambda x, c, s, lyr=layer: lyr._pre(x, c, s).flatten(1), [a.hidden_size, a.head_dim, a.head_dim]))
+            fns += layer.self_attn.row_functions()
+            width = layer.self_attn.out_width
+            if self.tp is not None:
+                fns += layer.tp_row_functions(a.hidden_size)
+            elif isinstance(layer.mlp, SparseMoE):
+                fns.append((layer._post_sparse, [a.hidden_size, width]))
+                fns += layer.mlp.row_functions()
+            else:
+                fns.append((layer._post, [a.hidden_size, width]))
+        head = self.lm_head_weight[:PROBE_VOCAB_ROWS]  # a slice keeps the probe cheap for 262k vocabularies
+        fns.append((self.model.norm, [a.hidden_size]))
+        fns.append((lambda h: F.linear(h, head).float(), [a.hidden_size]))
+        return fns
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits for the given rows. A tensor-parallel group's: a collective, whose rank 0
+        gets every vocabulary row's logits and whose other ranks get their own rows' only (unused)."""
+        w = self.lm_head_weight
+        out = rowwise(lambda h: F.linear(h, w).float(), hidden)
+        if self.tp is None:
+            return out
+        whole = self.tp.gather_vocab(out, self.vocab_size)
+        return out if whole is None else whole
