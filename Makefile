@@ -25,7 +25,7 @@ models: setup
 # Two pytest processes side by side: the tests that start servers, one module after another as in one process
 # (their engines' memory never overlaps: one engine process is ~1.4 GB, a module runs up to eleven), and the
 # rest (unit, engine, transfer tests: ~150 s on 2 cores, ~3 GB), whose output follows. TEST_SPLIT=0: one process.
-SERVER_TESTS := tests/pd tests/deploy tests/bench/load tests/engine/test_golden_real.py
+SERVER_TESTS := tests/pd tests/deploy tests/bench/load tests/engine/models/test_golden_real.py
 TEST_SPLIT ?= 1
 test: setup models
 ifeq ($(TEST_SPLIT),0)

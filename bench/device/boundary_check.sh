@@ -14,8 +14,8 @@ t0=$(date +%s)
 timeout "${TESTS_S:-260}" $PY -m pytest -q -p no:cacheprovider -m "not slow" \
     tests/pdkernels/test_kernels_gpu.py tests/pdkernels/test_kernels_attn_gpu.py tests/pdkernels/test_kernels_prefill_gpu.py \
     tests/pdkernels/test_kernels_bi_gpu.py tests/pdkernels/test_kernels_fused_gpu.py \
-    tests/engine/test_engine_cuda_decode.py tests/engine/test_attention_sdpa_gpu.py tests/engine/test_engine_determinism.py \
-    tests/engine/test_engine_memory.py tests/engine/test_pd_lifecycle.py tests/transfer tests/test_layers.py \
+    tests/engine/execution/test_engine_cuda_decode.py tests/engine/layers/test_attention_sdpa_gpu.py tests/engine/layers/test_engine_determinism.py \
+    tests/engine/core/test_engine_memory.py tests/engine/handoff/test_pd_lifecycle.py tests/transfer tests/test_layers.py \
     > "$OUT/tests.log" 2>&1
 say "gpu tests: rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
 grep -E "FAILED|Error" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"

@@ -25,7 +25,7 @@ timeout 170 $PY bench/micro/engine_speed.py --models "$MODELS" --modes default,d
     --hicache-gb 0 --steps 8 --out "$OUT" --tag decode > "$OUT/bench.log" 2>&1
 echo "bench: rc $? $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
-timeout 90 $PY -m pytest -q tests/engine/test_engine_cuda_decode.py 2>&1 | tee "$OUT/engine_tests.log" | tail -2
+timeout 90 $PY -m pytest -q tests/engine/execution/test_engine_cuda_decode.py 2>&1 | tee "$OUT/engine_tests.log" | tail -2
 echo "engine tests: $(( $(date +%s) - t0 )) s"
 if [ "$EXTRA" = golden ]; then
     t0=$(date +%s)

@@ -21,7 +21,7 @@ PROFILE=${4:-hybrid8b}
 T="timeout -k 10"
 t0=$(date +%s)
 $T 75 $PY -m pytest -q -p no:cacheprovider tests/pdkernels/test_kernels_gemv.py -k pdl \
-    tests/engine/test_engine_cuda_decode.py::test_pdl_changes_no_number > "$OUT/smoke.log" 2>&1
+    tests/engine/execution/test_engine_cuda_decode.py::test_pdl_changes_no_number > "$OUT/smoke.log" 2>&1
 rc=$?
 say "smoke (PDL): rc $rc $(( $(date +%s) - t0 )) s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/smoke.log" | tail -1)"
 MODES=default,default-nogemv,default-noahead,default-plain,default-norope,deterministic,default-nopdl
@@ -32,7 +32,7 @@ if [ $rc -ne 0 ]; then  # PDL failed: every mode without it
 fi
 t0=$(date +%s)
 $T 150 $PY -m pytest -q -p no:cacheprovider tests/pdkernels/test_kernels_gemv.py tests/pdkernels/test_kernels_fused_gpu.py \
-    tests/engine/test_engine_cuda_decode.py tests/pdkernels/test_kernels_bi_gpu.py tests/pdkernels/test_kernels_attn_gpu.py \
+    tests/engine/execution/test_engine_cuda_decode.py tests/pdkernels/test_kernels_bi_gpu.py tests/pdkernels/test_kernels_attn_gpu.py \
     > "$OUT/tests.log" 2>&1
 say "tests: rc $? $(( $(date +%s) - t0 )) s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/tests.log" | tail -1)"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 on the GPU, in one device call per part (PARTS, default "tests probe"):
 #   tests   the FP8 kernel tests under CUDA (the block-scaled GEMM, the GEMV and the grouped MoE GEMM with
-#           FP8 weights) and the engine's FP8 paths against the dequantizing path (tests/engine/test_fp8_cuda.py)
+#           FP8 weights) and the engine's FP8 paths against the dequantizing path (tests/engine/layers/test_fp8_cuda.py)
 #   probe   bench/micro/fp8_gemm_probe.py at llama8b's linear shapes against bf16 and the ceilings of the
 #           same run (device copy; torch._scaled_mm), with a sweep of tile settings
 #   engine  engine_speed.py's rows for llama8b and a Qwen3-30B-A3B shape, bf16 then --quantization fp8 in
@@ -15,7 +15,7 @@ for part in ${PARTS:-tests probe}; do
     case $part in
     tests)
         timeout -k 10 "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m cuda tests/pdkernels/test_kernels_fp8_gemm.py \
-            tests/pdkernels/test_kernels_gemv.py tests/engine/test_fp8_cuda.py "tests/pdkernels/test_kernels_moe_gpu.py" \
+            tests/pdkernels/test_kernels_gemv.py tests/engine/layers/test_fp8_cuda.py "tests/pdkernels/test_kernels_moe_gpu.py" \
             > "$OUT/fp8_tests.log" 2>&1
         say "fp8 tests: rc $? in $(( $(date +%s) - t0 )) s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/fp8_tests.log" | tail -1)"
         grep -E "^(FAILED|ERROR) " "$OUT/fp8_tests.log" | cut -c1-220 | head -12 | tee -a "$SUMMARY" ;;

@@ -20,12 +20,12 @@ export PDSERVE_TOKENIZER_DIR=${PDSERVE_TOKENIZER_DIR:-$ROOT/.dev/smollm2-tok}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     t0=$(date +%s)
     timeout -k 10 "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m cuda --durations=6 \
-        tests/pdkernels/test_kernels_mla_decode.py tests/engine/test_deepseek_v3.py tests/pd/test_pair_deepseek_gpu.py \
+        tests/pdkernels/test_kernels_mla_decode.py tests/engine/models/test_deepseek_v3.py tests/pd/test_pair_deepseek_gpu.py \
         > "$OUT/tests.log" 2>&1
     say "gpu tests: rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
     t0=$(date +%s)  # the CUDA decode path's checks, deepseek_v3's cases (the other families' ran before)
     timeout -k 10 "${DECODE_TESTS_S:-120}" $PY -m pytest -q -p no:cacheprovider -m cuda -k deepseek \
-        tests/engine/test_engine_cuda_decode.py > "$OUT/tests_decode.log" 2>&1
+        tests/engine/execution/test_engine_cuda_decode.py > "$OUT/tests_decode.log" 2>&1
     say "cuda decode tests (deepseek_v3): rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests_decode.log")"
     grep -hE "^(FAILED|ERROR) " "$OUT/tests.log" "$OUT/tests_decode.log" | cut -c1-240 | head -20 | tee -a "$SUMMARY"
 fi

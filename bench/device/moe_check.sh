@@ -13,9 +13,9 @@ OUT=${OUT:-/tmp/moe_check}
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 t0=$(date +%s)
-TESTS=$(ls tests/pdkernels/test_kernels_moe_gpu.py tests/pdkernels/test_kernels_moe_route.py tests/engine/test_moe.py tests/engine/test_gpt_oss.py \
+TESTS=$(ls tests/pdkernels/test_kernels_moe_gpu.py tests/pdkernels/test_kernels_moe_route.py tests/engine/layers/test_moe.py tests/engine/models/test_gpt_oss.py \
     tests/pdkernels/test_kernels_attn_gpu.py tests/pdkernels/test_kernels_prefill_gpu.py tests/pdkernels/test_kernels_sinks*.py \
-    tests/engine/test_engine_cuda_decode.py 2>/dev/null)
+    tests/engine/execution/test_engine_cuda_decode.py 2>/dev/null)
 timeout "${TESTS_S:-200}" $PY -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
 say "gpu tests: rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
 grep -E "FAILED|Error" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"

@@ -11,7 +11,7 @@ BASE=$(ls .trees/"$1"*.tar.gz | head -1)
 TINY=${2:-}
 if [ -z "$TINY" ]; then
     t0=$(date +%s)
-    timeout -k 10 "${TESTS_S:-150}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_fp8_cuda.py \
+    timeout -k 10 "${TESTS_S:-150}" $PY -m pytest -q -p no:cacheprovider tests/engine/layers/test_fp8_cuda.py \
         tests/pdkernels/test_kernels_fp8_gemm.py tests/pdkernels/test_kernels_moe_gpu.py -k "qwen3_moe or fp8 or gemv" \
         > "$OUT/tests.log" 2>&1
     say "tests: rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"

@@ -28,7 +28,7 @@ if has tests; then
 fi
 if has det; then
     t0=$(date +%s)
-    timeout "${DET_S:-90}" $PY -m pytest -q -p no:cacheprovider tests/engine/test_engine_determinism.py -k cuda \
+    timeout "${DET_S:-90}" $PY -m pytest -q -p no:cacheprovider tests/engine/layers/test_engine_determinism.py -k cuda \
         > "$OUT/det_tests.log" 2>&1
     say "determinism tests: rc $? $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/det_tests.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/det_tests.log" | head -20 | tee -a "$SUMMARY"

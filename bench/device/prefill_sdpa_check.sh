@@ -69,13 +69,13 @@ EOF
 fi
 if has tests; then
     t0=$(date +%s)
-    timeout "${SDPA_TESTS_S:-150}" $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_attention_sdpa_gpu.py \
+    timeout "${SDPA_TESTS_S:-150}" $PY -m pytest -q -s -p no:cacheprovider tests/engine/layers/test_attention_sdpa_gpu.py \
         > "$OUT/sdpa_tests.log" 2>&1
     say "sdpa path tests: rc $? $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/sdpa_tests.log")"
     grep -E "^(FAILED|ERROR)|^prefix " "$OUT/sdpa_tests.log" | head -20 | tee -a "$SUMMARY"
     t0=$(date +%s)
     timeout "${TESTS_S:-150}" $PY -m pytest -q -p no:cacheprovider tests/pdkernels/test_kernels_prefill_gpu.py \
-        tests/engine/test_engine_cuda_decode.py > "$OUT/kernel_tests.log" 2>&1
+        tests/engine/execution/test_engine_cuda_decode.py > "$OUT/kernel_tests.log" 2>&1
     say "prefill kernel + cuda decode tests: rc $? $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/kernel_tests.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/kernel_tests.log" | head -20 | tee -a "$SUMMARY"
 fi

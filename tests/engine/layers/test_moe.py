@@ -173,7 +173,7 @@ def test_missing_expert_and_quantized_config_are_refused(moe_dir, tmp_path: Path
     with pytest.raises(KeyError, match="layers.2.mlp.experts.gate_up_proj"):
         build_model(arch_from_hf(hf), hf, tmp_path, torch.float32, torch.device("cpu"), 64)
 
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}  # FP8 loads: tests/engine/test_fp8.py
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}  # FP8 loads: tests/engine/layers/test_fp8.py
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(InvalidRequestError, match="quant_method 'awq'"):
         arch_from_hf(load_hf_config(tmp_path))

@@ -107,7 +107,7 @@ def test_launch_ahead_same_tokens_from_graphs(tiny_model_dir, family: str) -> No
     """--launch-ahead with decode graphs (the next replay queued before a step returns): the same
     tokens, logprobs and finish reasons as without, with requests arriving mid-stream (deterministic,
     so a request's tokens do not depend on the batches it shares)."""
-    from tests.engine.test_launch_ahead import PROMPTS, params, run, summary
+    from tests.engine.execution.test_launch_ahead import PROMPTS, params, run, summary
 
     late = {5: [("late", PROMPTS[4], params(4))]}
     got = {}
@@ -127,7 +127,7 @@ def test_launch_ahead_fed_greedy_same_tokens_from_graphs(tiny_model_dir, family:
     """--launch-ahead on greedy rows: the next graph replay is fed the argmax on the device (written
     into the static input buffer after the host's fill) before the tokens reach the host; stop ids
     end some sequences in flight (so batches differ: deterministic numerics). The same tokens as without."""
-    from tests.engine.test_launch_ahead import PROMPTS, fed_run, greedy
+    from tests.engine.execution.test_launch_ahead import PROMPTS, fed_run, greedy
 
     folder = tiny_model_dir(family)
     kw = dict(device="cuda", is_deterministic=True, max_num_seqs=8, hicache_gb=0.1)

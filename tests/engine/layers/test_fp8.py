@@ -328,7 +328,7 @@ def test_fp8_experts_under_expert_parallelism_with_rebalancing() -> None:
     rebalancing moves experts (FP8 bytes, scales and biases together) between the ranks."""
     from engine.layers.eplb import rebalance_layer
     from engine.layers.numerics import Numerics
-    from tests.engine.test_gpt_oss import ThreadGroup, _run_ranks
+    from tests.engine.models.test_gpt_oss import ThreadGroup, _run_ranks
 
     whole = _fp8_moe()
     group = ThreadGroup(2)

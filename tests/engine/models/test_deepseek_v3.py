@@ -288,7 +288,7 @@ def test_legacy_rope_scaling_reads_as_rope_parameters(tiny_model_dir, tmp_path: 
 
 def test_fp8_release_config_is_accepted_a_static_one_refused(tiny_model_dir, tmp_path: Path) -> None:
     """DeepSeek-V3's release is FP8 (block-scaled e4m3, dynamic activations): its quantization_config is
-    accepted with the architecture unchanged (tests/engine/test_fp8.py loads such checkpoints); static
+    accepted with the architecture unchanged (tests/engine/layers/test_fp8.py loads such checkpoints); static
     activation scales are refused, the field named."""
     fp8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
     folder = _copy_checkpoint(tiny_model_dir("deepseek_v3"), tmp_path / "fp8", {}, quantization_config=fp8)
