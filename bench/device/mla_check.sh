@@ -20,7 +20,7 @@ export PDSERVE_TOKENIZER_DIR=${PDSERVE_TOKENIZER_DIR:-$ROOT/.dev/smollm2-tok}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     t0=$(date +%s)
     timeout -k 10 "${TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -m cuda --durations=6 \
-        tests/pdkernels/test_kernels_mla_decode.py tests/engine/models/test_deepseek_v3.py tests/pd/test_pair_deepseek_gpu.py \
+        tests/pdkernels/test_kernels_mla_decode.py tests/engine/models/test_deepseek_v3.py tests/pd/disagg/test_pair_deepseek_gpu.py \
         > "$OUT/tests.log" 2>&1
     say "gpu tests: rc $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
     t0=$(date +%s)  # the CUDA decode path's checks, deepseek_v3's cases (the other families' ran before)

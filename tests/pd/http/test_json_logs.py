@@ -1,5 +1,5 @@
 """--log-format json in a process of its own: every line on stderr is one JSON object, a logged line, a
-Python warning and an exception nothing caught alike (the live server's lines: tests/pd/test_server_metrics.py)."""
+Python warning and an exception nothing caught alike (the live server's lines: tests/pd/frontend/test_server_metrics.py)."""
 
 from __future__ import annotations
 
