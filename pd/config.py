@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig
 from pd.flags import add_config_flag, from_flags, parse_args, parser_for
 from transfer.config import TransferConfig
+from transfer.transports import names_where
 
 DEFAULT_PORT = 8888
 DEFAULT_PE_PORT = 8889
@@ -100,7 +101,7 @@ def check_http_settings(
         raise ValueError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout_s}")
 
 
-TP_TRANSPORTS = ("tcp", "nixl")  # what a --tp group hands off over (at either end)
+TP_TRANSPORTS = names_where(lambda c: c.tp_layouts)  # what a --tp group hands off over (at either end)
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,8 @@ class ServerConfig:
             "help": "tensor parallelism (dense and MoE models with per-head attention): each engine rank is a group of N processes (one GPU "
             "each on CUDA) holding one model split Megatron-style; the group's first process schedules "
             "and samples, the others follow its steps; with --role pe|ce a handoff carries every KV head and "
-            "each group's first process re-shards them, so any --tp hands off to any --tp (over tcp)"
+            "each group's first process re-shards them, so any --tp hands off to any --tp "
+            f"(over {' or '.join(TP_TRANSPORTS)})"
         },
     )
     routing: str = field(
@@ -365,8 +367,9 @@ class ServerConfig:
             raise ValueError(f"--dp must be >= 1, got {self.dp}")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
-        # the group's first process re-shards a handoff (engine/handoff/kv_shards.py): tcp and nixl carry it (tested
-        # on the CPU); ipc and nccl have not run with a group of GPUs yet
+        # the group's first process re-shards a handoff (engine/handoff/kv_shards.py): the transports with
+        # Capabilities.tp_layouts carry it (tcp and nixl, tested on the CPU); ipc and nccl have not run
+        # with a group of GPUs yet
         if self.tp > 1 and self.role == "pe" and self.transfer.transport not in TP_TRANSPORTS:
             raise ValueError(
                 f"--tp {self.tp} with --role pe hands off over --transport {' or '.join(TP_TRANSPORTS)} only so far,"
@@ -471,7 +474,7 @@ class ServerConfig:
         misspelled flag or config key; a bad value raises ValueError)."""
         ns = parse_args(cls.parser(prog, is_model_positional), cls, argv)
         if getattr(ns, "model_tag", None) is not None:
-            setattr(ns, "engine.models.decoder", ns.model_tag)
+            setattr(ns, "engine.model", ns.model_tag)
         cfg = from_flags(cls, ns)
         if cfg.api_key is None and os.environ.get(API_KEY_ENV):
             cfg = dataclasses.replace(cfg, api_key=os.environ[API_KEY_ENV])

@@ -8,7 +8,8 @@
     messages.py   the control messages (hello .. ack, nack), one frozen dataclass each
     sender.py     KVSender.send(addr, export) -> Ack
     receiver.py   KVReceiver(on_handoff, on_complete): verify, then deliver
-    transport.py  the transport interface and factory: tcp.py, nccl.py, ipc.py
+    transports.py the transports' one table: each name, its class and its Capabilities (no transport imported)
+    transport.py  the transport interface and factory: tcp.py, nccl.py, ipc.py, nixl.py
 
 Names are imported lazily, so `import transfer.auth` does not pull in torch.
 """

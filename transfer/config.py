@@ -10,10 +10,12 @@ import importlib.util
 from dataclasses import dataclass, field
 
 from pdkernels.checksum import CHUNK_BYTES
+from transfer.transports import TRANSPORTS, names_where
 
-TRANSPORT_NAMES = ("tcp", "nccl", "ipc", "nixl")  # nixl: the optional extra pdserve[nixl]
+# the transports, from their one table (transfer/transports.py; nixl: the optional extra pdserve[nixl])
+TRANSPORT_NAMES = tuple(TRANSPORTS)
 STREAM_CHOICES = ("auto", "on", "off")
-STREAM_TRANSPORTS = ("tcp", "nixl")  # the transports whose push/pull carry a streamed handoff's parts
+STREAM_TRANSPORTS = names_where(lambda c: c.streams)  # those that carry a streamed handoff's parts
 GiB = 1 << 30
 MiB = 1 << 20
 NIXL_ARENA_MB = {"cpu": 256, "cuda": 2048}  # nixl_arena_mb's default, by the memory the arena is in
@@ -82,12 +84,14 @@ class TransferConfig:
     )
     # prefill: a long prompt's handoff overlaps its prefill (wire.py: open, parts, final offer): the pages
     # each chunk completes go while the next chunks compute; only the last page(s) and the SWA state
-    # are left after the prefill. auto: on where the transport carries parts (tcp, nixl), off elsewhere
+    # are left after the prefill. auto: on where the transport carries parts (Capabilities.streams:
+    # STREAM_TRANSPORTS), off elsewhere
     stream: str = field(
         default="auto",
         metadata={
             "help": "prefill: send each prefill chunk's completed KV pages while the prompt is still being"
-            " prefilled; auto: on for tcp and nixl (the transports that carry it), off for the others",
+            f" prefilled; auto: on for {' and '.join(STREAM_TRANSPORTS)} (the transports that carry it),"
+            " off for the others",
             "choices": STREAM_CHOICES,
             "flag": "kv-stream",
         },

@@ -57,6 +57,7 @@ from transfer.config import TransferConfig
 from transfer.errors import TIMEOUT, TRANSPORT, HandoffError
 from transfer.header import Buffer, HandoffHeader, segment_bytes
 from transfer.transport import KVPool, Transport
+from transfer.transports import TRANSPORTS
 from transfer.wire import Channel
 
 log = logging.getLogger(__name__)
@@ -326,6 +327,7 @@ class ExportedPool:
 
 class IpcTransport(Transport):
     name = "ipc"
+    capabilities = TRANSPORTS[name].capabilities
     reads_in_place = True
 
     def __init__(self, config: TransferConfig, backend: IpcBackend | None = None) -> None:

@@ -33,6 +33,7 @@ from transfer.config import TransferConfig
 from transfer.errors import STALE, TIMEOUT, TRANSPORT, HandoffError
 from transfer.header import Buffer, HandoffHeader, dense
 from transfer.transport import Transport
+from transfer.transports import TRANSPORTS
 from transfer.wire import Channel
 
 MAX_COMMS = 64  # receiver: communicators kept; the least recently used beyond this are aborted
@@ -154,6 +155,7 @@ def nccl_version() -> str | None:
 
 class NcclTransport(Transport):
     name = "nccl"
+    capabilities = TRANSPORTS[name].capabilities
 
     def __init__(self, config: TransferConfig, backend: NcclBackend | None = None) -> None:
         super().__init__(config)

@@ -89,6 +89,7 @@ from transfer.errors import LAYOUT, PROTOCOL, TIMEOUT, TRANSPORT, HandoffError
 from transfer.header import Buffer, HandoffHeader, dense
 from transfer.messages import Written
 from transfer.transport import KVPool, Transport
+from transfer.transports import TRANSPORTS
 from transfer.wire import Channel
 
 log = logging.getLogger(__name__)
@@ -365,7 +366,7 @@ EXPORT, LANDING = "export", "landing"  # the sender's arena, the receiver's
 
 class NixlTransport(Transport):
     name = "nixl"
-    carries_parts = True
+    capabilities = TRANSPORTS[name].capabilities
     writes_parts = True  # a streamed handoff's parts: written into the buffer its open's ready named
 
     def __init__(self, config: TransferConfig) -> None:

@@ -471,7 +471,7 @@ class KVReceiver:
         t0 = time.perf_counter()
         try:
             header, transport, extra = self._read_offer(offer)
-            if streamed and not transport.carries_parts:
+            if streamed and not transport.capabilities.streams:
                 raise HandoffError(TRANSPORT, f"transport {transport.name!r} does not carry streamed handoffs")
             t_offer = time.perf_counter()
             segments = await self._ask(header, transport)

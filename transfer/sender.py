@@ -335,7 +335,7 @@ class KVSender:
         in flight included; before it the prefill sets the pace and a part that stalls fails after
         idle_timeout_s. on_part(num_pages): told after each part went. Returns the Ack or raises
         HandoffError; cancelling it closes the connection (the receiver drops what it got)."""
-        if not self.transport.carries_parts:
+        if not self.transport.capabilities.streams:
             raise HandoffError(TRANSPORT, f"transport {self.transport.name!r} does not carry streamed handoffs")
         timeout = self.config.send_timeout_s if timeout_s is None else timeout_s
         inner = asyncio.ensure_future(self._stream(addr, plan, parts, on_part))

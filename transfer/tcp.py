@@ -45,6 +45,7 @@ from transfer.config import MAX_TCP_STREAMS, TransferConfig
 from transfer.errors import INCOMPLETE, TRANSPORT, HandoffError
 from transfer.header import Buffer, HandoffHeader, dense
 from transfer.transport import Transport
+from transfer.transports import TRANSPORTS
 from transfer.wire import Channel, blocking_recv_into, blocking_send
 
 # Hashing of received chunks, off the receiving threads (its own pool: a receiving thread waits on it).
@@ -114,7 +115,7 @@ class _Staging:
 
 class TcpTransport(Transport):
     name = "tcp"
-    carries_parts = True
+    capabilities = TRANSPORTS[name].capabilities
 
     def __init__(self, config: TransferConfig) -> None:
         super().__init__(config)

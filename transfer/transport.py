@@ -12,8 +12,9 @@ A transport may also say where the tensors it moves should live: export_allocato
 export gathered into memory it has exported or registered once: ipc, nixl) and receive_buffers (the
 receiver's buffers, taken from memory registered once: nixl).
 
-Transports are made by name (make_transport); a module is imported only when its transport is asked
-for, and none needs CUDA to import.
+Transports are made by name (make_transport) from the table in transfer/transports.py, which names
+each one, says where its class lives and what it can do (Capabilities, re-exported here); a module is
+imported only when its transport is asked for, and none needs CUDA to import.
 """
 
 from __future__ import annotations
@@ -29,14 +30,10 @@ import torch
 from engine.handoff import Alloc, PoolPages
 from transfer.config import TransferConfig
 from transfer.header import Buffer, HandoffHeader
+from transfer.transports import TRANSPORTS, Capabilities
 from transfer.wire import Channel, io_executor
 
-_REGISTRY: dict[str, str] = {
-    "tcp": "transfer.tcp:TcpTransport",
-    "nccl": "transfer.nccl:NcclTransport",
-    "ipc": "transfer.ipc:IpcTransport",
-    "nixl": "transfer.nixl:NixlTransport",  # the optional extra pdserve[nixl]
-}
+__all__ = ["Capabilities", "KVPool", "Transport", "make_transport", "transport_class"]
 
 
 class KVPool(Protocol):
@@ -54,16 +51,19 @@ class KVPool(Protocol):
 
 
 class Transport(ABC):
+    # Its key in TRANSPORTS and what it can do there: each class sets `name = "..."` and
+    # `capabilities = TRANSPORTS[name].capabilities`, so both exist once, in that table.
     name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    # How the protocol runs with it (what it can do is in capabilities):
     # The receiver reads the payload where the sender keeps it (ipc): its pull starts before the
-    # ready goes out, since the sender sends nothing after it.
+    # ready goes out, since the sender sends nothing after it. (Where the payload lands, in the
+    # receiver's pool or not, is capabilities.in_place.)
     reads_in_place: ClassVar[bool] = False
-    # A streamed handoff's parts (--kv-stream, wire.py) can go over it: a part's bytes follow its `part`
-    # message at once (push / pull of that part's pages alone, no ready in between).
-    carries_parts: ClassVar[bool] = False
-    # Its parts are written one-sided before their `part` message goes (nixl): the open's ready says
-    # where (open_stream's fields), the sender writes each part there (write_part), and the receiver
-    # only checks the bytes where they landed.
+    # capabilities.streams: a part's bytes follow its `part` message at once (push / pull of that part's
+    # pages alone, no ready in between), unless the parts are written one-sided before their `part`
+    # message goes (writes_parts, nixl): the open's ready says where (open_stream's fields), the sender
+    # writes each part there (write_part), and the receiver only checks the bytes where they landed.
     writes_parts: ClassVar[bool] = False
 
     def __init__(self, config: TransferConfig) -> None:
@@ -173,11 +173,16 @@ class Transport(ABC):
         return None
 
 
+def transport_class(name: str) -> type[Transport]:
+    """The class registered under name in TRANSPORTS (its module imported now, if it was not yet)."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)}")
+    module, cls = TRANSPORTS[name].cls.split(":")
+    transport_cls: type[Transport] = getattr(importlib.import_module(module), cls)
+    return transport_cls
+
+
 def make_transport(name: str, config: TransferConfig, **kw: Any) -> Transport:
-    """The transport registered under name ("tcp" | "nccl" | "ipc" | "nixl"); kw go to its constructor (a test
-    passes a fake NCCL or IPC backend this way)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown transport {name!r}; known: {sorted(_REGISTRY)}")
-    module, cls = _REGISTRY[name].split(":")
-    transport_cls = getattr(importlib.import_module(module), cls)
-    return transport_cls(config, **kw)
+    """The transport registered under name (a key of TRANSPORTS); kw go to its constructor (a test passes
+    a fake NCCL or IPC backend this way)."""
+    return transport_class(name)(config, **kw)
