@@ -1,6 +1,6 @@
 """A request's conversation key, read from its raw JSON body: the key the CE itself routes by (its rank
 and its PE: pd/api/chat.py's affinity_key, pd/api/completions.py's), so that the router, the CE and the
-PE pool agree on what one conversation is. tests/pd/router/test_router_units.py holds the two equal."""
+PE pool agree on what one conversation is. tests/pd/router/test_router.py holds the two equal."""
 
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ KV_TCP_STREAMS = 4  # the pair's PE stripes its handoffs (--kv-tcp-streams): eve
 # on for tcp), its pages going while later chunks compute; --deterministic keeps the tokens those of the
 # reference's one-chunk prefill
 PE_CHUNK_TOKENS = 256
+# the cluster token of the P/D tests that drive the roles and the /prefill client by hand (no server)
+CLUSTER_TOKEN = "unit-test-cluster-token-0123456789"
 
 
 @pytest.fixture(scope="session")

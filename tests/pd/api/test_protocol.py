@@ -1,49 +1,22 @@
-"""The server's pure parts, no engine: request checks, wire messages, routing, SSE, metrics."""
+"""The OpenAI request checks (pd/api/protocol.py): chat and completion bodies, their defaults, what reaches
+the engine's SamplingParams, vLLM's fields, and every bad input a 400 that names its field."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import typing
-from dataclasses import dataclass
-
-import msgpack
 import pytest
-import torch
 
-from engine.codec import WireError, to_wire
-from engine.config import ForwardConfig
 from engine.errors import InvalidRequestError
-from engine.request import RequestOutput, SamplingParams, TokenLogprob
+from engine.request import SamplingParams
 from pd.api.protocol import UNSUPPORTED_VLLM_FIELDS, parse_chat_request, parse_completion_request
-from pd.api.sse import DONE, sse_event
-from pd.config import ServerConfig
 from pd.errors import ApiError
-from pd.flags import parser_for
-from pd.frontend.metrics import RankSnapshot, ServerMetrics
-from pd.frontend.router import AffinityRouter, LeastLoadedRouter, make_router
 from pd.http.io import parse_json
-from pd.messages import (
-    PROTOCOL_VERSION,
-    AbortRequests,
-    AddRequest,
-    MessageError,
-    RankFatal,
-    RankReady,
-    RankStats,
-    RequestRejected,
-    Shutdown,
-    StepOutputs,
-    decode,
-    encode,
-)
-from pd.rank.restart_policy import RestartPolicy
-from pd.rank.worker import engine_config as rank_engine_config
-from pd.rank.worker import read_configs
-from transfer.config import TransferConfig
 
 USER = [{"role": "user", "content": "hi"}]
+
+
 ASSISTANT_LAST = [*USER, {"role": "assistant", "content": "The answer is"}]
+
+
 CRITIC = [{"role": "critic", "content": "x"}]
 
 
@@ -56,7 +29,7 @@ def _bad(fn, body, param):
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
 
 
-# ---- chat request checks ------------------------------------------------------------------------------
+# ---- chat request checks -----------------------------------------------------------------------------------
 
 
 def test_chat_defaults_and_fields():
@@ -116,7 +89,6 @@ def test_chat_defaults_and_fields():
         2,
         ("x",),
     )
-
 
 
 def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
@@ -300,7 +272,7 @@ def test_vllm_fields_that_ask_for_nothing_pass():
     parse_completion_request({"prompt": "a", **defaults, "echo": True})
 
 
-# ---- completion request checks ------------------------------------------------------------------------
+# ---- completion request checks -----------------------------------------------------------------------------
 
 
 def test_completion_prompts():
@@ -351,271 +323,3 @@ def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
 )
 def test_completion_bad_input(body, param):
     _bad(parse_completion_request, body, param)
-
-
-# ---- messages ----------------------------------------------------------------------------------------
-
-
-def test_messages_round_trip():
-    msgs = [
-        AddRequest(
-            "r1",
-            (1, 2, 3),
-            SamplingParams(max_tokens=5, temperature=0.0, stop=("a", "b"), seed=7, logprobs=2),
-            False,
-        ),
-        AbortRequests(("r1", "r2")),
-        Shutdown(),
-        RankReady(0, 123, "m", 2048, (2, 3), "cpu", {"kv_usage": 0.0}),
-        RequestRejected("r1", "too long", "max_tokens"),
-        RankStats({"num_running": 1}),
-        RankFatal("boom"),
-    ]
-    for m in msgs:
-        assert decode(encode(m)) == m
-    out = RequestOutput(
-        "r1", [5], "hi", [TokenLogprob(5, -0.1, ((5, -0.1), (6, -2.0)))], True, "stop", 3, 1, 1
-    )
-    got = decode(encode(StepOutputs((out,), {"kv_usage": 0.5}, {"r1": 0.01})))
-    assert isinstance(got, StepOutputs) and got.outputs == (out,) and got.stats == {"kv_usage": 0.5}
-    assert got.queue_times_s == {"r1": 0.01}
-
-
-def test_messages_refuse_other_versions_and_garbage():
-    data = msgpack.unpackb(encode(Shutdown()))
-    assert data == {"v": PROTOCOL_VERSION, "type": "shutdown"}
-    with pytest.raises(MessageError):
-        decode(msgpack.packb({"v": PROTOCOL_VERSION + 1, "type": "shutdown"}))
-    with pytest.raises(MessageError):
-        decode(msgpack.packb({"v": PROTOCOL_VERSION, "type": "nope"}))
-    with pytest.raises(MessageError):
-        decode(msgpack.packb({"v": PROTOCOL_VERSION, "type": "add"}))
-    with pytest.raises(MessageError) as e:
-        decode(msgpack.packb({"v": PROTOCOL_VERSION, "type": "shutdown", "now": True}))
-    assert e.value.field == "now"  # an unknown field is refused, not dropped
-    with pytest.raises(MessageError):
-        decode(b"\xc1")
-
-
-# ---- routing -----------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Rank:
-    index: int
-    is_up: bool = True
-    num_inflight: int = 0
-
-
-def test_affinity_is_sticky_and_spreads():
-    ranks = [_Rank(i) for i in range(4)]
-    r = AffinityRouter()
-    picks = {k: r.pick(f"conversation {k}", ranks).index for k in range(200)}
-    assert all(r.pick(f"conversation {k}", ranks).index == v for k, v in picks.items())
-    assert len(set(picks.values())) == 4
-    ranks[1].is_up = False  # only rank 1's conversations move
-    for k, v in picks.items():
-        now = r.pick(f"conversation {k}", ranks).index
-        assert now != 1 and (now == v or v == 1)
-    assert r.pick(None, ranks).index == 0
-
-
-def test_least_loaded_and_all_down():
-    ranks = [_Rank(0, num_inflight=3), _Rank(1, num_inflight=1), _Rank(2, is_up=False)]
-    assert LeastLoadedRouter().pick("x", ranks).index == 1
-    for name in ("affinity", "least-loaded"):
-        assert make_router(name).pick("x", [_Rank(0, is_up=False)]) is None
-    with pytest.raises(ValueError):
-        make_router("random")
-
-
-# ---- SSE, metrics, config ----------------------------------------------------------------------------
-
-
-def test_sse_format():
-    assert sse_event({"a": 1}) == b'data: {"a":1}\n\n'
-    assert DONE == b"data: [DONE]\n\n"
-
-
-def test_metrics_render_per_rank():
-    snap = [
-        RankSnapshot(
-            0,
-            True,
-            2,
-            {
-                "num_running": 1,
-                "num_waiting": 0,
-                "kv_usage": 0.25,
-                "num_free_blocks": 3,
-                "num_total_blocks": 4,
-                "x_new": 7,
-            },
-        ),
-        RankSnapshot(1, False, 0, {}, num_restarts=2),
-    ]
-    m = ServerMetrics(lambda: snap, "served-name")
-    m.ttft_s.labels("served-name", "0").observe(0.1)
-    m.prompt_tokens.labels("served-name", "0").inc(5)
-    text = m.render().decode()
-    for line in (
-        'pdserve_rank_up{rank="0"} 1.0',
-        'pdserve_rank_up{rank="1"} 0.0',
-        'pdserve_rank_restarts_total{rank="0"} 0.0',
-        'pdserve_rank_restarts_total{rank="1"} 2.0',
-        'pdserve_kv_cache_usage_ratio{rank="0"} 0.25',
-        'pdserve_num_requests_running{rank="0"} 1.0',
-        'pdserve_engine_x_new{rank="0"} 7.0',
-        'pdserve_prompt_tokens_total{model_name="served-name",rank="0"} 5.0',
-        'pdserve_time_to_first_token_seconds_count{model_name="served-name",rank="0"} 1.0',
-    ):
-        assert line in text, line
-
-
-def test_server_config_cli():
-    cfg = ServerConfig.from_argv(
-        ["--dp", "2", "--port", "9000", "--deterministic", "--routing", "least-loaded"]
-    )
-    assert (cfg.dp, cfg.http_port, cfg.engine.is_deterministic, cfg.routing, cfg.engine.model) == (
-        2,
-        9000,
-        True,
-        "least-loaded",
-        "smollm2-135m-instruct",
-    )
-    with pytest.raises(ValueError):
-        ServerConfig(dp=0)
-
-
-# Every flag README.md, deploy/ and the tests pass, with the default it has always had.
-USER_FLAGS: dict[str, object] = {
-    "--model": "smollm2-135m-instruct", "--role": "single", "--served-model-name": None,
-    "--host": "127.0.0.1", "--port": None, "--dp": 1, "--device": "auto", "--deterministic": False,
-    "--enforce-eager": False, "--routing": "affinity", "--chat-template": None, "--max-model-len": None,
-    "--max-num-seqs": 64, "--max-num-batched-tokens": 2048, "--block-size": 128, "--kv-cache-gb": None,
-    "--hicache-gb": None, "--hicache-size-gb": None, "--hicache-state-slots": None, "--dtype": "auto",
-    "--gpu-memory-utilization": 0.9, "--load-format": "auto", "--seed": 0, "--max-body-bytes": 4 << 20,
-    "--rank-start-timeout-s": 600.0, "--log-level": "info", "--prefill-url": "http://127.0.0.1:8889",
-    "--kv-host": "127.0.0.1", "--kv-advertise-host": None, "--kv-port-base": 8900, "--transport": "tcp",
-    "--ipc-arena-gb": 4.0, "--handoff-lease-s": 30.0, "--prefill-timeout-s": 600.0,
-    "--fallback-local-prefill": False, "--max-queued-requests": 256, "--queue-timeout-s": 120.0,
-    "--cluster-token-file": None, "--quantization": None, "--tp": 1,
-}  # fmt: skip
-
-
-def _settings(cls: type, prefix: str = "") -> dict[str, dataclasses.Field]:
-    """The leaf fields of a settings dataclass by path ("engine.forward.prefill_sdpa")."""
-    hints = typing.get_type_hints(cls)
-    out: dict[str, dataclasses.Field] = {}
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out.update(_settings(hints[f.name], f"{prefix}{f.name}."))
-        else:
-            out[prefix + f.name] = f
-    return out
-
-
-def test_flags_are_the_settings_fields():
-    """One flag per field of ServerConfig and of the EngineConfig and TransferConfig it nests, named,
-    defaulted and explained by the field; the flags users pass keep their defaults; from no flags, the
-    dataclasses' own defaults."""
-    parser = parser_for(ServerConfig, "pd.server", "")
-    actions = [a for a in parser._actions if a.dest != "help"]
-    fields = _settings(ServerConfig)
-    assert sorted(a.dest for a in actions) == sorted(fields)  # one to one
-    for a in actions:
-        f = fields[a.dest]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        assert a.default == default, a.dest
-        assert f.metadata["help"] and a.help == f.metadata["help"]
-        name = f.metadata.get("flag", a.dest.rpartition(".")[2].replace("_", "-"))
-        assert a.option_strings[0] == f"--{name}", a.dest
-    by_flag = {s: a for a in actions for s in a.option_strings}
-    for flag, default in USER_FLAGS.items():
-        assert by_flag[flag].default == default, flag
-    assert by_flag["--hicache-size-gb"] is by_flag["--hicache-gb"]
-    assert ServerConfig.from_argv([]) == ServerConfig()
-    cfg = ServerConfig.from_argv(
-        "--hicache-size-gb 2 --prefill-sdpa off --prefill-sdpa-min-pairs 7 --no-chain-residuals "
-        "--accept-transports tcp,ipc --ipc-time-copies --idle-timeout-s 3 --num-swa-slots 5 --nixl-copy-in "
-        "--ipc-copy-in".split()
-    )
-    assert (cfg.engine.hicache_gb, cfg.engine.num_swa_slots, cfg.engine.forward) == (
-        2.0,
-        5,
-        ForwardConfig(prefill_sdpa="off", prefill_sdpa_min_pairs=7, chain_residuals=False),
-    )
-    assert cfg.transfer == TransferConfig(
-        accept_transports=("tcp", "ipc"), ipc_time_copies=True, idle_timeout_s=3.0, nixl_copy_in=True,
-        ipc_copy_in=True,
-    )
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--max-num-seq", "3"],  # an abbreviation is not taken either
-        ["--determinstic"],
-        ["--deterministic=yes"],
-        ["--prefill-sdpa", "fast"],
-        ["--accept-transports", "tcp,udp"],
-        ["--dp", "two"],
-        ["--quantization", "int8"],
-    ],
-)
-def test_a_misspelled_flag_is_an_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        ServerConfig.from_argv(argv)
-    assert "error" in capsys.readouterr().err
-
-
-def test_a_bad_value_is_an_error():
-    for argv in (["--max-model-len", "1"], ["--ipc-arena-gb", "-1"], ["--prefill-sdpa-min-pairs", "0"]):
-        with pytest.raises(ValueError):
-            ServerConfig.from_argv(argv)
-
-
-def test_rank_configs_are_typed_and_strict():
-    """What a rank is told (--engine-config, --role-config): the codec's encoding of EngineConfig and
-    RoleConfig, decoded as it was sent; an unknown, renamed or mistyped key is an error."""
-    cfg = ServerConfig.from_argv(
-        ["--role", "ce", "--deterministic", "--prefill-sdpa", "off", "--kv-cache-gb", "1", "--quantization", "fp8"]
-    )
-    assert cfg.engine.quantization == "fp8"
-    engine_json, role_json = json.dumps(to_wire(cfg.engine)), json.dumps(to_wire(cfg.role_config(1)))
-    assert read_configs(engine_json, role_json) == (cfg.engine, cfg.role_config(1))
-    assert read_configs(engine_json, None) == (cfg.engine, None)
-    good = to_wire(cfg.engine)
-    for bad in (
-        {**good, "max_num_seq": 3},
-        {**good, "deterministic": True},  # the old name of is_deterministic
-        {**good, "max_num_seqs": "3"},
-        {**good, "forward": {"prefill_sdpa": "fast"}},
-        {**good, "forward": {"chain_residual": False}},
-    ):
-        with pytest.raises(WireError):
-            read_configs(json.dumps(bad), None)
-    with pytest.raises(WireError):
-        read_configs(engine_json, json.dumps({**to_wire(cfg.role_config(0)), "transport": "tcp"}))
-    threads = torch.get_num_threads()
-    try:
-        device = f"cuda:{1 % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-        assert rank_engine_config(cfg.engine, 1, 2) == dataclasses.replace(cfg.engine, device=device)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_restart_policy_backs_off_and_stops_at_the_window_limit() -> None:
-    p = RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=1.0, max_backoff_s=3.0)
-    assert [p.next_delay_s(t) for t in (0.0, 10.0, 20.0)] == [1.0, 2.0, 3.0]  # doubling, capped
-    assert p.next_delay_s(30.0) is None  # 3 restarts within 600 s: stays down
-    assert p.next_delay_s(599.0) is None and p.num_recent(599.0) == 3  # a refusal is not counted
-    assert p.next_delay_s(600.0) == 3.0  # the restart at 0 s left the window: 2 recent, backoff 4 capped
-    assert p.next_delay_s(5000.0) == 1.0  # a quiet window: the backoff starts over
-    assert RestartPolicy(0, 600.0, 1.0, 30.0).next_delay_s(0.0) is None  # 0: never restart
-    with pytest.raises(ValueError):
-        RestartPolicy(1, 600.0, 10.0, 5.0)
-    cfg = ServerConfig.from_argv(["--rank-restart-max", "2", "--rank-restart-backoff-s", "0.5"])
-    assert RestartPolicy.of(cfg) == RestartPolicy(2, 600.0, 0.5, 30.0)
-    with pytest.raises(ValueError):
-        ServerConfig.from_argv(["--rank-restart-backoff-s", "60"])
