@@ -41,7 +41,7 @@ class ModelArch:
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False
-    gemma_norm: bool = False  # RMSNorm scales by (1 + w), computed in float32
+    unit_offset_norm: bool = False  # RMSNorm scales by (1 + w), computed in float32
     sandwich_norm: bool = False  # extra norms after attention and around the MLP (Gemma 3)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
     o_proj_bias: bool = False  # the output projection has a bias too (with attention_bias; gpt-oss)

@@ -60,8 +60,9 @@ from engine.layers.eplb import RebalanceStats, rebalance_layer
 from engine.layers.fp8 import fp8_format
 from engine.layers.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
 from engine.layers.sampler import process_logits, sample
-from engine.models.hf_config import arch_from_hf, generation_eos_ids, load_hf_config
+from engine.models.hf_config import generation_eos_ids
 from engine.models.loader import build_model
+from engine.models.registry import arch_from_hf, load_hf_config
 from engine.parallel import expert_parallel
 from engine.parallel.tensor_parallel import (
     PLAN_COPY,

@@ -43,7 +43,7 @@ def pdl_start(PDL: tl.constexpr):
 
 @triton.jit
 def _scaled(x, w, r, IS_GEMMA: tl.constexpr, DTYPE: tl.constexpr):
-    """engine.models.decoder.RMSNorm's arithmetic on float32 values x of rows whose 1 / rms is r (broadcast),
+    """engine.layers.norm.RMSNorm's arithmetic on float32 values x of rows whose 1 / rms is r (broadcast),
     elementwise, rounded to DTYPE."""
     if IS_GEMMA:  # (x * (1 + w)) in float32, then cast
         y = x * r * (1.0 + w)

@@ -33,6 +33,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": dict(model_type="qwen2", rope_theta=10000.0),
     "qwen3": dict(model_type="qwen3", head_dim=32, rope_theta=10000.0),
     "mistral": dict(model_type="mistral", sliding_window=None, rope_theta=10000.0),
+    # fused qkv_proj and gate_up_proj in the checkpoint; a sliding window on every layer, as Phi-3-mini's 2047
+    "phi3": dict(model_type="phi3", sliding_window=24, rope_theta=10000.0),
     "qwen3_hybrid": dict(
         model_type="qwen3",
         head_dim=16,

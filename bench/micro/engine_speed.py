@@ -62,7 +62,7 @@ from engine.arch import ModelArch  # noqa: E402
 from engine.config import EngineConfig, ForwardConfig  # noqa: E402
 from engine.core.kv_cache import layout_of  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
-from engine.models.hf_config import arch_from_hf, load_hf_config  # noqa: E402
+from engine.models.registry import arch_from_hf, load_hf_config  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from pd.flags import add_flags, from_flags  # noqa: E402
 

@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from engine.checkpoints import resolve_model
-    from engine.models.hf_config import generation_eos_ids, load_hf_config
+    from engine.models.hf_config import generation_eos_ids
+    from engine.models.registry import load_hf_config
 
     folder = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(folder))

@@ -66,7 +66,7 @@ from engine.handoff import (  # noqa: E402
     PoolPages,
     SequenceExport,
 )
-from engine.models.hf_config import arch_from_hf
+from engine.models.registry import arch_from_hf
 from engine.request import SamplingParams  # noqa: E402
 from pdkernels.checksum import as_words, fold, torch_segment_sum
 from transfer.checksum import payload_checksum  # noqa: E402

@@ -242,7 +242,7 @@ def profile_prefill(folder: Path, tokens: int, forward: ForwardConfig, report: d
 
 
 def has_sliding(folder: Path) -> bool:
-    from engine.models.hf_config import arch_from_hf, load_hf_config
+    from engine.models.registry import arch_from_hf, load_hf_config
 
     return arch_from_hf(load_hf_config(folder)).has_sliding
 
@@ -251,7 +251,7 @@ def kv_gib(folder: Path, batch: int, max_len: int, dtype: torch.dtype = torch.bf
     """KV memory for `batch` sequences of max_len tokens: their pages (two spare each) and, for a hybrid
     model, one SWA state slot each and a spare (the engine gives slots their share first)."""
     from engine.core.kv_cache import layout_of
-    from engine.models.hf_config import arch_from_hf, load_hf_config
+    from engine.models.registry import arch_from_hf, load_hf_config
 
     arch = arch_from_hf(load_hf_config(folder))
     layout = layout_of(arch, 128, dtype)

@@ -104,7 +104,9 @@ class HostPrefixCache:
         match = index.match(seq.prompt_token_ids)
         try:
             if match.num_pages:
-                moved = self._copy(kv, "pages", True, [e.page for e in match.entries], seq.block_ids[: match.num_pages])
+                moved = 0
+                if kv.layout.num_full_layers:  # a model of sliding layers only: its prefix is the state alone
+                    moved = self._copy(kv, "pages", True, [e.page for e in match.entries], seq.block_ids[: match.num_pages])
                 if self.has_sliding:
                     moved += self._copy(kv, "swa", True, [match.entries[-1].state], [seq.state_slot])
                 index.counters.bytes_to_device += moved
@@ -119,7 +121,9 @@ class HostPrefixCache:
         seq.cache_store_upto = 0
         plan, state = index.plan_store(seq.prompt_token_ids, num_pages, with_state=self.has_sliding)
         try:
-            moved = self._copy(kv, "pages", False, [seq.block_ids[i] for i, _ in plan], [p for _, p in plan])
+            moved = 0
+            if kv.layout.num_full_layers:  # a model of sliding layers only has no pages to copy
+                moved = self._copy(kv, "pages", False, [seq.block_ids[i] for i, _ in plan], [p for _, p in plan])
             if state >= 0:
                 moved += self._copy(kv, "swa", False, [seq.state_slot], [state])
             index.counters.bytes_to_host += moved

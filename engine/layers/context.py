@@ -4,7 +4,7 @@ KV lives. Set by `forward_context(...)` for exactly one forward pass and always 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -13,7 +13,7 @@ import torch
 from engine.config import ForwardConfig
 from engine.core.kv_cache import KVCache
 from engine.layers.decode import DecodeMeta
-from engine.layers.numerics import Numerics
+from engine.layers.numerics import Numerics, run_rows
 from pdkernels import pdl
 
 
@@ -115,3 +115,8 @@ def forward_context(
             yield _CONTEXT
     finally:
         _CONTEXT = None
+
+
+def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """fn(*xs) for a row-local fn, under the step's numerics."""
+    return run_rows(fn, xs, get_context().numerics)

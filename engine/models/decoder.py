@@ -40,197 +40,22 @@ from torch import nn
 
 from engine.arch import SLIDING, ModelArch
 from engine.layers import fp8
-from engine.layers.attention import AttnSpec, paged_attention
-from engine.layers.context import current_context, get_context
+from engine.layers.attention import AttnSpec
+from engine.layers.context import get_context, rowwise
 from engine.layers.linear import fused_ops_for, linear
-from engine.layers.meta import on_meta
 from engine.layers.mla import LatentAttention
+from engine.layers.mlp import MLP
 from engine.layers.moe import SparseMoE
+from engine.layers.norm import RMSNorm, activation
 from engine.layers.numerics import Numerics, run_rows
+from engine.layers.rotary import Rotary
+from engine.layers.self_attention import Attention
 from engine.parallel import expert_parallel
 
 if TYPE_CHECKING:  # the kernel module imports triton
     from engine.parallel.tensor_parallel import TensorGroup, TpShard
-    from pdkernels.decode_attention import Rope
 
 PROBE_VOCAB_ROWS = 8192
-
-
-def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One linear whose output is the given linears' outputs side by side (fp8.can_concat must hold)."""
-    if isinstance(linears[0], fp8.Fp8Linear):
-        return fp8.concat(linears)
-    has_bias = linears[0].bias is not None
-    out_features = sum(lin.out_features for lin in linears)
-    with on_meta():
-        fused = nn.Linear(linears[0].in_features, out_features, bias=has_bias)
-    fused.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
-    if has_bias:
-        fused.bias = nn.Parameter(torch.cat([cast(torch.Tensor, lin.bias) for lin in linears]), requires_grad=False)
-    return fused
-
-
-def rowwise(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-    """fn(*xs) for a row-local fn, under the step's numerics."""
-    return run_rows(fn, xs, get_context().numerics)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, is_gemma: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-        self.is_gemma = is_gemma
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops_for(x)
-        if ops is not None:
-            return ops.rms_norm(x, self.weight, self.eps, self.is_gemma)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.is_gemma:  # (x * (1 + w)) in float32, then cast, as Gemma 3 does
-            return (xf * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * xf.to(x.dtype)
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu
-    if name == "silu":
-        return F.silu
-    raise ValueError(f"unsupported activation {name!r}")
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        d, h, kvh = arch.head_dim, arch.num_heads, arch.num_kv_heads
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.q_proj = nn.Linear(arch.hidden_size, h * d, bias=arch.attention_bias)
-        self.k_proj = nn.Linear(arch.hidden_size, kvh * d, bias=arch.attention_bias)
-        self.v_proj = nn.Linear(arch.hidden_size, kvh * d, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(h * d, arch.hidden_size, bias=arch.o_proj_bias)
-        self.sinks: nn.Parameter | None = nn.Parameter(torch.empty(h)) if arch.attn_sinks else None
-        if arch.qk_norm:
-            self.q_norm = RMSNorm(d, arch.rms_norm_eps, arch.gemma_norm)
-            self.k_norm = RMSNorm(d, arch.rms_norm_eps, arch.gemma_norm)
-        self.has_qk_norm = arch.qk_norm
-        self.qkv_proj: nn.Linear | None = None
-
-    def fuse_projections(self) -> None:
-        """q/k/v as one qkv_proj (kept apart where FP8 blocks do not stack: fp8.can_concat)."""
-        if not fp8.can_concat([self.q_proj, self.k_proj, self.v_proj]):
-            return
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
-
-    @property
-    def out_width(self) -> int:
-        """o_proj's input: every head's value."""
-        return self.num_heads * self.head_dim
-
-    def row_functions(self) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
-        """Row-local functions attend() runs besides qkv(): none."""
-        return []
-
-    def attend(
-        self, qkv: torch.Tensor, spec: AttnSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        """qkv()'s output -> [tokens, heads * head_dim]: stores the new K/V and attends (paged_attention); x,
-        cos, sin: the layer's input and rotary rows, for the decode rows qkv() left raw (decode_rope)."""
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        return paged_attention(q, k, v, spec, self.sinks, self.decode_rope(x, cos, sin)).flatten(1)
-
-    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Row-local: normed hidden -> q, k, v with rotary applied, packed along the head axis."""
-        if self.qkv_proj is not None:
-            return self._fused_qkv(h, cos, sin)
-        q = self.q_proj(h).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(h).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(h).view(-1, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return torch.cat([q, k, v], dim=1)
-
-    def _decode_rows_raw(self, x: torch.Tensor) -> int:
-        """How many rows (the step's last) leave qkv() unnormed and unrotated, for the decode kernel to do
-        (CUDA with fused projections: every decode row; 0 elsewhere)."""
-        ctx = current_context()
-        dec = ctx.decode if ctx is not None else None
-        if ctx is None or dec is None or not ctx.config.decode_rope or self.qkv_proj is None or fused_ops_for(x) is None:
-            return 0
-        return dec.num_rows
-
-    def decode_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rope | None:
-        """The decode kernel's Rope (pdkernels/decode_attention.py) for the rows qkv() left raw, or None."""
-        rows = self._decode_rows_raw(x)
-        if not rows:
-            return None
-        from pdkernels.decode_attention import Rope
-
-        if not self.has_qk_norm:
-            return Rope(cos[-rows:], sin[-rows:])
-        qn, kn = self.q_norm, self.k_norm
-        return Rope(cos[-rows:], sin[-rows:], qn.weight, kn.weight, qn.eps, qn.is_gemma)
-
-    def _fused_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        assert self.qkv_proj is not None
-        h_q, h_k = self.num_heads, self.num_kv_heads
-        qkv = linear(self.qkv_proj, h).view(-1, h_q + 2 * h_k, self.head_dim)
-        ops = fused_ops_for(h)
-        if ops is not None:  # one kernel: qk norms and rotary; the decode rows' in the attention kernel
-            n = qkv.shape[0] - self._decode_rows_raw(h)
-            if n and self.has_qk_norm:
-                qn, kn = self.q_norm, self.k_norm
-                ops.qk_rope_(qkv[:n, : h_q + h_k], h_q, cos[:n], sin[:n], qn.weight, kn.weight, qn.eps, qn.is_gemma)
-            elif n:
-                ops.qk_rope_(qkv[:n, : h_q + h_k], h_q, cos[:n], sin[:n])
-            return qkv
-        if self.has_qk_norm:
-            qkv[:, :h_q] = self.q_norm(qkv[:, :h_q])
-            qkv[:, h_q : h_q + h_k] = self.k_norm(qkv[:, h_q : h_q + h_k])
-        qk = qkv[:, : h_q + h_k]
-        qk.copy_(qk * cos[:, None] + rotate_half(qk) * sin[:, None])
-        return qkv
-
-
-class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-        act = arch.hidden_act
-        self.act = activation(act)
-        self.is_silu = act == "silu"
-        self.fused_act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
-        self.gate_up_proj: nn.Linear | None = None
-
-    def fuse_projections(self) -> None:
-        """gate/up as one gate_up_proj (kept apart where FP8 blocks do not stack: fp8.can_concat)."""
-        if not fp8.can_concat([self.gate_proj, self.up_proj]):
-            return
-        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = linear(self.gate_up_proj, x)
-        if fused_ops_for(x) is not None and self.fused_act is not None:
-            return linear(self.down_proj, gate_up, act=self.fused_act)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -271,7 +96,7 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.mlp = MLP(arch)
-        eps, g = arch.rms_norm_eps, arch.gemma_norm
+        eps, g = arch.rms_norm_eps, arch.unit_offset_norm
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, g)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, g)
         self.is_sandwich = arch.sandwich_norm
@@ -287,7 +112,7 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         ops = fused_ops_for(x)
         if ops is not None:
-            return ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
+            return ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.unit_offset)
         x = x + h
         return x, norm(x)
 
@@ -383,7 +208,7 @@ class DecoderLayer(nn.Module):
         a, norm = self.self_attn, self.input_layernorm
         rows_to = fp8.input_rows_to(getattr(a, "qkv_proj", None), x)  # FP8 qkv: its input quantized in the norm
         if pending is None:
-            normed, quantized = ops.rms_norm_quant(x, norm.weight, norm.eps, norm.is_gemma, rows_to)
+            normed, quantized = ops.rms_norm_quant(x, norm.weight, norm.eps, norm.unit_offset, rows_to)
             normed = fp8.with_quantized(normed, quantized, rows_to)
         else:
             x, normed = pending.add_norm(ops, x, norm, rows_to)
@@ -391,15 +216,15 @@ class DecoderLayer(nn.Module):
         attn = a.attend(qkv, self.spec, x, cos, sin)
         h = rowwise(lambda t: linear(a.o_proj, t), attn)
         if self.is_sandwich:
-            x, normed = ops.add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, norm.eps, norm.is_gemma,
+            x, normed = ops.add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, norm.eps, norm.unit_offset,
                                          h_weight=self.post_attention_layernorm.weight)
             return x, Pending(rowwise(self.mlp, normed), self.post_feedforward_layernorm)
         norm = self.post_attention_layernorm
         if self.is_sparse:
-            x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.is_gemma)
+            x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.unit_offset)
             return x, Pending(self._sparse_mlp(normed), None)
         rows_to = fp8.input_rows_to(cast(MLP, self.mlp).gate_up_proj, x)
-        x, normed, quantized = ops.add_rms_norm_quant(x, h, norm.weight, norm.eps, norm.is_gemma, quant_rows=rows_to)
+        x, normed, quantized = ops.add_rms_norm_quant(x, h, norm.weight, norm.eps, norm.unit_offset, quant_rows=rows_to)
         return x, Pending(rowwise(self.mlp, fp8.with_quantized(normed, quantized, rows_to)), None)
 
 
@@ -418,30 +243,9 @@ class Pending:
         norm's output carries its FP8 quantization too (fp8.with_quantized), made in the same pass."""
         w = None if self.out_norm is None else self.out_norm.weight
         x, normed, quantized = ops.add_rms_norm_quant(
-            x, self.out, norm.weight, norm.eps, norm.is_gemma, h_weight=w, quant_rows=rows_to
+            x, self.out, norm.weight, norm.eps, norm.unit_offset, h_weight=w, quant_rows=rows_to
         )
         return x, fp8.with_quantized(normed, quantized, rows_to)
-
-
-class Rotary(nn.Module):
-    """cos/sin tables per layer type for every position, computed once in float32 then cast as
-    transformers does; a step gathers its rows (a gather is exact, so no row depends on the batch)."""
-
-    def __init__(self, inv_freqs: dict[str, tuple[torch.Tensor, float]]) -> None:
-        super().__init__()
-        self.inv_freqs = inv_freqs
-        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def build(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
-        positions = torch.arange(max_positions, device=device).float()
-        for t, (inv, scale) in self.inv_freqs.items():
-            freqs = positions[:, None] * inv.to(device)[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.tables[t] = ((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype))
-
-    def forward(self, positions: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.tables[layer_type]
-        return cos[positions], sin[positions]
 
 
 class DecoderStack(nn.Module):
@@ -460,7 +264,7 @@ class DecoderStack(nn.Module):
             sliding_i += is_sliding
             full_i += not is_sliding
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.unit_offset_norm)
 
 
 class CausalLM(nn.Module):

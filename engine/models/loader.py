@@ -31,7 +31,8 @@ import json
 import logging
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,7 +45,9 @@ from engine.layers import fp8
 from engine.layers.meta import on_meta
 from engine.layers.moe import ExpertWeights, ScoreGate, SparseMoE
 from engine.models.decoder import CausalLM
+from engine.models.family import Stacked
 from engine.models.hf_config import rope_inv_freq
+from engine.models.registry import family_of
 from engine.parallel import expert_parallel
 from engine.parallel.tensor_parallel import TensorGroup, TpShard, full_shape, scale_slice, take
 
@@ -278,7 +281,7 @@ def _init_random(model: CausalLM, arch: ModelArch, seed: int, shard: TpShard | N
             whole = _random_(target.new_empty((total, *p.shape[1:])), name, gen, seed)
             target.copy_(whole[first : first + p.shape[0]])
         elif name.endswith("norm.weight"):
-            target.fill_(0.0 if arch.gemma_norm else 1.0)
+            target.fill_(0.0 if arch.unit_offset_norm else 1.0)
         else:
             _random_(target, name, gen, seed)
         if fp8.is_fp8(p):
@@ -329,6 +332,25 @@ class _Destinations:
         return set(self.params) - self.loaded
 
 
+def stacked_pieces(stacked: Stacked, name: str) -> list[tuple[str, int, int]] | None:
+    """A checkpoint tensor that stacks several of the model's along its rows (Family.stacked): each one's
+    name and rows [start, stop); None for any other tensor. FP8 scales of a stacked tensor are refused (their
+    blocks would straddle the pieces)."""
+    for suffix, parts in stacked.items():
+        base = name.removesuffix(fp8.SCALE_SUFFIX)
+        if not base.endswith("." + suffix):
+            continue
+        if base != name:
+            raise InvalidRequestError(f"checkpoint tensor {name!r}: FP8 scales of a stacked projection do not load")
+        prefix = name.removesuffix(suffix)
+        out, start = [], 0
+        for piece, rows in parts:
+            out.append((prefix + piece, start, start + rows))
+            start += rows
+        return out
+    return None
+
+
 def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = None) -> None:
     from safetensors import safe_open
 
@@ -336,6 +358,40 @@ def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = Non
     params, experts = dests.params, dests.experts
     arch = model.arch
     layout = arch.expert_layout
+    stacked = family_of(arch.model_type).stacked_tensors(arch)
+
+    def place(name: str, key: str, source: Any, read: Callable[[], torch.Tensor] | None = None) -> None:
+        """Loads one model tensor from the checkpoint tensor `key`: source is sliced for a rank's part (a
+        safetensors slice, read lazily, or a tensor), read() reads it whole (None: source is a tensor)."""
+        dest = dests.of(name)
+        if dest is None:
+            return  # another expert-parallel rank's expert
+        part = shard.slice_of(name, layout) if shard is not None else None
+        if shard is not None and shard.is_zero_here(name):  # a row-parallel bias: rank 0 adds it
+            dest.zero_()
+            return
+        if name in experts and dest.shape[0] != experts[name][1]:  # stacked experts: this rank's
+            first = experts[name][0]
+            t = source[first : first + dest.shape[0]]
+        elif part is not None:  # a tensor-parallel rank's slice
+            t = take(source, scale_slice(part) if name.endswith(fp8.SCALE_SUFFIX) else part)
+        else:
+            t = source if read is None else read()
+        if name in experts:
+            t = to_model_layout(layout, name, t)
+        if t.shape != dest.shape:
+            raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} != model {tuple(dest.shape)}")
+        if name.endswith(fp8.SCALE_SUFFIX) and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{key}: block scales stored as {t.dtype}; the engine reads float scales only")
+        if fp8.is_fp8(t) and not fp8.is_fp8(dest):
+            raise ValueError(f"{key}: FP8 values without their {key}{fp8.SCALE_SUFFIX} in the checkpoint")
+        if fp8.is_fp8(dest) and not fp8.is_fp8(t):  # --quantization fp8: quantized as it loads
+            t, scale = fp8.quantize(t)
+            scale_dest = dests.of(name + fp8.SCALE_SUFFIX)
+            assert scale_dest is not None and scale_dest.shape == scale.shape
+            scale_dest.copy_(scale)
+        dest.copy_(t.to(dest.dtype))
+
     num_nextn = 0  # tensors of multi-token-prediction layers skipped
     for f in checkpoint_files(folder):
         with safe_open(str(f), framework="pt", device="cpu") as st:
@@ -348,34 +404,15 @@ def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = Non
                     continue
                 if name == "lm_head.weight" and "lm_head.weight" not in params:
                     continue  # tied embeddings saved twice
-                dest = dests.of(name)
-                if dest is None:
-                    continue  # another expert-parallel rank's expert
-                part = shard.slice_of(name, layout) if shard is not None else None
-                if shard is not None and shard.is_zero_here(name):  # a row-parallel bias: rank 0 adds it
-                    dest.zero_()
+                pieces = stacked_pieces(stacked, name)
+                if pieces is None:
+                    place(name, key, st.get_slice(key), partial(st.get_tensor, key))
                     continue
-                if name in experts and dest.shape[0] != experts[name][1]:  # stacked experts: this rank's
-                    first = experts[name][0]
-                    t = st.get_slice(key)[first : first + dest.shape[0]]
-                elif part is not None:  # a tensor-parallel rank's slice
-                    t = take(st.get_slice(key), scale_slice(part) if name.endswith(fp8.SCALE_SUFFIX) else part)
-                else:
-                    t = st.get_tensor(key)
-                if name in experts:
-                    t = to_model_layout(layout, name, t)
-                if t.shape != dest.shape:
-                    raise ValueError(f"{key}: checkpoint shape {tuple(t.shape)} != model {tuple(dest.shape)}")
-                if name.endswith(fp8.SCALE_SUFFIX) and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                    raise ValueError(f"{key}: block scales stored as {t.dtype}; the engine reads float scales only")
-                if fp8.is_fp8(t) and not fp8.is_fp8(dest):
-                    raise ValueError(f"{key}: FP8 values without their {key}{fp8.SCALE_SUFFIX} in the checkpoint")
-                if fp8.is_fp8(dest) and not fp8.is_fp8(t):  # --quantization fp8: quantized as it loads
-                    t, scale = fp8.quantize(t)
-                    scale_dest = dests.of(name + fp8.SCALE_SUFFIX)
-                    assert scale_dest is not None and scale_dest.shape == scale.shape
-                    scale_dest.copy_(scale)
-                dest.copy_(t.to(dest.dtype))
+                rows = st.get_tensor(key)
+                if rows.shape[0] != pieces[-1][2]:
+                    raise ValueError(f"{key}: {rows.shape[0]} rows, the model's {pieces} stack to {pieces[-1][2]}")
+                for piece, start, stop in pieces:
+                    place(piece, key, rows[start:stop])
     if num_nextn:
         log.info(
             "skipped %d tensors of the checkpoint's %d next-token-prediction layer(s) (model.layers.%d and on): "

@@ -10,7 +10,8 @@ from tests.gpu_support import DEVICE, DTYPE, require_triton
 
 require_triton()
 
-from engine.models.decoder import RMSNorm, rotate_half  # noqa: E402
+from engine.layers.norm import RMSNorm  # noqa: E402
+from engine.layers.rotary import rotate_half  # noqa: E402
 from pdkernels.fused_ops import add_rms_norm, qk_rope_, rms_norm, silu_mul  # noqa: E402
 
 pytestmark = pytest.mark.cuda

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.layers import fp8
-from engine.models.hf_config import arch_from_hf, load_hf_config
 from engine.models.loader import fp8_candidates
+from engine.models.registry import arch_from_hf, load_hf_config
 from engine.request import SamplingParams
 from tests.engine_utils import compare_greedy, hf_greedy, prompt_logits, random_prompts, small_engine
 from tests.tiny_models import (

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from engine.errors import InvalidRequestError
 from engine.layers.moe import SparseMoE, can_use_grouped_mm, grouped_linear
 from engine.layers.numerics import Numerics
-from engine.models.hf_config import arch_from_hf, load_hf_config
 from engine.models.loader import build_model
+from engine.models.registry import arch_from_hf, load_hf_config
 from engine.request import SamplingParams
 from tests.engine_utils import (
     compare_greedy,

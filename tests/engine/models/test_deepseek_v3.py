@@ -21,10 +21,10 @@ from engine.core.kv_cache import layout_of
 from engine.errors import InvalidRequestError
 from engine.layers.mla import LatentAttention
 from engine.layers.moe import ScoreGate, route_group_topk
+from engine.layers.norm import RMSNorm
 from engine.layers.numerics import Numerics
-from engine.models.decoder import RMSNorm
-from engine.models.hf_config import arch_from_hf, load_hf_config
 from engine.models.loader import build_model
+from engine.models.registry import arch_from_hf, load_hf_config
 from engine.request import SamplingParams
 from tests.engine_utils import (
     compare_greedy,

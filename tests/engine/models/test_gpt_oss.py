@@ -21,8 +21,8 @@ from engine.layers.attention import sdpa_attend, tiled_attend
 from engine.layers.eplb import rebalance_layer
 from engine.layers.moe import SparseMoE
 from engine.layers.numerics import Numerics
-from engine.models.hf_config import arch_from_hf, load_hf_config
 from engine.models.loader import build_model
+from engine.models.registry import arch_from_hf, load_hf_config
 from engine.request import SamplingParams
 from tests.engine_utils import compare_greedy, hf_greedy, prompt_logits, small_engine
 from tests.tiny_models import MOE_FAMILIES, make_servable, make_tiny

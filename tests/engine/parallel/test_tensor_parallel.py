@@ -307,7 +307,7 @@ def test_handoff_between_tp_sizes(group: Group, tiny_model_dir, odd_models: dict
 
 def test_shard_slices_and_refusals(tmp_path: Path) -> None:
     """What each rank loads (KV heads split, then replicated past their count) and what is refused."""
-    from engine.models.hf_config import arch_from_hf, load_hf_config
+    from engine.models.registry import arch_from_hf, load_hf_config
 
     arch = arch_from_hf(load_hf_config(make_tiny("qwen3", tmp_path / "q")))  # 4 heads, 2 KV heads, head_dim 32
     name = "model.layers.0.self_attn.k_proj.weight"

@@ -153,7 +153,7 @@ async def test_cluster_token_required(servers):
     from engine.checkpoints import resolve_model
     from engine.core.kv_cache import layout_of
     from engine.handoff import SequenceExport
-    from engine.models.hf_config import arch_from_hf, load_hf_config
+    from engine.models.registry import arch_from_hf, load_hf_config
     from engine.request import SamplingParams
     from transfer.errors import AUTH, HandoffError
     from transfer.header import model_fingerprint

@@ -38,7 +38,7 @@ from engine.checkpoints import resolve_model
 from engine.codec import from_wire
 from engine.core.kv_cache import layout_of
 from engine.handoff import SequenceExport
-from engine.models.hf_config import arch_from_hf, load_hf_config
+from engine.models.registry import arch_from_hf, load_hf_config
 from pd.messages import PrefillBody
 from pd.tools.server_process import (
     PDPair,
