@@ -21,6 +21,7 @@ import orjson
 from pd.config import LOG_FORMATS
 from pd.errors import bad_request
 
+log = logging.getLogger(__name__)
 HEADER = "X-Request-Id"
 MAX_CHARS = 128
 _VALID = re.compile(rf"[A-Za-z0-9._:@+=-]{{1,{MAX_CHARS}}}")
@@ -86,7 +87,7 @@ def install(level: str, log_format: str = "text", rank: int | None = None) -> No
 
 
 def _log_uncaught(kind: type[BaseException], e: BaseException, tb: TracebackType | None) -> None:
-    logging.getLogger("uncaught").critical("uncaught exception", exc_info=(kind, e, tb))
+    log.critical("uncaught exception", exc_info=(kind, e, tb))
 
 
 def request_id_of(header: str | None) -> str:

@@ -35,7 +35,7 @@ from pd.router.config import RouterConfig
 from pd.router.key import conversation_key
 from pd.router.metrics import RouterMetrics
 
-log = logging.getLogger("pd.router")
+log = logging.getLogger(__spec__.name)  # __name__ is "__main__" under python -m
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 KEYED_PATHS = ("/v1/chat/completions", "/v1/completions")
 # not passed on in either direction (RFC 9110 7.6.1), and Host (the CE's own)
@@ -262,7 +262,7 @@ async def serve(cfg: RouterConfig) -> int:
     runner = web.AppRunner(
         make_app(router),
         handler_cancellation=True,  # a client gone cancels its CE request (the CE aborts it)
-        access_log=logging.getLogger("pd.router.access") if cfg.access_log else None,
+        access_log=logging.getLogger(f"{__spec__.name}.access") if cfg.access_log else None,
         access_log_format=ACCESS_LOG_FORMAT,
         shutdown_timeout=cfg.shutdown_timeout_s,
     )

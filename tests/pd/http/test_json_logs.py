@@ -24,7 +24,7 @@ def test_every_line_is_json() -> None:
     assert p.returncode == 1
     records = [json.loads(line) for line in p.stderr.splitlines()]
     assert [(r["level"], r["logger"]) for r in records] == [
-        ("info", "pd.test"), ("warning", "pd.test"), ("warning", "py.warnings"), ("critical", "uncaught"),
+        ("info", "pd.test"), ("warning", "pd.test"), ("warning", "py.warnings"), ("critical", "pd.http.request_log"),
     ]  # fmt: skip
     assert records[0]["message"] == "plain 1" and "request_id" not in records[0]
     assert records[1]["request_id"] == "req-7"
