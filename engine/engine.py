@@ -1,20 +1,10 @@
 """LLMEngine: the public face of the engine. add_request / abort / step, plus export and import of a
-sequence's memory (the P/D handoff is built on these two).
+sequence's memory (the P/D handoff is built on these two: engine/handoff/facade.py).
 
 Here: the constructor, admission (validate, add_request, abort) and the step loop (schedule, run the
-model, sample, append and detokenize; a failure ends only the request(s) it came from). The rest is
-composed in, one job a module:
-
-    engine/execution/launch_ahead.py       whether the next decode batch may be launched, or fed on the device,
-                                 before this step returns; the batch launched ahead (engine.ahead)
-    engine/core/host_prefix_cache.py  the host prefix cache's memory: a prompt's cached prefix restored on
-                                 admission, its full pages stored once computed (engine.prefix_cache)
-    engine/handoff/pages.py         export_sequence / import_sequence's memory (engine.handoff_io), beside
-                                 the ledger of every P/D phase (engine/handoff/ledger.py, engine.handoffs);
-                                 under --tp through engine/handoff/kv_shards.py (every KV head, re-sharded)
-    engine/execution/engine_stats.py       stats()
-    engine/execution/memory_plan.py        the KV memory's size at start (engine.memory)
-    engine/faults.py             which failures are fatal: those propagate and the rank exits
+model, draw tokens, append and detokenize; a failure ends only the request(s) it came from). The rest is
+composed in, one job a module, from the rooms below (engine/core, layers, models, execution, handoff);
+engine/faults.py says which failures are fatal: those propagate and the rank exits.
 
 In a tensor-parallel group (engine/parallel/tensor_parallel.py) every rank builds the same engine on its share
 of the model; rank 0 serves (add_request, step, ...) and broadcasts each forward's plan, and the others
@@ -29,16 +19,13 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from engine.arch import ModelArch
 from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig, EngineStats
 from engine.core.block_pool import BlockPool
 from engine.core.decode_cache import DecodeCache
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.grammar import GrammarCompiler, mask_logits
+from engine.core.grammar import GrammarCompiler
 from engine.core.host_prefix_cache import HostPrefixCache
 from engine.core.kv_cache import KVCache, layout_of
 from engine.core.prompt_logprobs import PromptLogprobsCollector
@@ -46,20 +33,21 @@ from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.sequence import SeqStatus, Sequence
 from engine.errors import InvalidRequestError
 from engine.execution.cuda_graphs import GraphCaptureStats, graph_batch_sizes
-from engine.execution.engine_stats import MoeCounters, engine_stats, moe_counters
+from engine.execution.draw import TokenDrawer
+from engine.execution.engine_stats import MoeCounters, engine_stats, group_moe_counters
 from engine.execution.launch_ahead import LaunchAhead, LaunchedBatch
 from engine.execution.memory_plan import plan_memory
 from engine.execution.runner import ModelRunner, StepPlan
 from engine.faults import raise_if_fatal
-from engine.handoff import Alloc, PoolPages, SequenceExport
+from engine.handoff import SequenceExport
+from engine.handoff.facade import HandoffFacade
 from engine.handoff.kv_shards import KVShards
 from engine.handoff.ledger import HandoffLedger, Phase
 from engine.handoff.pages import HandoffIO
 from engine.layers.attention import preload_sdpa
-from engine.layers.eplb import RebalanceStats, rebalance_layer
+from engine.layers.eplb import RebalanceStats, rebalance_model
 from engine.layers.fp8 import fp8_format
-from engine.layers.numerics import Numerics, batch_invariant_available, probe_padded_is_invariant
-from engine.layers.sampler import process_logits, sample
+from engine.layers.numerics import pick_numerics
 from engine.models.hf_config import generation_eos_ids
 from engine.models.loader import build_model
 from engine.models.registry import arch_from_hf, load_hf_config
@@ -86,7 +74,7 @@ FAILED = "the engine failed while {phase} this request (the server's log has why
 class LLMEngine:
     def __init__(self, config: EngineConfig, tp: TensorGroup | None = None) -> None:
         """tp: this rank's tensor-parallel group (`--tp N`; every rank of it builds its engine at once)."""
-        from engine.checkpoints import resolve_model
+        from engine.checkpoints import load_tokenizer, resolve_model
 
         if tp is not None:  # NOTE: the forwards follow rank 0's plans: nothing launched ahead of them
             config = dataclasses.replace(config, launch_ahead=False)
@@ -99,16 +87,19 @@ class LLMEngine:
         self.arch: ModelArch = arch_from_hf(hf)
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        self.tokenizer = _load_tokenizer(folder)
+        self.tokenizer = load_tokenizer(folder)
         self.eos_token_ids: set[int] = generation_eos_ids(folder, hf)
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+        self.drawer = TokenDrawer(self.eos_token_ids)
         self.max_model_len = config.max_model_len or min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.fp8_format = fp8_format(getattr(hf, "quantization_config", None), config.quantization)
         self.model = build_model(
             self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy",
             config.seed, self.fp8_format, tp,
         )
-        self.numerics = self._pick_numerics()
+        # --deterministic: the fastest batch-invariant numerics this device has (every rank of a group the same)
+        agree = self.tp.min_int if self.tp is not None else None
+        self.numerics = pick_numerics(config.is_deterministic, self.model.row_functions, self.dtype, self.device, agree)
         self.layout = layout_of(self.model.arch, config.block_size, self.dtype)  # a tensor-parallel rank's heads
         self.memory = plan_memory(
             config, self.model.arch, self.layout, self.model, self.numerics, self.device, self.max_model_len
@@ -174,6 +165,13 @@ class LLMEngine:
         self.handoff_io = HandoffIO(
             self.handoffs, self.scheduler, self.kv, self.grammars, retains_at_end=retains, shards=self.kv_shards
         )
+        # the P/D facade: export and import of a sequence, its streamed pages, where an import lands in place
+        self.pd = HandoffFacade(self.handoffs, self.handoff_io, self.validate, self._imported, self._handed_off)
+        self.export_sequence = self.pd.export_sequence
+        self.export_pages = self.pd.export_pages
+        self.in_place_target = self.pd.in_place_target
+        self.import_sequence = self.pd.import_sequence
+        self.finish_handoff = self.pd.finish_handoff
         # the layout a P/D handoff carries (the model's, whatever --tp; self.layout is this rank's share)
         self.handoff_layout = self.handoff_io.layout
         if not config.is_deterministic:
@@ -181,16 +179,6 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
-
-    def _pick_numerics(self) -> Numerics:
-        if not self.config.is_deterministic:
-            return Numerics.DEFAULT
-        if batch_invariant_available(self.device):
-            return Numerics.BATCH_INVARIANT
-        fast = probe_padded_is_invariant(self.model.row_functions(), self.dtype, self.device)
-        if self.tp is not None:  # every rank the same numerics
-            fast = bool(self.tp.min_int(int(fast)))
-        return Numerics.PADDED if fast else Numerics.TILED
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -301,14 +289,9 @@ class LLMEngine:
             self._rebalance_experts()
         return outputs
 
-    @torch.inference_mode()  # the counters and weights it updates are inference tensors
     def _rebalance_experts(self) -> None:
         assert self.ep is not None
-        t0 = time.monotonic()
-        moved = sum(rebalance_layer(moe, self.ep) for moe in self.model.sparse_layers())
-        self.eplb.num_rebalances += 1
-        self.eplb.num_experts_moved += moved
-        self.eplb.seconds += time.monotonic() - t0
+        rebalance_model(self.model.sparse_layers(), self.ep, self.eplb)
 
     def _step(self) -> list[RequestOutput]:
         """Schedule and run a batch (or take the one launched ahead by the last step), sample it; then,
@@ -401,7 +384,7 @@ class LLMEngine:
             return []
         rows = [i for i, _ in enumerate(sampled) if seqs[sampled[i]].status is SeqStatus.RUNNING]
         to_sample = [seqs[sampled[i]] for i in rows]
-        drawn = self._sample(logits if len(rows) == len(sampled) else logits[rows], to_sample)
+        drawn = self.drawer.draw(logits if len(rows) == len(sampled) else logits[rows], to_sample)
         return self._append_tokens(to_sample, drawn, outputs)
 
     def _append_tokens(
@@ -423,63 +406,6 @@ class LLMEngine:
                 raise_if_fatal(e)
                 outputs.append(self._fail(seq, e, "sampling or detokenizing"))
         return emit
-
-    def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
-        """Each sequence's token and logprobs, or the exception its row raised. The batch is drawn at
-        once; if that fails it is drawn again row by row, which gives the same tokens (a row's draw
-        depends only on its own logits, seed and output index), so only the culprit fails."""
-        try:
-            tokens, logprobs = sample(
-                self._process(logits, seqs),
-                [s.params for s in seqs],
-                [s.seed for s in seqs],
-                [len(s.output_token_ids) for s in seqs],
-                logits,
-            )
-            return list(zip(tokens, logprobs))
-        except Exception as e:
-            raise_if_fatal(e)
-        out: list[tuple[int, TokenLogprob | None] | Exception] = []
-        for i, s in enumerate(seqs):
-            try:
-                row = logits[i : i + 1]
-                tokens, logprobs = sample(
-                    self._process(row, [s]), [s.params], [s.seed], [len(s.output_token_ids)], row
-                )
-                out.append((tokens[0], logprobs[0]))
-            except Exception as e:
-                raise_if_fatal(e)
-                out.append(e)
-        return out
-
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The logits each row draws from: processed (sampler.process_logits), then masked by its grammar.
-        Where a grammar allows only tokens that min_tokens bars (the end, or a stop id), the grammar wins:
-        that row is processed again without the bar, so the request ends there with "stop" rather than
-        drawing from nothing (all -inf: a sampled row's draw raises, a greedy one takes token 0)."""
-        processed = mask_logits(self._processed(logits, seqs), [s.matcher for s in seqs])
-        barred = [i for i, s in enumerate(seqs) if s.matcher is not None and len(s.output_token_ids) < s.params.min_tokens]
-        if barred:
-            empty = torch.isneginf(processed[barred]).all(-1).tolist()
-            stuck = [i for i, e in zip(barred, empty) if e]
-            if stuck:
-                rows = [seqs[i] for i in stuck]
-                lifted = [dataclasses.replace(s.params, min_tokens=0) for s in rows]
-                processed[stuck] = mask_logits(self._processed(logits[stuck], rows, lifted), [s.matcher for s in rows])
-        return processed
-
-    def _processed(
-        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams] | None = None
-    ) -> torch.Tensor:
-        return process_logits(
-            logits,
-            [s.params for s in seqs] if params is None else params,
-            [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
-            self.eos_token_ids,
-        )
 
     def _admit(self, seq: Sequence) -> None:
         """The scheduler's on_admit: a failed prefix restore is remembered and fails seq in step()."""
@@ -611,59 +537,13 @@ class LLMEngine:
         if self.tp is not None and self.tp.is_leader:
             self.tp.send_plan(PLAN_STOP)
 
-    # ---- export / import ----------------------------------------------------------------------
+    # ---- export / import: the P/D facade (engine/handoff/facade.py) --------------------------------
 
-    def export_sequence(
-        self,
-        request_id: str,
-        device: str | torch.device | None = "cpu",
-        alloc: Alloc | None = None,
-        skip_pages: int = 0,
-        pages_in_place: bool = False,
-    ) -> SequenceExport:
-        """A prefilled sequence's state (every token but the last is in the cache). device=None
-        keeps the gathered pages on the engine's device (NCCL/IPC transports send from there).
-        alloc(shape, dtype, device): where the gathered tensors go (e.g. a slice of the ipc
-        transport's exported arena), or None for new memory; used only with device=None and
-        without --tp (a group's merged heads are new memory).
-        skip_pages: pages the receiver holds already (its reservation's held tokens / block_size):
-        only pages [skip_pages, n_pages) are gathered (SequenceExport.first_page).
-        pages_in_place: with device=None and without --tp, the pages are not gathered: the export names
-        them in the pool (PoolPages; a transport that reads them there, ipc), held unchanged until
-        finish_handoff or an abort."""
-        return self.handoff_io.export(request_id, device, alloc, skip_pages, pages_in_place)
+    def _handed_off(self, request_id: str) -> None:
+        del self._detok[request_id]
 
-    def in_place_target(
-        self, request_id: str, first_page: int, num_pages: int, hold_s: float
-    ) -> tuple[PoolPages, torch.Tensor | None] | None:
-        """Any thread: where a receiving handoff may land in place, the reservation's own pages and SWA
-        slot, or None (engine/handoff/pages.py's in_place_target)."""
-        return self.handoff_io.in_place_target(request_id, first_page, num_pages, hold_s)
-
-    def export_pages(
-        self, request_id: str, first_page: int, alloc: Alloc | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A sequence's pages from first_page on that its prefill has completed, while later chunks are
-        still to run (a streamed handoff's parts): (pages, their checksum sum or None), or None when no
-        new page is complete. Pages stay on the engine's device (gathered into alloc's memory where it
-        gives some, as for export_sequence); the page of the last prompt token is left to export_sequence."""
-        return self.handoff_io.export_pages(request_id, first_page, alloc)
-
-    def finish_handoff(self, request_id: str) -> None:
-        """The exported sequence now lives elsewhere: free it here without a further output."""
-        if self.handoffs.hand_off(request_id) is not None:
-            del self._detok[request_id]
-
-    def import_sequence(self, exp: SequenceExport) -> None:
-        """Admits an exported sequence straight into decode, into the memory of its reservation
-        (self.handoffs) if it has one. Raises if it does not match this engine or does not fit.
-
-        exp.first_page > 0: pages [0, first_page) are not in exp; the reservation must hold them (its
-        decode cache hit, tokens verified) and exp.pages are written after them. A full handoff
-        (first_page 0) into a reservation that held pages releases those (they stay cached) and
-        writes every page into fresh ones: an indexed page is never overwritten."""
-        self.validate(exp.request_id, exp.prompt_token_ids, exp.params)
-        seq = self.handoff_io.import_(exp)
+    def _imported(self, seq: Sequence, exp: SequenceExport) -> None:
+        """An imported sequence's detokenizer fed its tokens; one whose first token ends it is reported."""
         detok = IncrementalDetokenizer(self.tokenizer, exp.params.stop)
         self._detok[seq.request_id] = detok
         for t in exp.output_token_ids:
@@ -681,20 +561,10 @@ class LLMEngine:
         return engine_stats(self)
 
     def _group_moe_counters(self) -> MoeCounters | None:
-        """--tp with --ep: every process of the group routes and computes its share of the tokens, so the
-        engine rank's MoE counters are the sum of its processes' (a plan and a gather: rank 0 gets them,
-        the others None)."""
         assert self.tp is not None
         if self.tp.is_leader:
             self.tp.send_plan(PLAN_COUNTERS)
-        counts, rows = moe_counters(self.model)
-        flat = torch.tensor([n for c in counts for n in c] + rows, dtype=torch.int64, device=self.device)
-        parts = self.tp.gather(flat)
-        if parts is None:
-            return None
-        total = torch.stack(parts).sum(0).tolist()
-        e = self.arch.num_experts
-        return [total[i * e : (i + 1) * e] for i in range(len(rows))], total[len(rows) * e :]
+        return group_moe_counters(self.tp, self.model, self.device, self.arch.num_experts)
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""
@@ -722,10 +592,3 @@ class LLMEngine:
             self.step()
         return [seqs[rid] for rid in ids]
 
-
-def _load_tokenizer(folder: Path) -> Any:
-    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
+
 from engine.arch import ModelArch
 from engine.config import EngineStats
 from engine.core.block_pool import BlockPool
@@ -15,6 +17,7 @@ from engine.core.scheduler import Scheduler
 from engine.execution.launch_ahead import LaunchAhead
 from engine.layers.eplb import RebalanceStats
 from engine.models.decoder import CausalLM
+from engine.parallel.tensor_parallel import TensorGroup
 
 
 class StatsSource(Protocol):
@@ -113,3 +116,15 @@ def _decode_cache_stats(cache: DecodeCache | None) -> dict[str, Any]:
         decode_cache_retained_pages=cache.num_retained_pages,
         decode_cache_evictions_total=c.evictions,
     )
+
+
+def group_moe_counters(tp: TensorGroup, model: CausalLM, device: torch.device, num_experts: int) -> MoeCounters | None:
+    """--tp with --ep: every process of the group routes and computes its share of the tokens, so the
+    engine rank's MoE counters are the sum of its processes' (a gather: rank 0 gets them, the others None)."""
+    counts, rows = moe_counters(model)
+    flat = torch.tensor([n for c in counts for n in c] + rows, dtype=torch.int64, device=device)
+    parts = tp.gather(flat)
+    if parts is None:
+        return None
+    total = torch.stack(parts).sum(0).tolist()
+    return [total[i * num_experts : (i + 1) * num_experts] for i in range(len(rows))], total[len(rows) * num_experts :]

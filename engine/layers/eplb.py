@@ -18,6 +18,7 @@ for the move: the reference found that rebalancing after every prefill stalled a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -88,3 +89,13 @@ def rebalance_layer(moe: SparseMoE, ep: ExpertGroup) -> int:
         t.copy_(cols.contiguous().view(t.dtype).view_as(t))
     placement.copy_(torch.tensor(new, device=placement.device))
     return sum(old[e] // per != new[e] // per for e in range(len(old)))
+
+
+@torch.inference_mode()  # the counters and weights it updates are inference tensors
+def rebalance_model(layers: list[SparseMoE], ep: ExpertGroup, stats: RebalanceStats) -> None:
+    """Every MoE layer of a model rebalanced (rebalance_layer), counted in stats."""
+    t0 = time.monotonic()
+    moved = sum(rebalance_layer(moe, ep) for moe in layers)
+    stats.num_rebalances += 1
+    stats.num_experts_moved += moved
+    stats.seconds += time.monotonic() - t0

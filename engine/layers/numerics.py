@@ -117,3 +117,23 @@ class BatchInvariantOps(TorchFunctionMode):
         if func in _REFUSED:
             raise NotImplementedError(f"{getattr(func, '__name__', func)} is not batch-invariant on CUDA")
         return func(*args, **kwargs)
+
+
+def pick_numerics(
+    is_deterministic: bool,
+    row_functions: Callable[[], list[tuple[Callable[..., torch.Tensor], list[int]]]],
+    dtype: torch.dtype,
+    device: torch.device,
+    agree: Callable[[int], int] | None = None,
+) -> Numerics:
+    """The step's numerics: DEFAULT, or with is_deterministic the fastest batch-invariant kind this device
+    has (PADDED where the probe of the model's row_functions() finds padding invariant, else TILED);
+    agree: a group's minimum over its ranks, so that every rank runs the same numerics."""
+    if not is_deterministic:
+        return Numerics.DEFAULT
+    if batch_invariant_available(device):
+        return Numerics.BATCH_INVARIANT
+    fast = probe_padded_is_invariant(row_functions(), dtype, device)
+    if agree is not None:
+        fast = bool(agree(int(fast)))
+    return Numerics.PADDED if fast else Numerics.TILED

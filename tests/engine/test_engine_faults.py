@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-import engine.engine as engine_module
+import engine.execution.draw as draw_module
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
 from engine.faults import is_fatal
@@ -109,14 +109,14 @@ def _clean(eng: LLMEngine) -> dict[str, list[int]]:
 
 def test_a_failing_sampling_fails_only_its_request(eng: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     want = _clean(eng)
-    real = engine_module.sample
+    real = draw_module.sample
 
     def faulty(logits: torch.Tensor, params: list[SamplingParams], *rest: Any) -> Any:
         if any(p.seed == BAD_SEED for p in params):
             raise RuntimeError("injected sampling fault")
         return real(logits, params, *rest)
 
-    monkeypatch.setattr(engine_module, "sample", faulty)
+    monkeypatch.setattr(draw_module, "sample", faulty)
     bad = SamplingParams(max_tokens=6, temperature=0.7, seed=BAD_SEED, ignore_eos=True)
     outs = run(eng, {"a": (PROMPTS["a"], GREEDY), "b": (PROMPTS["b"], bad), "c": (PROMPTS["c"], SAMPLED)})
     assert_failed(outs["b"])

@@ -27,7 +27,7 @@ STAGES = (
     "reserve",  # the CE's reservation (engine.handoffs.enqueue)
     "mask-first",  # LLMEngine._process: logit processors and the grammar mask
     "mask-later",
-    "sample-first",  # the draw (engine.engine.sample) of the request's row
+    "sample-first",  # the draw (engine.execution.draw.sample) of the request's row
     "sample-later",
     "feed-later",  # LaunchAhead.feed: a greedy batch's tokens taken on the device (launch-ahead's fed path)
     "detok-first",  # LLMEngine._append_token: the token detokenized and checked for stops
@@ -58,18 +58,29 @@ def _raise(where: str, request_id: str) -> None:
 
 # ---- the wrappers, by module ----------------------------------------------------------------------
 
-_drawing: list[Any] = []  # the sequences whose rows engine.engine.sample is drawing (set by _sample)
+_drawing: list[Any] = []  # the sequences whose rows engine.execution.draw.sample is drawing (set by draw)
 
 
 def _patch_engine(mod: ModuleType) -> None:
     cls = mod.LLMEngine
-    add_request, process, append = cls.add_request, cls._process, cls._append_token
-    export, import_, sample_rows, sample = cls.export_sequence, cls.import_sequence, cls._sample, mod.sample
+    add_request, append = cls.add_request, cls._append_token
 
     def add_request_(self: Any, request_id: str, *a: Any, **kw: Any) -> Any:
         if _names(request_id, "admission"):
             _raise("admission", request_id)
         return add_request(self, request_id, *a, **kw)
+
+    def append_(self: Any, seq: Any, *a: Any) -> Any:
+        if _token_stage(seq, "detok"):
+            _raise("detokenizing", seq.request_id)
+        return append(self, seq, *a)
+
+    cls.add_request, cls._append_token = add_request_, append_
+
+
+def _patch_draw(mod: ModuleType) -> None:
+    cls = mod.TokenDrawer
+    process, draw, sample = cls._process, cls.draw, mod.sample
 
     def process_(self: Any, logits: Any, seqs: Sequence[Any]) -> Any:
         for s in seqs:
@@ -77,10 +88,10 @@ def _patch_engine(mod: ModuleType) -> None:
                 _raise("logit processing", s.request_id)
         return process(self, logits, seqs)
 
-    def sample_rows_(self: Any, logits: Any, seqs: list[Any]) -> Any:
+    def draw_(self: Any, logits: Any, seqs: list[Any]) -> Any:
         _drawing[:] = seqs
         try:
-            return sample_rows(self, logits, seqs)
+            return draw(self, logits, seqs)
         finally:
             _drawing.clear()
 
@@ -90,10 +101,12 @@ def _patch_engine(mod: ModuleType) -> None:
                 _raise("sampling", s.request_id)
         return sample(logits, params, *a, **kw)
 
-    def append_(self: Any, seq: Any, *a: Any) -> Any:
-        if _token_stage(seq, "detok"):
-            _raise("detokenizing", seq.request_id)
-        return append(self, seq, *a)
+    cls._process, cls.draw, mod.sample = process_, draw_, sample_
+
+
+def _patch_facade(mod: ModuleType) -> None:
+    cls = mod.HandoffFacade
+    export, import_ = cls.export_sequence, cls.import_sequence
 
     def export_(self: Any, request_id: str, *a: Any, **kw: Any) -> Any:
         if _names(request_id, "export"):
@@ -105,8 +118,7 @@ def _patch_engine(mod: ModuleType) -> None:
             _raise("import", exp.request_id)
         return import_(self, exp)
 
-    cls.add_request, cls._process, cls._append_token = add_request_, process_, append_
-    cls.export_sequence, cls.import_sequence, cls._sample, mod.sample = export_, import__, sample_rows_, sample_
+    cls.export_sequence, cls.import_sequence = export_, import__
 
 
 def _patch_launch_ahead(mod: ModuleType) -> None:
@@ -147,6 +159,8 @@ def _patch_chat(mod: ModuleType) -> None:
 
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "engine.engine": _patch_engine,
+    "engine.execution.draw": _patch_draw,
+    "engine.handoff.facade": _patch_facade,
     "engine.execution.launch_ahead": _patch_launch_ahead,
     "engine.handoff.ledger": _patch_ledger,
     "pd.api.chat": _patch_chat,

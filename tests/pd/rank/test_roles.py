@@ -239,18 +239,18 @@ def test_local_prefill_on_the_ce_takes_over_its_reservation(pd):
 def test_an_engine_error_on_the_pe_answers_its_prefill_and_the_rank_serves_on(pd, monkeypatch):
     """The PE samples the first token: a fault there ends that Prefill with an engine_error result
     (its memory freed), and the next Prefill is handed off as usual."""
-    import engine.engine as engine_module
+    import engine.execution.draw as draw_module
     from engine.engine import FAILED
 
     pe, ce, _ = pd
-    real = engine_module.sample
+    real = draw_module.sample
 
     def faulty(logits: Any, params: list[SamplingParams], *rest: Any) -> Any:
         if any(p.seed == 4242 for p in params):
             raise RuntimeError("injected sampling fault")
         return real(logits, params, *rest)
 
-    monkeypatch.setattr(engine_module, "sample", faulty)
+    monkeypatch.setattr(draw_module, "sample", faulty)
     prompt = list(range(3, 40))
     bad = SamplingParams(max_tokens=4, temperature=0.5, seed=4242)
     res = handoff(pe, ce, "e", prompt, bad)
