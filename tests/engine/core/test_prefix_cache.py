@@ -91,7 +91,7 @@ def _conversation(eng, turns: int, use_cache: bool, user_len: int, seed: int = 0
     return outputs, cached
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "qwen3_hybrid", "mistral", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "qwen3_hybrid", "mistral", "phi3", "deepseek_v3"])
 def test_multi_turn_identical_with_and_without_cache(tiny_model_dir, family: str) -> None:
     eng = small_engine(tiny_model_dir(family), is_deterministic=True, hicache_gb=0.01, max_model_len=1024)
     without, cached0 = _conversation(eng, 4, use_cache=False, user_len=37)
@@ -100,6 +100,30 @@ def test_multi_turn_identical_with_and_without_cache(tiny_model_dir, family: str
     assert cached0 == [0, 0, 0, 0] and cached1[0] == 0 and all(c > 24 for c in cached1[1:])  # > the 24-token window
     st = eng.stats()
     assert st.cache_hit_tokens_total == sum(cached1) and st.cache_stored_pages_total > 0
+    eng.check_idle()
+
+
+def test_sliding_layers_only_hit_the_state_alone(tiny_model_dir) -> None:
+    """Phi-3 with a window slides every layer (no full-attention layer): a prefix is its SWA state at a
+    page boundary, no page. The same long prompt twice (6 pages of 16, 4 windows of 24, in chunks of 64):
+    the second restores 96 tokens from the host and gives the first's greedy tokens."""
+    eng = small_engine(tiny_model_dir("phi3"), is_deterministic=True, hicache_gb=0.01, max_model_len=1024)
+    assert eng.prefix_cache is not None and eng.kv.layout.num_full_layers == 0
+    prompt = torch.randint(3, 500, (101,), generator=torch.Generator().manual_seed(3)).tolist()
+    outputs, cached = [], []
+    for i in range(2):
+        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        out: list[int] = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                out += o.new_token_ids
+                if o.is_finished:
+                    cached.append(o.num_cached_tokens)
+        outputs.append(out)
+    assert len(outputs[0]) == 12 and outputs[1] == outputs[0]
+    assert cached == [0, 96]  # the last page boundary before the prompt's last token
+    st = eng.stats()
+    assert st.cache_hit_tokens_total == 96 and st.cache_stored_pages_total > 0
     eng.check_idle()
 
 
