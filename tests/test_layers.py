@@ -22,6 +22,8 @@ import ast
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("pdkernels", "engine", "transfer", "pd", "bench")
 BOUNDARY = "engine.handoff"
@@ -149,18 +151,6 @@ def test_no_import_cycle() -> None:
     assert not cycles, "\n".join(cycles)
 
 
-def test_pd_rooms_import_down() -> None:
-    wrong = _upward({mod for mod in GRAPH if mod.split(".")[0] == "pd"}, _room)
-    assert not wrong, "\n".join(wrong)
-
-
-def test_pd_top_level_holds_only_what_the_server_shares() -> None:
-    top = {mod for mod, path in MODULES.items() if mod.startswith("pd") and path.parent == ROOT / "pd"}
-    rooms = {f"pd.{p.name}" for p in (ROOT / "pd").iterdir() if (p / "__init__.py").is_file()}
-    assert top - {"pd.server"} == PD_SHARED
-    assert rooms == set(PD_ROOMS) - {"pd", "pd.server"}  # a new room takes its place in the order
-
-
 def _engine_room(module: str) -> int:
     """The index in ENGINE_ROOMS of an engine module's room (the shared modules and the boundary: "engine")."""
     if module in ENGINE_SHARED:
@@ -170,13 +160,23 @@ def _engine_room(module: str) -> int:
     return ENGINE_ROOMS.index(".".join(module.split(".")[:2]))
 
 
-def test_engine_rooms_import_down() -> None:
-    wrong = _upward({mod for mod in GRAPH if mod.split(".")[0] == "engine"}, _engine_room)
+# layer -> (its rooms in order, its shared top-level modules, its entry module on top, its room index)
+ROOMED = {
+    "pd": (PD_ROOMS, PD_SHARED, "pd.server", _room),
+    "engine": (ENGINE_ROOMS, ENGINE_SHARED - {"engine.handoff"}, "engine.engine", _engine_room),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(ROOMED))
+def test_rooms_import_down(layer: str) -> None:
+    wrong = _upward({mod for mod in GRAPH if mod.split(".")[0] == layer}, ROOMED[layer][3])
     assert not wrong, "\n".join(wrong)
 
 
-def test_engine_top_level_holds_only_what_the_rooms_share() -> None:
-    top = {mod for mod, path in MODULES.items() if mod.startswith("engine") and path.parent == ROOT / "engine"}
-    rooms = {f"engine.{p.name}" for p in (ROOT / "engine").iterdir() if (p / "__init__.py").is_file()}
-    assert top - {"engine.engine"} == ENGINE_SHARED - {"engine.handoff"}
-    assert rooms == set(ENGINE_ROOMS) - {"engine", "engine.engine"}  # a new room takes its place in the order
+@pytest.mark.parametrize("layer", sorted(ROOMED))
+def test_top_level_holds_only_what_the_rooms_share(layer: str) -> None:
+    order, shared, entry, _ = ROOMED[layer]
+    top = {mod for mod, path in MODULES.items() if mod.startswith(layer) and path.parent == ROOT / layer}
+    rooms = {f"{layer}.{p.name}" for p in (ROOT / layer).iterdir() if (p / "__init__.py").is_file()}
+    assert top - {entry} == shared
+    assert rooms == set(order) - {layer, entry}  # a new room takes its place in the order
