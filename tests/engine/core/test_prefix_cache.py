@@ -73,20 +73,28 @@ def test_lru_evicts_tails_first_and_never_pinned_entries() -> None:
     index.check_idle()
 
 
+def _run(eng, request_id: str, prompt: list[int], use_prefix_cache: bool = True) -> tuple[list[int], int]:
+    """12 greedy tokens of prompt, run to the end: (the tokens, the prompt tokens the cache gave)."""
+    eng.add_request(request_id, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_prefix_cache=use_prefix_cache)
+    out: list[int] = []
+    cached = -1
+    while eng.has_unfinished():
+        for o in eng.step():
+            out += o.new_token_ids
+            if o.is_finished:
+                cached = o.num_cached_tokens
+    return out, cached
+
+
 def _conversation(eng, turns: int, use_cache: bool, user_len: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     gen = torch.Generator().manual_seed(seed)
     history: list[int] = []
     outputs, cached = [], []
     for t in range(turns):
         history += torch.randint(3, 500, (user_len,), generator=gen).tolist()
-        eng.add_request(f"t{t}-{use_cache}", history, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_prefix_cache=use_cache)
-        out: list[int] = []
-        while eng.has_unfinished():
-            for o in eng.step():
-                out += o.new_token_ids
-                if o.is_finished:
-                    cached.append(o.num_cached_tokens)
+        out, hit = _run(eng, f"t{t}-{use_cache}", history, use_prefix_cache=use_cache)
         outputs.append(out)
+        cached.append(hit)
         history += out
     return outputs, cached
 
@@ -112,14 +120,9 @@ def test_sliding_layers_only_hit_the_state_alone(tiny_model_dir) -> None:
     prompt = torch.randint(3, 500, (101,), generator=torch.Generator().manual_seed(3)).tolist()
     outputs, cached = [], []
     for i in range(2):
-        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-        out: list[int] = []
-        while eng.has_unfinished():
-            for o in eng.step():
-                out += o.new_token_ids
-                if o.is_finished:
-                    cached.append(o.num_cached_tokens)
+        out, hit = _run(eng, f"r{i}", prompt)
         outputs.append(out)
+        cached.append(hit)
     assert len(outputs[0]) == 12 and outputs[1] == outputs[0]
     assert cached == [0, 96]  # the last page boundary before the prompt's last token
     st = eng.stats()
