@@ -21,8 +21,72 @@ EXPERT_LAYOUTS = ("stacked", "interleaved")
 
 
 @dataclass(frozen=True)
+class MoEArch:
+    """A mixture-of-experts model's experts (engine/layers/moe.py): the layers whose MLP is routed experts (the
+    others keep the dense MLP), the router and the experts' activation."""
+
+    sparse_layers: tuple[int, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
+    # ROUTING_KINDS: "softmax_topk" (softmax over every expert, top-k), "topk_softmax" (softmax over the top-k
+    # logits), "sigmoid_group_topk" (sigmoid scores, e_score_correction_bias for the choice only,
+    # num_expert_groups groups of which the topk_groups best are eligible, weights times routed_scaling_factor)
+    routing: str = "softmax_topk"
+    expert_activation: str = "swiglu"  # EXPERT_ACTIVATIONS
+    has_expert_bias: bool = False  # router and expert projections with biases
+    swiglu_alpha: float = 1.702  # "swiglu_oai" only
+    swiglu_limit: float = 7.0  # "swiglu_oai" only
+    expert_layout: str = "stacked"  # EXPERT_LAYOUTS
+    num_expert_groups: int = 1  # "sigmoid_group_topk" only: n_group
+    topk_groups: int = 1  # "sigmoid_group_topk" only: topk_group
+    routed_scaling_factor: float = 1.0  # "sigmoid_group_topk" only
+    shared_intermediate_size: int = 0  # a sparse layer's always-on shared experts' width, 0: none
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+            raise ValueError("sparse layers need 1 <= num_experts_per_tok <= num_experts and a moe_intermediate_size")
+        if self.num_expert_groups < 1 or not 1 <= self.topk_groups <= self.num_expert_groups:
+            raise ValueError("expert groups need 1 <= topk_groups <= num_expert_groups")
+        if self.num_experts % self.num_expert_groups:
+            raise ValueError(f"{self.num_experts} experts do not split into {self.num_expert_groups} groups")
+        for name, value, allowed in (
+            ("routing", self.routing, ROUTING_KINDS),
+            ("expert_activation", self.expert_activation, EXPERT_ACTIVATIONS),
+            ("expert_layout", self.expert_layout, EXPERT_LAYOUTS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r}: one of {allowed}")
+
+
+@dataclass(frozen=True)
+class LatentArch:
+    """Multi-head latent attention (engine/layers/mla.py): K and V come from one kv_lora_rank latent per token
+    plus a shared qk_rope_head_dim rotary key; the model's head_dim is then the rotary part's width and its
+    attn_scale the softmax scale of the qk_nope + qk_rope dims."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # 0: a plain q_proj, else q_a_proj -> q_a_layernorm -> q_b_proj
+    rope_interleave: bool = False  # the rotary dims pair up as (0, 1), (2, 3), ... instead of halves
+
+    def __post_init__(self) -> None:
+        if min(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
+            raise ValueError("latent attention needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A query's and an expanded key's width per head."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelArch:
-    """Shapes and per-family switches of a decoder-only transformer."""
+    """The shapes every family has, the switches of the shared layers a family turns (engine/models/<family>.py
+    sets them), and a family's experts (moe) and latent attention (mla), None where it has none."""
 
     model_type: str
     vocab_size: int
@@ -39,68 +103,25 @@ class ModelArch:
     attn_scale: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
-    qk_norm: bool = False
+    # the shared layers' switches
+    attention_bias: bool = False  # q/k/v projections with biases
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotary
     unit_offset_norm: bool = False  # RMSNorm scales by (1 + w), computed in float32
-    sandwich_norm: bool = False  # extra norms after attention and around the MLP (Gemma 3)
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
-    o_proj_bias: bool = False  # the output projection has a bias too (with attention_bias; gpt-oss)
-    attn_sinks: bool = False  # a learned logit per head in every softmax's denominator, no value (gpt-oss)
-    # Sparse MoE (engine/layers/moe.py): the layers whose MLP is routed experts; the others keep the dense MLP
-    sparse_layers: tuple[int, ...] = ()
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
-    # engine/layers/moe.py ROUTING_KINDS: "softmax_topk" (Qwen3-MoE), "topk_softmax" (gpt-oss), "sigmoid_group_topk"
-    # (DeepSeek-V3: sigmoid scores, e_score_correction_bias for the choice only, num_expert_groups groups of
-    # which the topk_groups best are eligible, weights times routed_scaling_factor)
-    routing: str = "softmax_topk"
-    expert_activation: str = "swiglu"  # engine/layers/moe.py EXPERT_ACTIVATIONS
-    has_expert_bias: bool = False  # router and expert projections with biases (gpt-oss)
-    swiglu_alpha: float = 1.702  # "swiglu_oai" only
-    swiglu_limit: float = 7.0  # "swiglu_oai" only
-    expert_layout: str = "stacked"  # EXPERT_LAYOUTS
-    num_expert_groups: int = 1  # "sigmoid_group_topk" only: n_group
-    topk_groups: int = 1  # "sigmoid_group_topk" only: topk_group
-    routed_scaling_factor: float = 1.0  # "sigmoid_group_topk" only
-    shared_intermediate_size: int = 0  # a sparse layer's always-on shared experts' width (DeepSeek-V3), 0: none
-    # Multi-head latent attention (DeepSeek-V3, engine/layers/mla.py), on when kv_lora_rank > 0: K and V come from one
-    # kv_lora_rank latent per token plus a shared qk_rope_head_dim rotary key; head_dim is then the rotary
-    # part's width (transformers' config.head_dim too), attn_scale the softmax scale of qk_nope + qk_rope dims
-    kv_lora_rank: int = 0
-    q_lora_rank: int = 0  # 0: a plain q_proj, else q_a_proj -> q_a_layernorm -> q_b_proj
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    rope_interleave: bool = False  # the rotary dims pair up as (0, 1), (2, 3), ... instead of halves
+    o_proj_bias: bool = False  # the output projection has a bias too (with attention_bias)
+    attn_sinks: bool = False  # a learned logit per head in every softmax's denominator, no value
     num_nextn_predict_layers: int = 0  # a checkpoint's multi-token-prediction layers, skipped at load
+    moe: MoEArch | None = None
+    mla: LatentArch | None = None
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
             raise ValueError("layer_types must name every layer")
-        if self.sparse_layers:
-            if not all(0 <= i < self.num_layers for i in self.sparse_layers):
-                raise ValueError(f"sparse_layers {self.sparse_layers} outside the {self.num_layers} layers")
-            if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
-                raise ValueError("sparse layers need 1 <= num_experts_per_tok <= num_experts and a moe_intermediate_size")
-            if self.sandwich_norm:
-                raise ValueError("sparse layers with sandwich norms are not supported")
-        if self.num_expert_groups < 1 or not 1 <= self.topk_groups <= self.num_expert_groups:
-            raise ValueError("expert groups need 1 <= topk_groups <= num_expert_groups")
-        if self.num_experts % self.num_expert_groups:
-            raise ValueError(f"{self.num_experts} experts do not split into {self.num_expert_groups} groups")
-        if self.is_mla and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
-            raise ValueError("latent attention needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
-        if self.is_mla and (self.has_sliding or self.qk_rope_head_dim % 2 or self.head_dim != self.qk_rope_head_dim):
+        if self.moe is not None and not all(0 <= i < self.num_layers for i in self.moe.sparse_layers):
+            raise ValueError(f"sparse_layers {self.moe.sparse_layers} outside the {self.num_layers} layers")
+        m = self.mla
+        if m is not None and (self.has_sliding or m.qk_rope_head_dim % 2 or self.head_dim != m.qk_rope_head_dim):
             raise ValueError("latent attention: full-attention layers, an even rotary width, head_dim = qk_rope_head_dim")
-        for name, value, allowed in (
-            ("routing", self.routing, ROUTING_KINDS),
-            ("expert_activation", self.expert_activation, EXPERT_ACTIVATIONS),
-            ("expert_layout", self.expert_layout, EXPERT_LAYOUTS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name} {value!r}: one of {allowed}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a sliding_window")
         if self.num_heads % self.num_kv_heads:
@@ -108,12 +129,12 @@ class ModelArch:
 
     @property
     def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
+        return self.mla is not None
 
     @property
-    def qk_head_dim(self) -> int:
-        """MLA: a query's and an expanded key's width per head."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is routed experts (none for a dense model)."""
+        return () if self.moe is None else self.moe.sparse_layers
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers

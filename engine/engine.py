@@ -564,7 +564,7 @@ class LLMEngine:
         assert self.tp is not None
         if self.tp.is_leader:
             self.tp.send_plan(PLAN_COUNTERS)
-        return group_moe_counters(self.tp, self.model, self.device, self.arch.num_experts)
+        return group_moe_counters(self.tp, self.model, self.device, self.arch.moe.num_experts if self.arch.moe else 0)
 
     def check_idle(self) -> None:
         """With no request in flight, every page and slot is free (or evictable cache); raises on a leak."""

@@ -124,18 +124,24 @@ class ModelFacts:
     @property
     def attn_params(self) -> int:
         a = self.arch
-        if a.is_mla:  # q (plain, or through its LoRA), kv_a (latent + rotary key), kv_b (W_UK, W_UV), o
-            q_width = a.num_heads * a.qk_head_dim
-            q = a.hidden_size * a.q_lora_rank + a.q_lora_rank * q_width if a.q_lora_rank else a.hidden_size * q_width
-            kv = a.hidden_size * (a.kv_lora_rank + a.qk_rope_head_dim)
-            kv += a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
-            return q + kv + a.num_heads * a.v_head_dim * a.hidden_size
+        m = a.mla
+        if m is not None:  # q (plain, or through its LoRA), kv_a (latent + rotary key), kv_b (W_UK, W_UV), o
+            q_width = a.num_heads * m.qk_head_dim
+            q = a.hidden_size * m.q_lora_rank + m.q_lora_rank * q_width if m.q_lora_rank else a.hidden_size * q_width
+            kv = a.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim)
+            kv += m.kv_lora_rank * a.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+            return q + kv + a.num_heads * m.v_head_dim * a.hidden_size
         return a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
+
+    @property
+    def num_experts(self) -> int:
+        return self.arch.moe.num_experts if self.arch.moe is not None else 0
 
     @property
     def expert_params(self) -> int:
         """One expert's SwiGLU weights (0 for a dense model)."""
-        return 3 * self.arch.hidden_size * self.arch.moe_intermediate_size if self.arch.sparse_layers else 0
+        moe = self.arch.moe
+        return 3 * self.arch.hidden_size * moe.moe_intermediate_size if moe is not None else 0
 
     @property
     def dense_params(self) -> int:
@@ -143,27 +149,28 @@ class ModelFacts:
         a = self.arch
         num_sparse = len(a.sparse_layers)
         mlps = (a.num_layers - num_sparse) * 3 * a.hidden_size * a.intermediate_size
-        shared = num_sparse * 3 * a.hidden_size * a.shared_intermediate_size  # DeepSeek's always-on experts
-        return a.num_layers * self.attn_params + mlps + shared + num_sparse * a.hidden_size * a.num_experts
+        shared = num_sparse * 3 * a.hidden_size * (a.moe.shared_intermediate_size if a.moe else 0)  # always-on experts
+        return a.num_layers * self.attn_params + mlps + shared + num_sparse * a.hidden_size * self.num_experts
 
     @property
     def linear_params(self) -> int:
         """All linear weights (a MoE's every expert included)."""
-        return self.dense_params + len(self.arch.sparse_layers) * self.arch.num_experts * self.expert_params
+        return self.dense_params + len(self.arch.sparse_layers) * self.num_experts * self.expert_params
 
     @property
     def active_linear_params(self) -> int:
         """The linear weights one token goes through (a MoE's top-k experts per sparse layer)."""
         a = self.arch
-        return self.dense_params + len(a.sparse_layers) * a.num_experts_per_tok * self.expert_params
+        top_k = a.moe.num_experts_per_tok if a.moe else 0
+        return self.dense_params + len(a.sparse_layers) * top_k * self.expert_params
 
     def expected_experts_read(self, batch: int) -> float:
         """Distinct experts a batch of `batch` tokens selects, all sparse layers, if routing were uniform."""
         a = self.arch
-        if not a.sparse_layers:
+        if a.moe is None or not a.sparse_layers:
             return 0.0
-        miss = (1 - a.num_experts_per_tok / a.num_experts) ** batch
-        return len(a.sparse_layers) * a.num_experts * (1 - miss)
+        miss = (1 - a.moe.num_experts_per_tok / a.moe.num_experts) ** batch
+        return len(a.sparse_layers) * a.moe.num_experts * (1 - miss)
 
     @property
     def lm_head_params(self) -> int:
@@ -191,8 +198,8 @@ class ModelFacts:
     @property
     def kv_bytes_per_token_layer(self) -> int:
         a = self.arch
-        if a.is_mla:  # one latent per token: c_kv and the rotary key
-            return (a.kv_lora_rank + a.qk_rope_head_dim) * self.elem_bytes
+        if a.mla is not None:  # one latent per token: c_kv and the rotary key
+            return (a.mla.kv_lora_rank + a.mla.qk_rope_head_dim) * self.elem_bytes
         return 2 * a.num_kv_heads * a.head_dim * self.elem_bytes
 
     def kv_read_bytes(self, context: int) -> int:
@@ -216,7 +223,7 @@ class ModelFacts:
         pairs = sum(full_pairs if t == "full_attention" else win_pairs for t in a.layer_types)
         # per visible pair and head: q.k over the key's width, p.v over the value's (latent attention expands
         # the latents per head for long chunks: keys Dn + Dr, values Dv wide)
-        pair_width = a.qk_head_dim + a.v_head_dim if a.is_mla else 2 * a.head_dim
+        pair_width = a.mla.qk_head_dim + a.mla.v_head_dim if a.mla is not None else 2 * a.head_dim
         return 2.0 * self.active_linear_params * n + 2.0 * self.lm_head_params + 2.0 * a.num_heads * pair_width * pairs
 
 
@@ -983,7 +990,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model_name = Path(name).name + ("-fp8" if args.quantization else "")
             arch = arch_from_hf(load_hf_config(folder))
             facts = ModelFacts(arch, elem_bytes, 1 + 4 / 128**2 if args.quantization == "fp8" else None)
-            moe = (f", MoE: {arch.num_experts} experts, top {arch.num_experts_per_tok}, {len(arch.sparse_layers)} sparse layers, "
+            moe = (f", MoE: {facts.num_experts} experts, top {arch.moe.num_experts_per_tok if arch.moe else 0}, {len(arch.sparse_layers)} sparse layers, "
                    f"{facts.active_linear_params / 1e6:,.1f} M active" if arch.sparse_layers else "")
             print(f"\n== {args.model_name}: {facts.linear_params / 1e6:,.1f} M linear params{moe}, "
                   f"{facts.step_weight_bytes() / 2**20:,.1f} MiB read per batch-1 decode step before KV, "

@@ -23,14 +23,14 @@ from engine.handoff import KVLayout, PoolPages
 
 
 def layout_of(arch: ModelArch, block_size: int, dtype: torch.dtype) -> KVLayout:
-    if arch.is_mla:
+    if arch.mla is not None:
         return KVLayout(
             num_full_layers=len(arch.full_layers),
             num_swa_layers=0,
             block_size=block_size,
             window=0,
             num_kv_heads=1,
-            head_dim=arch.kv_lora_rank + arch.qk_rope_head_dim,
+            head_dim=arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim,
             dtype=dtype,
             page_kind="latent",
         )

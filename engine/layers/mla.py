@@ -82,25 +82,26 @@ class LatentAttention(nn.Module):
 
     def __init__(self, arch: ModelArch, make_norm: Callable[[int], nn.Module]) -> None:
         super().__init__()
-        h, hidden, bias = arch.num_heads, arch.hidden_size, arch.attention_bias
+        h, hidden, bias, m = arch.num_heads, arch.hidden_size, arch.attention_bias, arch.mla
+        assert m is not None
         self.num_heads = h
-        self.kv_lora_rank, self.q_lora_rank = arch.kv_lora_rank, arch.q_lora_rank
+        self.kv_lora_rank, self.q_lora_rank = m.kv_lora_rank, m.q_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = (
-            arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
+            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         )  # fmt: skip
-        self.qk_head_dim = arch.qk_head_dim
-        self.is_interleaved = arch.rope_interleave
+        self.qk_head_dim = m.qk_head_dim
+        self.is_interleaved = m.rope_interleave
         self.scale = arch.attn_scale
-        if arch.q_lora_rank:
-            self.q_a_proj = nn.Linear(hidden, arch.q_lora_rank, bias=bias)
-            self.q_a_layernorm = make_norm(arch.q_lora_rank)
-            self.q_b_proj = nn.Linear(arch.q_lora_rank, h * self.qk_head_dim, bias=False)
+        if m.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, m.q_lora_rank, bias=bias)
+            self.q_a_layernorm = make_norm(m.q_lora_rank)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, h * self.qk_head_dim, bias=False)
         else:
             self.q_proj = nn.Linear(hidden, h * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, arch.kv_lora_rank + arch.qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = make_norm(arch.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(arch.kv_lora_rank, h * (arch.qk_nope_head_dim + arch.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * arch.v_head_dim, hidden, bias=bias)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, m.kv_lora_rank + m.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = make_norm(m.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * m.v_head_dim, hidden, bias=bias)
 
     @property
     def out_width(self) -> int:

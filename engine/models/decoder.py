@@ -74,23 +74,25 @@ class DecoderLayer(nn.Module):
         self.is_sparse = is_sparse
         self.mlp: MLP | SparseMoE
         if is_sparse:
+            moe = arch.moe
+            assert moe is not None
             self.mlp = SparseMoE(
                 arch.hidden_size,
-                arch.moe_intermediate_size,
-                arch.num_experts,
-                arch.num_experts_per_tok,
-                arch.norm_topk_prob,
+                moe.moe_intermediate_size,
+                moe.num_experts,
+                moe.num_experts_per_tok,
+                moe.norm_topk_prob,
                 activation(arch.hidden_act),
                 expert_parallel.current(),
-                routing=arch.routing,
-                activation=arch.expert_activation,
-                has_bias=arch.has_expert_bias,
-                alpha=arch.swiglu_alpha,
-                limit=arch.swiglu_limit,
-                num_groups=arch.num_expert_groups,
-                topk_groups=arch.topk_groups,
-                scaling=arch.routed_scaling_factor,
-                shared_intermediate_size=arch.shared_intermediate_size,
+                routing=moe.routing,
+                activation=moe.expert_activation,
+                has_bias=moe.has_expert_bias,
+                alpha=moe.swiglu_alpha,
+                limit=moe.swiglu_limit,
+                num_groups=moe.num_expert_groups,
+                topk_groups=moe.topk_groups,
+                scaling=moe.routed_scaling_factor,
+                shared_intermediate_size=moe.shared_intermediate_size,
                 tp_share=(tp.rank, tp.size) if tp is not None else (0, 1),
                 product=linear,
             )
@@ -99,10 +101,6 @@ class DecoderLayer(nn.Module):
         eps, g = arch.rms_norm_eps, arch.unit_offset_norm
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, g)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, g)
-        self.is_sandwich = arch.sandwich_norm
-        if arch.sandwich_norm:
-            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, g)
-            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, g)
 
     def _pre(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
@@ -117,11 +115,8 @@ class DecoderLayer(nn.Module):
         return x, norm(x)
 
     def _post(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = linear(self.self_attn.o_proj, attn)
-        if self.is_sandwich:
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x, normed = self._add_norm(x, h)
+        """A dense layer's row-local part after attention: the residual adds, the norm and the MLP."""
+        x, normed = self._add_norm(x, linear(self.self_attn.o_proj, attn))
         return x + self.mlp(normed)
 
     def _post_sparse(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -144,16 +139,17 @@ class DecoderLayer(nn.Module):
     def _o_proj(self, attn: torch.Tensor) -> torch.Tensor:
         return linear(self.self_attn.o_proj, attn)
 
-    def _sandwich_attn(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """[x + post_attention_layernorm(h) | pre_feedforward_layernorm of it] side by side."""
-        x = x + self.post_attention_layernorm(h)
-        return torch.cat([x, self.pre_feedforward_layernorm(x)], dim=1)
-
-    def _add_norm_cat(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def _attn_residual(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Row-local: the attention output h added to the residual x, and the MLP's normed input, side by side."""
         return torch.cat(self._add_norm(x, h), dim=1)
 
-    def _sandwich_mlp(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return x + self.post_feedforward_layernorm(m)
+    def _mlp_residual(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """The MLP's output m added to the residual x (a layer with an output norm runs it row-local)."""
+        return x + m
+
+    def _residual_row_functions(self, hidden: int) -> list[tuple[Callable[..., torch.Tensor], list[int]]]:
+        """The row-local functions of _post_tp after the MLP, with their input widths: none here."""
+        return []
 
     def _post_tp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """A tensor-parallel rank's layer after its heads' attention: o_proj and down_proj (every routed
@@ -163,12 +159,12 @@ class DecoderLayer(nn.Module):
         assert tp is not None
         is_det = get_context().numerics.is_deterministic
         h = tp.all_reduce(rowwise(self._o_proj, attn), is_det)
-        x, normed = rowwise(self._sandwich_attn if self.is_sandwich else self._add_norm_cat, x, h).chunk(2, dim=1)
+        x, normed = rowwise(self._attn_residual, x, h).chunk(2, dim=1)
         if isinstance(self.mlp, SparseMoE) and self.mlp.ep is not None:
             m = self._expert_parallel_mlp(self.mlp, normed, is_det)
         else:
             m = tp.all_reduce(self._sparse_mlp(normed) if self.is_sparse else rowwise(self.mlp, normed), is_det)
-        return rowwise(self._sandwich_mlp, x, m) if self.is_sandwich else x + m
+        return self._mlp_residual(x, m)
 
     def _expert_parallel_mlp(self, moe: SparseMoE, normed: torch.Tensor, is_det: bool) -> torch.Tensor:
         """A sparse layer under --tp with --ep (engine/parallel/world.py): each process's routed share of the tokens
@@ -189,12 +185,10 @@ class DecoderLayer(nn.Module):
         """The row-local functions _post_tp runs, with their input widths (for the probe)."""
         fns: list[tuple[Callable[..., torch.Tensor], list[int]]] = [
             (self._o_proj, [self.self_attn.out_width]),
-            (self._sandwich_attn if self.is_sandwich else self._add_norm_cat, [hidden, hidden]),
+            (self._attn_residual, [hidden, hidden]),
         ]
         fns += self.mlp.row_functions() if isinstance(self.mlp, SparseMoE) else [(self.mlp, [hidden])]
-        if self.is_sandwich:
-            fns.append((self._sandwich_mlp, [hidden, hidden]))
-        return fns
+        return fns + self._residual_row_functions(hidden)
 
     def forward_chained(
         self, ops: ModuleType, x: torch.Tensor, pending: Pending | None, cos: torch.Tensor, sin: torch.Tensor
@@ -214,11 +208,10 @@ class DecoderLayer(nn.Module):
             x, normed = pending.add_norm(ops, x, norm, rows_to)
         qkv = rowwise(a.qkv, normed, cos, sin)
         attn = a.attend(qkv, self.spec, x, cos, sin)
-        h = rowwise(lambda t: linear(a.o_proj, t), attn)
-        if self.is_sandwich:
-            x, normed = ops.add_rms_norm(x, h, self.pre_feedforward_layernorm.weight, norm.eps, norm.unit_offset,
-                                         h_weight=self.post_attention_layernorm.weight)
-            return x, Pending(rowwise(self.mlp, normed), self.post_feedforward_layernorm)
+        return self._chained_post(ops, x, rowwise(lambda t: linear(a.o_proj, t), attn))
+
+    def _chained_post(self, ops: ModuleType, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+        """forward_chained after the attention's output projection h: (x + h, this layer's pending MLP output)."""
         norm = self.post_attention_layernorm
         if self.is_sparse:
             x, normed = ops.add_rms_norm(x, h, norm.weight, norm.eps, norm.unit_offset)
@@ -251,8 +244,10 @@ class Pending:
 class DecoderStack(nn.Module):
     """Embeddings, layers and the final norm: Hugging Face's `model.` prefix."""
 
-    def __init__(self, arch: ModelArch, tp: TensorGroup | None = None) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorGroup | None = None, layer: type[DecoderLayer] | None = None) -> None:
+        """layer: the family's decoder layer (DecoderLayer, or a family's variant of it)."""
         super().__init__()
+        make_layer = DecoderLayer if layer is None else layer
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         full_i = sliding_i = 0
         layers = []
@@ -260,7 +255,7 @@ class DecoderStack(nn.Module):
             is_sliding = t == SLIDING
             idx = sliding_i if is_sliding else full_i
             spec = AttnSpec(is_sliding, idx, arch.sliding_window if is_sliding else None, arch.attn_scale)
-            layers.append(DecoderLayer(arch, spec, arch.is_sparse(i), tp))
+            layers.append(make_layer(arch, spec, arch.is_sparse(i), tp))
             sliding_i += is_sliding
             full_i += not is_sliding
         self.layers = nn.ModuleList(layers)
@@ -274,9 +269,11 @@ class CausalLM(nn.Module):
         inv_freqs: dict[str, tuple[torch.Tensor, float]],
         tp: TensorGroup | None = None,
         shard: TpShard | None = None,
+        layer: type[DecoderLayer] | None = None,
     ) -> None:
         """tp and shard: a tensor-parallel rank's group and share of the model (engine/parallel/tensor_parallel.py):
-        its layers hold their heads and intermediate rows, the LM head its vocabulary rows."""
+        its layers hold their heads and intermediate rows, the LM head its vocabulary rows. layer: the family's
+        decoder layer (Family.layer), DecoderLayer if None."""
         super().__init__()
         self.tp = tp
         self.vocab_rows = shard.vocab_rows if shard is not None else (0, arch.vocab_size)
@@ -284,7 +281,7 @@ class CausalLM(nn.Module):
         if shard is not None:
             arch = shard.local_arch
         self.arch = arch
-        self.model = DecoderStack(arch, tp)
+        self.model = DecoderStack(arch, tp, layer)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, self.vocab_rows[1] - self.vocab_rows[0], bias=False)
         self.rotary = Rotary(inv_freqs)

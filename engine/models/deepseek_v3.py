@@ -10,24 +10,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.arch import ModelArch
+from engine.arch import LatentArch, ModelArch, MoEArch
 from engine.models.family import Family
 from engine.models.hf_config import arch_fields, rope_params
 
 
 def arch(hf: Any) -> ModelArch:
     num_groups = int(hf.n_group or 1)
-    return ModelArch(**arch_fields(
-        hf,
-        head_dim=int(hf.qk_rope_head_dim),  # the rotary part's width, which the rope tables cover
-        attn_scale=mla_softmax_scale(hf),
+    mla = LatentArch(
         kv_lora_rank=int(hf.kv_lora_rank),
-        q_lora_rank=int(hf.q_lora_rank or 0),
         qk_nope_head_dim=int(hf.qk_nope_head_dim),
         qk_rope_head_dim=int(hf.qk_rope_head_dim),
         v_head_dim=int(hf.v_head_dim),
+        q_lora_rank=int(hf.q_lora_rank or 0),
         rope_interleave=bool(getattr(hf, "rope_interleave", True)),
-        num_nextn_predict_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0),
+    )
+    moe = MoEArch(
         sparse_layers=tuple(range(int(hf.first_k_dense_replace or 0), hf.num_hidden_layers)),
         num_experts=int(hf.n_routed_experts),
         num_experts_per_tok=int(hf.num_experts_per_tok),
@@ -38,6 +36,14 @@ def arch(hf: Any) -> ModelArch:
         topk_groups=int(hf.topk_group or num_groups),
         routed_scaling_factor=float(hf.routed_scaling_factor),
         shared_intermediate_size=int(hf.moe_intermediate_size) * int(hf.n_shared_experts or 0),
+    )
+    return ModelArch(**arch_fields(
+        hf,
+        head_dim=int(hf.qk_rope_head_dim),  # the rotary part's width, which the rope tables cover
+        attn_scale=mla_softmax_scale(hf),
+        num_nextn_predict_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0),
+        moe=moe if moe.sparse_layers else None,
+        mla=mla,
     ))  # fmt: skip
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.arch import ModelArch
+from engine.arch import ModelArch, MoEArch
 from engine.models.family import Family
 from engine.models.hf_config import arch_fields
 
@@ -14,10 +14,7 @@ from engine.models.hf_config import arch_fields
 def arch(hf: Any) -> ModelArch:
     has_bias = bool(getattr(hf, "attention_bias", False))
     top_k = getattr(hf, "num_experts_per_tok", None) or hf.experts_per_token  # the name varies by version
-    return ModelArch(**arch_fields(
-        hf,
-        o_proj_bias=has_bias,
-        attn_sinks=True,
+    moe = MoEArch(
         sparse_layers=tuple(range(hf.num_hidden_layers)),
         num_experts=int(hf.num_local_experts),
         num_experts_per_tok=int(top_k),
@@ -28,7 +25,8 @@ def arch(hf: Any) -> ModelArch:
         swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)),
         swiglu_limit=float(hf.swiglu_limit),
         expert_layout="interleaved",
-    ))  # fmt: skip
+    )
+    return ModelArch(**arch_fields(hf, o_proj_bias=has_bias, attn_sinks=True, moe=moe))
 
 
 FAMILY = Family("gpt_oss", arch)

@@ -69,6 +69,11 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
 
 
+def expert_layout(arch: ModelArch) -> str:
+    """How the checkpoint stores its stacked experts (MoEArch.expert_layout; "stacked" for a dense model)."""
+    return "stacked" if arch.moe is None else arch.moe.expert_layout
+
+
 def to_model_layout(layout: str, name: str, t: torch.Tensor) -> torch.Tensor:
     """A stacked expert tensor (an expert-parallel rank's rows of it) as the model stores it (see the
     module docstring); unchanged for the "stacked" layout and for any other name."""
@@ -140,7 +145,7 @@ def build_model(
     if tp is not None:  # under --ep too (engine/parallel/world.py): the routed experts held whole, split across its group
         shard = TpShard(tp.rank, tp.size, arch, splits_experts=expert_parallel.current() is None)
     with on_meta():
-        model = CausalLM(arch, inv_freqs, tp, shard)
+        model = CausalLM(arch, inv_freqs, tp, shard, family_of(arch.model_type).layer)
     # dtypes and FP8 modules settled on the meta device, so the device holds only the final weights (a
     # 30B MoE's FP8 experts, never their bf16 form first)
     model.to(dtype)
@@ -206,9 +211,10 @@ def fp8_modules(model: CausalLM, fmt: fp8.Fp8Format, checkpoint: set[str] | None
             module = key.removesuffix(".weight" + fp8.SCALE_SUFFIX)
         else:  # stacked experts: <experts>.gate_up_proj_scale_inv, <experts>.down_proj_scale_inv
             module = key.rsplit(".", 1)[0]
-        if module in candidates and isinstance(candidates[module], ExpertWeights) and model.arch.expert_layout != "stacked":
+        layout = expert_layout(model.arch)
+        if module in candidates and isinstance(candidates[module], ExpertWeights) and layout != "stacked":
             raise InvalidRequestError(
-                f"checkpoint tensor {key!r}: FP8 experts in the {model.arch.expert_layout!r} layout do not load (their "
+                f"checkpoint tensor {key!r}: FP8 experts in the {layout!r} layout do not load (their "
                 "blocks would need re-tiling); load the float checkpoint with --quantization fp8"
             )
         if module not in candidates:
@@ -357,7 +363,7 @@ def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = Non
     dests = _Destinations(model)
     params, experts = dests.params, dests.experts
     arch = model.arch
-    layout = arch.expert_layout
+    layout = expert_layout(arch)
     stacked = family_of(arch.model_type).stacked_tensors(arch)
 
     def place(name: str, key: str, source: Any, read: Callable[[], torch.Tensor] | None = None) -> None:

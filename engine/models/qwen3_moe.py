@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.arch import ModelArch
+from engine.arch import ModelArch, MoEArch
 from engine.models.family import Family
 from engine.models.hf_config import arch_fields
 
@@ -17,16 +17,15 @@ def arch(hf: Any) -> ModelArch:
         return ModelArch(**arch_fields(hf, qk_norm=True))
     dense = set(getattr(hf, "mlp_only_layers", None) or ())
     step = int(getattr(hf, "decoder_sparse_step", 1))
-    return ModelArch(**arch_fields(
-        hf,
-        qk_norm=True,
+    moe = MoEArch(
         sparse_layers=tuple(i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0),
         num_experts=num_experts,
         num_experts_per_tok=int(hf.num_experts_per_tok),
         moe_intermediate_size=int(hf.moe_intermediate_size),
         norm_topk_prob=bool(hf.norm_topk_prob),
         routing="softmax_topk",
-    ))  # fmt: skip
+    )
+    return ModelArch(**arch_fields(hf, qk_norm=True, moe=moe))
 
 
 FAMILY = Family("qwen3_moe", arch)

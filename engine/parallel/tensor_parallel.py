@@ -215,25 +215,33 @@ class TpShard:
             raise InvalidRequestError(
                 f"--tp {n} must divide the model's {a.num_kv_heads} KV heads or be a multiple of them"
             )
-        expert_rows = a.moe_intermediate_size if self.splits_experts else 0
-        if a.intermediate_size % n or expert_rows % n or a.shared_intermediate_size % n:
+        moe_rows = a.moe.moe_intermediate_size if a.moe is not None else 0
+        shared_rows = a.moe.shared_intermediate_size if a.moe is not None else 0
+        expert_rows = moe_rows if self.splits_experts else 0
+        if a.intermediate_size % n or expert_rows % n or shared_rows % n:
             raise InvalidRequestError(
                 f"--tp {n} must divide the model's intermediate size {a.intermediate_size}"
-                + (f" and its experts' {a.moe_intermediate_size}" if a.sparse_layers and expert_rows else "")
-                + (f" and its shared experts' {a.shared_intermediate_size}" if a.shared_intermediate_size else "")
+                + (f" and its experts' {moe_rows}" if expert_rows else "")
+                + (f" and its shared experts' {shared_rows}" if shared_rows else "")
             )
 
     @property
     def local_arch(self) -> ModelArch:
         """The arch this rank's modules are built with: its heads, KV heads and intermediate sizes."""
         a, n = self.arch, self.size
+        moe = a.moe
+        if moe is not None:
+            moe = replace(
+                moe,
+                moe_intermediate_size=moe.moe_intermediate_size // n if self.splits_experts else moe.moe_intermediate_size,
+                shared_intermediate_size=moe.shared_intermediate_size // n,
+            )
         return replace(
             a,
             num_heads=a.num_heads // n,
             num_kv_heads=max(1, a.num_kv_heads // n),
             intermediate_size=a.intermediate_size // n,
-            moe_intermediate_size=a.moe_intermediate_size // n if self.splits_experts else a.moe_intermediate_size,
-            shared_intermediate_size=a.shared_intermediate_size // n,
+            moe=moe,
         )
 
     @property
@@ -280,8 +288,9 @@ class TpShard:
             return Slice.one(0, r * per, (r + 1) * per, a.intermediate_size)
         if base.endswith("mlp.down_proj.weight"):
             return Slice.one(1, r * per, (r + 1) * per, a.intermediate_size)
-        if a.shared_intermediate_size:  # DeepSeek-V3's shared experts: one dense SwiGLU, split like an MLP
-            shared, per_s = a.shared_intermediate_size, a.shared_intermediate_size // self.size
+        shared = a.moe.shared_intermediate_size if a.moe is not None else 0
+        if shared:  # shared experts: one dense SwiGLU, split like an MLP
+            per_s = shared // self.size
             if base.endswith(("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")):
                 return Slice.one(0, r * per_s, (r + 1) * per_s, shared)
             if base.endswith("mlp.shared_experts.down_proj.weight"):
@@ -296,25 +305,26 @@ class TpShard:
         without a query LoRA) and kv_b_proj's per-head up-projection rows, o_proj's per-head value columns;
         the latent's own projections and norms (q_a_proj, kv_a_proj_with_mqa, their layernorms) replicated,
         so every rank computes and caches the same latents. None for the names it does not split."""
-        a = self.arch
+        a, m = self.arch, self.arch.mla
+        assert m is not None
         first, count = self._heads(kv=False)
         if base.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-            dq = a.qk_head_dim
+            dq = m.qk_head_dim
             return Slice.one(0, first * dq, (first + count) * dq, a.num_heads * dq)
         if base.endswith("self_attn.kv_b_proj.weight"):
-            dkv = a.qk_nope_head_dim + a.v_head_dim
+            dkv = m.qk_nope_head_dim + m.v_head_dim
             return Slice.one(0, first * dkv, (first + count) * dkv, a.num_heads * dkv)
         if base.endswith("self_attn.o_proj.weight"):
-            dv = a.v_head_dim
+            dv = m.v_head_dim
             return Slice.one(1, first * dv, (first + count) * dv, a.num_heads * dv)
         return None
 
     def _expert_slice(self, base: str, layout: str) -> Slice | None:
         """Routed experts: each expert's intermediate rows [r I', (r+1) I') (see the module docstring); None
         (whole experts) under --ep."""
-        if not self.splits_experts:
+        if not self.splits_experts or self.arch.moe is None:
             return None
-        full = self.arch.moe_intermediate_size
+        full = self.arch.moe.moe_intermediate_size
         per = full // self.size
         lo, hi = self.rank * per, (self.rank + 1) * per
         match = PER_EXPERT.fullmatch(base)

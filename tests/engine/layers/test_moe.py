@@ -105,8 +105,8 @@ def test_checkpoint_names_and_arch(moe_dir) -> None:
     assert "model.layers.1.mlp.gate_proj.weight" in names  # the dense layer
     for name, (_, sparse) in MOE_FAMILIES.items():
         arch = arch_from_hf(load_hf_config(moe_dir(name)))
-        assert arch.sparse_layers == sparse and arch.num_experts == NUM_EXPERTS and arch.qk_norm
-        assert arch.moe_intermediate_size == EXPERT_WIDTH
+        assert arch.sparse_layers == sparse and arch.moe.num_experts == NUM_EXPERTS and arch.qk_norm
+        assert arch.moe.moe_intermediate_size == EXPERT_WIDTH
 
 
 @pytest.mark.parametrize("name", list(MOE_FAMILIES))

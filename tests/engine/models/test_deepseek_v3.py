@@ -70,18 +70,18 @@ def test_arch_layout_and_float32_router(tiny_model_dir) -> None:
     folder = tiny_model_dir("deepseek_v3")
     hf = load_hf_config(folder)
     arch = arch_from_hf(hf)
-    assert arch.is_mla and (arch.q_lora_rank, arch.kv_lora_rank) == (24, 32)
-    assert (arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim, arch.head_dim) == (16, 8, 16, 8)
-    assert arch.rope_interleave and arch.num_nextn_predict_layers == 1
-    assert arch.sparse_layers == (1, 2, 3) and arch.routing == "sigmoid_group_topk"
-    assert (arch.num_experts, arch.num_experts_per_tok, arch.num_expert_groups, arch.topk_groups) == (8, 2, 4, 2)
-    assert arch.norm_topk_prob and arch.routed_scaling_factor == 2.5 and arch.shared_intermediate_size == 32
+    assert arch.is_mla and (arch.mla.q_lora_rank, arch.mla.kv_lora_rank) == (24, 32)
+    assert (arch.mla.qk_nope_head_dim, arch.mla.qk_rope_head_dim, arch.mla.v_head_dim, arch.head_dim) == (16, 8, 16, 8)
+    assert arch.mla.rope_interleave and arch.num_nextn_predict_layers == 1
+    assert arch.sparse_layers == (1, 2, 3) and arch.moe.routing == "sigmoid_group_topk"
+    assert (arch.moe.num_experts, arch.moe.num_experts_per_tok, arch.moe.num_expert_groups, arch.moe.topk_groups) == (8, 2, 4, 2)
+    assert arch.moe.norm_topk_prob and arch.moe.routed_scaling_factor == 2.5 and arch.moe.shared_intermediate_size == 32
     # YaRN's mscale_all_dim in the softmax scale, as transformers' attention computes it
     assert arch.attn_scale == pytest.approx(DeepseekV3Attention(hf, 0).scaling, rel=1e-12)
     assert arch.attn_scale > 1.2 * 24**-0.5
     plain = arch_from_hf(load_hf_config(tiny_model_dir("deepseek_v3_plain_q")))
-    assert plain.q_lora_rank == 0 and not plain.rope_interleave and plain.sparse_layers == (2, 3)
-    assert (plain.num_expert_groups, plain.num_experts_per_tok, plain.shared_intermediate_size) == (1, 3, 32)
+    assert plain.mla.q_lora_rank == 0 and not plain.mla.rope_interleave and plain.sparse_layers == (2, 3)
+    assert (plain.moe.num_expert_groups, plain.moe.num_experts_per_tok, plain.moe.shared_intermediate_size) == (1, 3, 32)
     assert plain.attn_scale == 24**-0.5
 
     lo = layout_of(arch, 16, torch.float32)

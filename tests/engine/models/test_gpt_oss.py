@@ -59,9 +59,9 @@ def test_checkpoint_layout_and_arch(folder: Path) -> None:
     assert "model.layers.0.mlp.router.bias" in ckpt
     hf = load_hf_config(folder)
     arch = arch_from_hf(hf)
-    assert arch.sparse_layers == (0, 1, 2, 3) and arch.num_experts == NUM_EXPERTS and arch.num_experts_per_tok == TOP_K
-    assert arch.moe_intermediate_size == WIDTH and arch.routing == "topk_softmax"
-    assert arch.expert_activation == "swiglu_oai" and arch.has_expert_bias and arch.swiglu_limit == 7.0
+    assert arch.sparse_layers == (0, 1, 2, 3) and arch.moe.num_experts == NUM_EXPERTS and arch.moe.num_experts_per_tok == TOP_K
+    assert arch.moe.moe_intermediate_size == WIDTH and arch.moe.routing == "topk_softmax"
+    assert arch.moe.expert_activation == "swiglu_oai" and arch.moe.has_expert_bias and arch.moe.swiglu_limit == 7.0
     assert arch.attn_sinks and arch.attention_bias and arch.o_proj_bias and not arch.qk_norm
     assert arch.layer_types == tuple(SPEC["layer_types"]) and arch.sliding_window == 8
     state = build_model(arch, hf, folder, torch.float32, torch.device("cpu"), 256).state_dict()

@@ -334,11 +334,11 @@ def test_shard_slices_and_refusals(tmp_path: Path) -> None:
     whole = TpShard(1, 2, moe, splits_experts=False)  # --ep (engine/parallel/world.py): experts held whole, each bias too
     assert whole.slice_of("model.layers.0.mlp.experts.gate_up_proj") is None
     assert whole.slice_of("model.layers.0.mlp.experts.5.down_proj.weight") is None
-    assert whole.local_arch.moe_intermediate_size == moe.moe_intermediate_size == 32
+    assert whole.local_arch.moe.moe_intermediate_size == moe.moe.moe_intermediate_size == 32
     assert not whole.is_zero_here("model.layers.0.mlp.experts.down_proj_bias")
     assert whole.is_zero_here("model.layers.0.self_attn.o_proj.bias")
     mla = arch_from_hf(load_hf_config(make_tiny("deepseek_v3", tmp_path / "d")))
-    dq, dkv, dv = mla.qk_head_dim, mla.qk_nope_head_dim + mla.v_head_dim, mla.v_head_dim
+    dq, dkv, dv = mla.mla.qk_head_dim, mla.mla.qk_nope_head_dim + mla.mla.v_head_dim, mla.mla.v_head_dim
     half = mla.num_heads // 2
     q_b = TpShard(1, 2, mla).slice_of("model.layers.0.self_attn.q_b_proj.weight")
     kv_b = TpShard(1, 2, mla).slice_of("model.layers.0.self_attn.kv_b_proj.weight")
@@ -349,7 +349,7 @@ def test_shard_slices_and_refusals(tmp_path: Path) -> None:
     for replicated in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "q_a_proj.weight"):
         assert TpShard(1, 2, mla).slice_of(f"model.layers.0.self_attn.{replicated}") is None
     shared = TpShard(1, 2, mla).slice_of("model.layers.1.mlp.shared_experts.down_proj.weight")
-    s_full = mla.shared_intermediate_size
+    s_full = mla.moe.shared_intermediate_size
     assert shared is not None and (shared.dim, shared.ranges) == (1, ((s_full // 2, s_full),))
     with pytest.raises(InvalidRequestError, match="attention heads"):
         TpShard(0, 3, mla)

@@ -195,12 +195,12 @@ def test_dp2_tp2_ep4_matches_single_engine(world: World, references: dict[str, L
     assert eng is not None and eng.ep is not None and (eng.ep.rank, eng.ep.size) == (0, 4)
     moe = eng.model.sparse_layers()[0]
     assert moe.experts.gate_up_proj.shape[0] == 2  # 8 experts over 4 processes
-    assert moe.experts.down_proj.shape[2] == eng.arch.moe_intermediate_size  # each held whole
+    assert moe.experts.down_proj.shape[2] == eng.arch.moe.moe_intermediate_size  # each held whole
     assert moe.rows_computed > 0
     # the rank's expert load counts each of its tokens once (k slots), whichever process routed it
     num_tokens = sum(len(p) for p in mine) + len(mine) * (n - 1)
     stats = eng.stats()
-    assert [sum(c) for c in stats.moe_tokens_per_expert] == [num_tokens * eng.arch.num_experts_per_tok] * len(
+    assert [sum(c) for c in stats.moe_tokens_per_expert] == [num_tokens * eng.arch.moe.num_experts_per_tok] * len(
         eng.arch.sparse_layers
     )
 
