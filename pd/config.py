@@ -351,7 +351,7 @@ class ServerConfig:
         default=None, metadata={"help": "the cluster token's file; default $PDSERVE_CLUSTER_TOKEN(_FILE)"}
     )
     transfer: TransferConfig = field(
-        default_factory=TransferConfig, metadata={"help": "KV transfer (--role pe|ce)"}
+        default_factory=TransferConfig, metadata={"help": "how KV is handed off (--role pe|ce)"}
     )
 
     def __post_init__(self) -> None:
