@@ -46,7 +46,6 @@ from engine.handoff.ledger import HandoffLedger, Phase
 from engine.handoff.pages import HandoffIO
 from engine.layers.attention import preload_sdpa
 from engine.layers.eplb import RebalanceStats, rebalance_model
-from engine.layers.fp8 import fp8_format
 from engine.layers.numerics import pick_numerics
 from engine.models.hf_config import generation_eos_ids
 from engine.models.loader import build_model
@@ -64,6 +63,7 @@ from engine.parallel.tensor_parallel import (
     PLAN_STOP,
     TensorGroup,
 )
+from engine.quantization import fp8_format
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,13 @@
 """The engine's side of the P/D boundary: the only engine module `transfer/` may import.
 
+The room engine/handoff/ around it (the engine's P/D side, above its other rooms; this module stays light):
+
+    ledger.py     HandoffLedger: the one owner of a sequence's P/D phases and their transitions
+    pages.py      HandoffIO: a sequence's pages, SWA state and sampling state, gathered for an export, checked
+                  and written for an import
+    facade.py     LLMEngine's export_sequence, import_sequence, export_pages, in_place_target, finish_handoff
+    kv_shards.py  a --tp group's KV as a handoff carries it (every KV head, re-sharded)
+
 CUDA-free and light (torch for dtypes and tensors, nothing of the model, loader, attention or
 kernels): the KV layout, which alone computes page and state shapes and byte sizes; the exported
 sequence a handoff carries; and, re-exported so that the transfer layer needs no other door into
