@@ -6,7 +6,9 @@ Every setting is one field: its default, type and help (metadata "help"; pd/flag
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -90,6 +92,80 @@ class ForwardConfig:
             raise ValueError(f"gemv_rows must be within 0..{GEMV_MAX_ROWS}, got {self.gemv_rows}")
         if min(self.prefill_sdpa_fresh_min_tokens, self.prefill_sdpa_min_pairs, self.prefill_sdpa_min_queries) < 1:
             raise ValueError("the prefill SDPA thresholds must be >= 1")
+
+
+SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
+# vLLM's other names of the same methods
+_METHOD_ALIASES = {"deepseek_mtp": "mtp", "draft": "draft_model"}
+MAX_SPECULATIVE_TOKENS = 7  # drafts per sequence and step, at most (the verify widths CUDA graphs capture)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config`, vLLM's JSON: which method drafts tokens and how many each step verifies.
+
+    ngram: prompt lookup, no extra weights: the tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens (prompt and output), n from prompt_lookup_max down to prompt_lookup_min.
+    mtp: the checkpoint's own multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers).
+    draft_model: a small model of the same tokenizer (`model`).
+    disable_by_batch_size: a step with more running sequences than this does not speculate (a large batch
+    is compute-bound: verifying drafts costs more than it saves)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be within 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("a draft model is named by `model`, and only method draft_model takes one")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """From vLLM's JSON ({"method": "ngram", "num_speculative_tokens": 3, ...}); a key it does not know is
+        an error. Without "method", a "model" means draft_model."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config must be a JSON object: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {unknown} (known: {sorted(known)})")
+        values: dict[str, Any] = dict(raw)
+        if "method" not in values:
+            if "model" not in values:
+                raise ValueError(
+                    "--speculative-config needs a method (ngram, mtp, draft_model) or a draft model"
+                )
+            values["method"] = "draft_model"
+        values["method"] = _METHOD_ALIASES.get(values["method"], values["method"])
+        if "num_speculative_tokens" not in values:
+            raise ValueError("--speculative-config needs num_speculative_tokens")
+        for key in (
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "disable_by_batch_size",
+        ):
+            v = values.get(key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"--speculative-config: {key} must be an integer, got {v!r}")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -186,6 +262,16 @@ class EngineConfig:
             "starts a step later)"
         },
     )
+    speculative_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+            "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} (prompt lookup), {\"method\": \"mtp\", "
+            "\"num_speculative_tokens\": 1} (the checkpoint's multi-token-prediction layers), {\"model\": DRAFT, "
+            "\"num_speculative_tokens\": 4} (a draft model); \"disable_by_batch_size\": N stops it above N "
+            "running sequences. Lossless: the same tokens as without it"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of dummy weights and of unseeded sampling"})
     forward: ForwardConfig = field(default_factory=ForwardConfig, metadata={"help": "model forward (CUDA)"})
 
@@ -204,6 +290,10 @@ class EngineConfig:
             raise ValueError(f"eplb_interval must be >= 0, got {self.eplb_interval}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.speculative()  # raises on a bad --speculative-config
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -242,6 +332,12 @@ class EngineStats:
     num_preemptions_total: int
     num_launched_ahead_total: int = 0  # decode batches launched before the step before them returned (--launch-ahead)
     num_fed_ahead_total: int = 0  # of those, launched before the last step's tokens reached the host (greedy rows)
+    # speculative decoding (--speculative-config), vLLM's counters: drafts verified (a sequence's in one step),
+    # their tokens, the tokens accepted, and accepted per draft position (position 0 first)
+    spec_num_drafts_total: int = 0
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
     cache_lookups_total: int = 0
     cache_hit_tokens_total: int = 0
     cache_stored_pages_total: int = 0

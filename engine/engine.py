@@ -20,6 +20,8 @@ import random
 import time
 from pathlib import Path
 
+import torch
+
 from engine.arch import ModelArch
 from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig, EngineStats
 from engine.core.block_pool import BlockPool
@@ -65,6 +67,7 @@ from engine.parallel.tensor_parallel import (
 )
 from engine.quantization import fp8_format
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
+from engine.speculative.speculator import Speculator
 
 log = logging.getLogger(__name__)
 # what a client hears of a failure that is not its request's fault (the log has the exception)
@@ -152,8 +155,13 @@ class LLMEngine:
             self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
-        # --launch-ahead: the next decode batch queued before its step; never in a group (its ranks step in lockstep)
-        self.ahead = LaunchAhead(self.scheduler, self.runner, config.launch_ahead and self.ep is None)
+        # --speculative-config: drafts verified in each decode step (engine/speculative/)
+        self.speculator = self._speculator()
+        # --launch-ahead: the next decode batch queued before its step; never in a group (its ranks step in
+        # lockstep), nor with speculation (a step's drafts come from the tokens the step before drew)
+        self.ahead = LaunchAhead(
+            self.scheduler, self.runner, config.launch_ahead and self.ep is None and self.speculator is None
+        )
         self._admit_errors: dict[str, Exception] = {}  # request id -> its failed prefix restore (step() ends it)
         # every P/D state of a sequence
         self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
@@ -179,6 +187,16 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    def _speculator(self) -> Speculator | None:
+        spec = self.config.speculative()
+        if spec is None:
+            return None
+        if self.tp is not None:
+            raise InvalidRequestError("--speculative-config does not run with --tp yet")
+        if spec.method != "ngram":
+            raise InvalidRequestError(f"--speculative-config: method {spec.method!r} is not available yet")
+        return Speculator(spec, self.scheduler, self.kv, self.max_model_len)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -353,10 +371,14 @@ class LLMEngine:
             copies = self.prefix_cache.take_copies()
             if copies:
                 self.tp.send_plan(PLAN_COPY, copies)
+        if self.speculator is not None:
+            num_new = self.speculator.draft(seqs, num_new, self.config.max_num_batched_tokens - sum(num_new))
         try:
             sampled, logits = self.runner.run(seqs, num_new)
         except Exception as e:
             raise_if_fatal(e)  # NOTE: the culprit is unknown in a batched forward: the batch fails
+            if self.speculator is not None:
+                self.speculator.drop(seqs)
             if self.ep is not None or self.tp is not None:  # the peers are left mid-collective
                 raise
             outputs += [self._fail(seq, e, "running the model") for seq in seqs]
@@ -371,7 +393,7 @@ class LLMEngine:
         for seq, n in zip(seqs, launched.num_new):
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.num_computed += n
+            seq.num_computed += n - len(seq.draft_token_ids)  # drafts count once accepted (self.speculator)
             if seq.cache_store_upto and seq.num_computed == seq.cache_store_upto:
                 try:
                     assert self.prefix_cache is not None  # only its restore sets cache_store_upto
@@ -382,10 +404,32 @@ class LLMEngine:
         logits, sampled = launched.logits, launched.sampled
         if logits is None:
             return []
+        if self.speculator is not None:
+            return self._verify(seqs, sampled, logits, outputs)
         rows = [i for i, _ in enumerate(sampled) if seqs[sampled[i]].status is SeqStatus.RUNNING]
         to_sample = [seqs[sampled[i]] for i in rows]
         drawn = self.drawer.draw(logits if len(rows) == len(sampled) else logits[rows], to_sample)
         return self._append_tokens(to_sample, drawn, outputs)
+
+    def _verify(
+        self, seqs: list[Sequence], sampled: list[int], logits: torch.Tensor, outputs: list[RequestOutput]
+    ) -> list[Sequence]:
+        """_complete's sampling with speculation: each sampled sequence has 1 + len(drafts) logit rows;
+        the speculator draws them position by position through the same drawer and appends."""
+        assert self.speculator is not None
+        live, rows, at = [], [], 0
+        for i in sampled:
+            seq = seqs[i]
+            if seq.status is SeqStatus.RUNNING:
+                live.append(seq)
+                rows.append(at)
+            at += 1 + len(seq.draft_token_ids)
+        self.speculator.drop([seqs[i] for i in sampled if seqs[i].status is not SeqStatus.RUNNING])
+
+        def draw_and_append(batch: list[Sequence], batch_rows: list[int]) -> list[Sequence]:
+            return self._append_tokens(batch, self.drawer.draw(logits[batch_rows], batch), outputs)
+
+        return self.speculator.verify(live, rows, draw_and_append)
 
     def _append_tokens(
         self,

@@ -34,7 +34,7 @@ PD_ROOMS = (
 PD_SHARED = {"pd", "pd.config", "pd.errors", "pd.flags", "pd.lifecycle", "pd.messages"}
 ENGINE_ROOMS = (
     "engine", "engine.checkpoints", "engine.core", "engine.parallel", "engine.layers", "engine.models",
-    "engine.execution", "engine.handoff", "engine.engine",
+    "engine.speculative", "engine.execution", "engine.handoff", "engine.engine",
 )  # fmt: skip
 ENGINE_SHARED = {
     "engine", "engine.errors", "engine.codec", "engine.request", "engine.config", "engine.faults", "engine.arch",

@@ -144,6 +144,10 @@ class Matcher:
             reason = (self._m.get_error() or "").strip().split("\n", 1)[0][:200]
             raise InvalidRequestError(f"the output's grammar cannot be followed by this model: {reason}")
 
+    def num_valid(self, tokens: list[int]) -> int:
+        """How many of tokens, from the first, the grammar would accept next (its state unchanged)."""
+        return int(self._m.validate_tokens(tokens))
+
     @property
     def is_finished(self) -> bool:
         """Nothing more can follow (the grammar is complete and admits no extension)."""

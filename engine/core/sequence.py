@@ -42,6 +42,9 @@ class Sequence:
     cache_store_upto: int = 0  # prefill pauses at this page boundary so the cache can store it; 0: none
     matcher: Matcher | None = None  # structured output: the grammar's state after the output so far
     prompt_logprobs: PromptLogprobsCollector | None = None  # params.prompt_logprobs set: filled by the prefill
+    # speculative decoding: this step's drafted tokens, fed after the last token and verified by the step
+    # (engine/speculative/speculator.py); never part of the tokens above
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output (without building the whole list every step)."""

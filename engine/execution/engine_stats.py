@@ -18,6 +18,7 @@ from engine.execution.launch_ahead import LaunchAhead
 from engine.layers.eplb import RebalanceStats
 from engine.models.decoder import CausalLM
 from engine.parallel.tensor_parallel import TensorGroup
+from engine.speculative.speculator import Speculator
 
 
 class StatsSource(Protocol):
@@ -34,6 +35,7 @@ class StatsSource(Protocol):
     model: CausalLM
     arch: ModelArch
     eplb: RebalanceStats
+    speculator: Speculator | None
 
 
 # per MoE layer: tokens per logical expert, rows the experts computed
@@ -58,9 +60,21 @@ def engine_stats(engine: StatsSource, moe_counters: MoeCounters | None = None) -
         num_preemptions_total=engine.scheduler.num_preemptions,
         num_launched_ahead_total=engine.ahead.num_launched_ahead,
         num_fed_ahead_total=engine.ahead.num_fed_ahead,
+        **_speculation_stats(engine.speculator),
         **_prefix_cache_stats(engine.prefix_cache),
         **_decode_cache_stats(engine.decode_cache),
         **_moe_stats(engine.model, engine.arch, engine.eplb, moe_counters),
+    )
+
+
+def _speculation_stats(spec: Speculator | None) -> dict[str, Any]:
+    if spec is None:
+        return {}
+    return dict(
+        spec_num_drafts_total=spec.num_drafts,
+        spec_num_draft_tokens_total=spec.num_draft_tokens,
+        spec_num_accepted_tokens_total=spec.num_accepted_tokens,
+        spec_accepted_per_position=tuple(spec.accepted_per_position),
     )
 
 

@@ -76,7 +76,8 @@ class ModelRunner:
     def run(
         self, seqs: list[Sequence], num_new_tokens: list[int], fed_ids: torch.Tensor | None = None
     ) -> tuple[list[int], torch.Tensor | None]:
-        """Returns (indices into seqs that get a sampled token, their logits [k, vocab]). fed_ids: every
+        """Returns (indices into seqs that get a sampled token, their logits [k, vocab]: a sequence with
+        drafts (Sequence.draft_token_ids) has 1 + len(drafts) rows, its last token's first). fed_ids: every
         row is a decode row whose input token is fed_ids[i] (on the device: sampled by the last step
         and not yet read by the host; the sequence's last token is a placeholder meanwhile). Rank 0 of
         a tensor-parallel group broadcasts the step's plan first (engine/parallel/tensor_parallel.py)."""
@@ -100,7 +101,8 @@ class ModelRunner:
             if i in is_decode:
                 continue
             start = seq.num_computed
-            tokens = seq.token_ids(start, start + n)
+            drafts = seq.draft_token_ids  # speculative decoding: fed after the last token, each row's logits kept
+            tokens = seq.token_ids(start, start + n - len(drafts)) + drafts
             if seq.prompt_logprobs is not None:
                 lo, hi = seq.prompt_logprobs.wanted(start, n)
                 if lo < hi:
@@ -109,9 +111,9 @@ class ModelRunner:
             chunks.append(SeqChunk(len(input_ids), n, start, seq.block_ids, seq.state_slot))
             input_ids += tokens
             positions += range(start, start + n)
-            if start + n == seq.num_tokens:
+            if start + n == seq.num_tokens + len(drafts):
                 sampled.append(i)
-                last_rows.append(len(input_ids) - 1)
+                last_rows += range(len(input_ids) - 1 - len(drafts), len(input_ids))
         rows = None
         if decode:
             assert self.decode_inputs is not None
