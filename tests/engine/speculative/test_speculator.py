@@ -19,7 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.request import SamplingParams
 from engine.speculative.ngram import ngram_draft
 from tests.engine_utils import prompt_logits, random_prompts, small_engine
-from tests.tiny_models import FAMILIES, MOE_FAMILIES, make_tiny
+from tests.tiny_models import FAMILIES, make_tiny
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
 
