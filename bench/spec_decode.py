@@ -46,6 +46,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+import engine  # noqa: E402
 from engine.checkpoints import load_tokenizer, resolve_model  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
@@ -294,6 +295,14 @@ def make_engines(args: argparse.Namespace, is_deterministic: bool) -> dict[int, 
     return engines
 
 
+def tree_of(root: Path) -> str:
+    """The commit of the engine this run imported, "-dirty" when its files differ from it."""
+    got = subprocess.run(
+        ["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True
+    )
+    return got.stdout.strip() or "unknown"
+
+
 def rate(num: int, den: int) -> float | None:
     return num / den if den else None
 
@@ -413,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     def fmt(v: float | None, spec: str = ".2f") -> str:
         return "-" if v is None else format(v, spec)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = tree_of(Path(engine.__file__).parents[1])
     prompt_lens = {n: [len(p) for p in ps] for n, ps in rendered.items()}
     lines = [
         f"bench/spec_decode.py, {started}, tree {commit}, torch {torch.__version__}, "
