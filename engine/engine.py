@@ -138,7 +138,7 @@ class LLMEngine:
             self.kv,
             self.numerics,
             config.forward,
-            max_decode_rows=config.max_num_seqs,
+            max_decode_rows=config.max_num_seqs * (1 + self._max_drafts()),
             max_model_len=self.max_model_len,
             tp=tp,
         )
@@ -152,7 +152,10 @@ class LLMEngine:
         self.graph_stats: GraphCaptureStats | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.ep is None and tp is None:
             # (no collectives in graphs)
-            self.graph_stats = self.runner.capture_graphs(graph_batch_sizes(config.max_num_seqs))
+            verify_rows = config.max_num_seqs * (1 + self._max_drafts()) if self._max_drafts() else 0
+            self.graph_stats = self.runner.capture_graphs(
+                graph_batch_sizes(config.max_num_seqs), graph_batch_sizes(verify_rows) if verify_rows else None
+            )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
         # --speculative-config: drafts verified in each decode step (engine/speculative/)
@@ -187,6 +190,11 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    def _max_drafts(self) -> int:
+        """Drafts per sequence and step, at most (0: no speculation)."""
+        spec = self.config.speculative()
+        return spec.num_speculative_tokens if spec is not None else 0
 
     def _speculator(self) -> Speculator | None:
         spec = self.config.speculative()

@@ -38,6 +38,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 @dataclass(frozen=True)
 class GraphCaptureStats:
     batch_sizes: tuple[int, ...]
+    verify_sizes: tuple[int, ...]  # speculative verifies' rows
     capture_s: float
     pool_bytes: int  # device memory reserved by the capture (the graphs' shared pool)
 
@@ -48,22 +49,26 @@ class DecodeGraphs:
     ) -> None:
         self.model, self.kv, self.numerics, self.inputs = model, kv, numerics, inputs
         self.config = config  # NOTE: captured into the graphs: replacing it later changes nothing
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, is a speculative verify) -> the graph and its logits
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _forward(self, meta: DecodeMeta) -> torch.Tensor:
         with forward_context([], self.kv, self.numerics, decode=meta, config=self.config):
             return self.model.logits(self.model(meta.input_ids, meta.positions))
 
     @torch.inference_mode()
-    def capture(self, batch_sizes: list[int]) -> GraphCaptureStats:
+    def capture(self, batch_sizes: list[int], verify_sizes: list[int] | None = None) -> GraphCaptureStats:
+        """batch_sizes: decode steps' rows; verify_sizes: speculative verifies' rows (a sequence's last token and
+        its drafts, engine/layers/decode.py DecodeMeta.is_verify)."""
         device = self.inputs.device_buf.device
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(device)
-        for b in sorted(set(batch_sizes), reverse=True):
-            meta = self.inputs.fill([], b)  # every row padded: nothing is stored
+        shapes = [(b, False) for b in set(batch_sizes)] + [(b, True) for b in set(verify_sizes or [])]
+        for b, is_verify in sorted(shapes, reverse=True):
+            meta = self.inputs.fill([], b, is_verify)  # every row padded: nothing is stored
             # Warm-up outside the graph: compiles the Triton kernels and lets cuBLAS pick this shape's algorithm.
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
@@ -72,26 +77,30 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self._forward(meta)
-            self._graphs[b] = (graph, logits)
+            self._graphs[(b, is_verify)] = (graph, logits)
         torch.cuda.synchronize(device)
         return GraphCaptureStats(
-            batch_sizes=tuple(sorted(self._graphs)),
+            batch_sizes=tuple(sorted(b for b, v in self._graphs if not v)),
+            verify_sizes=tuple(sorted(b for b, v in self._graphs if v)),
             capture_s=time.perf_counter() - t0,
             pool_bytes=torch.cuda.memory_reserved(device) - before,
         )
 
-    def bucket(self, num_rows: int) -> int | None:
-        return min((b for b in self._graphs if b >= num_rows), default=None)
+    def bucket(self, num_rows: int, is_verify: bool = False) -> int | None:
+        return min((b for b, v in self._graphs if v == is_verify and b >= num_rows), default=None)
 
     def run(self, seqs: list[Sequence], fed_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [len(seqs), vocab] of one decode step of seqs (every one a decode row); fed_ids:
-        their input tokens on the device (the last step's, not yet on the host) instead of their last."""
-        b = self.bucket(len(seqs))
+        """float32 logits of one decode step of seqs (every one a decode row), one row per sequence and one
+        more per draft it has (a speculative verify); fed_ids: their input tokens on the device (the last
+        step's, not yet on the host) instead of their last."""
+        num_rows = sum(1 + len(s.draft_token_ids) for s in seqs)
+        is_verify = num_rows > len(seqs)
+        b = self.bucket(num_rows, is_verify)
         if b is None:
-            raise ValueError(f"no graph for {len(seqs)} rows (largest {max(self._graphs, default=0)})")
-        meta = self.inputs.fill(seqs, b)
+            raise ValueError(f"no graph for {num_rows} rows (verify: {is_verify})")
+        meta = self.inputs.fill(seqs, b, is_verify)
         if fed_ids is not None:
             meta.input_ids[: len(seqs)].copy_(fed_ids)  # NOTE: queued after fill's copy, before the replay
-        graph, logits = self._graphs[b]
+        graph, logits = self._graphs[(b, is_verify)]
         graph.replay()
-        return logits[: len(seqs)]
+        return logits[:num_rows]

@@ -61,16 +61,20 @@ class ModelRunner:
         self.decode_inputs: DecodeInputs | None = None
         self.graphs: DecodeGraphs | None = None
         self.num_forwards = 0  # forwards begun (an expert-parallel step checks that it ran one)
+        # speculative decoding verifies as decode rows where no ring is in the way (engine/layers/decode.py)
+        self.verifies_in_kernel = kv.layout.num_swa_layers == 0
         if self.device.type == "cuda" and max_decode_rows > 0:
             max_blocks = math.ceil((max_model_len + 1) / kv.block_size) if kv.num_full_layers else 1
             self.decode_inputs = DecodeInputs(max_decode_rows, max_blocks, kv.block_size, self.device)
 
-    def capture_graphs(self, batch_sizes: list[int]) -> GraphCaptureStats:
+    def capture_graphs(self, batch_sizes: list[int], verify_sizes: list[int] | None = None) -> GraphCaptureStats:
+        """Graphs of decode steps of batch_sizes rows, and of speculative verifies of verify_sizes rows."""
         if self.decode_inputs is None:
             raise RuntimeError("CUDA graphs need the decode kernel path (CUDA, max_decode_rows > 0)")
-        sizes = [b for b in batch_sizes if b <= self.decode_inputs.max_rows]
+        max_rows = self.decode_inputs.max_rows
+        verify = [b for b in verify_sizes or [] if b <= max_rows] if self.verifies_in_kernel else []
         self.graphs = DecodeGraphs(self.model, self.kv, self.numerics, self.decode_inputs, self.forward_config)
-        return self.graphs.capture(sizes)
+        return self.graphs.capture([b for b in batch_sizes if b <= max_rows], verify)
 
     @torch.inference_mode()
     def run(
@@ -85,9 +89,17 @@ class ModelRunner:
         if fed_ids is not None and (len(fed_ids) != len(seqs) or any(n != 1 for n in num_new_tokens)):
             raise ValueError("fed input ids need one decode row per sequence")
         decode: list[int] = []
-        if self.decode_inputs is not None and len(seqs) <= self.decode_inputs.max_rows:
-            decode = [i for i, (s, n) in enumerate(zip(seqs, num_new_tokens)) if is_decode_row(s, n)]
-        if decode and len(decode) == len(seqs) and self.graphs is not None and self.graphs.bucket(len(seqs)):
+        num_rows = 0  # the decode rows': a sequence's drafts are rows of their own
+        if self.decode_inputs is not None:
+            decode = [
+                i for i, (s, n) in enumerate(zip(seqs, num_new_tokens))
+                if is_decode_row(s, n) and (self.verifies_in_kernel or not s.draft_token_ids)
+            ]  # fmt: skip
+            num_rows = sum(1 + len(seqs[i].draft_token_ids) for i in decode)
+            if num_rows > self.decode_inputs.max_rows:
+                decode, num_rows = [], 0
+        is_verify = num_rows > len(decode)
+        if decode and len(decode) == len(seqs) and self.graphs is not None and self.graphs.bucket(num_rows, is_verify):
             return decode, self.graphs.run(seqs, fed_ids)
         is_decode = set(decode)
         input_ids: list[int] = []
@@ -119,7 +131,7 @@ class ModelRunner:
             assert self.decode_inputs is not None
             rows = decode_rows([seqs[i] for i in decode], self.kv.block_size)
             sampled += decode
-            last_rows += range(len(input_ids), len(input_ids) + len(decode))
+            last_rows += range(len(input_ids), len(input_ids) + num_rows)
         plan = StepPlan(input_ids, positions, chunks, rows, last_rows, prompt_rows)
         if self.tp is not None:
             self.tp.send_plan(PLAN_STEP, plan.to_wire())

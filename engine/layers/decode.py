@@ -13,10 +13,17 @@ views of that buffer, so a replay only needs the buffer refilled.
 
 The attention reads K/V in place through pdkernels/decode_attention.py (full layers: pages through the
 block table; sliding layers: the sequence's ring slot), storing the row's new K/V there as it goes.
+
+Speculative decoding's verify (engine/speculative/) runs as decode rows too: a sequence with m drafts
+is 1 + m consecutive rows, its last token and drafts at positions p .. p + m, each row attending up to its
+own position (`DecodeMeta.is_verify`). Every row's K/V is stored before any row attends, since a row
+reads the keys of the rows before it; a ring cannot take that (a later row's key overwrites an entry an
+earlier row still sees), so a model with sliding layers verifies on the chunked path instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +47,7 @@ class DecodeMeta:
     context_lens: torch.Tensor  # [num_rows] int32: position + 1; 0 marks a padded row
     state_slots: torch.Tensor  # [num_rows, 1] int32: each row's ring slot (-1: none)
     block_table: torch.Tensor  # [num_rows, max_blocks] int32
+    is_verify: bool = False  # a sequence may have several rows (its drafts): every K/V stored before attending
 
 
 @dataclass(frozen=True)
@@ -51,22 +59,26 @@ class DecodeRows:
     positions: list[int]
     state_slots: list[int]
     block_tables: list[list[int]]
+    is_verify: bool = False  # some sequence has drafts: its rows follow one another (DecodeMeta.is_verify)
 
 
 def decode_rows(seqs: list[Sequence], block_size: int) -> DecodeRows:
-    rows = DecodeRows([], [], [], [])
+    """One row per sequence, and one more per draft of a sequence that has drafts."""
+    rows = DecodeRows([], [], [], [], is_verify=any(s.draft_token_ids for s in seqs))
     for seq in seqs:
         p = seq.num_computed
-        rows.input_ids.append(seq.output_token_ids[p - seq.num_prompt_tokens])  # a decode row's token is generated
-        rows.positions.append(p)
-        rows.state_slots.append(seq.state_slot)
-        rows.block_tables.append(seq.block_ids[: p // block_size + 1] if seq.block_ids else [])
+        # a decode row's token is generated
+        for j, token in enumerate([seq.output_token_ids[p - seq.num_prompt_tokens], *seq.draft_token_ids]):
+            rows.input_ids.append(token)
+            rows.positions.append(p + j)
+            rows.state_slots.append(seq.state_slot)
+            rows.block_tables.append(seq.block_ids[: (p + j) // block_size + 1] if seq.block_ids else [])
     return rows
 
 
 def is_decode_row(seq: Sequence, num_new_tokens: int) -> bool:
-    """One generated token (its position is past the prompt)."""
-    return num_new_tokens == 1 and seq.num_computed >= seq.num_prompt_tokens
+    """One generated token (its position is past the prompt), and its drafts if it has any."""
+    return num_new_tokens == 1 + len(seq.draft_token_ids) and seq.num_computed >= seq.num_prompt_tokens
 
 
 class DecodeInputs:
@@ -87,7 +99,7 @@ class DecodeInputs:
     def _table(self, buf: torch.Tensor | np.ndarray, rows: int):  # type: ignore[no-untyped-def]
         return buf[self._head : self._head + rows * self.max_blocks].reshape(rows, self.max_blocks)
 
-    def meta(self, rows: int) -> DecodeMeta:
+    def meta(self, rows: int, is_verify: bool = False) -> DecodeMeta:
         """Views of the device buffer for the first `rows` rows (what a graph of that size captures)."""
         d = self.device_buf
         return DecodeMeta(
@@ -97,11 +109,14 @@ class DecodeInputs:
             context_lens=self._field(d, 2, rows),
             state_slots=self._field(d, 3, rows).view(rows, 1),
             block_table=self._table(d, rows),
+            is_verify=is_verify,
         )
 
-    def fill(self, seqs: list[Sequence], padded_rows: int) -> DecodeMeta:
-        """Writes the rows of `seqs` (then padding up to padded_rows) and copies them to the device."""
-        return self.fill_rows(decode_rows(seqs, self.block_size), padded_rows)
+    def fill(self, seqs: list[Sequence], padded_rows: int, is_verify: bool = False) -> DecodeMeta:
+        """Writes the rows of `seqs` (then padding up to padded_rows) and copies them to the device.
+        is_verify: a verify's rows (a graph captured for verifying: with no sequence given, padding alone)."""
+        rows = decode_rows(seqs, self.block_size)
+        return self.fill_rows(dataclasses.replace(rows, is_verify=rows.is_verify or is_verify), padded_rows)
 
     def fill_rows(self, rows: DecodeRows, padded_rows: int) -> DecodeMeta:
         """fill() from the rows' values (a tensor-parallel follower has them from rank 0's plan)."""
@@ -125,7 +140,7 @@ class DecodeInputs:
         end = self._head + padded_rows * self.max_blocks  # the four fields whole, then the table's rows
         self.device_buf[:end].copy_(self.host[:end], non_blocking=True)
         self._copied.record()
-        return self.meta(padded_rows)
+        return self.meta(padded_rows, rows.is_verify)
 
 
 # Default mode: from this many rows (the step's padded batch) the attention takes the kernel's wide
@@ -140,13 +155,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_slidi
     """Stores the rows' new K/V and attends over each row's cached keys, in one kernel pass. q: [rows, heads, dim];
     sinks: [heads] attention sink logits, or None; rope: q and k still raw, normed and rotated in the kernel
     (pdkernels/decode_attention.py Rope), or None."""
-    from pdkernels.decode_attention import WIDE_SPLIT_TOKENS, paged_decode_attention
+    from pdkernels.decode_attention import WIDE_SPLIT_TOKENS, paged_decode_attention, store_decode_kv
 
     if is_sliding:
-        assert window is not None
+        assert window is not None and not meta.is_verify  # a verify's later rows would overwrite the ring
         cache, table, ring = kv.swa, meta.state_slots, window
     else:
         cache, table, ring = kv.pages, meta.block_table, 0
+    if meta.is_verify:  # a row reads the keys of its sequence's rows before it: all stored first
+        assert rope is None
+        store_decode_kv(k, v, cache, cache_index, table, meta.context_lens, is_ring=False)
     wide = not batch_invariant and meta.num_rows >= WIDE_SPLIT_ROWS
     return paged_decode_attention(q, cache, cache_index, table, meta.context_lens, scale, window=ring, k_new=k, v_new=v,
                                   min_split=WIDE_SPLIT_TOKENS if wide else None, sinks=sinks, rope=rope)

@@ -85,6 +85,8 @@ class Attention(nn.Module):
         dec = ctx.decode if ctx is not None else None
         if ctx is None or dec is None or not ctx.config.decode_rope or self.qkv_proj is None or fused_ops_for(x) is None:
             return 0
+        if dec.is_verify:  # every row's key is stored rotated before any row attends
+            return 0
         return dec.num_rows
 
     def decode_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rope | None:

@@ -80,7 +80,7 @@ def test_ngram_draft_takes_the_longest_latest_match() -> None:
 # ---- lossless, every family -------------------------------------------------------------------------
 
 
-def _oracle(reference: dict[tuple[int, ...], list[int]], rng: random.Random):
+def oracle_proposer(reference: dict[tuple[int, ...], list[int]], rng: random.Random):
     """A proposer that drafts the reference's own continuation (so drafts get accepted), with one token
     changed at a random place in about half the drafts (so they get rejected there); keyed by prompt."""
 
@@ -123,7 +123,7 @@ def test_speculation_gives_the_same_tokens_and_logprobs(tmp_path_factory, tiny_m
     spec = small_engine(folder, is_deterministic=True, speculative_config=NGRAM)
     assert spec.ahead.enabled is False  # a step's drafts need the tokens of the step before
     assert spec.speculator is not None
-    spec.speculator._propose = _oracle(reference, random.Random(7))  # type: ignore[method-assign]
+    spec.speculator._propose = oracle_proposer(reference, random.Random(7))  # type: ignore[method-assign]
     got = spec.generate(prompts, params)
     for r, g in zip(ref, got):
         assert g.output_token_ids == r.output_token_ids
