@@ -1,0 +1,71 @@
+"""A P/D pair whose CE speculates (engine/speculative/), driven by hand as in test_roles.py on tiny engines
+(qwen3_hybrid: full and sliding layers, --deterministic): the PE prefills and hands off as ever, the CE
+drafts from its first decode step (prompt lookup needs nothing but the tokens the handoff carries) and
+decodes the single engine's tokens; a second turn reuses the CE's retained pages (the decode cache holds
+only verified tokens' pages); drafts accepted and rejected, rings and pages rolled back, both idle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import zmq
+
+from engine.request import SamplingParams
+from pd.config import RoleConfig
+from pd.messages import Prefill, PrefillResult, Reserve, Reserved
+from tests.engine.speculative.test_speculator import NGRAM, oracle_proposer
+from tests.engine_utils import small_engine
+from tests.pd.conftest import CLUSTER_TOKEN
+from tests.pd.rank.test_roles import Side, decode_all, handoff, idle, receiver, run_until
+from transfer.config import TransferConfig
+
+
+@pytest.fixture
+def spec_pd(tiny_model_dir, monkeypatch):
+    from pd.rank.decode_role import DecodeRole
+    from pd.rank.prefill_role import PrefillRole
+
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", CLUSTER_TOKEN)
+    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN_FILE", raising=False)
+    folder = tiny_model_dir("qwen3_hybrid")
+    ctx = zmq.Context()
+    pe_engine = small_engine(folder, hicache_gb=0.01, is_deterministic=True)
+    ce_engine = small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=NGRAM)
+    pe, ce = Side(pe_engine, None), Side(ce_engine, None)
+    pe.role = PrefillRole(pe_engine, ctx, pe.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
+    ce.role = DecodeRole(ce_engine, ctx, ce.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
+    try:
+        yield pe, ce, folder
+    finally:
+        pe.role.close()
+        ce.role.close()
+        ctx.term()
+
+
+def test_a_speculating_ce_decodes_like_one_engine_over_two_turns(spec_pd) -> None:
+    pe, ce, folder = spec_pd
+    single = small_engine(folder, hicache_gb=0, is_deterministic=True)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    first = [(i * 37) % 400 + 3 for i in range(45)]  # > the SWA window (24): the ring wraps
+    (want1,) = single.generate([first], params)
+    second = first + want1.output_token_ids + [5, 6, 7, 8, 9]
+    (want2,) = single.generate([second], params)
+    reference = {tuple(first): want1.output_token_ids, tuple(second): want2.output_token_ids}
+    assert ce.engine.speculator is not None
+    ce.engine.speculator._propose = oracle_proposer(reference, random.Random(3))  # type: ignore[method-assign]
+
+    handoff(pe, ce, "t1", first, params)
+    assert decode_all([pe, ce], ce, "t1") == want1.output_token_ids
+    # the second turn's reservation names its prompt: the CE's retained pages of it are pinned, the rest sent
+    ce.handle(Reserve("t2", len(second) + 1, len(second) + params.max_tokens, 30.0, tuple(second)))
+    assert ce.take(Reserved, "t2") is not None
+    pe.handle(Prefill("t2", tuple(second), params, receiver(ce), 20.0))
+    run_until([pe, ce], lambda: any(isinstance(m, PrefillResult) for m in pe.sent))
+    assert pe.take(PrefillResult, "t2").is_handed_off
+    assert decode_all([pe, ce], ce, "t2") == want2.output_token_ids
+    st = ce.engine.stats()
+    assert 0 < st.spec_num_accepted_tokens_total < st.spec_num_draft_tokens_total
+    # the second turn found the first turn's pages on the CE: their tokens are verified ones
+    assert st.decode_cache_hit_tokens_total > 0
+    idle(pe, ce)
