@@ -226,3 +226,28 @@ def test_sampling_keeps_the_target_distribution(tmp_path) -> None:
     limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     assert chi2 < limit, f"chi2 {chi2:.1f} over {dof} degrees of freedom (limit {limit:.1f})"
     eng.check_idle()
+
+
+def test_structured_output_with_drafts_is_unchanged() -> None:
+    """SmolLM2 with a JSON schema: drafts the grammar forbids are cut before the forward (Matcher.num_valid),
+    the rest verified; the same text as without speculation, and the grammar satisfied."""
+    from engine.checkpoints import resolve_model
+    from engine.request import StructuredOutput
+
+    folder = resolve_model("smollm2-135m-instruct")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+              "required": ["city", "zip"]}  # fmt: skip
+    so = StructuredOutput("json_schema", json.dumps(schema))
+    text = 'Copy this JSON exactly: {"city": "Springfield", "zip": "49007"}'
+    outs = []
+    for cfg in (None, NGRAM):
+        eng = small_engine(folder, max_num_batched_tokens=256, speculative_config=cfg)
+        ids = eng.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        (seq,) = eng.generate([ids], SamplingParams(max_tokens=40, temperature=0.0, structured=so))
+        outs.append(seq.output_token_ids)
+        eng.check_idle()
+    assert outs[0] == outs[1]
+    assert eng.stats().spec_num_accepted_tokens_total > 0
+    json.loads(eng.tokenizer.decode(outs[1], skip_special_tokens=True))
