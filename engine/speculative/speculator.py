@@ -32,7 +32,7 @@ from engine.config import SpeculativeConfig
 from engine.core.kv_cache import KVCache
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import SeqStatus, Sequence
-from engine.speculative.ngram import ngram_draft
+from engine.speculative.ngram import Haystack
 
 # draws row j of each given sequence and appends its token (ending it where it ends); returns the sequences
 # that took one (a row that failed ended its sequence with an error)
@@ -62,6 +62,7 @@ class Speculator:
             min(config.num_speculative_tokens, window - 1) if window else config.num_speculative_tokens
         )
         self._rings: dict[str, _Rings] = {}
+        self._haystacks: dict[str, tuple[Sequence, Haystack]] = {}  # prompt lookup's, per running sequence
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -77,6 +78,9 @@ class Speculator:
         if cap is not None and len(self.scheduler.running) > cap:
             return num_new
         out = list(num_new)
+        if len(self._haystacks) > 2 * len(self.scheduler.running) + 16:  # ended sequences' go
+            running = {s.request_id for s in self.scheduler.running}
+            self._haystacks = {rid: e for rid, e in self._haystacks.items() if rid in running}
         for i, (seq, n) in enumerate(zip(seqs, num_new)):
             if budget_tokens < 1:
                 break
@@ -105,7 +109,16 @@ class Speculator:
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         c = self.config
-        return ngram_draft(seq.token_ids(0, seq.num_tokens), c.prompt_lookup_min, c.prompt_lookup_max, k)
+        entry = self._haystacks.get(seq.request_id)
+        if entry is None or entry[0] is not seq:
+            entry = self._haystacks[seq.request_id] = (seq, Haystack())
+        hay = entry[1]
+        have, p = len(hay.tokens), seq.num_prompt_tokens
+        if have < p:
+            hay.extend(seq.prompt_token_ids[have:])
+            have = p
+        hay.extend(seq.output_token_ids[have - p :])
+        return hay.draft(c.prompt_lookup_min, c.prompt_lookup_max, k)
 
     def _save_rings(self, seq: Sequence) -> None:
         if not self.kv.layout.num_swa_layers or seq.state_slot < 0:
