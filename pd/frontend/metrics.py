@@ -1,6 +1,8 @@
 """Prometheus metrics of the server, per rank: latencies observed here, engine state as the ranks report it.
 An engine stat named `*_total` is a counter (`# TYPE x_total counter`, as prometheus_client writes one); every
-other numeric stat is a gauge. The series vLLM's tooling reads are in vllm_metrics.py."""
+other numeric stat is a gauge. The speculative-decoding stats (`spec_*`) are exported only for ranks that
+speculate, their per-position counts as pdserve_engine_spec_accepted_per_position{position}. The series vLLM's
+tooling reads are in vllm_metrics.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pd.frontend.vllm_metrics import VllmEngineCollector, VllmRequestSeries
+from pd.frontend.vllm_metrics import VllmEngineCollector, VllmRequestSeries, accepted_per_position
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -60,8 +62,11 @@ class _RankCollector:
             up.add_metric(label, 1.0 if r.is_up else 0.0)
             inflight.add_metric(label, float(r.num_inflight))
             restarts.add_metric(label, float(r.num_restarts))
+            speculates = bool(accepted_per_position(r.stats))
             for key, value in sorted(r.stats.items()):
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                if key.startswith("spec_") and not speculates:
                     continue
                 name, doc = _NAMED_STATS.get(key, (f"pdserve_engine_{key}", f"Engine stat {key}"))
                 if name not in families:
@@ -72,7 +77,22 @@ class _RankCollector:
         yield inflight
         yield restarts
         yield from families.values()
+        yield from _speculation_families(ranks)
         yield from _moe_families(ranks)
+
+
+def _speculation_families(ranks: list[RankSnapshot]) -> Iterator[Metric]:
+    """Ranks that speculate: the drafts accepted at each draft position (position 0 first)."""
+    family = CounterMetricFamily(
+        "pdserve_engine_spec_accepted_per_position",
+        "Drafts whose token at this position was accepted (--speculative-config; position 0 first)",
+        labels=["rank", "position"],
+    )
+    for r in ranks:
+        for k, n in enumerate(accepted_per_position(r.stats)):
+            family.add_metric([str(r.index), str(k)], float(n))
+    if family.samples:
+        yield family
 
 
 def _moe_families(ranks: list[RankSnapshot]) -> Iterator[Metric]:

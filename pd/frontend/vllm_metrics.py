@@ -4,8 +4,11 @@ router and dashboards, KEDA examples and llm-d's endpoint picker scrape these an
 Names and buckets follow vLLM v1's Prometheus logger (vllm/v1/metrics/loggers.py, the "Production
 Metrics" page of docs.vllm.ai): labels `model_name` (the served name) and `engine` (the engine core's
 index: a rank here). The values are the ones behind pdserve's own series: the request histograms and
-token counters are observed at the same points as pdserve_*, the gauges and the preemption counter are
-read from each rank's latest stats at scrape time."""
+token counters are observed at the same points as pdserve_*, the gauges, the preemption counter and the
+speculative-decoding counters are read from each rank's latest stats at scrape time. The speculative-decoding
+series (vllm/v1/spec_decode/metrics.py) exist only for ranks that speculate (--speculative-config), as vLLM
+registers them only then: mean accepted length = 1 + accepted / drafts, acceptance rate = accepted / draft
+tokens, position k's rate = accepted_per_pos{position=k} / drafts."""
 
 from __future__ import annotations
 
@@ -35,6 +38,13 @@ class RankView(Protocol):
 
     index: int
     stats: dict[str, Any]
+
+
+def accepted_per_position(stats: dict[str, Any]) -> list[int]:
+    """A rank's accepted drafts per draft position, position 0 first (EngineStats.spec_accepted_per_position,
+    a list once it has crossed msgpack); [] for a rank that does not speculate (one that does has
+    num_speculative_tokens entries from its start)."""
+    return list(stats.get("spec_accepted_per_position") or ())
 
 
 class VllmRequestSeries:
@@ -136,3 +146,36 @@ class VllmEngineCollector:
             "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
         )
         yield preemptions
+        yield from self._speculation()
+
+    def _speculation(self) -> Iterator[Metric]:
+        """vLLM's SpecDecodingProm counters, for the ranks that speculate; nothing when none does."""
+        counters = {
+            "spec_num_drafts_total": CounterMetricFamily(
+                "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels=LABELS
+            ),
+            "spec_num_draft_tokens_total": CounterMetricFamily(
+                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels=LABELS
+            ),
+            "spec_num_accepted_tokens_total": CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels=LABELS
+            ),
+        }
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )  # fmt: skip
+        any_rank = False
+        for r in self.snapshot():
+            positions = accepted_per_position(r.stats)
+            if not positions:
+                continue
+            any_rank = True
+            labels = [self.model_name, str(r.index)]
+            for key, family in counters.items():
+                family.add_metric(labels, float(r.stats.get(key, 0)))
+            for k, n in enumerate(positions):
+                per_position.add_metric([*labels, str(k)], float(n))
+        if any_rank:
+            yield from counters.values()
+            yield per_position

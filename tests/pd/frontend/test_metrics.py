@@ -38,3 +38,49 @@ def test_metrics_render_per_rank():
         'pdserve_time_to_first_token_seconds_count{model_name="served-name",rank="0"} 1.0',
     ):
         assert line in text, line
+
+
+def test_speculation_series_only_for_ranks_that_speculate():
+    """vLLM's spec_decode counters (vllm/v1/spec_decode/metrics.py: names, help, labels + position) and
+    pdserve's mirror, from each rank's stats as they arrive from the rank (msgpack: the per-position tuple
+    is a list); a rank without --speculative-config (no per-position counts) has none of them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    spec = {
+        "spec_num_drafts_total": 10,
+        "spec_num_draft_tokens_total": 30,
+        "spec_num_accepted_tokens_total": 12,
+        "spec_accepted_per_position": [7, 4, 1],
+    }
+    plain = {"spec_num_drafts_total": 0, "spec_num_draft_tokens_total": 0, "spec_num_accepted_tokens_total": 0,
+             "spec_accepted_per_position": []}  # fmt: skip
+    snap = [RankSnapshot(0, True, 0, {"num_running": 0, **spec}), RankSnapshot(1, True, 0, {"num_running": 0, **plain})]
+    fams = {f.name: f for f in text_string_to_metric_families(ServerMetrics(lambda: snap, "m").render().decode())}
+    want = {
+        "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.", 10),
+        "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.", 30),
+        "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.", 12),
+    }
+    for name, (doc, v) in want.items():
+        f = fams[name]
+        assert (f.type, f.documentation) == ("counter", doc)
+        assert [(s.name, s.labels, s.value) for s in f.samples] == [
+            (f"{name}_total", {"model_name": "m", "engine": "0"}, v)
+        ]
+    per_pos = fams["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert (per_pos.type, per_pos.documentation) == ("counter", "Accepted tokens per draft position.")
+    assert [(s.labels["position"], s.labels["engine"], s.value) for s in per_pos.samples] == [
+        ("0", "0", 7),
+        ("1", "0", 4),
+        ("2", "0", 1),
+    ]
+    mirror = fams["pdserve_engine_spec_accepted_per_position"]
+    assert [(s.labels, s.value) for s in mirror.samples] == [
+        ({"rank": "0", "position": str(k)}, n) for k, n in enumerate([7, 4, 1])
+    ]
+    drafts = fams["pdserve_engine_spec_num_drafts"]
+    assert drafts.type == "counter" and [(s.labels, s.value) for s in drafts.samples] == [({"rank": "0"}, 10)]
+    # no rank speculates: no family at all, not even an empty one
+    none = [RankSnapshot(0, True, 0, {"num_running": 0, **plain})]
+    text = ServerMetrics(lambda: none, "m").render().decode()
+    assert "spec_decode" not in text and "pdserve_engine_spec" not in text
