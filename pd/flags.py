@@ -17,8 +17,9 @@ Types: bool (--x / --no-x), int, float, str, X | None (None only as the default)
 
 `--config FILE.yaml` (add_config_flag, parse_args): a YAML map of flag names to values, as vLLM's:
 `max-model-len: 2048` or `max_model_len: 2048` (a leading `--` allowed), `deterministic: true` for
---deterministic, `accept-transports: [tcp, ipc]` for a tuple. The file's values become the parser's
-defaults, so flags on the command line win. A key that names no flag is an error.
+--deterministic, `accept-transports: [tcp, ipc]` for a tuple, a map for a setting whose value is JSON text
+(`speculative-config: {method: ngram, num_speculative_tokens: 3}` becomes that JSON). The file's values
+become the parser's defaults, so flags on the command line win. A key that names no flag is an error.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -242,6 +244,8 @@ def _scalar(kind: type, value: Any) -> Any:
         return kind(value.strip())
     if kind is str and isinstance(value, (str, int, float)):
         return str(value)
+    if kind is str and isinstance(value, dict):  # a JSON setting written as a YAML map
+        return json.dumps(value)
     if kind is float and isinstance(value, (int, float)):
         return float(value)
     if kind is int and isinstance(value, int):

@@ -394,8 +394,8 @@ class RankClient:
                 if self.group is not None:
                     self.group.member_down(self)
             was_ready = self._ready.done() and self._ready.exception() is None
-            if not self._ready.done():
-                self._ready.set_exception(RuntimeError(reason))
+            if not self._ready.done():  # the server's log says why it cannot start: the error's text too
+                self._ready.set_exception(RuntimeError(f"{reason} ({self._fatal})" if self._fatal else reason))
             streams, self._streams = self._streams, {}
             for rid, q in streams.items():
                 q.put_nowait((rid, RankDown(reason)))

@@ -51,6 +51,7 @@ import zmq
 
 from engine.codec import from_wire, to_wire
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from pd.config import LOG_FORMATS, RoleConfig
 from pd.http.request_log import install as install_logging
 from pd.lifecycle import exit_now
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(args.outbox)
     followers: list[subprocess.Popen[bytes]] = []
+    serving = False  # past the engine's start: a failure from here on is no refused setting
     try:
         from engine.engine import LLMEngine
 
@@ -335,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 worker.stats(),
             )
         )
+        serving = True
         try:
             worker.run()
         finally:
@@ -345,10 +348,17 @@ def main(argv: list[str] | None = None) -> int:
             f.wait(timeout=30)
     except KeyboardInterrupt:
         return 130
-    except BaseException:
-        msg = traceback.format_exc()
-        log.error("engine failed:\n%s", msg)
-        outbox.send(encode(RankFatal(msg.strip().splitlines()[-1])))
+    except BaseException as e:
+        if isinstance(e, InvalidRequestError) and not serving:
+            # the engine refused a setting as it started (--speculative-config, ...): its message names it,
+            # and every rank fails the same way, so one line each, no traceback
+            log.error("engine refused its settings: %s", e)
+            fatal = f"{type(e).__module__}.{type(e).__name__}: {e}"
+        else:
+            msg = traceback.format_exc()
+            log.error("engine failed:\n%s", msg)
+            fatal = msg.strip().splitlines()[-1]
+        outbox.send(encode(RankFatal(fatal)))
         outbox.close(linger=2000)
         return 1
     finally:

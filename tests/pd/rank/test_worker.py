@@ -42,3 +42,23 @@ def test_rank_configs_are_typed_and_strict():
         assert rank_engine_config(cfg.engine, 1, 2) == dataclasses.replace(cfg.engine, device=device)
     finally:
         torch.set_num_threads(threads)
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+
+
+def test_speculative_config_reaches_every_rank():
+    """--speculative-config (a str | None setting) reaches the ranks of every role as it was given (every
+    rank is sent the same EngineConfig: rank/client.py); a value the engine's config refuses is refused
+    again when a rank decodes it, never dropped."""
+    for role in ("single", "pe", "ce"):
+        cfg = ServerConfig.from_argv(["--role", role, "--dp", "2", "--speculative-config", SPEC])
+        engine, _ = read_configs(json.dumps(to_wire(cfg.engine)), None)
+        assert engine == cfg.engine and engine.speculative_config == SPEC
+        assert engine.speculative() == cfg.engine.speculative() and engine.speculative() is not None
+    plain, _ = read_configs(json.dumps(to_wire(ServerConfig.from_argv([]).engine)), None)
+    assert plain.speculative_config is None and plain.speculative() is None
+    good = to_wire(ServerConfig.from_argv([]).engine)
+    for bad in ('{"method": "ngram"}', '{"method": "ngram", "num_speculative_tokens": 3, "k": 1}', "{", 3):
+        with pytest.raises(WireError, match="speculative"):
+            read_configs(json.dumps({**good, "speculative_config": bad}), None)

@@ -3,6 +3,7 @@ flags' names, kebab or snake case; a key that names no flag is an error; the com
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,17 @@ def test_config_keys_are_flag_names(tmp_path: Path) -> None:
     assert (cfg.engine.hicache_gb, cfg.engine.kv_cache_gb) == (0.0, 0.25)
     assert _config(tmp_path, "accept_transports: tcp,nccl\n").transfer.accept_transports == ("tcp", "nccl")
     assert _config(tmp_path, "") == ServerConfig()
+
+
+def test_a_json_setting_takes_a_yaml_map(tmp_path: Path) -> None:
+    """--speculative-config in a file: a YAML map (it becomes that JSON) or the JSON text itself."""
+    want = {"method": "ngram", "num_speculative_tokens": 3}
+    as_map = _config(tmp_path, "speculative-config: {method: ngram, num_speculative_tokens: 3}\n")
+    as_text = _config(tmp_path, "speculative_config: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'\n")
+    for cfg in (as_map, as_text):
+        assert cfg.engine.speculative_config is not None and json.loads(cfg.engine.speculative_config) == want
+    with pytest.raises(ValueError, match="unknown keys \\['k'\\]"):
+        _config(tmp_path, "speculative-config: {method: ngram, num_speculative_tokens: 3, k: 1}\n")
 
 
 def test_forward_settings_are_checked() -> None:
