@@ -43,6 +43,11 @@ put in one of two sets, gaps that overlap some long prefill and gaps that overla
 has the percentiles of each (`itl_in_long_prefill_ms`, `itl_outside_long_prefill_ms`). A server whose
 decode steps stall behind prefills shows it in the first set.
 
+From the endpoint's /metrics, the difference over each run (its requests only): a P/D endpoint's TTFT phases,
+and where the server speculates (--speculative-config) its drafts, draft tokens and accepted tokens (vLLM's
+vllm:spec_decode_* counters), the mean accepted length (1 + accepted / drafts, vLLM's definition: tokens
+gained per verifying step) and the acceptance rate (accepted / draft tokens); `speculation` in the summary.
+
 Outputs in --out: results.json (schema `pdserve-load/1`, see `results_doc`), summary.txt (the table
 printed), distributions.png (TTFT and ITL CDFs), throughput.png (output tokens/s over time) and, for a
 sweep, sweep.png (latency against load).
@@ -74,8 +79,8 @@ from bench.load.loadgen.cli import (  # noqa: E402
 from bench.load.loadgen.report import (  # noqa: E402
     format_itl_split,
     format_table,
-    format_ttft_phases,
     results_doc,
+    server_tables,
     write_outputs,
 )
 from bench.load.loadgen.runner import LoadConfig, run_load, warm_up  # noqa: E402
@@ -139,10 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n{table}\n\nresults in {args.out}/")
     else:
         rows = [(r["label"], r["summary"]) for r in doc["runs"]]
-        print("\n" + format_table(rows) + "\n\n" + format_itl_split(rows))
-        phases = format_ttft_phases(rows)
-        if phases:
-            print("\n" + phases)
+        print("\n" + format_table(rows) + "\n\n" + format_itl_split(rows) + server_tables(rows))
     errors = sum(r["summary"]["num_errors"] for r in doc["runs"])
     return 1 if errors else 0
 

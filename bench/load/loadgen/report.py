@@ -99,6 +99,37 @@ def format_ttft_phases(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
     return "TTFT phases (P/D, means from the endpoint's /metrics)\n" + _grid(head, body)
 
 
+def format_speculation(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """One line per run of a speculating endpoint (--speculative-config): its drafts over the run, from the
+    endpoint's /metrics (vLLM's spec_decode counters); mean accepted length = 1 + accepted / drafts (the
+    tokens a sequence gains per verifying step), acceptance rate = accepted / draft tokens. "" when no run
+    has them."""
+    if not any(s.get("speculation") for _, s in rows):
+        return ""
+    head = ("run", "drafts", "draft tokens", "accepted tokens", "mean accepted length", "acceptance rate")
+    body = []
+    for label, s in rows:
+        sp = s.get("speculation") or {}
+        rate = sp.get("acceptance_rate")
+        body.append(
+            (
+                label,
+                _f(sp.get("num_drafts")),
+                _f(sp.get("num_draft_tokens")),
+                _f(sp.get("num_accepted_tokens")),
+                _f(sp.get("mean_accepted_length"), ".2f"),
+                "-" if rate is None else f"{rate * 100:.1f}%",
+            )
+        )
+    return "Speculative decoding (from the endpoint's /metrics)\n" + _grid(head, body)
+
+
+def server_tables(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """The tables read from the endpoint's /metrics (TTFT phases, speculative decoding), those that have
+    something, each after a blank line; "" when none has."""
+    return "".join(f"\n\n{t}" for t in (format_ttft_phases(rows), format_speculation(rows)) if t)
+
+
 def run_doc(
     run: RunResult,
     slo_ttft_ms: float | None,
@@ -117,6 +148,7 @@ def run_doc(
         "summary": {
             **summarize(run.requests, slo_ttft_ms, slo_itl_ms, long_prompt_tokens),
             "ttft_phases_ms": run.ttft_phases_ms,
+            "speculation": run.speculation,
         },
         "requests": [asdict(r) for r in run.requests],
     }
@@ -152,10 +184,7 @@ def write_outputs(
     """results.json, summary.txt and the plots; returns the tables (the summary, then the ITL split)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [(r["label"], r["summary"]) for r in doc["runs"]]
-    table = format_table(rows) + "\n\n" + format_itl_split(rows)
-    phases = format_ttft_phases(rows)
-    if phases:
-        table += "\n\n" + phases
+    table = format_table(rows) + "\n\n" + format_itl_split(rows) + server_tables(rows)
     (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
     (out_dir / "summary.txt").write_text(table + "\n")
     if plots:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .server_metrics import scrape, speculation, ttft_phases_ms
 from .trace import Conversation, Turn
 
 
@@ -103,42 +104,9 @@ class RunResult:
     # a P/D endpoint's TTFT split over the run (its /metrics' pdserve_ttft_phase_seconds, the run's
     # requests only): mean milliseconds per phase; None where the endpoint exports none (a single engine)
     ttft_phases_ms: dict[str, float] | None = None
-
-
-def ttft_phase_totals(chat_url: str) -> dict[str, tuple[float, float]]:
-    """(sum of seconds, count) per TTFT phase from the /metrics of the endpoint(s) of chat_url (each
-    of a comma-separated list); {} where there are none or /metrics cannot be read."""
-    import urllib.request
-
-    out: dict[str, tuple[float, float]] = {}
-    for url in chat_url.split(","):
-        base = url.strip().removesuffix("/chat/completions").removesuffix("/v1")
-        try:
-            with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-                text = r.read().decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            for i, kind in enumerate(("sum", "count")):
-                prefix = f'pdserve_ttft_phase_seconds_{kind}{{phase="'
-                if line.startswith(prefix):
-                    phase = line[len(prefix) :].split('"', 1)[0]
-                    t = list(out.get(phase, (0.0, 0.0)))
-                    t[i] += float(line.rsplit(" ", 1)[1])
-                    out[phase] = (t[0], t[1])
-    return out
-
-
-def ttft_phases_ms(
-    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-) -> dict[str, float] | None:
-    """Mean milliseconds per phase of what was observed between the two scrapes; None if nothing was."""
-    means = {}
-    for phase, (total, count) in after.items():
-        t0, c0 = before.get(phase, (0.0, 0.0))
-        if count > c0:
-            means[phase] = (total - t0) / (count - c0) * 1e3
-    return means or None
+    # a speculating endpoint's drafts over the run (server_metrics.speculation: counts, mean accepted length,
+    # acceptance rate); None where the endpoint does not speculate
+    speculation: dict[str, Any] | None = None
 
 
 class _Budget:
@@ -267,7 +235,7 @@ async def run_load(cfg: LoadConfig, convs: Sequence[Conversation]) -> RunResult:
     recs = [[RequestRecord(c.id, k, t.kind, t.max_tokens) for k, t in enumerate(c.turns)] for c in convs]
     budget = _Budget(cfg.max_requests, cfg.duration_s)
     load_before = os.getloadavg()[0]
-    phases_before = await asyncio.to_thread(ttft_phase_totals, cfg.url)
+    before = await asyncio.to_thread(scrape, cfg.url)
     started = time.time()
     t0 = time.perf_counter()
     gate = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
@@ -295,8 +263,15 @@ async def run_load(cfg: LoadConfig, convs: Sequence[Conversation]) -> RunResult:
             for t in pending:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    phases = ttft_phases_ms(phases_before, await asyncio.to_thread(ttft_phase_totals, cfg.url))
-    return RunResult(cfg, started, [r for rs in recs for r in rs], (load_before, os.getloadavg()[0]), phases)
+    after = await asyncio.to_thread(scrape, cfg.url)
+    return RunResult(
+        cfg,
+        started,
+        [r for rs in recs for r in rs],
+        (load_before, os.getloadavg()[0]),
+        ttft_phases_ms(before.phases, after.phases),
+        speculation(before.speculation, after.speculation),
+    )
 
 
 async def warm_up(url: str, model: str, num: int, extra: dict[str, Any]) -> None:

@@ -193,18 +193,27 @@ def test_gaps_split_by_overlap_with_long_prefills() -> None:
 
 class FakeEndpoint:
     """Streams max_tokens one-word chunks, then usage (prompt tokens = words in the messages). With
-    phase_s set, /metrics counts each answer's TTFT phases as a P/D coordinator's would."""
+    phase_s set, /metrics counts each answer's TTFT phases as a P/D coordinator's would; with spec set
+    (drafts, draft tokens, accepted tokens per answer), vLLM's spec_decode counters as a speculating
+    server's two ranks would (each answer counted on rank 0 and once more on rank 1)."""
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
         self.phase_s: dict[str, float] = {}
         self.phase_totals: dict[str, list[float]] = {}
+        self.spec: tuple[int, int, int] | None = None
+        self.spec_totals: list[int] | None = None
 
     async def metrics(self, request: web.Request) -> web.Response:
         lines = ["# TYPE pdserve_ttft_phase_seconds histogram"]
         for phase, (total, count) in self.phase_totals.items():
             lines.append(f'pdserve_ttft_phase_seconds_sum{{phase="{phase}"}} {total}')
             lines.append(f'pdserve_ttft_phase_seconds_count{{phase="{phase}"}} {count}')
+        names = ("drafts", "draft_tokens", "accepted_tokens")
+        for name, total in zip(names, self.spec_totals or ()):
+            lines.append(f"# TYPE vllm:spec_decode_num_{name} counter")
+            for engine in (0, 1):
+                lines.append(f'vllm:spec_decode_num_{name}_total{{engine="{engine}",model_name="m"}} {total}')
         return web.Response(text="\n".join(lines) + "\n")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -214,6 +223,8 @@ class FakeEndpoint:
             t = self.phase_totals.setdefault(phase, [0.0, 0.0])
             t[0] += seconds
             t[1] += 1
+        if self.spec is not None:
+            self.spec_totals = [a + b for a, b in zip(self.spec_totals or [0, 0, 0], self.spec)]
         text = body["messages"][-1]["content"]
         if "FAIL" in text:
             return web.json_response({"error": {"message": "boom"}}, status=500)
@@ -356,6 +367,40 @@ async def test_a_pd_endpoints_ttft_phases_are_in_the_report(fake, tmp_path: Path
     phases = table.split("TTFT phases")[1].splitlines()
     assert "transfer after prefill ms" in phases[1]
     assert [c.strip() for c in phases[-1].split("|")][:5] == ["pd", "-", "200.0", "100.0", "10.0"]
+
+
+async def test_a_speculating_endpoints_acceptance_is_in_the_report(fake, tmp_path: Path) -> None:
+    """The run's own drafts (the /metrics difference over the run, every rank summed): the mean accepted
+    length 1 + accepted / drafts and the acceptance rate accepted / draft tokens, in results.json and the
+    table; none for an endpoint that does not speculate."""
+    cfg = runner.LoadConfig(fake.url, "m", concurrency=1, label="spec")
+    plain = await runner.run_load(cfg, [_conv("a", "x")])
+    assert plain.speculation is None
+    fake.spec = (1, 3, 3)
+    await runner.run_load(cfg, [_conv("a", "x")])  # counted before the next run: not in its numbers
+    fake.spec = (4, 12, 6)
+    run = await runner.run_load(cfg, [_conv("a", "x", "y"), _conv("b", "z")])
+    # 3 answers x 2 ranks: 24 drafts, 72 draft tokens, 36 accepted
+    assert run.speculation == {
+        "num_drafts": 24, "num_draft_tokens": 72, "num_accepted_tokens": 36,
+        "mean_accepted_length": 2.5, "acceptance_rate": 0.5,
+    }  # fmt: skip
+    fake.spec = (0, 0, 0)
+    idle = await runner.run_load(cfg, [_conv("a", "x")])  # speculating, but nothing drafted
+    assert idle.speculation == {
+        "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+        "mean_accepted_length": None, "acceptance_rate": None,
+    }  # fmt: skip
+    doc = report.results_doc([plain, run, idle], {"source": "test"}, None, None, ["replay.py"])
+    table = report.write_outputs(tmp_path, doc, plots=False)
+    saved = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert saved[0]["summary"]["speculation"] is None
+    assert saved[1]["summary"]["speculation"]["mean_accepted_length"] == 2.5
+    lines = table.split("Speculative decoding")[1].splitlines()
+    assert "mean accepted length" in lines[1] and "acceptance rate" in lines[1]
+    assert [c.strip() for c in lines[3].split("|")] == ["spec", "-", "-", "-", "-", "-"]
+    assert [c.strip() for c in lines[4].split("|")] == ["spec", "24", "72", "36", "2.50", "50.0%"]
+    assert [c.strip() for c in lines[5].split("|")] == ["spec", "0", "0", "0", "-", "-"]
 
 
 @pytest.fixture
