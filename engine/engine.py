@@ -200,8 +200,13 @@ class LLMEngine:
         spec = self.config.speculative()
         if spec is None:
             return None
-        if self.tp is not None:
-            raise InvalidRequestError("--speculative-config does not run with --tp yet")
+        if self.tp is not None or self.ep is not None:
+            raise InvalidRequestError("--speculative-config does not run with --tp or --ep yet")
+        if spec.method == "mtp" and not self.arch.num_nextn_predict_layers:
+            raise InvalidRequestError(
+                f"--speculative-config: method 'mtp' needs the checkpoint's multi-token-prediction layers; "
+                f"{self.model_name} has none (num_nextn_predict_layers)"
+            )
         if spec.method != "ngram":
             raise InvalidRequestError(f"--speculative-config: method {spec.method!r} is not available yet")
         return Speculator(spec, self.scheduler, self.kv, self.max_model_len)

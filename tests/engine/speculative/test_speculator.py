@@ -54,9 +54,12 @@ def test_a_bad_setting_is_refused_with_its_reason(text: str, says: str) -> None:
     assert says in str(err.value)
 
 
-def test_methods_not_available_are_refused_at_start(tiny_model_dir) -> None:
-    with pytest.raises(InvalidRequestError, match="not available"):
-        small_engine(tiny_model_dir("llama"), speculative_config='{"method": "mtp", "num_speculative_tokens": 1}')
+def test_methods_that_cannot_apply_are_refused_at_start(tiny_model_dir) -> None:
+    folder = tiny_model_dir("llama")
+    with pytest.raises(InvalidRequestError, match="'mtp' needs the checkpoint's multi-token-prediction layers"):
+        small_engine(folder, speculative_config='{"method": "mtp", "num_speculative_tokens": 1}')
+    with pytest.raises(InvalidRequestError, match="not available yet"):
+        small_engine(folder, speculative_config=json.dumps({"model": str(folder), "num_speculative_tokens": 2}))
 
 
 # ---- prompt lookup ----------------------------------------------------------------------------------
