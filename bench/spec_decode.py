@@ -14,7 +14,9 @@ drafts, over the steps that drafted) and the acceptance per draft position (acce
 stopping at EOS or max tokens. Two clocks: "decode" (from the step at which every sequence of the batch has
 its first token to the end: what speculation acts on) and "request" (the whole request, prefill included).
 Batch 1 runs each prompt alone, one after another; batch B runs B prompts at once (the workload's prompts,
-cycled). Every configuration runs once per round, the order rotated each round; the best round counts.
+cycled). The configurations take turns request by request (batch by batch), their order rotated, so that
+a change in the machine's load falls on all alike; the rates are over every round's tokens and seconds,
+and the speedup of each round is given beside.
 
 The identity check: the same prompts in deterministic mode (`is_deterministic=True`: batch-invariant
 numerics, so a verify chunk of 1 + k rows gives the logits a one-token step does), at the largest batch,
@@ -37,7 +39,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass, field  # noqa: E402
@@ -257,16 +258,46 @@ def run_group(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, run: Ru
     run.accepted_per_position = [a + b for a, b in zip(run.accepted_per_position, per)]
 
 
-def run_workload(eng: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int) -> Run:
-    """Batch 1: each prompt alone; batch B: the prompts cycled to B, at once."""
-    run = Run()
+def units_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """What runs at once: batch 1, each prompt alone; batch B, the prompts cycled to B."""
     if batch == 1:
-        for p in prompts:
-            run_group(eng, [p], max_tokens, run)
-    else:
-        run_group(eng, [prompts[i % len(prompts)] for i in range(batch)], max_tokens, run)
-    eng.check_idle()
-    return run
+        return [[p] for p in prompts]
+    return [[prompts[i % len(prompts)] for i in range(batch)]]
+
+
+def run_interleaved(
+    engines: dict[int, LLMEngine], prompts: list[list[int]], batch: int, max_tokens: int, shift: int
+) -> dict[int, Run]:
+    """Every configuration runs each unit (one request at batch 1, the batch otherwise) before the next
+    unit starts, their order rotated unit by unit: a change in the machine's load falls on all alike."""
+    configs = list(engines)
+    runs = {k: Run() for k in configs}
+    for u, unit in enumerate(units_of(prompts, batch)):
+        at = (u + shift) % len(configs)
+        for k in configs[at:] + configs[:at]:
+            run_group(engines[k], unit, max_tokens, runs[k])
+    for eng in engines.values():
+        eng.check_idle()
+    return runs
+
+
+def total(runs: list[Run]) -> Run:
+    """Runs summed (rounds of one configuration)."""
+    out = Run()
+    for r in runs:
+        out.num_output_tokens += r.num_output_tokens
+        out.request_s += r.request_s
+        out.decode_tokens += r.decode_tokens
+        out.decode_s += r.decode_s
+        out.num_forwards += r.num_forwards
+        out.num_drafts += r.num_drafts
+        out.num_draft_tokens += r.num_draft_tokens
+        out.num_accepted_tokens += r.num_accepted_tokens
+        out.accepted_per_position = [
+            a + b for a, b in zip(out.accepted_per_position or [0] * len(r.accepted_per_position), r.accepted_per_position)
+        ]
+    out.tokens = runs[0].tokens
+    return out
 
 
 def spec_json(k: int) -> str:
@@ -314,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (of 8)")
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--rounds", type=int, default=2, help="speed rounds (the best counts)")
+    ap.add_argument("--rounds", type=int, default=2, help="speed rounds (summed)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
     ap.add_argument("--quick", action="store_true", help="k 3, batches 1 and 4, 3 prompts, 64 tokens, 1 round")
     ap.add_argument("--out", default=None, help="a folder for spec_decode.md and spec_decode.json")
@@ -341,22 +372,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load_before = os.getloadavg()
 
-    # ---- speed: default numerics, every configuration once per round, the order rotated ----
+    # ---- speed: default numerics, the configurations interleaved request by request (batch by batch) ----
     engines = make_engines(args, is_deterministic=False)
-    configs = list(engines)
     rounds: dict[tuple[str, int, int], list[Run]] = {}
     for r in range(args.rounds):
-        order = configs[r % len(configs) :] + configs[: r % len(configs)]
         for name, prompts in rendered.items():
             for batch in args.batches:
-                for k in order:
-                    run = run_workload(engines[k], prompts, batch, args.max_tokens)
+                runs = run_interleaved(engines, prompts, batch, args.max_tokens, shift=r)
+                for k, run in runs.items():
                     rounds.setdefault((name, batch, k), []).append(run)
-                    print(
-                        f"round {r} {name} b={batch} k={k}: {run.num_output_tokens} tokens, decode "
-                        f"{run.decode_tok_s:.1f} tok/s, request {run.request_tok_s:.1f} tok/s",
-                        flush=True,
-                    )
+                print(
+                    f"round {r} {name} b={batch}: decode tok/s "
+                    + ", ".join(f"k={k} {run.decode_tok_s:.1f}" for k, run in runs.items()),
+                    flush=True,
+                )
     del engines
     gc.collect()
 
@@ -366,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     identity: dict[tuple[str, int], tuple[int, int]] = {}  # (workload, k) -> (sequences equal, sequences)
     det_runs: dict[tuple[str, int], Run] = {}
     for name, prompts in rendered.items():
-        for k in configs:
-            det_runs[(name, k)] = run_workload(engines[k], prompts, batch, args.max_tokens)
+        for k, run in run_interleaved(engines, prompts, batch, args.max_tokens, shift=0).items():
+            det_runs[(name, k)] = run
         base_tokens = det_runs[(name, 0)].tokens
         for k in args.ks:
             got = det_runs[(name, k)].tokens
@@ -377,15 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
 
     # ---- the table ----
-    def best(key: tuple[str, int, int]) -> Run:
-        return max(rounds[key], key=lambda x: x.decode_tok_s)
-
     rows: list[dict[str, Any]] = []
     for name in rendered:
         for batch in args.batches:
-            base = best((name, batch, 0))
+            base = total(rounds[(name, batch, 0)])
             for k in args.ks:
-                spec = best((name, batch, k))
+                spec = total(rounds[(name, batch, k)])
+                per_round = [
+                    s.decode_tok_s / b.decode_tok_s for s, b in zip(rounds[(name, batch, k)], rounds[(name, batch, 0)])
+                ]
                 same_default = sum(a == b for a, b in zip(spec.tokens, base.tokens))
                 eq, num = identity[(name, k)]
                 rows.append(
@@ -393,10 +422,11 @@ def main(argv: list[str] | None = None) -> int:
                         workload=name,
                         batch=batch,
                         k=k,
-                        output_tokens=spec.num_output_tokens,
+                        output_tokens=rounds[(name, batch, k)][0].num_output_tokens,  # one round's
                         base_decode_tok_s=base.decode_tok_s,
                         spec_decode_tok_s=spec.decode_tok_s,
                         decode_speedup=spec.decode_tok_s / base.decode_tok_s,
+                        decode_speedup_per_round=per_round,
                         request_speedup=spec.request_tok_s / base.request_tok_s,
                         base_request_tok_s=base.request_tok_s,
                         spec_request_tok_s=spec.request_tok_s,
@@ -414,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                         num_accepted_tokens=spec.num_accepted_tokens,
                         same_tokens_default=f"{same_default}/{len(base.tokens)}",
                         same_tokens_deterministic=f"{eq}/{num}",
-                        decode_tok_s_rounds=[x.decode_tok_s for x in rounds[(name, batch, k)]],
-                        base_decode_tok_s_rounds=[x.decode_tok_s for x in rounds[(name, batch, 0)]],
+                        decode_tok_s_per_round=[x.decode_tok_s for x in rounds[(name, batch, k)]],
+                        base_decode_tok_s_per_round=[x.decode_tok_s for x in rounds[(name, batch, 0)]],
                     )
                 )
 
@@ -431,19 +461,20 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model} (float32, CPU), greedy, max {args.max_tokens} tokens (or EOS), ngram "
         f"prompt_lookup 1..4; prompts per workload {args.prompts} (tokens: "
         + "; ".join(f"{n} {min(v)}-{max(v)}" for n, v in prompt_lens.items())
-        + f"); best of {args.rounds} round(s)",
-        "baseline: the same engine without speculation, in the same run, rounds interleaved; "
+        + f"); {args.rounds} round(s) summed",
+        "baseline: the same engine without speculation, in the same run, interleaved request by request; "
         f"identity: deterministic numerics at batch {max(args.batches)}",
         "",
-        "| workload | batch | k | tokens | base tok/s | spec tok/s | speedup (decode) | speedup (request) "
+        "| workload | batch | k | tokens | base tok/s | spec tok/s | speedup (decode) | per round | speedup (request) "
         "| acceptance | mean acc. len | acc. per position | tokens / forward | same tokens (det.) "
         "| same tokens (default) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         lines.append(
             f"| {row['workload']} | {row['batch']} | {row['k']} | {row['output_tokens']} "
             f"| {row['base_decode_tok_s']:.1f} | {row['spec_decode_tok_s']:.1f} | {row['decode_speedup']:.2f}x "
+            f"| {'/'.join(format(x, '.2f') for x in row['decode_speedup_per_round'])} "
             f"| {row['request_speedup']:.2f}x | {fmt(row['acceptance_rate'])} | {fmt(row['mean_accepted_length'])} "
             f"| {'/'.join(format(a, '.2f') for a in row['acceptance_per_position'])} "
             f"| {row['tokens_per_forward']:.2f} (base {row['base_tokens_per_forward']:.2f}) "
@@ -466,9 +497,6 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
             "deterministic_runs": {f"{n} k={k}": asdict(r) | {"tokens": None} for (n, k), r in det_runs.items()},
             "baseline_texts": {n: [tok.decode(t) for t in det_runs[(n, 0)].tokens] for n in rendered},
-            "median_decode_tok_s": {
-                f"{n} b={b} k={k}": statistics.median(x.decode_tok_s for x in v) for (n, b, k), v in rounds.items()
-            },
         }
         (out / "spec_decode.json").write_text(json.dumps(payload, indent=2) + "\n")
         print(f"written: {out / 'spec_decode.md'}, {out / 'spec_decode.json'}")
