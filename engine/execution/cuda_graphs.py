@@ -49,12 +49,14 @@ class DecodeGraphs:
     ) -> None:
         self.model, self.kv, self.numerics, self.inputs = model, kv, numerics, inputs
         self.config = config  # NOTE: captured into the graphs: replacing it later changes nothing
-        # (rows, is a speculative verify) -> the graph and its logits
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, is a speculative verify) -> the graph, its hidden states and its logits
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.last_hidden: torch.Tensor | None = None  # the last replay's hidden states (its real rows)
 
-    def _forward(self, meta: DecodeMeta) -> torch.Tensor:
+    def _forward(self, meta: DecodeMeta) -> tuple[torch.Tensor, torch.Tensor]:
         with forward_context([], self.kv, self.numerics, decode=meta, config=self.config):
-            return self.model.logits(self.model(meta.input_ids, meta.positions))
+            hidden = self.model(meta.input_ids, meta.positions)
+            return hidden, self.model.logits(hidden)
 
     @torch.inference_mode()
     def capture(self, batch_sizes: list[int], verify_sizes: list[int] | None = None) -> GraphCaptureStats:
@@ -76,8 +78,8 @@ class DecodeGraphs:
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(meta)
-            self._graphs[(b, is_verify)] = (graph, logits)
+                hidden, logits = self._forward(meta)
+            self._graphs[(b, is_verify)] = (graph, hidden, logits)
         torch.cuda.synchronize(device)
         return GraphCaptureStats(
             batch_sizes=tuple(sorted(b for b, v in self._graphs if not v)),
@@ -101,6 +103,7 @@ class DecodeGraphs:
         meta = self.inputs.fill(seqs, b, is_verify)
         if fed_ids is not None:
             meta.input_ids[: len(seqs)].copy_(fed_ids)  # NOTE: queued after fill's copy, before the replay
-        graph, logits = self._graphs[(b, is_verify)]
+        graph, hidden, logits = self._graphs[(b, is_verify)]
         graph.replay()
+        self.last_hidden = hidden[:num_rows]
         return logits[:num_rows]

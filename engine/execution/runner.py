@@ -61,6 +61,11 @@ class ModelRunner:
         self.decode_inputs: DecodeInputs | None = None
         self.graphs: DecodeGraphs | None = None
         self.num_forwards = 0  # forwards begun (an expert-parallel step checks that it ran one)
+        # keep_hidden (an MTP proposer reads them): the last forward's hidden states [tokens, hidden] and each
+        # sequence's first row in them (by index into the seqs run), its rows in position order
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+        self.last_hidden_rows: dict[int, int] = {}
         # speculative decoding verifies as decode rows where no ring is in the way (engine/layers/decode.py)
         self.verifies_in_kernel = kv.layout.num_swa_layers == 0
         if self.device.type == "cuda" and max_decode_rows > 0:
@@ -100,7 +105,11 @@ class ModelRunner:
                 decode, num_rows = [], 0
         is_verify = num_rows > len(decode)
         if decode and len(decode) == len(seqs) and self.graphs is not None and self.graphs.bucket(num_rows, is_verify):
-            return decode, self.graphs.run(seqs, fed_ids)
+            replayed = self.graphs.run(seqs, fed_ids)
+            if self.keep_hidden:
+                self.last_hidden = self.graphs.last_hidden
+                self.last_hidden_rows = _first_rows(seqs, decode, 0)
+            return decode, replayed
         is_decode = set(decode)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -133,6 +142,10 @@ class ModelRunner:
             sampled += decode
             last_rows += range(len(input_ids), len(input_ids) + num_rows)
         plan = StepPlan(input_ids, positions, chunks, rows, last_rows, prompt_rows)
+        if self.keep_hidden:
+            chunked = [i for i in range(len(seqs)) if i not in is_decode]
+            self.last_hidden_rows = {i: c.token_start for i, c in zip(chunked, chunks)}
+            self.last_hidden_rows.update(_first_rows(seqs, decode, len(input_ids)))
         if self.tp is not None:
             self.tp.send_plan(PLAN_STEP, plan.to_wire())
 
@@ -174,6 +187,8 @@ class ModelRunner:
             pos_t = torch.cat([pos_t, meta.positions.long()])
         with forward_context(plan.chunks, self.kv, self.numerics, decode=meta, config=self.forward_config):
             hidden = self.model(ids_t, pos_t)
+            if self.keep_hidden:
+                self.last_hidden = hidden
             for span, (row, count) in enumerate(plan.prompt_rows):
                 for a in range(0, count, PROMPT_LOGPROB_ROWS):
                     logits = self.model.logits(hidden[row + a : row + min(a + PROMPT_LOGPROB_ROWS, count)])
@@ -200,6 +215,15 @@ class ModelRunner:
             vals, ids = torch.topk(lp, k, dim=-1)
             top_ids, top_lps = ids.flatten().tolist(), vals.flatten().tolist()
         out.add(chosen.squeeze(1).tolist(), ranks.tolist(), top_ids, top_lps)
+
+
+def _first_rows(seqs: list[Sequence], decode: list[int], start: int) -> dict[int, int]:
+    """Each decode sequence's first row, its rows (1 + its drafts) following one another from start."""
+    out = {}
+    for i in decode:
+        out[i] = start
+        start += 1 + len(seqs[i].draft_token_ids)
+    return out
 
 
 @dataclass(frozen=True)
