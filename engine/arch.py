@@ -110,7 +110,10 @@ class ModelArch:
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
     o_proj_bias: bool = False  # the output projection has a bias too (with attention_bias)
     attn_sinks: bool = False  # a learned logit per head in every softmax's denominator, no value
-    num_nextn_predict_layers: int = 0  # a checkpoint's multi-token-prediction layers, skipped at load
+    # a checkpoint's multi-token-prediction (MTP) layers, model.layers.{num_layers + j}; of those, the first
+    # num_mtp_layers are built (engine/models/mtp.py), each one more full layer in the KV pool; the rest skipped
+    num_nextn_predict_layers: int = 0
+    num_mtp_layers: int = 0
     moe: MoEArch | None = None
     mla: LatentArch | None = None
 
@@ -126,6 +129,11 @@ class ModelArch:
             raise ValueError("sliding layers need a sliding_window")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if not 0 <= self.num_mtp_layers <= self.num_nextn_predict_layers:
+            raise ValueError(
+                f"{self.num_mtp_layers} multi-token-prediction layers asked for; the checkpoint has "
+                f"num_nextn_predict_layers {self.num_nextn_predict_layers}"
+            )
 
     @property
     def is_mla(self) -> bool:
@@ -142,6 +150,10 @@ class ModelArch:
     @property
     def full_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    def mtp_cache_index(self, j: int) -> int:
+        """MTP layer j's index among the KV pool's full layers: after the model's own."""
+        return len(self.full_layers) + j
 
     @property
     def sliding_layers(self) -> list[int]:

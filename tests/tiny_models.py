@@ -125,6 +125,44 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+def make_tiny_mtp(family: str, folder: Path, seed: int = 0, **overrides: Any) -> Path:
+    """make_tiny's DeepSeek-V3 (MOE_FAMILIES[family], overrides applied) with one multi-token-prediction layer under
+    the released names, config.json saying num_nextn_predict_layers 1; returns the folder. With N =
+    num_hidden_layers, model.layers.{N}.* holds: a decoder layer (transformers' DeepseekV3DecoderLayer(config,
+    layer_idx=N), saved by save_pretrained as the last layer of an (N + 1)-layer random model, so that its experts
+    are stored per expert as every other layer's), enorm, hnorm, eh_proj [hidden, 2 x hidden], shared_head.norm,
+    shared_head.head [vocab, hidden] (drawn with _save_random's wide init) and embed_tokens (a copy of the model's).
+    transformers loads the N-layer model from it, the extra layer unused; with num_hidden_layers N + 1 it loads
+    the decoder layer as its layer N."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    spec = {**COMMON, **MOE_FAMILIES[family], **overrides}
+    n, hidden, vocab = spec["num_hidden_layers"], spec["hidden_size"], spec["vocab_size"]
+    _save_random({**spec, "num_hidden_layers": n + 1}, folder, seed)
+    tensors = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+
+    prefix = f"model.layers.{n}."
+    tensors |= {
+        prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+        prefix + "enorm.weight": norm(),
+        prefix + "hnorm.weight": norm(),
+        prefix + "eh_proj.weight": 0.25 * torch.randn(hidden, 2 * hidden, generator=gen),
+        prefix + "shared_head.norm.weight": norm(),
+        prefix + "shared_head.head.weight": 0.25 * torch.randn(vocab, hidden, generator=gen),
+    }
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
 def make_servable(
     family: str, folder: Path, tokenizer_from: Path, seed: int = 0, families: dict[str, dict[str, Any]] | None = None
 ) -> Path:

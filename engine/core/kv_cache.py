@@ -10,6 +10,10 @@ A multi-head latent attention model (DeepSeek-V3) keeps one latent per token and
 (KVLayout.page_kind "latent", engine/layers/mla.py): pages [num_blocks, num_full_layers, 1, block_size, 1,
 kv_lora_rank + qk_rope_head_dim], in the same pool, block tables and copies as any other page.
 
+A model built with multi-token-prediction layers (ModelArch.num_mtp_layers, engine/models/mtp.py) keeps each
+one's KV as one more full layer after the model's own (ModelArch.mtp_cache_index): num_full_layers counts
+them, so every page carries them. Without MTP layers the layout is the model's alone.
+
 A sliding layer's state is a ring buffer: position p lives at index p % window, and after n tokens
 it holds positions [max(0, n - window), n).
 """
@@ -23,9 +27,10 @@ from engine.handoff import KVLayout, PoolPages
 
 
 def layout_of(arch: ModelArch, block_size: int, dtype: torch.dtype) -> KVLayout:
+    num_full_layers = len(arch.full_layers) + arch.num_mtp_layers
     if arch.mla is not None:
         return KVLayout(
-            num_full_layers=len(arch.full_layers),
+            num_full_layers=num_full_layers,
             num_swa_layers=0,
             block_size=block_size,
             window=0,
@@ -35,7 +40,7 @@ def layout_of(arch: ModelArch, block_size: int, dtype: torch.dtype) -> KVLayout:
             page_kind="latent",
         )
     return KVLayout(
-        num_full_layers=len(arch.full_layers),
+        num_full_layers=num_full_layers,
         num_swa_layers=len(arch.sliding_layers),
         block_size=block_size,
         window=arch.sliding_window or 0,

@@ -50,6 +50,7 @@ from engine.layers.norm import RMSNorm, activation
 from engine.layers.numerics import Numerics, run_rows
 from engine.layers.rotary import Rotary
 from engine.layers.self_attention import Attention
+from engine.models.mtp import MTPLayer
 from engine.parallel import expert_parallel
 
 if TYPE_CHECKING:  # the kernel module imports triton
@@ -273,7 +274,8 @@ class CausalLM(nn.Module):
     ) -> None:
         """tp and shard: a tensor-parallel rank's group and share of the model (engine/parallel/tensor_parallel.py):
         its layers hold their heads and intermediate rows, the LM head its vocabulary rows. layer: the family's
-        decoder layer (Family.layer), DecoderLayer if None."""
+        decoder layer (Family.layer), DecoderLayer if None. arch.num_mtp_layers: the multi-token-prediction
+        layers built in `mtp` (engine/models/mtp.py; None without them), which forward() does not run."""
         super().__init__()
         self.tp = tp
         self.vocab_rows = shard.vocab_rows if shard is not None else (0, arch.vocab_size)
@@ -285,10 +287,18 @@ class CausalLM(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, self.vocab_rows[1] - self.vocab_rows[0], bias=False)
         self.rotary = Rotary(inv_freqs)
+        self.mtp: nn.ModuleList | None = None
+        if arch.num_mtp_layers:
+            if tp is not None or expert_parallel.current() is not None:
+                raise ValueError("multi-token-prediction layers are not built under tensor or expert parallelism")
+            make_layer = DecoderLayer if layer is None else layer
+            self.mtp = nn.ModuleList(
+                MTPLayer(arch, j, make_layer, self.model.embed_tokens, self.rotary) for j in range(arch.num_mtp_layers)
+            )
 
     def fuse_projections(self) -> None:
         """Stacks each layer's q/k/v and gate/up weights (after loading: parameter names change)."""
-        for layer in self.model.layers:
+        for layer in [*self.model.layers, *self.mtp_blocks()]:
             layer = cast(DecoderLayer, layer)
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
@@ -325,6 +335,10 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin)
         return rowwise(self.model.norm, x)
 
+    def mtp_blocks(self) -> list[DecoderLayer]:
+        """The multi-token-prediction layers' decoder layers (none without them)."""
+        return [cast(DecoderLayer, cast(MTPLayer, m).block) for m in self.mtp] if self.mtp is not None else []
+
     def sparse_layers(self) -> list[SparseMoE]:
         return [m for m in (cast(DecoderLayer, layer).mlp for layer in self.model.layers) if isinstance(m, SparseMoE)]
 
@@ -356,6 +370,8 @@ class CausalLM(nn.Module):
         head = self.lm_head_weight[:PROBE_VOCAB_ROWS]  # a slice keeps the probe cheap for 262k vocabularies
         fns.append((self.model.norm, [a.hidden_size]))
         fns.append((lambda h: F.linear(h, head).float(), [a.hidden_size]))
+        for mtp in self.mtp or []:  # its block is of a kind above
+            fns += cast(MTPLayer, mtp).row_functions(PROBE_VOCAB_ROWS)
         return fns
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@ latent plus a shared rotary key per token in the pages; engine/layers/mla.py), t
 first_k_dense_replace layers dense, the rest sparse: sigmoid scores with a correction bias for the choice,
 n_group groups of which the topk_group best are eligible, weights times routed_scaling_factor, and
 n_shared_experts always-on experts. The checkpoint's multi-token-prediction layers
-(`model.layers.{num_hidden_layers + i}`) are counted in num_nextn_predict_layers (the loader skips them)."""
+(`model.layers.{num_hidden_layers + i}`) are counted in num_nextn_predict_layers (the loader skips them unless
+build_model is asked for them: engine/models/mtp.py)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,9 @@ tensor-parallel rank only its slice of each split tensor (engine/parallel/tensor
 heads, intermediate rows, vocabulary rows; an FP8 weight's block scales sliced with it, at block edges).
 
 A DeepSeek-V3 checkpoint's multi-token-prediction layers (`model.layers.{num_layers + i}.*`, i below
-num_nextn_predict_layers) are for speculative decoding, which the engine does not do: skipped, with one log
-line. Its router (`mlp.gate`, a ScoreGate) stays in float32 whatever the model's dtype, as in transformers.
+num_nextn_predict_layers) draft tokens for speculative decoding: the first `mtp_layers` load into CausalLM.mtp
+(engine/models/mtp.py maps their names; the layer's copy of the embedding must equal the model's, which it
+shares), the rest are skipped with one log line (all of them by default). Its router (`mlp.gate`, a ScoreGate) stays in float32 whatever the model's dtype, as in transformers.
 
 FP8 weights (engine/layers/fp8.py): the modules `fp8_modules` picks get FP8 weights and `*_scale_inv` block scales
 before loading; a checkpoint's FP8 tensors and scales load as they are (per-expert scales into their rows of
@@ -27,6 +28,7 @@ quantized as it loads, one tensor at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -44,6 +46,7 @@ from engine.errors import InvalidRequestError
 from engine.layers import fp8
 from engine.layers.meta import on_meta
 from engine.layers.moe import ExpertWeights, ScoreGate, SparseMoE
+from engine.models import mtp
 from engine.models.decoder import CausalLM
 from engine.models.family import Stacked
 from engine.models.hf_config import rope_inv_freq
@@ -137,9 +140,14 @@ def build_model(
     seed: int = 0,
     fp8_format: fp8.Fp8Format | None = None,
     tp: TensorGroup | None = None,
+    mtp_layers: int = 0,
 ) -> CausalLM:
     """The model with its weights; with fp8_format, the modules fp8_modules picks hold FP8 weights; with
-    tp, this tensor-parallel rank's share of it."""
+    tp, this tensor-parallel rank's share of it. mtp_layers: how many of the checkpoint's multi-token-prediction
+    layers to build and load into model.mtp (engine/models/mtp.py; arch's own num_mtp_layers is replaced by it):
+    model.arch.num_mtp_layers says so, and layout_of(model.arch, ...) gives each one more full layer of KV. More
+    than the checkpoint's num_nextn_predict_layers is a ValueError; so is any under --tp or --ep."""
+    arch = dataclasses.replace(arch, num_mtp_layers=mtp_layers)
     inv_freqs = {t: rope_inv_freq(hf_config, t, arch.head_dim) for t in set(arch.layer_types)}
     shard = None
     if tp is not None:  # under --ep too (engine/parallel/world.py): the routed experts held whole, split across its group
@@ -186,7 +194,7 @@ def build_model(
 def fp8_candidates(model: CausalLM) -> dict[str, nn.Module]:
     """The modules that may hold FP8 weights: every float nn.Linear but the MoE routers, and the stacked
     experts of every MoE layer."""
-    routers = {id(moe.router_linear) for moe in model.sparse_layers()}
+    routers = {id(m.router_linear) for m in model.modules() if isinstance(m, SparseMoE)}  # the MTP layers' too
     return {
         name: m for name, m in model.named_modules()
         if isinstance(m, ExpertWeights) or (type(m) is nn.Linear and id(m) not in routers)
@@ -196,10 +204,14 @@ def fp8_candidates(model: CausalLM) -> dict[str, nn.Module]:
 def fp8_modules(model: CausalLM, fmt: fp8.Fp8Format, checkpoint: set[str] | None) -> list[str]:
     """The modules that hold FP8 weights: with a pre-quantized checkpoint's tensor names, those it ships a
     `*_scale_inv` for; else (quantized at load, dummy weights) every candidate of the decoder layers that
-    modules_to_not_convert does not name (embeddings, lm_head and routers stay float)."""
+    modules_to_not_convert does not name (embeddings, lm_head and routers stay float; of an MTP layer, the
+    decoder layer's, as the releases ship them)."""
     candidates = fp8_candidates(model)
     if checkpoint is None:
-        return [n for n in candidates if n.startswith("model.layers.") and not fmt.keeps_float(n)]
+        return [
+            n for n in candidates
+            if (n.startswith("model.layers.") or _is_mtp_block(n)) and not fmt.keeps_float(mtp.checkpoint_name(model.arch, n))
+        ]  # fmt: skip
     chosen: set[str] = set()
     for key in checkpoint:
         if not key.endswith(fp8.SCALE_SUFFIX):
@@ -226,6 +238,12 @@ def fp8_modules(model: CausalLM, fmt: fp8.Fp8Format, checkpoint: set[str] | None
     return sorted(chosen)
 
 
+def _is_mtp_block(name: str) -> bool:
+    """Whether a model name is inside an MTP layer's decoder layer (mtp.{j}.block.*)."""
+    parts = name.split(".", 3)
+    return len(parts) > 3 and parts[0] == "mtp" and parts[2] == "block"
+
+
 def to_fp8(model: CausalLM, names: list[str]) -> None:
     """Gives the named modules (fp8_candidates) empty FP8 weights and block scales, to be loaded."""
     for name in names:
@@ -250,14 +268,22 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def checkpoint_keys(folder: Path, arch: ModelArch) -> set[str]:
-    """The names of the checkpoint's tensors as the model's (multi-token-prediction layers left out)."""
+    """The names of the checkpoint's tensors as the model's: the built multi-token-prediction layers' mapped
+    (engine/models/mtp.py), the others left out."""
     from safetensors import safe_open
 
     keys: set[str] = set()
     for f in checkpoint_files(folder):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             keys.update(k.removeprefix("language_model.") for k in st.keys())
-    return {k for k in keys if not is_nextn_layer(arch, k)}
+    out = set()
+    for k in keys:
+        name = mtp.model_name(arch, k)
+        if name is not None:
+            out.add(name)
+        elif not is_nextn_layer(arch, k):
+            out.add(k)
+    return out
 
 
 # ---- weights -------------------------------------------------------------------------------------
@@ -398,14 +424,22 @@ def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = Non
             scale_dest.copy_(scale)
         dest.copy_(t.to(dest.dtype))
 
-    num_nextn = 0  # tensors of multi-token-prediction layers skipped
+    num_nextn = num_mtp = 0  # tensors of multi-token-prediction layers skipped, loaded
+    embedding_copies: list[tuple[Path, str]] = []  # MTP layers' copies of the embedding, checked after the loop
     for f in checkpoint_files(folder):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for key in st.keys():
                 name = key.removeprefix("language_model.")
                 if name.endswith(SKIPPED_SUFFIXES):
                     continue
-                if is_nextn_layer(arch, name):
+                mtp_name = mtp.model_name(arch, name)
+                if mtp_name is not None:
+                    num_mtp += 1
+                    if mtp_name == mtp.EMBEDDING:
+                        embedding_copies.append((f, key))
+                        continue
+                    name = mtp_name
+                elif is_nextn_layer(arch, name):
                     num_nextn += 1
                     continue
                 if name == "lm_head.weight" and "lm_head.weight" not in params:
@@ -419,11 +453,41 @@ def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = Non
                     raise ValueError(f"{key}: {rows.shape[0]} rows, the model's {pieces} stack to {pieces[-1][2]}")
                 for piece, start, stop in pieces:
                     place(piece, key, rows[start:stop])
-    if num_nextn:
+    # NOTE: after the loop: the model's embedding may lie in another file than the copies
+    for f, key in embedding_copies:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            if mtp.EMBEDDING not in dests.loaded:  # the checkpoint has the copies only
+                place(mtp.EMBEDDING, key, st.get_slice(key), partial(st.get_tensor, key))
+            elif not _equal_rows(params[mtp.EMBEDDING].data, st.get_slice(key)):
+                raise ValueError(
+                    f"checkpoint tensor {key!r} differs from {mtp.EMBEDDING}: the engine's multi-token-prediction "
+                    "layers share the model's embedding"
+                )
+    if num_mtp:
+        log.info(
+            "loaded %d multi-token-prediction layer(s) (model.layers.%d and on, %d tensors)",
+            arch.num_mtp_layers, arch.num_layers, num_mtp,
+        )  # fmt: skip
+    if num_nextn and arch.num_mtp_layers:
+        log.info(
+            "skipped %d tensors of the checkpoint's next-token-prediction layers past the %d built (model.layers.%d "
+            "and on)", num_nextn, arch.num_mtp_layers, arch.num_layers + arch.num_mtp_layers,
+        )  # fmt: skip
+    elif num_nextn:
         log.info(
             "skipped %d tensors of the checkpoint's %d next-token-prediction layer(s) (model.layers.%d and on): "
             "the engine does not do speculative decoding", num_nextn, arch.num_nextn_predict_layers, arch.num_layers,
         )  # fmt: skip
-    missing = dests.missing()
+    missing = sorted(mtp.checkpoint_name(arch, name) for name in dests.missing())
     if missing:
-        raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+        raise KeyError(f"checkpoint lacks {missing[:5]} ({len(missing)} tensors)")
+
+
+def _equal_rows(dest: torch.Tensor, source: Any, rows: int = 8192) -> bool:
+    """Whether a checkpoint tensor (a safetensors slice, read rows at a time) equals dest, in dest's dtype."""
+    if tuple(source.get_shape()) != tuple(dest.shape):
+        return False
+    return all(
+        torch.equal(source[r : r + rows].to(dest.device, dest.dtype), dest[r : r + rows])
+        for r in range(0, dest.shape[0], rows)
+    )

@@ -17,7 +17,7 @@ from engine.models.registry import FAMILIES, arch_from_hf, family_of
 
 ROOT = Path(__file__).resolve().parents[3]
 MODELS = ROOT / "engine" / "models"
-NOT_FAMILIES = {"__init__", "registry", "family", "decoder", "hf_config", "loader"}
+NOT_FAMILIES = {"__init__", "registry", "family", "decoder", "hf_config", "loader", "mtp"}
 # the engine's code outside engine/models: the rooms and the engine itself
 FAMILY_FREE = ["engine/core", "engine/layers", "engine/execution", "engine/parallel", "engine/handoff", "engine/engine.py"]
 STEMS = ("llama", "mistral", "qwen", "gemma", "gpt_oss", "deepseek", "phi3")
