@@ -67,6 +67,7 @@ from engine.parallel.tensor_parallel import (
 )
 from engine.quantization import fp8_format
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
+from engine.speculative.mtp import MtpDrafter
 from engine.speculative.speculator import Speculator
 
 log = logging.getLogger(__name__)
@@ -96,9 +97,16 @@ class LLMEngine:
         self.drawer = TokenDrawer(self.eos_token_ids)
         self.max_model_len = config.max_model_len or min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.fp8_format = fp8_format(getattr(hf, "quantization_config", None), config.quantization)
+        spec = config.speculative()
+        if spec is not None and spec.method == "mtp" and not self.arch.num_nextn_predict_layers:
+            raise InvalidRequestError(
+                f"--speculative-config: method 'mtp' needs the checkpoint's multi-token-prediction layers; "
+                f"{config.model} has none (num_nextn_predict_layers)"
+            )
+        uses_mtp = spec is not None and spec.method == "mtp"
         self.model = build_model(
             self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy",
-            config.seed, self.fp8_format, tp,
+            config.seed, self.fp8_format, tp, mtp_layers=1 if uses_mtp and tp is None else 0,
         )
         # --deterministic: the fastest batch-invariant numerics this device has (every rank of a group the same)
         agree = self.tp.min_int if self.tp is not None else None
@@ -202,14 +210,13 @@ class LLMEngine:
             return None
         if self.tp is not None or self.ep is not None:
             raise InvalidRequestError("--speculative-config does not run with --tp or --ep yet")
-        if spec.method == "mtp" and not self.arch.num_nextn_predict_layers:
-            raise InvalidRequestError(
-                f"--speculative-config: method 'mtp' needs the checkpoint's multi-token-prediction layers; "
-                f"{self.model_name} has none (num_nextn_predict_layers)"
-            )
-        if spec.method != "ngram":
+        if spec.method == "draft_model":
             raise InvalidRequestError(f"--speculative-config: method {spec.method!r} is not available yet")
-        return Speculator(spec, self.scheduler, self.kv, self.max_model_len)
+        mtp = None
+        if spec.method == "mtp":
+            mtp = MtpDrafter(self.model, self.kv, self.numerics, self.config.forward, self.scheduler)
+            self.runner.keep_hidden = True
+        return Speculator(spec, self.scheduler, self.kv, self.max_model_len, mtp)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -403,6 +410,7 @@ class LLMEngine:
         the sequences they end); returns the sequences that got a token, whose outputs are due.
         A sequence that left the batch after its launch (aborted) is skipped."""
         seqs = launched.seqs
+        starts = [seq.num_computed for seq in seqs]  # an MTP drafter catches up from here
         for seq, n in zip(seqs, launched.num_new):
             if seq.status is not SeqStatus.RUNNING:
                 continue
@@ -416,13 +424,23 @@ class LLMEngine:
                     outputs.append(self._fail(seq, e, "storing its prefix"))
         logits, sampled = launched.logits, launched.sampled
         if logits is None:
+            if self.speculator is not None:
+                self._after_step(seqs, starts)
             return []
         if self.speculator is not None:
-            return self._verify(seqs, sampled, logits, outputs)
+            emit = self._verify(seqs, sampled, logits, outputs)
+            self._after_step(seqs, starts)
+            return emit
         rows = [i for i, _ in enumerate(sampled) if seqs[sampled[i]].status is SeqStatus.RUNNING]
         to_sample = [seqs[sampled[i]] for i in rows]
         drawn = self.drawer.draw(logits if len(rows) == len(sampled) else logits[rows], to_sample)
         return self._append_tokens(to_sample, drawn, outputs)
+
+    def _after_step(self, seqs: list[Sequence], starts: list[int]) -> None:
+        """The speculator's work after a step (an MTP drafter's catch-up and drafts) on the step's hidden states."""
+        assert self.speculator is not None
+        hidden, self.runner.last_hidden = self.runner.last_hidden, None
+        self.speculator.after_step(seqs, starts, hidden, self.runner.last_hidden_rows)
 
     def _verify(
         self, seqs: list[Sequence], sampled: list[int], logits: torch.Tensor, outputs: list[RequestOutput]

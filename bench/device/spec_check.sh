@@ -7,7 +7,7 @@
 set -u
 OUT=${OUT:-/tmp/spec_check}
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-timeout -k 10 200 $PY -m pytest -q -x -p no:cacheprovider tests/engine/speculative/test_speculator_cuda.py \
+timeout -k 10 200 $PY -m pytest -q -x -p no:cacheprovider tests/engine/speculative/test_speculator_cuda.py tests/engine/speculative/test_mtp_drafts.py \
     tests/engine/execution/test_engine_cuda_decode.py 2>&1 | tail -15 > "$OUT/tests.txt"
 say "tests: $(tail -1 "$OUT/tests.txt")"
 timeout -k 10 300 $PY bench/micro/spec_verify.py --out "$OUT" 2>&1 | tail -40 > "$OUT/spec_verify.log"

@@ -32,6 +32,7 @@ from engine.config import SpeculativeConfig
 from engine.core.kv_cache import KVCache
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import SeqStatus, Sequence
+from engine.speculative.mtp import MtpDrafter
 from engine.speculative.ngram import Haystack
 
 # draws row j of each given sequence and appends its token (ending it where it ends); returns the sequences
@@ -50,9 +51,16 @@ class _Rings:
 
 class Speculator:
     def __init__(
-        self, config: SpeculativeConfig, scheduler: Scheduler, kv: KVCache, max_model_len: int
+        self,
+        config: SpeculativeConfig,
+        scheduler: Scheduler,
+        kv: KVCache,
+        max_model_len: int,
+        mtp: MtpDrafter | None = None,
     ) -> None:
+        """mtp: the drafter of method mtp (its drafts made after each step); None: prompt lookup."""
         self.config = config
+        self.mtp = mtp
         self.scheduler = scheduler
         self.kv = kv
         self.max_model_len = max_model_len
@@ -108,6 +116,8 @@ class Speculator:
         return out
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
+        if self.mtp is not None:
+            return self.mtp.propose(seq, k)
         c = self.config
         entry = self._haystacks.get(seq.request_id)
         if entry is None or entry[0] is not seq:
@@ -180,6 +190,18 @@ class Speculator:
             del seq.block_ids[keep:]
         if rings is not None and accepted < len(draft):
             self.kv.swa[rings.slot].index_copy_(2, rings.indices[accepted:], rings.saved[:, :, accepted:])
+
+    def after_step(
+        self, seqs: list[Sequence], starts: list[int], hidden: torch.Tensor | None, first_rows: dict[int, int]
+    ) -> None:
+        """After a step's tokens are appended (its drafts settled): the MTP drafter's catch-up and drafts for
+        the next step (mtp; nothing for prompt lookup, which drafts from the tokens alone). starts: each
+        sequence's computed count before the step; hidden, first_rows: the step's forward's (the runner's)."""
+        if self.mtp is None or hidden is None:
+            return
+        cap = self.config.disable_by_batch_size
+        drafting = cap is None or len(self.scheduler.running) <= cap
+        self.mtp.after_step(seqs, starts, hidden, first_rows, self.max_drafts if drafting else 0)
 
     def drop(self, seqs: list[Sequence]) -> None:
         """A batch that never reached verify (its forward failed): drafts forgotten, rings restored."""

@@ -14,6 +14,7 @@ import zmq
 from engine.request import SamplingParams
 from pd.config import RoleConfig
 from pd.messages import Prefill, PrefillResult, Reserve, Reserved
+from tests.engine.speculative.test_mtp_drafts import _reference_drafts
 from tests.engine.speculative.test_speculator import NGRAM, oracle_proposer
 from tests.engine_utils import small_engine
 from tests.pd.conftest import CLUSTER_TOKEN
@@ -69,3 +70,50 @@ def test_a_speculating_ce_decodes_like_one_engine_over_two_turns(spec_pd) -> Non
     # the second turn found the first turn's pages on the CE: their tokens are verified ones
     assert st.decode_cache_hit_tokens_total > 0
     idle(pe, ce)
+
+
+def test_mtp_on_both_sides_decodes_like_one_engine(tmp_path, monkeypatch) -> None:
+    """DeepSeek-V3 with its MTP layer, --speculative-config mtp on the PE and the CE: the PE's prefill fills the
+    MTP layer's KV for the whole prompt (its pages carry it), the CE drafts from its first decode step on."""
+    from pd.rank.decode_role import DecodeRole
+    from pd.rank.prefill_role import PrefillRole
+    from tests.tiny_models import make_tiny_mtp
+
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", CLUSTER_TOKEN)
+    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN_FILE", raising=False)
+    folder = make_tiny_mtp("deepseek_v3", tmp_path / "mtp", vocab_size=16, bos_token_id=None, eos_token_id=None,
+                           pad_token_id=None)  # fmt: skip
+    mtp = '{"method": "mtp", "num_speculative_tokens": 2}'
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = [(i * 7) % 13 + 2 for i in range(40)]
+    (want,) = small_engine(folder, hicache_gb=0, is_deterministic=True).generate([prompt], params)
+    ctx = zmq.Context()
+    pe = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=mtp), None)
+    ce = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=mtp), None)
+    pe.role = PrefillRole(pe.engine, ctx, pe.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
+    ce.role = DecodeRole(ce.engine, ctx, ce.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = ce.engine.speculator.mtp.propose
+
+    def recording(seq, k):  # type: ignore[no-untyped-def]
+        got = propose(seq, k)
+        if got:
+            seen.append((seq.token_ids(0, seq.num_tokens), got))
+        return got
+
+    ce.engine.speculator.mtp.propose = recording
+    try:
+        assert handoff(pe, ce, "m", prompt, params).is_handed_off
+        assert decode_all([pe, ce], ce, "m") == want.output_token_ids
+        # the CE's drafts are the MTP layer's predictions from the whole sequence: the KV the PE sent held its prompt
+        checker = small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=mtp)
+        for tokens, drafts in seen[:4]:
+            assert drafts == _reference_drafts(checker, tokens)[: len(drafts)]
+        st = ce.engine.stats()
+        assert 0 < st.spec_num_accepted_tokens_total < st.spec_num_draft_tokens_total
+        assert pe.engine.stats().spec_num_drafts_total == 0  # a PE only prefills
+        idle(pe, ce)
+    finally:
+        pe.role.close()
+        ce.role.close()
+        ctx.term()
