@@ -49,6 +49,7 @@ from engine.handoff.pages import HandoffIO
 from engine.layers.attention import preload_sdpa
 from engine.layers.eplb import RebalanceStats, rebalance_model
 from engine.layers.numerics import pick_numerics
+from engine.models.decoder import CausalLM
 from engine.models.hf_config import generation_eos_ids
 from engine.models.loader import build_model
 from engine.models.registry import arch_from_hf, load_hf_config
@@ -67,6 +68,7 @@ from engine.parallel.tensor_parallel import (
 )
 from engine.quantization import fp8_format
 from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
+from engine.speculative.draft_model import DraftDrafter, DraftSource, load_draft
 from engine.speculative.mtp import MtpDrafter
 from engine.speculative.speculator import Speculator
 
@@ -108,10 +110,22 @@ class LLMEngine:
             self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy",
             config.seed, self.fp8_format, tp, mtp_layers=1 if uses_mtp and tp is None else 0,
         )
+        # --speculative-config draft_model: a second model, its KV in the pool's pages (engine/speculative/draft_model.py)
+        self.draft_model: CausalLM | None = None
+        draft_layout = None
+        if spec is not None and spec.method == "draft_model" and tp is None and expert_parallel.current() is None:
+            assert spec.model is not None  # SpeculativeConfig checks it
+            source = DraftSource(
+                spec.model, config.download_dir, self.dtype, self.device, self.max_model_len + 1,
+                config.load_format == "dummy", config.seed,
+            )  # fmt: skip
+            self.draft_model = load_draft(source, self.arch, self.tokenizer)
+            draft_layout = layout_of(self.draft_model.arch, config.block_size, self.dtype)
         # --deterministic: the fastest batch-invariant numerics this device has (every rank of a group the same)
         agree = self.tp.min_int if self.tp is not None else None
         self.numerics = pick_numerics(config.is_deterministic, self.model.row_functions, self.dtype, self.device, agree)
-        self.layout = layout_of(self.model.arch, config.block_size, self.dtype)  # a tensor-parallel rank's heads
+        # a tensor-parallel rank's heads
+        self.layout = layout_of(self.model.arch, config.block_size, self.dtype, draft=draft_layout)
         self.memory = plan_memory(
             config, self.model.arch, self.layout, self.model, self.numerics, self.device, self.max_model_len
         )
@@ -210,13 +224,16 @@ class LLMEngine:
             return None
         if self.tp is not None or self.ep is not None:
             raise InvalidRequestError("--speculative-config does not run with --tp or --ep yet")
-        if spec.method == "draft_model":
-            raise InvalidRequestError(f"--speculative-config: method {spec.method!r} is not available yet")
-        mtp = None
+        mtp, drafter = None, None
         if spec.method == "mtp":
             mtp = MtpDrafter(self.model, self.kv, self.numerics, self.config.forward, self.scheduler)
             self.runner.keep_hidden = True
-        return Speculator(spec, self.scheduler, self.kv, self.max_model_len, mtp)
+        if self.draft_model is not None:
+            draft = self.draft_model
+            kv = self.kv.draft_cache(layout_of(draft.arch, self.config.block_size, self.dtype))
+            numerics = pick_numerics(self.config.is_deterministic, draft.row_functions, self.dtype, self.device)
+            drafter = DraftDrafter(draft, kv, numerics, self.config.forward, self.scheduler, self.arch.vocab_size)
+        return Speculator(spec, self.scheduler, self.kv, self.max_model_len, mtp, drafter)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -412,10 +429,12 @@ class LLMEngine:
         seqs = launched.seqs
         starts = [seq.num_computed for seq in seqs]  # an MTP drafter catches up from here
         for seq, n in zip(seqs, launched.num_new):
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            seq.num_computed += n - len(seq.draft_token_ids)  # drafts count once accepted (self.speculator)
-            if seq.cache_store_upto and seq.num_computed == seq.cache_store_upto:
+            if seq.status is SeqStatus.RUNNING:
+                seq.num_computed += n - len(seq.draft_token_ids)  # drafts count once accepted (self.speculator)
+        if self.speculator is not None:  # NOTE: before the store: a draft model's KV goes into the same pages
+            self.speculator.after_forward(seqs, starts, launched.num_new)
+        for seq in seqs:
+            if seq.status is SeqStatus.RUNNING and seq.cache_store_upto and seq.num_computed == seq.cache_store_upto:
                 try:
                     assert self.prefix_cache is not None  # only its restore sets cache_store_upto
                     self.prefix_cache.store(seq, self.kv)

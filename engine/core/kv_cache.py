@@ -14,11 +14,24 @@ A model built with multi-token-prediction layers (ModelArch.num_mtp_layers, engi
 one's KV as one more full layer after the model's own (ModelArch.mtp_cache_index): num_full_layers counts
 them, so every page carries them. Without MTP layers the layout is the model's alone.
 
+A draft model (speculative method draft_model, engine/speculative/draft_model.py) keeps its KV in the same
+pages too, in layers of its own shape: layout_of(..., draft=its layout) adds draft_slots() full layers of the
+target's shape after all the others, and KVCache.draft_cache() views them, page by page, as the draft's pool:
+
+    page b:  | target's full layers (+ MTP) | draft slots: draft layer 0 | draft layer 1 | ... (| unused) |
+                                              [2, block_size, draft kv_heads, draft head_dim] each
+
+so a block id means the same tokens to both models, and whatever copies pages (prefix cache, decode cache,
+the P/D handoff) copies the draft's KV with them.
+
 A sliding layer's state is a ring buffer: position p lives at index p % window, and after n tokens
 it holds positions [max(0, n - window), n).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import torch
 
@@ -26,7 +39,25 @@ from engine.arch import ModelArch
 from engine.handoff import KVLayout, PoolPages
 
 
-def layout_of(arch: ModelArch, block_size: int, dtype: torch.dtype) -> KVLayout:
+def layout_of(arch: ModelArch, block_size: int, dtype: torch.dtype, draft: KVLayout | None = None) -> KVLayout:
+    """The pool's layout for arch; draft: a draft model's layout (same block_size and dtype), whose pages
+    ride in draft_slots() more full layers."""
+    own = _layout_of(arch, block_size, dtype)
+    if draft is None:
+        return own
+    return dataclasses.replace(own, num_full_layers=own.num_full_layers + draft_slots(own, draft))
+
+
+def draft_slots(layout: KVLayout, draft: KVLayout) -> int:
+    """Full layers of layout's shape that hold one page of draft's (its page rounded up to whole layers)."""
+    if draft.block_size != layout.block_size or draft.dtype != layout.dtype or draft.has_state:
+        raise ValueError("a draft's pages share the pool's block_size and dtype, and it has no sliding layers")
+    if not layout.has_pages:
+        raise ValueError("a draft's pages ride in the pool's pages: the model needs full-attention layers")
+    return -(-draft.page_bytes // (layout.block_size * layout.token_bytes))
+
+
+def _layout_of(arch: ModelArch, block_size: int, dtype: torch.dtype) -> KVLayout:
     num_full_layers = len(arch.full_layers) + arch.num_mtp_layers
     if arch.mla is not None:
         return KVLayout(
@@ -65,6 +96,26 @@ class KVCache:
         # attention only ever reads positions a sequence has written.
         self.pages = torch.empty(page_shape, dtype=lo.dtype, device=device, pin_memory=pin_memory)
         self.swa = torch.empty(state_shape, dtype=lo.dtype, device=device, pin_memory=pin_memory)
+
+    def draft_cache(self, draft: KVLayout) -> KVCache:
+        """The draft model's pool inside this one's pages (the module docstring): the last draft_slots
+        full layers of every page viewed as one page of draft's, under the same block ids; no SWA state.
+        Writes through the view land in self.pages."""
+        own_layers = self.layout.num_full_layers - draft_slots(self.layout, draft)
+        shape = draft.page_shape(self.num_blocks)
+        inner = [math.prod(shape[i + 1 :]) for i in range(1, len(shape))]  # one page's, contiguous
+        p = self.pages
+        if own_layers < 0 or own_layers * p.stride(1) + draft.page_bytes // draft.elem_bytes > p.stride(0):
+            raise ValueError("this pool holds no draft of that layout")
+        view = p.as_strided(shape, (p.stride(0), *inner), p.storage_offset() + own_layers * p.stride(1))
+        return KVCache.over(draft, view, torch.empty(draft.state_shape(0), dtype=draft.dtype, device=self.device))
+
+    @classmethod
+    def over(cls, layout: KVLayout, pages: torch.Tensor, swa: torch.Tensor) -> KVCache:
+        """A KVCache of the given tensors (a view into another pool: nothing allocated)."""
+        cache = cls.__new__(cls)
+        cache.layout, cache.device, cache.pages, cache.swa = layout, pages.device, pages, swa
+        return cache
 
     @property
     def block_size(self) -> int:

@@ -32,6 +32,7 @@ from engine.config import SpeculativeConfig
 from engine.core.kv_cache import KVCache
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import SeqStatus, Sequence
+from engine.speculative.draft_model import DraftDrafter
 from engine.speculative.mtp import MtpDrafter
 from engine.speculative.ngram import Haystack
 
@@ -57,10 +58,13 @@ class Speculator:
         kv: KVCache,
         max_model_len: int,
         mtp: MtpDrafter | None = None,
+        draft_model: DraftDrafter | None = None,
     ) -> None:
-        """mtp: the drafter of method mtp (its drafts made after each step); None: prompt lookup."""
+        """mtp, draft_model: the drafter of method mtp or draft_model (its drafts made after each step); neither:
+        prompt lookup."""
         self.config = config
         self.mtp = mtp
+        self.draft_model = draft_model
         self.scheduler = scheduler
         self.kv = kv
         self.max_model_len = max_model_len
@@ -118,6 +122,8 @@ class Speculator:
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         if self.mtp is not None:
             return self.mtp.propose(seq, k)
+        if self.draft_model is not None:
+            return self.draft_model.propose(seq, k)
         c = self.config
         entry = self._haystacks.get(seq.request_id)
         if entry is None or entry[0] is not seq:
@@ -191,16 +197,26 @@ class Speculator:
         if rings is not None and accepted < len(draft):
             self.kv.swa[rings.slot].index_copy_(2, rings.indices[accepted:], rings.saved[:, :, accepted:])
 
+    def after_forward(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> None:
+        """After a step's forward, its computed counts updated, before anything reads its pages (the prefix
+        cache's store, the verify, a park): the draft model's catch-up (draft_model; nothing for the others).
+        starts: each sequence's computed count before the step; num_new: the tokens it fed."""
+        if self.draft_model is not None:
+            self.draft_model.catch_up(seqs, starts, num_new)
+
     def after_step(
         self, seqs: list[Sequence], starts: list[int], hidden: torch.Tensor | None, first_rows: dict[int, int]
     ) -> None:
         """After a step's tokens are appended (its drafts settled): the MTP drafter's catch-up and drafts for
-        the next step (mtp; nothing for prompt lookup, which drafts from the tokens alone). starts: each
-        sequence's computed count before the step; hidden, first_rows: the step's forward's (the runner's)."""
-        if self.mtp is None or hidden is None:
-            return
+        the next step (mtp), the draft model's drafts (draft_model; nothing for prompt lookup, which drafts
+        from the tokens alone). starts: each sequence's computed count before the step; hidden, first_rows:
+        the step's forward's (the runner's)."""
         cap = self.config.disable_by_batch_size
         drafting = cap is None or len(self.scheduler.running) <= cap
+        if self.draft_model is not None:
+            self.draft_model.after_step(seqs, self.max_drafts if drafting else 0)
+        if self.mtp is None or hidden is None:
+            return
         self.mtp.after_step(seqs, starts, hidden, first_rows, self.max_drafts if drafting else 0)
 
     def drop(self, seqs: list[Sequence]) -> None:

@@ -58,8 +58,9 @@ def test_methods_that_cannot_apply_are_refused_at_start(tiny_model_dir) -> None:
     folder = tiny_model_dir("llama")
     with pytest.raises(InvalidRequestError, match="'mtp' needs the checkpoint's multi-token-prediction layers"):
         small_engine(folder, speculative_config='{"method": "mtp", "num_speculative_tokens": 1}')
-    with pytest.raises(InvalidRequestError, match="not available yet"):
-        small_engine(folder, speculative_config=json.dumps({"model": str(folder), "num_speculative_tokens": 2}))
+    missing = str(folder.parent / "no-such-draft")
+    with pytest.raises(InvalidRequestError, match="--speculative-config: model .*no-such-draft.* not found"):
+        small_engine(folder, speculative_config=json.dumps({"model": missing, "num_speculative_tokens": 2}))
 
 
 # ---- prompt lookup ----------------------------------------------------------------------------------
