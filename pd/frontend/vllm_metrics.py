@@ -4,8 +4,9 @@ router and dashboards, KEDA examples and llm-d's endpoint picker scrape these an
 Names and buckets follow vLLM v1's Prometheus logger (vllm/v1/metrics/loggers.py, the "Production
 Metrics" page of docs.vllm.ai): labels `model_name` (the served name) and `engine` (the engine core's
 index: a rank here). The values are the ones behind pdserve's own series: the request histograms and
-token counters are observed at the same points as pdserve_*, the gauges, the preemption counter and the
-speculative-decoding counters are read from each rank's latest stats at scrape time. The speculative-decoding
+token counters are observed at the same points as pdserve_*, the gauges, the preemption counter, the
+tokens-per-step histogram (pd/rank/iteration_tokens.py) and the speculative-decoding counters are read from
+each rank's latest stats at scrape time. The speculative-decoding
 series (vllm/v1/spec_decode/metrics.py) exist only for ranks that speculate (--speculative-config), as vLLM
 registers them only then: mean accepted length = 1 + accepted / drafts, acceptance rate = accepted / draft
 tokens, position k's rate = accepted_per_pos{position=k} / drafts."""
@@ -16,7 +17,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from pd.rank.iteration_tokens import cumulative_buckets
 
 LABELS = ["model_name", "engine"]
 # vLLM v1's buckets (vllm/v1/metrics/loggers.py)
@@ -146,7 +150,22 @@ class VllmEngineCollector:
             "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
         )
         yield preemptions
+        yield self._iteration_tokens()
         yield from self._speculation()
+
+    def _iteration_tokens(self) -> Metric:
+        """vLLM's tokens per engine step, each rank's histogram as the rank keeps it."""
+        family = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=LABELS
+        )
+        for r in self.snapshot():
+            h = cumulative_buckets(r.stats)
+            if h is not None:
+                buckets, total = h
+                family.add_metric(
+                    [self.model_name, str(r.index)], [(floatToGoString(le), n) for le, n in buckets], total
+                )
+        return family
 
     def _speculation(self) -> Iterator[Metric]:
         """vLLM's SpecDecodingProm counters, for the ranks that speculate; nothing when none does."""

@@ -67,6 +67,7 @@ from pd.messages import (
     decode,
     encode,
 )
+from pd.rank.iteration_tokens import IterationTokens
 from pd.rank.role import RankRole, add_request, rejection
 
 if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed import is a RankFatal
@@ -158,6 +159,10 @@ class RankWorker:
         self.role = role
         self.last_stats_s = 0.0
         self.added_s: dict[str, float] = {}  # request id -> when it was added, until its first output
+        self.iteration_tokens = IterationTokens(self._num_tokens_total())
+
+    def _num_tokens_total(self) -> int:
+        return self.engine.num_prompt_tokens_total + self.engine.num_generation_tokens_total
 
     def send(self, msg: Message) -> None:
         self.outbox.send(encode(msg))
@@ -165,6 +170,7 @@ class RankWorker:
     def stats(self) -> dict[str, Any]:
         self.last_stats_s = time.monotonic()
         stats = asdict(self.engine.stats())
+        stats.update(self.iteration_tokens.stats())
         if self.role is not None:
             stats.update(self.role.stats())
         return stats
@@ -223,6 +229,7 @@ class RankWorker:
             if has_work:
                 step_start_s = self.last_plan_s = time.monotonic()
                 outputs = self.engine.step()
+                self.iteration_tokens.observe(self._num_tokens_total())
                 # NOTE: approximate: a prompt prefilled in several chunks counts its earlier chunks as queueing.
                 queue_times_s = {
                     o.request_id: step_start_s - self.added_s.pop(o.request_id)

@@ -41,6 +41,7 @@ VLLM_SERIES = {
     "vllm:time_per_output_token_seconds": ("histogram", {"model_name", "engine"}),
     "vllm:e2e_request_latency_seconds": ("histogram", {"model_name", "engine"}),
     "vllm:request_queue_time_seconds": ("histogram", {"model_name", "engine"}),
+    "vllm:iteration_tokens_total": ("histogram", {"model_name", "engine"}),
 }
 # the same source's buckets
 VLLM_BUCKETS = {
@@ -55,6 +56,7 @@ VLLM_BUCKETS = {
         0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
         480.0, 960.0, 1920.0, 7680.0,
     ],
+    "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
 }  # fmt: skip
 
 
@@ -133,6 +135,10 @@ def test_counters_are_counters_and_vllm_series(server: ServerProcess) -> None:
         assert moved(name, f"{name}_count") == 2
     # every token after a request's first is one inter-token gap
     assert moved("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == 6 + 4
+    # a step per output token, the first with the prompt (vLLM's count)
+    assert moved("vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") == 7 + 5
+    num_tokens = sum(u.prompt_tokens + u.completion_tokens for u in usages)
+    assert moved("vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum") == num_tokens
     # the same values as pdserve's own series
     assert value(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == value(
         after, "pdserve_prompt_tokens", "pdserve_prompt_tokens_total"
