@@ -263,6 +263,21 @@ class ServerConfig:
     log_level: str = log_level_setting()
     log_format: str = log_format_setting()
     access_log: bool = access_log_setting()
+    # ---- vLLM's switches of what this server always does: taken so vLLM's command lines start it ----
+    enable_tokenizer_info_endpoint: bool = field(
+        default=True, metadata={"help": "vLLM's: GET /tokenizer_info is always served here (--no-... is refused)"}
+    )
+    enable_server_load_tracking: bool = field(
+        default=True,
+        metadata={"help": "vLLM's: GET /load (requests in flight) is always served here (--no-... is refused)"},
+    )
+    enable_prompt_tokens_details: bool = field(
+        default=True,
+        metadata={
+            "help": "vLLM's: usage.prompt_tokens_details.cached_tokens is always in answers here, as in "
+            "OpenAI's API (--no-... is refused)"
+        },
+    )
     # ---- HTTP limits and security (every role) ----
     api_key: str | None = field(
         default=None,
@@ -357,6 +372,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"--role must be one of {ROLES}, got {self.role!r}")
+        for name in ("enable_tokenizer_info_endpoint", "enable_server_load_tracking", "enable_prompt_tokens_details"):
+            if not getattr(self, name):
+                flag = name.replace("_", "-")
+                raise ValueError(f"--no-{flag}: this server always does what vLLM's --{flag} turns on")
         if not (0 < self.kv_port_base and self.kv_port_base + self.dp <= 65536):
             raise ValueError(f"--kv-port-base must leave a port per rank, got {self.kv_port_base}")
         if min(self.handoff_lease_s, self.prefill_timeout_s, self.queue_timeout_s) <= 0:

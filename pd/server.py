@@ -28,8 +28,9 @@ from aiohttp import web
 from engine.errors import InvalidRequestError, ModelNotFoundError
 from pd.api.chat import chat_completions
 from pd.api.completions import completions
+from pd.api.invocations import invocations
 from pd.api.prefill import VERIFIER, prefill
-from pd.api.tokenize import detokenize, tokenize, version
+from pd.api.tokenize import detokenize, tokenize, tokenizer_info_endpoint, version
 from pd.config import ServerConfig
 from pd.disagg.prefill_auth import Verifier
 from pd.errors import ApiError, bad_request, unexpected
@@ -44,7 +45,8 @@ from pd.lifecycle import RETRY_AFTER_S, exit_now
 log = logging.getLogger(__spec__.name)  # __name__ is "__main__" under python -m
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 REQUEST_ID_KEY = "request_id"
-KEYED_PATHS = ("/tokenize", "/detokenize")  # besides /v1/*: --api-key applies to them too
+# besides /v1/*: --api-key applies to them too (vLLM's applies to /v1/* only: these answer what /v1/* does)
+KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
 LINGER_S = 1.0  # after an early answer (408, 413), the rest of a body is read and dropped this long
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -53,8 +55,8 @@ def _api_error_of(e: web.HTTPException) -> ApiError:
     if e.status == 404:
         return ApiError(
             404,
-            "not found: see /v1/models, /v1/chat/completions, /v1/completions, /tokenize, /detokenize, "
-            "/version, /health, /metrics",
+            "not found: see /v1/models, /v1/chat/completions, /v1/completions, /invocations, /tokenize, "
+            "/detokenize, /tokenizer_info, /version, /health, /load, /metrics",
             code="not_found",
         )
     if e.status == 405:
@@ -67,7 +69,8 @@ def _api_error_of(e: web.HTTPException) -> ApiError:
 
 
 def _is_api(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/prefill"
+    """A path whose POSTs are admitted (counted in flight: /load; refused while draining)."""
+    return path.startswith("/v1/") or path in ("/prefill", "/invocations")
 
 
 def _check_api_key(request: web.Request, key: str) -> None:
@@ -193,6 +196,12 @@ async def ready(request: web.Request) -> web.Response:
     )
 
 
+async def load(request: web.Request) -> web.Response:
+    """vLLM's server load (--enable-server-load-tracking, on here): the generation requests in flight,
+    streams until their last chunk."""
+    return json_response({"server_load": request.app[COORDINATOR].admission.num_inflight})
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[COORDINATOR].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
@@ -206,6 +215,7 @@ def _base_app(co: Coordinator, max_body_bytes: int) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/health/live", live)
     app.router.add_get("/health/ready", ready)
+    app.router.add_get("/load", load)
     app.router.add_get("/metrics", metrics)
     return app
 
@@ -215,8 +225,10 @@ def make_app(co: Coordinator) -> web.Application:
     app.router.add_post("/v1/chat/completions", _handler(chat_completions))
     app.router.add_post("/v1/completions", _handler(completions))
     app.router.add_get("/v1/models/{model:.+}", models)  # served names may have a slash (org/name)
+    app.router.add_post("/invocations", _handler(invocations))
     app.router.add_post("/tokenize", _handler(tokenize))
     app.router.add_post("/detokenize", _handler(detokenize))
+    app.router.add_get("/tokenizer_info", _handler(tokenizer_info_endpoint))
     app.router.add_get("/version", version)
     return app
 

@@ -90,7 +90,12 @@ async def render(co: Coordinator, req: ChatRequest) -> RenderedPrompt:
 
 async def chat_completions(co: Coordinator, request: web.Request) -> web.StreamResponse:
     arrival_s = time.monotonic()
-    req = parse_chat_request(await co.read_json(request))
+    return await answer_chat(co, request, await co.read_json(request), arrival_s)
+
+
+async def answer_chat(co: Coordinator, request: web.Request, body: Any, arrival_s: float) -> web.StreamResponse:
+    """A chat completion for a body already read (POST /v1/chat/completions, and /invocations)."""
+    req = parse_chat_request(body)
     co.check_model(req.model)
     rendered = await render(co, req)
     prompt = list(rendered.token_ids)
@@ -175,6 +180,8 @@ async def _whole(
                     "tool_calls": [c.to_openai() for c in parsed.tool_calls],
                 }
                 reason = "tool_calls" if reason == "stop" else reason
+        if req.echoed:  # vLLM's echo: the last message's content, then the answer's
+            message = {**message, "content": req.echoed + (message["content"] or "")}
         choices.append(
             {
                 "index": i,
@@ -234,9 +241,11 @@ async def _stream(
         nonlocal num_cached
         i = u.choice
         delta: dict[str, Any] = {}
+        echoed = ""
         if not is_started[i]:
             delta["role"] = "assistant"
             is_started[i] = True
+            echoed = req.echoed  # vLLM's echo: before the answer, never parsed as part of it
         reason = u.finish_reason
         reasoning, answer = splitters[i].feed(u.text) if splitters else ("", u.text)
         if reason is not None and splitters:
@@ -261,7 +270,7 @@ async def _stream(
                     delta["tool_calls"] = [c.to_openai(index=k) for k, c in enumerate(calls)]
                     reason = "tool_calls" if reason == "stop" else reason
         if text or "role" in delta:
-            delta["content"] = text
+            delta["content"] = echoed + text
         logprobs = chat_logprobs(co, u.logprobs) if req.logprobs is not None and u.logprobs else None
         if not delta and reason is None and logprobs is None:
             return None
@@ -270,8 +279,17 @@ async def _stream(
     def final_usage() -> dict[str, Any]:
         return usage(num_prompt, sum(num_out), num_cached)
 
+    def choice_usage(u: ChoiceUpdate) -> dict[str, Any]:
+        """vLLM's continuous usage: the prompt and the choice's tokens so far."""
+        return usage(num_prompt, u.num_output_tokens, u.num_cached_tokens)
+
     return await stream_choices(
-        request, gen, head, choice, final_usage if req.sampling.include_usage else None
+        request,
+        gen,
+        head,
+        choice,
+        final_usage if req.sampling.include_usage else None,
+        choice_usage if req.sampling.is_usage_continuous else None,
     )
 
 

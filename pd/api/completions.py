@@ -82,7 +82,14 @@ def _merge(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
 
 async def completions(co: Coordinator, request: web.Request) -> web.StreamResponse:
     arrival_s = time.monotonic()
-    req = parse_completion_request(await co.read_json(request))
+    return await answer_completion(co, request, await co.read_json(request), arrival_s)
+
+
+async def answer_completion(
+    co: Coordinator, request: web.Request, body: Any, arrival_s: float
+) -> web.StreamResponse:
+    """A completion for a body already read (POST /v1/completions, and /invocations)."""
+    req = parse_completion_request(body)
     co.check_model(req.model)
     n = req.sampling.n
     prompt_ids, prompt_texts = await co.offload(_tokenize, co, req)
@@ -250,6 +257,15 @@ async def _stream(
     def final_usage() -> dict[str, Any]:
         return usage(num_prompt, sum(num_out), sum(cached.values()))
 
+    def choice_usage(u: ChoiceUpdate) -> dict[str, Any]:
+        """vLLM's continuous usage: the choice's prompt and its tokens so far."""
+        return usage(len(echo[u.choice].token_ids), u.num_output_tokens, u.num_cached_tokens)
+
     return await stream_choices(
-        request, gen, head, choice, final_usage if req.sampling.include_usage else None
+        request,
+        gen,
+        head,
+        choice,
+        final_usage if req.sampling.include_usage else None,
+        choice_usage if req.sampling.is_usage_continuous else None,
     )

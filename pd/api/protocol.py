@@ -71,8 +71,7 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     "mm_processor_kwargs": ({},),
-    "prompt_embeds": (),  # completions
-    "echo": (False,),  # chat's (completions take echo)
+    "prompt_embeds": ([],),  # completions; [] is no embeddings, as in vLLM (beside a prompt)
     "documents": (),  # chat's
     "chat_template": (),  # chat's: this server renders with its own (--chat-template)
 }
@@ -94,6 +93,9 @@ class SamplingFields:
     stream: bool
     include_usage: bool
     use_prefix_cache: bool
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): usage in every chunk, the choice's
+    # tokens so far
+    is_usage_continuous: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -148,10 +150,21 @@ class ChatRequest:
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (BOS) on top of what the template writes
     parallel_tool_calls: bool = True  # OpenAI's: false returns the answer's first tool call only
+    # vLLM's echo: the answer's content starts with the last message's, when that message has the answer's
+    # role (the assistant's; the last message's own without a generation prompt): response prefill returned whole
+    echo: bool = False
 
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def echoed(self) -> str:
+        """What `echo` puts before the answer's content (vLLM's): the last message's content when its role
+        is the answer's ("assistant" after a generation prompt, else the last message's own), or ""."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last["role"]
+        return (last.get("content") or "") if self.echo and last["role"] == role else ""
 
 
 @dataclass(frozen=True)
@@ -346,15 +359,17 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...], min_max_to
         raise bad_request(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     stream = _bool(body, "stream", False)
     so = body.get("stream_options")
-    include_usage = False
+    include_usage = is_usage_continuous = False
     if so is not None:
         if not stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
         if not isinstance(so, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = _bool(so, "include_usage", False)
-        for key, value in so.items():  # vLLM's continuous_usage_stats, OpenAI's include_obfuscation, ...
-            if key != "include_usage" and value not in (None, False):
+        # vLLM's: usage in every chunk, when usage is asked for at all (alone it asks for nothing, as there)
+        is_usage_continuous = _bool(so, "continuous_usage_stats", False) and include_usage
+        for key, value in so.items():  # OpenAI's include_obfuscation, ...
+            if key not in ("include_usage", "continuous_usage_stats") and value not in (None, False):
                 raise bad_request(f"'stream_options.{key}' is not supported", f"stream_options.{key}")
     top_k = _int(body, "top_k", 0, lo=-1)
     return SamplingFields(
@@ -369,6 +384,7 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...], min_max_to
         n=_int(body, "n", 1, lo=1, hi=MAX_N),
         stream=stream,
         include_usage=include_usage,
+        is_usage_continuous=is_usage_continuous,
         use_prefix_cache=_bool(body, "prefix_cache", True),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -593,12 +609,11 @@ def _refuse_media(body: dict[str, Any]) -> None:
         raise bad_request(f"'modalities' supports only \"text\", got {other}", "modalities")
 
 
-def _refuse_unsupported(body: dict[str, Any], taken: tuple[str, ...] = ()) -> None:
-    """A 400 for the first UNSUPPORTED_VLLM_FIELDS entry (other than those in `taken`) set to anything
-    but a value that asks for nothing."""
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """A 400 for the first UNSUPPORTED_VLLM_FIELDS entry set to anything but a value that asks for nothing."""
     for key, neutral in UNSUPPORTED_VLLM_FIELDS.items():
         v = body.get(key)
-        if v is None or key in taken or any(type(v) is type(n) and v == n for n in neutral):
+        if v is None or any(type(v) is type(n) and v == n for n in neutral):
             continue
         send = f" or send {orjson.dumps(neutral[0]).decode()}" if neutral else ""
         raise bad_request(f"'{key}' is not supported by this server: leave it out{send}", key)
@@ -655,6 +670,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         continue_final_message,
         _bool(body, "add_special_tokens", False),
         parallel_tool_calls,
+        _bool(body, "echo", False),
     )
 
 
@@ -736,6 +752,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if echo and logprobs is not None and sampling.prompt_logprobs is None:
         # vLLM's: the echoed prompt's logprobs are its prompt logprobs, with the top `logprobs`
         sampling = replace(sampling, prompt_logprobs=logprobs)
-    _refuse_unsupported(body, taken=("echo",))
+    _refuse_unsupported(body)
     special = _bool(body, "add_special_tokens", True)
     return CompletionRequest(model, tuple(prompts), echo, logprobs, sampling, special)

@@ -29,10 +29,12 @@ async def stream_choices(
     head: dict[str, Any],
     choice: Callable[[ChoiceUpdate], dict[str, Any] | None],
     usage: Callable[[], dict[str, Any]] | None,
+    chunk_usage: Callable[[ChoiceUpdate], dict[str, Any]] | None = None,
 ) -> web.StreamResponse:
     """A generation as an SSE response: one chunk ({**head, "choices": [...]}) per update that `choice`
     turns into a choice, then, when the request asked for usage (usage not None), a last chunk with
-    no choices and `usage()`, then [DONE]. With usage asked for, every other chunk has "usage": null.
+    no choices and `usage()`, then [DONE]. With usage asked for, every other chunk has "usage": null,
+    or with chunk_usage (vLLM's continuous_usage_stats) chunk_usage(update), the usage of its choice so far.
 
     The response starts only once the first update is there, so a rejection before any token is still
     a plain HTTP error; an error after that goes in-band, with no [DONE].
@@ -42,7 +44,9 @@ async def stream_choices(
         c = choice(u)
         if c is None:
             return None
-        return {**head, "choices": [c], "usage": None} if usage is not None else {**head, "choices": [c]}
+        if usage is None:
+            return {**head, "choices": [c]}
+        return {**head, "choices": [c], "usage": chunk_usage(u) if chunk_usage is not None else None}
 
     updates = gen.updates()
     first = await updates.__anext__()

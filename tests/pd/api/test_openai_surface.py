@@ -386,9 +386,9 @@ def test_unsupported_fields_are_refused(servers):
     for url in both(servers):
         client = openai_client(url)
         kw: dict[str, Any] = dict(model=MODEL, messages=[QUESTION], max_tokens=1)
-        usage_each_chunk = {"include_usage": True, "continuous_usage_stats": True}
-        param = "stream_options.continuous_usage_stats"
-        refused(client.chat.completions.create, param, **kw, stream=True, stream_options=usage_each_chunk)
+        obfuscated = {"include_usage": True, "include_obfuscation": True}
+        param = "stream_options.include_obfuscation"
+        refused(client.chat.completions.create, param, **kw, stream=True, stream_options=obfuscated)
         refused(client.chat.completions.create, "use_beam_search", **kw, extra_body={"use_beam_search": True})
         keep = {"prompt": "x", "extra_body": {"skip_special_tokens": False}}
         message = refused(client.completions.create, "skip_special_tokens", model=MODEL, **keep)

@@ -158,9 +158,10 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ({"messages": USER, "stream": "yes"}, "stream"),
         ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": USER, "stream": True, "stream_options": {"include_usage": 1}}, "include_usage"),
+        ({"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": 1}}, "continuous_usage_stats"),
         (
-            {"messages": USER, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
+            {"messages": USER, "stream": True, "stream_options": {"include_obfuscation": True}},
+            "stream_options.include_obfuscation",
         ),
         ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
         (
@@ -172,7 +173,8 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ({"messages": USER, "use_beam_search": True}, "use_beam_search"),
         ({"messages": USER, "skip_special_tokens": False}, "skip_special_tokens"),
         ({"messages": USER, "length_penalty": True}, "length_penalty"),
-        ({"messages": USER, "echo": True}, "echo"),
+        ({"messages": USER, "echo": "yes"}, "echo"),
+        ({"messages": USER, "prompt_embeds": [1.0]}, "prompt_embeds"),
         ({"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
         ({"messages": USER, "logprobs": 1}, "logprobs"),
         ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
@@ -270,6 +272,28 @@ def test_vllm_fields_that_ask_for_nothing_pass():
     defaults = {key: neutral[0] if neutral else None for key, neutral in UNSUPPORTED_VLLM_FIELDS.items()}
     parse_chat_request({"messages": USER, **defaults, "length_penalty": 1})
     parse_completion_request({"prompt": "a", **defaults, "echo": True})
+
+
+def test_continuous_usage_chat_echo_and_empty_prompt_embeds():
+    """Issue 55's, as vLLM takes them: continuous_usage_stats with include_usage (alone it asks for nothing),
+    chat's echo (the last message when it has the answer's role), an empty prompt_embeds beside a prompt."""
+    stream = {"messages": USER, "stream": True}
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    s = parse_chat_request({**stream, "stream_options": both}).sampling
+    assert (s.include_usage, s.is_usage_continuous) == (True, True)
+    s = parse_chat_request({**stream, "stream_options": {"continuous_usage_stats": True}}).sampling
+    assert (s.include_usage, s.is_usage_continuous) == (False, False)
+    assert parse_completion_request({"prompt": "a", "stream": True, "stream_options": both}).sampling.is_usage_continuous
+    prefilled = [*USER, {"role": "assistant", "content": "An apple a day"}]
+    continued = {"messages": prefilled, "continue_final_message": True, "echo": True}
+    assert parse_chat_request(continued).echoed == "An apple a day"
+    assert parse_chat_request({**continued, "echo": False}).echoed == ""
+    assert parse_chat_request({"messages": USER, "echo": True}).echoed == ""  # the user's: not the answer's role
+    no_prompt = {"messages": USER, "echo": True, "add_generation_prompt": False}
+    assert parse_chat_request(no_prompt).echoed == "hi"  # vLLM's: the answer takes the last message's role
+    assert parse_completion_request({"prompt": "a", "prompt_embeds": []}).prompts == ("a",)
+    _bad(parse_completion_request, {"prompt_embeds": []}, "prompt")
+    _bad(parse_completion_request, {"prompt": "a", "prompt_embeds": "AAAA"}, "prompt_embeds")
 
 
 # ---- completion request checks -----------------------------------------------------------------------------
