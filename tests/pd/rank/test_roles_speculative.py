@@ -117,3 +117,48 @@ def test_mtp_on_both_sides_decodes_like_one_engine(tmp_path, monkeypatch) -> Non
         pe.role.close()
         ce.role.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("draft", ["small", "self"])
+def test_a_draft_model_on_both_sides_decodes_like_one_engine(tmp_path, monkeypatch, draft: str) -> None:
+    """--speculative-config draft_model on the PE and the CE (a small llama, or the target itself): the PE's
+    prefill fills the draft's KV of the whole prompt in the pages it hands off; the CE drafts from its first
+    decode step on, its drafts the draft model's greedy chain over the whole sequence (the target as its own
+    draft: every one accepted), and decodes the single engine's tokens."""
+    from pd.rank.decode_role import DecodeRole
+    from pd.rank.prefill_role import PrefillRole
+    from tests.engine.speculative.test_draft_model import SMALL, VOCAB, record_drafts, reference_drafts, spec
+    from tests.tiny_models import make_tiny
+
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", CLUSTER_TOKEN)
+    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN_FILE", raising=False)
+    folder = make_tiny("llama", tmp_path / "target", **VOCAB)
+    drafter_folder = make_tiny("llama", tmp_path / "draft", seed=1, **VOCAB, **SMALL) if draft == "small" else folder
+    config = spec(drafter_folder)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = [(i * 7) % 13 + 2 for i in range(40)]
+    (want,) = small_engine(folder, hicache_gb=0, is_deterministic=True).generate([prompt], params)
+    ctx = zmq.Context()
+    pe = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=config), None)
+    ce = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=config), None)
+    pe.role = PrefillRole(pe.engine, ctx, pe.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
+    ce.role = DecodeRole(ce.engine, ctx, ce.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
+    drafter = ce.engine.speculator.draft_model
+    seen = record_drafts(drafter)
+    try:
+        assert handoff(pe, ce, "d", prompt, params).is_handed_off
+        assert decode_all([pe, ce], ce, "d") == want.output_token_ids
+        for tokens, drafts in seen[:4]:
+            assert drafts == reference_drafts(drafter, tokens, len(drafts))
+        st = ce.engine.stats()
+        assert st.spec_num_drafts_total == len(seen) > 4
+        if draft == "self":
+            assert st.spec_num_accepted_tokens_total == st.spec_num_draft_tokens_total
+        else:
+            assert 0 < st.spec_num_accepted_tokens_total < st.spec_num_draft_tokens_total
+        assert pe.engine.stats().spec_num_drafts_total == 0  # a PE only prefills
+        idle(pe, ce)
+    finally:
+        pe.role.close()
+        ce.role.close()
+        ctx.term()
