@@ -109,9 +109,8 @@ def chat(client: Any, model: str, stream: bool, **kw: Any) -> Output:
             r.usage.completion_tokens if r.usage else None,
             (getattr(r, "prompt_logprobs", None),),
         )
-    chunks = client.chat.completions.create(
-        model=model, stream=True, stream_options={"include_usage": True}, **kw
-    )
+    usage = kw.pop("stream_options", {"include_usage": True})
+    chunks = client.chat.completions.create(model=model, stream=True, stream_options=usage, **kw)
     return _streamed(chunks, kw.get("n", 1), bool(kw.get("logprobs")), lambda c: c.delta.content or "")
 
 
@@ -125,7 +124,8 @@ def complete(client: Any, model: str, stream: bool, **kw: Any) -> Output:
             r.usage.completion_tokens if r.usage else None,
             tuple((getattr(c, "prompt_logprobs", None), _values(c.logprobs)) for c in choices),
         )
-    chunks = client.completions.create(model=model, stream=True, stream_options={"include_usage": True}, **kw)
+    usage = kw.pop("stream_options", {"include_usage": True})
+    chunks = client.completions.create(model=model, stream=True, stream_options=usage, **kw)
     return _streamed(chunks, kw.get("n", 1), kw.get("logprobs") is not None, lambda c: c.text or "")
 
 
@@ -137,8 +137,10 @@ def _values(logprobs: Any) -> tuple[Any, ...] | None:
 
 
 def _streamed(chunks: Any, n: int, with_tokens: bool, text_of: Callable[[Any], str]) -> Output:
-    """An Output from a stream of chunks (chat or completions: `text_of` reads a choice's new text)."""
+    """An Output from a stream of chunks (chat or completions: `text_of` reads a choice's new text); its
+    values have each choice's usage in its last chunk (vLLM's continuous_usage_stats; else None)."""
     texts, finish = [""] * n, [None] * n
+    chunk_usage: list[int | None] = [None] * n
     toks: list[list[bytes] | None] = [[] if with_tokens else None for _ in range(n)]
     values: list[list[Any]] = [[[], []] for _ in range(n)]
     usage = None
@@ -146,6 +148,8 @@ def _streamed(chunks: Any, n: int, with_tokens: bool, text_of: Callable[[Any], s
         if ch.usage is not None:
             usage = ch.usage.completion_tokens
         for c in ch.choices:
+            if ch.usage is not None:
+                chunk_usage[c.index] = ch.usage.completion_tokens
             texts[c.index] += text_of(c)
             finish[c.index] = c.finish_reason or finish[c.index]
             got = _tokens(c.logprobs)
@@ -158,7 +162,7 @@ def _streamed(chunks: Any, n: int, with_tokens: bool, text_of: Callable[[Any], s
     return Output(
         tuple((texts[i], finish[i], tuple(toks[i]) if toks[i] is not None else None) for i in range(n)),
         usage,
-        tuple((None, tuple(v)) for v in values),
+        tuple((None, tuple(v), chunk_usage[i]) for i, v in enumerate(values)),
     )
 
 
@@ -321,6 +325,16 @@ def chat_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]]:
             max_tokens=m,
             temperature=0,
             logprobs=True,
+        ),
+        single(
+            "chat usage in every chunk",
+            "chat",
+            True,
+            values=True,
+            messages=user(QUESTIONS[2]),
+            max_tokens=m,
+            temperature=0,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
         ),
         single("chat long greedy", "chat", messages=long, max_tokens=m, temperature=0, logprobs=True),
         single("chat long stream", "chat", True, messages=long, max_tokens=m, temperature=0, logprobs=True),
@@ -487,6 +501,18 @@ def completion_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]
             max_tokens=m,
             temperature=0,
             logprobs=0,
+        ),
+        single(
+            "completion usage in every chunk",
+            "completions",
+            True,
+            values=True,
+            prompt="Once upon a time",
+            n=2,
+            max_tokens=m,
+            temperature=0.8,
+            seed=7,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
         ),
         single(
             "completion long",

@@ -234,8 +234,8 @@ def make_app(co: Coordinator) -> web.Application:
 
 
 def make_prefill_app(co: Coordinator, token: bytes) -> web.Application:
-    """The PE's app: /prefill (signed with the cluster token: pd/disagg/prefill_auth.py), /health*, /metrics,
-    /v1/models."""
+    """The PE's app: /prefill (signed with the cluster token: pd/disagg/prefill_auth.py), /health*, /load,
+    /metrics, /v1/models."""
     app = _base_app(co, co.cfg.prefill_max_body_bytes)  # what a decode engine may send (ServerConfig)
     app[VERIFIER] = Verifier(token, co.cfg.prefill_auth_window_s)
     app.router.add_post("/prefill", _handler(prefill))
