@@ -22,9 +22,12 @@ def _text(content: Any) -> str:
 
 def conversation_key(path: str, body: Any) -> str | None:
     """Chat: the first user message (the same on every turn). Completions: the first prompt's first
-    1024 characters (or 256 token ids). None: nothing to keep together (the CE will judge the body)."""
+    1024 characters (or 256 token ids). /invocations: either, told apart as the CE does (pd/api/invocations.py).
+    None: nothing to keep together (the CE will judge the body)."""
     if not isinstance(body, dict):
         return None
+    if path == "/invocations":
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     if path == "/v1/chat/completions":
         messages = body.get("messages")
         if not isinstance(messages, list):

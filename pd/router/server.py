@@ -37,7 +37,7 @@ from pd.router.metrics import RouterMetrics
 
 log = logging.getLogger(__spec__.name)  # __name__ is "__main__" under python -m
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-KEYED_PATHS = ("/v1/chat/completions", "/v1/completions")
+KEYED_PATHS = ("/v1/chat/completions", "/v1/completions", "/invocations")
 # not passed on in either direction (RFC 9110 7.6.1), and Host (the CE's own)
 HOP_BY_HOP = frozenset(
     ("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",

@@ -59,6 +59,9 @@ def test_completion_keys() -> None:
     assert conversation_key("/v1/completions", {"prompt": ["ab", "cd"]}) == "ab"
     assert conversation_key("/v1/completions", {"prompt": [[5, 6], [7]]}) == "5,6"
     assert conversation_key("/v1/completions", {"prompt": list(range(300))}) == ",".join(map(str, range(256)))
+    assert conversation_key("/invocations", {"prompt": "x" * 2000}) == "x" * 1024
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert conversation_key("/invocations", chat) == conversation_key("/v1/chat/completions", chat) == "hi"
     assert conversation_key("/v1/models", {}) is None
     assert conversation_key("/v1/chat/completions", ["not", "an", "object"]) is None
 
