@@ -163,6 +163,7 @@ class LLMEngine:
             max_decode_rows=config.max_num_seqs * (1 + self._max_drafts()),
             max_model_len=self.max_model_len,
             tp=tp,
+            verify_width=1 + self._max_drafts(),
         )
         # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges); with
         # --tp, the world's (engine/parallel/world.py): every process of every tensor-parallel group

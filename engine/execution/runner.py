@@ -47,11 +47,13 @@ class ModelRunner:
         max_decode_rows: int = 0,
         max_model_len: int = 0,
         tp: TensorGroup | None = None,
+        verify_width: int = 1,
     ) -> None:
         """max_decode_rows > 0 on CUDA: decode rows use the paged decode kernel (max_model_len sizes
         the block tables); 0 keeps every row on the chunked path. forward_config goes into every
         step's context: a benchmark may replace it between steps (decode graphs keep the one they
-        were captured with). tp: rank 0 of a tensor-parallel group broadcasts each step's plan to it."""
+        were captured with). tp: rank 0 of a tensor-parallel group broadcasts each step's plan to it.
+        verify_width: the rows one sequence may verify in a step (1 + its drafts at most; 1 without)."""
         self.model = model
         self.tp = tp
         self.kv = kv
@@ -66,11 +68,12 @@ class ModelRunner:
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
         self.last_hidden_rows: dict[int, int] = {}
-        # speculative decoding verifies as decode rows where no ring is in the way (engine/layers/decode.py)
-        self.verifies_in_kernel = kv.layout.num_swa_layers == 0
+        # speculative decoding verifies as decode rows (engine/layers/decode.py); False: on the chunked path
+        # (a benchmark compares the two)
+        self.verifies_in_kernel = True
         if self.device.type == "cuda" and max_decode_rows > 0:
             max_blocks = math.ceil((max_model_len + 1) / kv.block_size) if kv.num_full_layers else 1
-            self.decode_inputs = DecodeInputs(max_decode_rows, max_blocks, kv.block_size, self.device)
+            self.decode_inputs = DecodeInputs(max_decode_rows, max_blocks, kv.block_size, self.device, verify_width)
 
     def capture_graphs(self, batch_sizes: list[int], verify_sizes: list[int] | None = None) -> GraphCaptureStats:
         """Graphs of decode steps of batch_sizes rows, and of speculative verifies of verify_sizes rows."""
