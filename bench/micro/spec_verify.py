@@ -10,7 +10,9 @@ In one run, on dummy 8B-shaped weights (bench/configs/llama8b.json; --tiny: toy 
      is what k accepted tokens must beat;
   3. forced acceptance: a generation whose drafts are the target's own next tokens (a plain run's, so
      every one is accepted while the two runs agree) against the same generation without speculation,
-     tokens/s end to end (the engine's step loop: drafting, verifying, sampling, appending).
+     tokens/s end to end (the engine's step loop: drafting, verifying, sampling, appending). Both with
+     --deterministic: default numerics round a verify's rows (1 + k per sequence) differently from a
+     plain step's, and random weights' near-tied logits then part the two runs within a few tokens.
 The crossover batch is the first where even k = 1 fully accepted (2 tokens per step) costs more than two
 plain steps. One table at the end, and JSON in --out.
 
@@ -21,6 +23,7 @@ plain steps. One table at the end, and JSON in --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -44,13 +47,14 @@ from engine.request import SamplingParams  # noqa: E402
 GiB = 2**30
 
 
-def build(folder: Path, args: argparse.Namespace, max_seqs: int, eager: bool = False) -> LLMEngine:
+def build(folder: Path, args: argparse.Namespace, max_seqs: int, eager: bool = False,
+          deterministic: bool = False) -> LLMEngine:
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS})
     return LLMEngine(EngineConfig(
         model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max_seqs,
         max_num_batched_tokens=max(2048, max_seqs * (1 + MAX_SPECULATIVE_TOKENS)), block_size=args.block_size,
         max_model_len=args.context + args.gen_tokens + 64, kv_cache_gb=args.kv_gb, seed=0, speculative_config=spec,
-        enforce_eager=eager, hicache_gb=0,
+        enforce_eager=eager, hicache_gb=0, is_deterministic=deterministic,
     ))  # fmt: skip
 
 
@@ -117,15 +121,21 @@ def release(eng: LLMEngine) -> None:
 
 def generate_tps(eng: LLMEngine, batch: int, args: argparse.Namespace, k: int,
                  oracle: dict[str, list[int]] | None) -> tuple[float, dict[str, list[int]], float]:
-    """tokens/s of `batch` sequences decoding args.gen_tokens each (prompts as cached); k drafts per step
+    """tokens/s of `batch` sequences decoding args.gen_tokens each (prompts prefilled first, untimed); k drafts per step
     from oracle (the tokens each sequence should produce), none without. Returns (tokens/s, the outputs,
     the mean accepted length)."""
     assert eng.speculator is not None
     spec = eng.speculator
     before = (spec.num_drafts, spec.num_accepted_tokens)
     tag = f"g{batch}-{k}-{time.monotonic_ns()}"
-    seqs = start_decoding(eng, batch, args.context, tag)
+    params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, args.context, eng.arch.vocab_size, 1)):
+        eng.add_request(f"{tag}-{i}", prompt, params)
+    seqs = list(eng.scheduler.waiting)
     names = {id(s): s.request_id.rsplit("-", 1)[1] for s in seqs}
+    spec._propose = lambda seq, room: []  # type: ignore[method-assign]
+    while any(not s.output_token_ids for s in seqs):  # prefilled (the prompts' KV real, as the runs compare)
+        eng.step()
     if oracle is not None:
         def propose(seq: Sequence, room: int) -> list[int]:
             want = oracle[names[id(seq)]]
@@ -133,8 +143,6 @@ def generate_tps(eng: LLMEngine, batch: int, args: argparse.Namespace, k: int,
             return want[done : done + min(k, room)]
 
         spec._propose = propose  # type: ignore[method-assign]
-    for s in seqs:
-        s.params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
     sync(eng.device)
     t0 = time.perf_counter()
     first = sum(len(s.output_token_ids) for s in seqs)
@@ -184,6 +192,11 @@ def main() -> None:
             release(eng)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        del eng, seqs
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        eng = build(folder, args, max(int(x) for x in args.gen_batches.split(",")), deterministic=True)
         gen: list[dict[str, Any]] = []
         for b in [int(x) for x in args.gen_batches.split(",")]:
             plain_tps, outputs, _ = generate_tps(eng, b, args, 0, None)
@@ -206,7 +219,7 @@ def main() -> None:
     cross = next((r["batch"] for r in rows if r["k1_ms"] > 2 * r["plain_ms"]), None)
     lines.append(f"crossover (k=1 fully accepted loses to two plain steps): "
                  f"{'batch ' + str(cross) if cross else 'not reached at ' + args.batches}")
-    lines.append("forced acceptance (drafts = a plain run's tokens), tokens/s end to end:")
+    lines.append("forced acceptance (drafts = a plain run's tokens; --deterministic), tokens/s end to end:")
     lines.append("batch  k  plain tok/s  spec tok/s  speedup  mean accepted length  same outputs")
     for g in gen:
         lines.append(f"{g['batch']:5d}  {g['k']}  {g['plain_tps']:11.1f}  {g['spec_tps']:10.1f}  {g['speedup']:6.2f}x  "
