@@ -91,11 +91,11 @@ def load_draft(source: DraftSource, target: ModelArch, target_tokenizer: Any) ->
         arch = arch_from_hf(hf)
     except InvalidRequestError as e:
         raise InvalidRequestError(f"{FIELD} {name!r}: {e}") from None
+    check_vocabulary(name, arch.vocab_size, load_tokenizer(folder), target.vocab_size, target_tokenizer)
     if arch.has_sliding:
         raise InvalidRequestError(f"{FIELD} {name!r} has sliding-window layers; a draft model needs full attention")
     if not target.has_full:
         raise InvalidRequestError(f"{FIELD}: the target has no full-attention layers, whose pages a draft's KV rides in")
-    check_vocabulary(name, arch.vocab_size, load_tokenizer(folder), target.vocab_size, target_tokenizer)
     return build_model(
         arch, hf, folder, source.dtype, source.device, source.max_positions, source.is_dummy, source.seed,
         fp8_format(getattr(hf, "quantization_config", None), None),
