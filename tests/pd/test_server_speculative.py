@@ -203,6 +203,8 @@ def test_a_speculating_ce_gives_the_single_engines_tokens(servers, want, capsys)
         ('{"method": "ngram", "num_speculative_tokens": 3, "lookup": 2}', 2, ("unknown keys ['lookup']",)),
         # SmolLM2 has no multi-token-prediction layers: the ranks refuse it as they start
         ('{"method": "mtp", "num_speculative_tokens": 1}', 1, ("--speculative-config", "'mtp'")),
+        # a draft model that is nowhere: refused as the ranks start, naming the field
+        ('{"model": "/no/such/draft", "num_speculative_tokens": 2}', 1, ("--speculative-config: model", "not found")),
     ],
 )
 def test_a_bad_speculative_config_stops_the_server_at_startup(
