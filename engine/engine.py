@@ -428,7 +428,7 @@ class LLMEngine:
         the sequences they end); returns the sequences that got a token, whose outputs are due.
         A sequence that left the batch after its launch (aborted) is skipped."""
         seqs = launched.seqs
-        starts = [seq.num_computed for seq in seqs]  # an MTP drafter catches up from here
+        starts = [seq.num_computed for seq in seqs]  # a drafter (MTP, draft model) catches up from here
         for seq, n in zip(seqs, launched.num_new):
             if seq.status is SeqStatus.RUNNING:
                 seq.num_computed += n - len(seq.draft_token_ids)  # drafts count once accepted (self.speculator)

@@ -9,9 +9,9 @@ position i under the same block table. The pool's layout cannot hold layers of a
 a page of the draft's is a run of bytes like any other: it takes ceil(draft page / target layer) layers of
 the target's shape, viewed with the draft's strides. Pages, prefix caches, the decode cache and the P/D
 handoff thus carry the draft's KV with no work of their own, and the memory plan counts it in page_bytes
-(the weights, loaded before it measures the device, are out of its free memory; the draft's activations
-are below the target's, whose peak it measures). Both sides of a P/D pair must run the same
---speculative-config (the handoff's layout check says so otherwise).
+(the draft's weights, loaded before it measures the device, are out of the free memory it sees; a draft
+smaller than the target stays under the target's activation peak, which it measures). Both sides of a P/D
+pair must run the same --speculative-config (the handoff's layout check says so otherwise).
 
 The draft's KV mirrors the target's: after each forward (before the prefix cache stores pages, before the
 verify, before a PE parks its sequence), `catch_up` runs the draft over every position the target fed that
@@ -20,10 +20,11 @@ prompt and a stored or retained page holds both models' KV. After the verify, `a
 decoding sequence: its last token at position c (= its computed count) gives d1, then d_j at c + j gives
 d_{j+1}, one forward for the batch each:
 
-    target fed:    x[c-1]   d1     d2   ...   dm              (positions c-1 .. c-1+m; keeps x[c-1], d1..da)
-    draft chain:   x[c-1]   d1     ...   d_{L-1}              (written the step before: same tokens, same place)
-    catch-up:                                     dm          (only when m = L: the one the chain never fed)
-    next drafts:   bonus at c+a -> d1', d1' at c+a+1 -> d2', ...
+    a step of a sequence of tokens x[0..c], c of them computed, its drafts d1..dm (of the L proposed):
+    target fed:    x[c]   d1    d2   ...   dm         (positions c .. c+m; keeps x[c], d1..da, draws b)
+    draft chain:   x[c]   d1    ...   d_{L-1}         (written the step before: same tokens, same places)
+    catch-up:                                dm       (only when m = L: the one the chain never fed)
+    next drafts:   b at c+1+a -> d1', d1' at c+2+a -> d2', ...
 
 So a steady decode step costs k draft forwards of one row per sequence, and a step with prefill chunks
 one more (their rows). A CE-side draft prefill would spare the PE that forward and the handoff the draft's
