@@ -2,11 +2,12 @@
 vocabulary, --deterministic: the drafts are the draft model's greedy chain computed from the whole sequence at
 once (its KV, kept in the target's pages, filled step by step: prefill chunks, decodes, verifies with rejected
 tails); the output is the target's own, token for token, for several target families; a draft that is the
-target itself has every draft accepted (its KV caught up exactly, prefix-cache hits included); drafts of another
-vocabulary are refused."""
+target itself has every draft accepted (its KV caught up exactly, prefix-cache hits and preemption included); the
+draft's pages are the last layers of the pool's; drafts of another vocabulary are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,14 @@ from typing import Any
 import pytest
 import torch
 
+from engine.arch import ModelArch
 from engine.config import ForwardConfig
-from engine.core.kv_cache import KVCache, layout_of
+from engine.core.kv_cache import KVCache, draft_slots, layout_of
 from engine.core.sequence import Sequence
 from engine.errors import InvalidRequestError
+from engine.handoff import KVLayout
 from engine.layers.context import SeqChunk, forward_context
+from engine.models.registry import arch_from_hf, load_hf_config
 from engine.request import SamplingParams
 from engine.speculative.draft_model import DraftDrafter, check_vocabulary
 from tests.engine_utils import random_prompts, small_engine
@@ -138,6 +142,48 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(models, family: st
         want = single.generate([s.prompt_token_ids for s in got], params)
         assert [s.output_token_ids for s in got] == [w.output_token_ids for w in want]
     eng.check_idle()
+
+
+def test_a_preempted_sequence_recomputes_the_drafts_kv_too(models) -> None:
+    """Six pages for two sequences that need ten: one is preempted and recomputed from its prompt, the draft's
+    KV with it (the target as its own draft: still every draft accepted)."""
+    target = models["llama"]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    page_bytes = layout_of(make_arch(target), 16, torch.float32, draft=layout_of(make_arch(target), 16, torch.float32)).page_bytes
+    eng = small_engine(
+        target, is_deterministic=True, max_num_batched_tokens=24, hicache_gb=0, kv_cache_gb=6 * page_bytes / 2**30,
+        speculative_config=spec(target),
+    )  # fmt: skip
+    assert eng.memory.num_blocks == 6
+    got = eng.generate(PROMPTS, params)
+    want = small_engine(target, is_deterministic=True, hicache_gb=0).generate(PROMPTS, params)
+    assert [s.output_token_ids for s in got] == [w.output_token_ids for w in want]
+    st = eng.stats()
+    assert st.num_preemptions_total > 0
+    assert 0 < st.spec_num_accepted_tokens_total == st.spec_num_draft_tokens_total
+    eng.check_idle()
+
+
+def test_the_drafts_pages_are_the_last_layers_of_the_pools() -> None:
+    """KVCache.draft_cache: the draft's page [layers, 2, block, heads, dim] lies in the pool page's last
+    draft_slots layers (rounded up to whole layers of the pool's shape), the pool's own layers untouched."""
+    draft = KVLayout(3, 0, 16, 0, 1, 24, torch.float32)  # 2304 values a page
+    for own in (KVLayout(4, 0, 16, 0, 2, 16, torch.float32), KVLayout(2, 0, 16, 0, 1, 40, torch.float32, "latent")):
+        slots = draft_slots(own, draft)
+        assert slots == -(-2304 // (own.planes * 16 * own.num_kv_heads * own.head_dim))
+        pool = KVCache(dataclasses.replace(own, num_full_layers=own.num_full_layers + slots), 5, 0, torch.device("cpu"))
+        pool.pages.zero_()
+        view = pool.draft_cache(draft)
+        assert view.layout == draft and view.pages.shape == draft.page_shape(5)
+        view.pages[3] = torch.arange(2304, dtype=torch.float32).view(draft.page_shape(1)[1:]) + 1
+        assert pool.pages[:, : own.num_full_layers].abs().sum() == 0 and pool.pages[[0, 1, 2, 4]].abs().sum() == 0
+        assert torch.equal(pool.pages[3, own.num_full_layers :].flatten()[:2304], torch.arange(2304.0) + 1)
+    with pytest.raises(ValueError, match="share the pool's block_size"):
+        draft_slots(KVLayout(4, 0, 32, 0, 2, 16, torch.float32), draft)
+
+
+def make_arch(folder: Path) -> ModelArch:
+    return arch_from_hf(load_hf_config(folder))
 
 
 class FakeTokenizer:
