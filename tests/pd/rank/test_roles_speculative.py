@@ -124,7 +124,8 @@ def test_a_draft_model_on_both_sides_decodes_like_one_engine(tmp_path, monkeypat
     """--speculative-config draft_model on the PE and the CE (a small llama, or the target itself): the PE's
     prefill fills the draft's KV of the whole prompt in the pages it hands off; the CE drafts from its first
     decode step on, its drafts the draft model's greedy chain over the whole sequence (the target as its own
-    draft: every one accepted), and decodes the single engine's tokens."""
+    draft: every one accepted), and decodes the single engine's tokens; a second turn reuses the CE's retained
+    pages, the draft's KV in them too."""
     from pd.rank.decode_role import DecodeRole
     from pd.rank.prefill_role import PrefillRole
     from tests.engine.speculative.test_draft_model import SMALL, VOCAB, record_drafts, reference_drafts, spec
@@ -137,7 +138,10 @@ def test_a_draft_model_on_both_sides_decodes_like_one_engine(tmp_path, monkeypat
     config = spec(drafter_folder)
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = [(i * 7) % 13 + 2 for i in range(40)]
-    (want,) = small_engine(folder, hicache_gb=0, is_deterministic=True).generate([prompt], params)
+    single = small_engine(folder, hicache_gb=0, is_deterministic=True)
+    (want,) = single.generate([prompt], params)
+    second = prompt + want.output_token_ids + [5, 6, 7]
+    (want2,) = single.generate([second], params)
     ctx = zmq.Context()
     pe = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=config), None)
     ce = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=config), None)
@@ -148,9 +152,16 @@ def test_a_draft_model_on_both_sides_decodes_like_one_engine(tmp_path, monkeypat
     try:
         assert handoff(pe, ce, "d", prompt, params).is_handed_off
         assert decode_all([pe, ce], ce, "d") == want.output_token_ids
-        for tokens, drafts in seen[:4]:
+        ce.handle(Reserve("d2", len(second) + 1, len(second) + params.max_tokens, 30.0, tuple(second)))
+        assert ce.take(Reserved, "d2") is not None
+        pe.handle(Prefill("d2", tuple(second), params, receiver(ce), 20.0))
+        run_until([pe, ce], lambda: any(isinstance(m, PrefillResult) for m in pe.sent))
+        assert pe.take(PrefillResult, "d2").is_handed_off
+        assert decode_all([pe, ce], ce, "d2") == want2.output_token_ids
+        for tokens, drafts in [*seen[:4], *seen[-4:]]:
             assert drafts == reference_drafts(drafter, tokens, len(drafts))
         st = ce.engine.stats()
+        assert st.decode_cache_hit_tokens_total > 0
         assert st.spec_num_drafts_total == len(seen) > 4
         if draft == "self":
             assert st.spec_num_accepted_tokens_total == st.spec_num_draft_tokens_total
