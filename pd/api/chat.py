@@ -22,8 +22,9 @@ from pd.chat.reasoning import (
 from pd.chat.renderer import RenderedPrompt
 from pd.chat.tool_choice import RequiredCalls, forced_name, is_forced, named_call, required_calls
 from pd.chat.toolcalls import ParsedOutput, ToolStreamFilter, new_call_id
+from pd.frontend.beam_search import BeamParams, eos_token_id, search
 from pd.frontend.coordinator import Coordinator
-from pd.frontend.generation import ChoiceUpdate, Generation, SubRequest
+from pd.frontend.generation import ChoiceSource, ChoiceUpdate, Generation, SubRequest
 from pd.http.io import json_response, usage
 from pd.http.request_log import REQUEST_ID
 from pd.rank.client import RankClient
@@ -129,6 +130,15 @@ async def _generate(
     ]
     head = {"id": rid, "created": int(time.time()), "model": co.model_name}
     start = reasoning_start(co, req, rendered)
+    if req.sampling.beam is not None:  # vLLM's use_beam_search: the n choices are the n best beams
+        beam = req.sampling.beam
+        eos = eos_token_id(co, req.sampling.ignore_eos)
+        p = BeamParams(beam.width, max_tokens, beam.length_penalty, eos, beam.include_stop_str_in_output, req.logprobs or 0)
+        key = affinity_key(req)
+        beams = await search(co, rank, key, rid, [prompt], [p], req.sampling.use_prefix_cache, arrival_s)
+        if req.sampling.stream:  # the finished beams, one chunk each (vLLM's)
+            return await _stream(co, request, req, beams, head, len(prompt), start)
+        return await _whole(co, req, beams, head, prompt, start)
     async with Generation(rank, co.metrics, arrival_s, co.pd, affinity_key(req)) as gen:
         await gen.submit(subs)
         if req.sampling.stream:
@@ -139,7 +149,7 @@ async def _generate(
 async def _whole(
     co: Coordinator,
     req: ChatRequest,
-    gen: Generation,
+    gen: ChoiceSource,
     head: dict[str, Any],
     prompt: list[int],
     start: Start | None,
@@ -220,7 +230,7 @@ async def _stream(
     co: Coordinator,
     request: web.Request,
     req: ChatRequest,
-    gen: Generation,
+    gen: ChoiceSource,
     head: dict[str, Any],
     num_prompt: int,
     start: Start | None,

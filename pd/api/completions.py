@@ -19,8 +19,9 @@ from pd.api.prompt_logprobs import LOGPROB_FLOOR, candidates, prompt_logprobs_js
 from pd.api.protocol import CompletionRequest, parse_completion_request
 from pd.api.sse import stream_choices
 from pd.errors import bad_request, internal
+from pd.frontend.beam_search import BeamAnswers, BeamParams, eos_token_id, search
 from pd.frontend.coordinator import Coordinator
-from pd.frontend.generation import ChoiceUpdate, Generation, SubRequest
+from pd.frontend.generation import ChoiceSource, ChoiceUpdate, Generation, SubRequest
 from pd.http.io import json_response, usage
 from pd.http.request_log import REQUEST_ID
 from pd.rank.client import RankClient
@@ -113,7 +114,38 @@ async def answer_completion(
     ]
     num_prompt = sum(len(ids) for ids in prompt_ids)
     with co.claim(rid):
+        if req.sampling.beam is not None:
+            beams = await _beam_search(co, req, rank, key, rid, prompt_ids, subs, arrival_s)
+            return await _whole(co, req, beams, head, echo, num_prompt)
         return await _generate(co, request, req, rank, key, subs, arrival_s, head, echo, num_prompt)
+
+
+async def _beam_search(
+    co: Coordinator,
+    req: CompletionRequest,
+    rank: RankClient,
+    key: str,
+    rid: str,
+    prompt_ids: list[list[int]],
+    subs: list[SubRequest],
+    arrival_s: float,
+) -> BeamAnswers:
+    """vLLM's use_beam_search: the n choices of each prompt are its n best beams, best first."""
+    beam = req.sampling.beam
+    assert beam is not None
+    eos = eos_token_id(co, req.sampling.ignore_eos)
+    params = [
+        BeamParams(
+            beam.width,
+            subs[j * beam.width].params.max_tokens,
+            beam.length_penalty,
+            eos,
+            beam.include_stop_str_in_output,
+            req.logprobs or 0,
+        )
+        for j in range(len(prompt_ids))
+    ]
+    return await search(co, rank, key, rid, prompt_ids, params, req.sampling.use_prefix_cache, arrival_s)
 
 
 @dataclass(frozen=True)
@@ -171,7 +203,7 @@ async def _generate(
 async def _whole(
     co: Coordinator,
     req: CompletionRequest,
-    gen: Generation,
+    gen: ChoiceSource,
     head: dict[str, Any],
     echo: list[_Echo],
     num_prompt: int,

@@ -31,6 +31,7 @@ from pd.chat.tool_choice import forced_schema
 from pd.errors import bad_request
 
 MAX_N = 16
+MAX_BEAM_WIDTH = MAX_TOP_LOGPROBS // 2  # each beam step asks for 2 x width logprobs (vLLM's, under its 20)
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_SUBREQUESTS = 256  # prompts x n in one request
@@ -52,9 +53,8 @@ _UNSET = object()
 # vLLM's request fields for features this server does not have, each with the values that ask for nothing
 # (vLLM's defaults; null always does): any other value is a 400 naming the field, never ignored.
 UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
-    "length_penalty": (1.0, 1),
-    "include_stop_str_in_output": (False,),
+    "include_stop_str_in_output": (False,),  # with use_beam_search: the EOS counted and shown (BeamFields)
+    "early_stopping": (False,),  # vLLM's v1 beam search takes it and does nothing with it
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (),
@@ -75,6 +75,16 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[Any, ...]] = {
     "documents": (),  # chat's
     "chat_template": (),  # chat's: this server renders with its own (--chat-template)
 }
+
+
+@dataclass(frozen=True)
+class BeamFields:
+    """vLLM's beam search (use_beam_search): `n` beams, ranked by cumulative logprob, the answers by
+    cumulative logprob / length ** length_penalty (pd/frontend/beam_search.py)."""
+
+    width: int
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # a beam ended by EOS keeps the EOS as a token (not in its text)
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,7 @@ class SamplingFields:
     min_tokens: int = 0
     structured: StructuredOutput | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob plus the top N
+    beam: BeamFields | None = None  # vLLM's use_beam_search: the n choices are beams
 
     def params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
         """Engine parameters of choice number `choice` (seeded choices get seed + choice, so n > 1 differs)."""
@@ -414,6 +425,39 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
     return int(n)
 
 
+# The sampling fields beam search has no use for (it ranks by the model's own logprobs, as vLLM's does),
+# with the values that ask for nothing: any other is a 400 naming the field.
+_NOT_FOR_BEAMS: dict[str, Any] = {
+    "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0, "logit_bias": (), "min_tokens": 0, "stop": (), "stop_token_ids": (),
+    "prompt_logprobs": None, "structured": None,
+}  # fmt: skip
+_STRUCTURED_KEYS = ("response_format", "structured_outputs", *_GUIDED, "tool_choice")
+
+
+def _beam(body: dict[str, Any], sampling: SamplingFields, can_stream: bool) -> SamplingFields:
+    """vLLM's use_beam_search (n beams, length_penalty, include_stop_str_in_output), checked; the sampling
+    fields that do not apply to it are refused, naming them. can_stream: chat's answer may come as a stream
+    (of the finished beams, as vLLM's); completions refuse it, as vLLM does."""
+    length_penalty = _number(body, "length_penalty", 1.0, -10.0, 10.0)
+    if not _bool(body, "use_beam_search", False):
+        if length_penalty != 1.0:
+            raise bad_request("'length_penalty' applies to beam search: send 'use_beam_search': true", "length_penalty")
+        return sampling
+    if sampling.n > MAX_BEAM_WIDTH:
+        raise bad_request(f"beam search takes 'n' (the beam width) up to {MAX_BEAM_WIDTH}, got {sampling.n}", "n")
+    if sampling.stream and not can_stream:
+        raise bad_request("'stream' is not supported with beam search (vLLM's: the beams end together)", "stream")
+    for name, neutral in _NOT_FOR_BEAMS.items():
+        if getattr(sampling, name) != neutral:
+            param = name
+            if name == "structured":
+                param = next((k for k in _STRUCTURED_KEYS if body.get(k) is not None), "structured_outputs")
+            raise bad_request(f"'{param}' does not apply to beam search: leave it out", param)
+    include_stop = _bool(body, "include_stop_str_in_output", False)
+    return replace(sampling, beam=BeamFields(sampling.n, length_penalty, include_stop))
+
+
 def _model(body: dict[str, Any]) -> str | None:
     m = body.get("model")
     if m is not None and not isinstance(m, str):
@@ -609,10 +653,13 @@ def _refuse_media(body: dict[str, Any]) -> None:
         raise bad_request(f"'modalities' supports only \"text\", got {other}", "modalities")
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    """A 400 for the first UNSUPPORTED_VLLM_FIELDS entry set to anything but a value that asks for nothing."""
+def _refuse_unsupported(body: dict[str, Any], sampling: SamplingFields) -> None:
+    """A 400 for the first UNSUPPORTED_VLLM_FIELDS entry set to anything but a value that asks for nothing
+    (include_stop_str_in_output is taken with beam search)."""
     for key, neutral in UNSUPPORTED_VLLM_FIELDS.items():
         v = body.get(key)
+        if key == "include_stop_str_in_output" and sampling.beam is not None:
+            continue
         if v is None or any(type(v) is type(n) and v == n for n in neutral):
             continue
         send = f" or send {orjson.dumps(neutral[0]).decode()}" if neutral else ""
@@ -654,8 +701,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     tools, tool_choice = _tools(body)
     parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
     sampling = _with_tool_constraint(sampling, tools, tool_choice, parallel_tool_calls)
+    sampling = _beam(body, sampling, can_stream=True)
     _refuse_media(body)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, sampling)
     add_generation_prompt, continue_final_message = _generation_prompt(body, messages)
     return ChatRequest(
         model,
@@ -752,6 +800,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if echo and logprobs is not None and sampling.prompt_logprobs is None:
         # vLLM's: the echoed prompt's logprobs are its prompt logprobs, with the top `logprobs`
         sampling = replace(sampling, prompt_logprobs=logprobs)
-    _refuse_unsupported(body)
+    sampling = _beam(body, sampling, can_stream=False)
+    if sampling.beam is not None and echo:
+        raise bad_request("'echo' is not supported with beam search", "echo")
+    _refuse_unsupported(body, sampling)
     special = _bool(body, "add_special_tokens", True)
     return CompletionRequest(model, tuple(prompts), echo, logprobs, sampling, special)

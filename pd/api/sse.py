@@ -12,7 +12,7 @@ from aiohttp import web
 from pd.errors import ApiError, unexpected
 
 if TYPE_CHECKING:
-    from pd.frontend.generation import ChoiceUpdate, Generation
+    from pd.frontend.generation import ChoiceSource, ChoiceUpdate
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -25,7 +25,7 @@ def sse_event(obj: Any) -> bytes:
 
 async def stream_choices(
     request: web.Request,
-    gen: Generation,
+    gen: ChoiceSource,
     head: dict[str, Any],
     choice: Callable[[ChoiceUpdate], dict[str, Any] | None],
     usage: Callable[[], dict[str, Any]] | None,

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from engine.request import PromptLogprobs, RequestOutput, SamplingParams, TokenLogprob
 from pd.disagg.decode_path import DecodePath, PhaseError
@@ -49,6 +49,12 @@ class ChoiceUpdate:
     num_cached_tokens: int
     num_output_tokens: int
     prompt_logprobs: PromptLogprobs | None = None  # asked for: on the choice's first update
+
+
+class ChoiceSource(Protocol):
+    """Where an answer's choice updates come from: a Generation, or finished beams (beam_search.py)."""
+
+    def updates(self) -> AsyncIterator[ChoiceUpdate]: ...
 
 
 def engine_down_error(message: str) -> ApiError:

@@ -170,7 +170,14 @@ def test_penalties_logit_bias_min_p_and_min_tokens_reach_the_engine():
         ),
         ({"messages": USER, "add_generation_prompt": "no"}, "add_generation_prompt"),
         ({"messages": USER, "add_special_tokens": 1}, "add_special_tokens"),
-        ({"messages": USER, "use_beam_search": True}, "use_beam_search"),
+        ({"messages": USER, "use_beam_search": "yes"}, "use_beam_search"),
+        ({"messages": USER, "length_penalty": 0.5}, "length_penalty"),  # beam search's alone
+        ({"messages": USER, "use_beam_search": True, "n": 11}, "n"),
+        ({"messages": USER, "use_beam_search": True, "top_p": 0.5}, "top_p"),
+        ({"messages": USER, "use_beam_search": True, "stop": ["x"]}, "stop"),
+        ({"messages": USER, "use_beam_search": True, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "use_beam_search": True, "early_stopping": True}, "early_stopping"),
+        ({"messages": USER, "use_beam_search": True, "length_penalty": 11}, "length_penalty"),
         ({"messages": USER, "skip_special_tokens": False}, "skip_special_tokens"),
         ({"messages": USER, "length_penalty": True}, "length_penalty"),
         ({"messages": USER, "echo": "yes"}, "echo"),
@@ -294,6 +301,27 @@ def test_continuous_usage_chat_echo_and_empty_prompt_embeds():
     assert parse_completion_request({"prompt": "a", "prompt_embeds": []}).prompts == ("a",)
     _bad(parse_completion_request, {"prompt_embeds": []}, "prompt")
     _bad(parse_completion_request, {"prompt": "a", "prompt_embeds": "AAAA"}, "prompt_embeds")
+
+
+def test_beam_search_fields():
+    """vLLM's use_beam_search: n is the width, length_penalty and include_stop_str_in_output come with it;
+    completions refuse it streamed and echoed (vLLM's), chat streams the finished beams."""
+    s = parse_chat_request({"messages": USER, "use_beam_search": True, "n": 3, "length_penalty": 0.5}).sampling
+    assert s.beam is not None and (s.beam.width, s.beam.length_penalty, s.beam.include_stop_str_in_output) == (3, 0.5, False)
+    s = parse_chat_request({"messages": USER, "use_beam_search": True, "stream": True, "temperature": 0.7}).sampling
+    assert s.beam is not None and s.beam.width == 1 and s.stream
+    beam = {"prompt": "a", "use_beam_search": True, "n": 2, "best_of": 2, "include_stop_str_in_output": True}
+    s = parse_completion_request({**beam, "prompt": ["a", "b"], "ignore_eos": True, "seed": 3}).sampling
+    assert s.beam is not None and s.beam.include_stop_str_in_output and s.ignore_eos
+    assert parse_completion_request({"prompt": "a", "use_beam_search": False}).sampling.beam is None
+    _bad(parse_completion_request, {**beam, "stream": True}, "stream")
+    _bad(parse_completion_request, {**beam, "echo": True}, "echo")
+    _bad(parse_completion_request, {**beam, "best_of": 3}, "best_of")
+    _bad(parse_completion_request, {**beam, "logit_bias": {"1": 1}}, "logit_bias")
+    _bad(parse_completion_request, {"prompt": "a", "include_stop_str_in_output": True}, "include_stop_str_in_output")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    forced = {"messages": USER, "use_beam_search": True, "tools": tools, "tool_choice": "required"}
+    _bad(parse_chat_request, forced, "tool_choice")
 
 
 # ---- completion request checks -----------------------------------------------------------------------------
