@@ -144,6 +144,11 @@ class DraftDrafter:
     def propose(self, seq: Sequence, k: int) -> list[int]:
         return self._drafts.pop(seq.request_id, [])[:k]
 
+    def forget(self) -> None:
+        """Drops every draft and chain record (after a failed forward: the next catch-up computes all it is fed)."""
+        self._drafts.clear()
+        self._chained.clear()
+
     @torch.inference_mode()
     def catch_up(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> None:
         """After the target's forward, its computed counts updated (drafts not yet verified): the draft over

@@ -50,6 +50,10 @@ class MtpDrafter:
     def propose(self, seq: Sequence, k: int) -> list[int]:
         return self._drafts.pop(seq.request_id, [])[:k]
 
+    def forget(self) -> None:
+        """Drops every draft (after a failed forward)."""
+        self._drafts.clear()
+
     @torch.inference_mode()
     def after_step(
         self,

@@ -23,6 +23,7 @@ slot is written again before anything reads it)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,9 +33,12 @@ from engine.config import SpeculativeConfig
 from engine.core.kv_cache import KVCache
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import SeqStatus, Sequence
+from engine.faults import raise_if_fatal
 from engine.speculative.draft_model import DraftDrafter
 from engine.speculative.mtp import MtpDrafter
 from engine.speculative.ngram import Haystack
+
+log = logging.getLogger(__name__)
 
 # draws row j of each given sequence and appends its token (ending it where it ends); returns the sequences
 # that took one (a row that failed ended its sequence with an error)
@@ -201,8 +205,9 @@ class Speculator:
         """After a step's forward, its computed counts updated, before anything reads its pages (the prefix
         cache's store, the verify, a park): the draft model's catch-up (draft_model; nothing for the others).
         starts: each sequence's computed count before the step; num_new: the tokens it fed."""
-        if self.draft_model is not None:
-            self.draft_model.catch_up(seqs, starts, num_new)
+        draft = self.draft_model
+        if draft is not None:
+            self._drafting(lambda: draft.catch_up(seqs, starts, num_new))
 
     def after_step(
         self, seqs: list[Sequence], starts: list[int], hidden: torch.Tensor | None, first_rows: dict[int, int]
@@ -212,12 +217,25 @@ class Speculator:
         from the tokens alone). starts: each sequence's computed count before the step; hidden, first_rows:
         the step's forward's (the runner's)."""
         cap = self.config.disable_by_batch_size
-        drafting = cap is None or len(self.scheduler.running) <= cap
-        if self.draft_model is not None:
-            self.draft_model.after_step(seqs, self.max_drafts if drafting else 0)
-        if self.mtp is None or hidden is None:
-            return
-        self.mtp.after_step(seqs, starts, hidden, first_rows, self.max_drafts if drafting else 0)
+        num_drafts = self.max_drafts if cap is None or len(self.scheduler.running) <= cap else 0
+        draft, mtp = self.draft_model, self.mtp
+        if draft is not None:
+            self._drafting(lambda: draft.after_step(seqs, num_drafts))
+        if mtp is not None and hidden is not None:
+            self._drafting(lambda: mtp.after_step(seqs, starts, hidden, first_rows, num_drafts))
+
+    def _drafting(self, work: Callable[[], None]) -> None:
+        """A drafter's forward. Its failure (not a fatal one) costs drafts, never tokens: logged, and the
+        sequences go on without drafts until the drafter's next step (its KV of this step's positions may be
+        stale: worse drafts, which the verify rejects)."""
+        try:
+            work()
+        except Exception as e:
+            raise_if_fatal(e)
+            log.error("the drafter failed; the step's sequences go on without its drafts", exc_info=e)
+            for drafter in (self.draft_model, self.mtp):
+                if drafter is not None:
+                    drafter.forget()
 
     def drop(self, seqs: list[Sequence]) -> None:
         """A batch that never reached verify (its forward failed): drafts forgotten, rings restored."""

@@ -231,3 +231,28 @@ def test_draft_model_on_cuda_gives_the_same_tokens(models, eager: bool) -> None:
         st = eng.stats()
         assert st.spec_num_accepted_tokens_total > 0
         eng.check_idle()
+
+
+def test_a_failing_draft_forward_costs_drafts_never_tokens(models, caplog) -> None:
+    """The draft model's forward raises on some steps: logged, those steps' sequences go on without drafts, the
+    tokens are the target's all the same."""
+    target = models["llama"]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = small_engine(target, is_deterministic=True, hicache_gb=0).generate(PROMPTS, params)
+    eng = small_engine(target, is_deterministic=True, hicache_gb=0, speculative_config=spec(models["draft"]))
+    drafter = eng.speculator.draft_model if eng.speculator is not None else None
+    assert drafter is not None
+    forward, calls = drafter._forward, [0]
+
+    def flaky(*args: Any) -> list[int]:
+        calls[0] += 1
+        if calls[0] % 7 == 3:
+            raise RuntimeError("a draft forward failed")
+        return forward(*args)
+
+    drafter._forward = flaky  # type: ignore[method-assign]
+    got = eng.generate(PROMPTS, params)
+    assert [s.output_token_ids for s in got] == [w.output_token_ids for w in want]
+    assert "the drafter failed" in caplog.text
+    assert eng.stats().spec_num_draft_tokens_total > 0
+    eng.check_idle()
