@@ -5,7 +5,8 @@ Every case is sent to both; the outputs must be identical token for token (compa
 logprobs' token bytes where the API gives them, and always as text, finish reason and completion token
 count). Cases: short and long prompts, stop strings, penalties, logit_bias, min_p and min_tokens,
 seeded sampling, n > 1, max_tokens 1 (the PE's
-first token ends it), completions, streaming, multi-turn conversations (each turn carries the
+first token ends it), beam search (every step a max_tokens-1 request: the PE answers it), completions,
+streaming, multi-turn conversations (each turn carries the
 reference's previous answer to both, so a difference shows at the turn it happens), and
 --concurrency conversations at once. The prompt-logprob cases (vLLM's prompt_logprobs, completions' echo
 with logprobs, as lm-evaluation-harness's loglikelihood sends it) compare the values too, bit for bit:
@@ -90,7 +91,7 @@ def _extra(kw: dict[str, Any]) -> dict[str, Any]:
     kw = dict(kw)
     for k in (
         "top_k", "ignore_eos", "prefix_cache", "repetition_penalty", "min_p", "min_tokens", "structured_outputs",
-        "prompt_logprobs",
+        "prompt_logprobs", "use_beam_search", "length_penalty",
     ):  # fmt: skip
         if k in kw:
             kw.setdefault("extra_body", {})[k] = kw.pop(k)
@@ -336,6 +337,17 @@ def chat_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]]:
             temperature=0,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
         ),
+        single(
+            "chat beam search",
+            "chat",
+            messages=user(QUESTIONS[2]),
+            n=2,
+            max_tokens=m,
+            logprobs=True,
+            top_logprobs=2,
+            use_beam_search=True,
+            length_penalty=0.5,
+        ),
         single("chat long greedy", "chat", messages=long, max_tokens=m, temperature=0, logprobs=True),
         single("chat long stream", "chat", True, messages=long, max_tokens=m, temperature=0, logprobs=True),
         single(
@@ -513,6 +525,16 @@ def completion_cases(concurrency: int, max_tokens: int) -> list[tuple[str, Case]
             temperature=0.8,
             seed=7,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
+        ),
+        single(
+            "completion beam search",
+            "completions",
+            values=True,
+            prompt=["Once upon a time", "The capital of France is"],
+            n=2,
+            max_tokens=m,
+            logprobs=1,
+            use_beam_search=True,
         ),
         single(
             "completion long",

@@ -2,7 +2,7 @@
 single-engine server and P/D pair (SmolLM2-135M, --deterministic), each as vLLM's own tests ask:
 usage in every chunk (`stream_options.continuous_usage_stats`), chat's `echo` with
 `continue_final_message`, GET /tokenizer_info, /tokenize with tools, GET /load, POST /invocations, an
-empty `prompt_embeds` beside a prompt, and `vllm:iteration_tokens_total`."""
+empty `prompt_embeds` beside a prompt, `vllm:iteration_tokens_total`, and beam search (`use_beam_search`)."""
 
 from __future__ import annotations
 
@@ -259,3 +259,111 @@ def test_iteration_tokens(servers):
     assert moved[pair.pe.url] == (2, 2 * (len(prompt_ids) + 1)), moved
     assert moved[pair.url] == (2 * 9, 2 * 9), moved
     wait_pair_idle(pair)
+
+
+# ---- beam search ----------------------------------------------------------------------------------------
+
+
+def _beam(**kw: Any) -> dict[str, Any]:
+    return {"use_beam_search": True, **kw}
+
+
+def test_batch_completions_with_beam_search(servers):
+    """vLLM's test_batch_completions, beam part: two prompts, n=2 beams each, best first, different texts;
+    the same prompt twice gives the same beams; single and P/D alike."""
+    answers = []
+    for url in both(servers):
+        client = openai_client(url)
+        out = client.completions.create(
+            model=MODEL, prompt=["Hello, my name is"] * 2, n=2, max_tokens=5, extra_body=_beam()
+        )
+        assert len(out.choices) == 4 and [c.index for c in out.choices] == [0, 1, 2, 3]
+        assert out.choices[0].text != out.choices[1].text
+        assert [c.text for c in out.choices[:2]] == [c.text for c in out.choices[2:]]
+        assert all(c.finish_reason in ("stop", "length") for c in out.choices)
+        assert out.usage.completion_tokens <= 4 * 5 and out.usage.prompt_tokens > 0
+        answers.append([(c.text, c.finish_reason) for c in out.choices])
+        with pytest.raises(openai.BadRequestError) as e:  # vLLM's: beam search is not streamed on completions
+            client.completions.create(model=MODEL, prompt="Hi", n=2, max_tokens=5, stream=True, extra_body=_beam())
+        assert e.value.body["param"] == "stream"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="Hi", n=11, best_of=11, max_tokens=5, extra_body=_beam())
+        assert e.value.body["param"] == "n"
+    assert answers[0] == answers[1]
+
+
+def _reference_beams(url: str, prompt: list[int], width: int, steps: int) -> list[tuple[list[int], float]]:
+    """vLLM's beam search (ignore_eos) worked out from plain greedy requests' top 2 x width logprobs, each
+    candidate's token id found by its text in the tokenizer's vocabulary: [(tokens, cum_logprob)], best first."""
+    from pd.frontend.coordinator import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    ids_of: dict[str, list[int]] = {}
+    for i in range(len(tok)):
+        ids_of.setdefault(tok.decode([i]), []).append(i)
+    client = openai_client(url)
+    beams: list[tuple[list[int], float]] = [([], 0.0)]
+    for _ in range(steps):
+        candidates = []
+        for tokens, cum in beams:
+            out = client.completions.create(
+                model=MODEL, prompt=prompt + tokens, max_tokens=1, temperature=0, logprobs=2 * width,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            top = sorted(out.choices[0].logprobs.top_logprobs[0].items(), key=lambda kv: -kv[1])[: 2 * width]
+            for text, lp in top:
+                assert len(ids_of[text]) == 1, f"{text!r} is more than one token"
+                candidates.append((tokens + ids_of[text], cum + lp))
+        beams = sorted(candidates, key=lambda c: -c[1])[:width]
+    return beams  # one length: the score's order is the cumulative logprob's
+
+
+def test_beam_search_matches_its_steps_worked_out_by_hand(servers):
+    """Width 2, 3 tokens, ignore_eos: the beams (and their logprobs) are the ones vLLM's procedure picks from
+    the server's own greedy logprobs; width 1 is greedy decoding."""
+    from pd.frontend.coordinator import load_tokenizer
+
+    ref, _ = servers
+    tok = load_tokenizer(MODEL)
+    prompt_ids = tok.encode("The best thing about Paris is")
+    want = _reference_beams(ref.url, prompt_ids, 2, 3)
+    for url in both(servers):
+        client = openai_client(url)
+        out = client.completions.create(
+            model=MODEL, prompt=prompt_ids, n=2, max_tokens=3, logprobs=1, extra_body=_beam(ignore_eos=True)
+        )
+        got = [(c.text, sum(c.logprobs.token_logprobs)) for c in out.choices]
+        assert [t for t, _ in got] == [tok.decode(ids) for ids, _ in want]
+        for (_, cum), (_, want_cum) in zip(got, want, strict=True):
+            assert cum == pytest.approx(want_cum, abs=1e-4)
+        assert all(c.finish_reason == "length" and len(c.logprobs.tokens) == 3 for c in out.choices)
+        assert out.usage.completion_tokens == 6
+        kw: dict[str, Any] = dict(model=MODEL, prompt=prompt_ids, max_tokens=6)
+        greedy = client.completions.create(**kw, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        assert client.completions.create(**kw, extra_body=_beam(ignore_eos=True)).choices[0].text == greedy
+
+
+def test_chat_with_beam_search(servers):
+    """vLLM's test_chat_streaming's beam case (n=2, top_logprobs): two different answers, with their tokens'
+    logprobs; streamed, the same answers (one chunk each, as vLLM's); single and P/D alike."""
+    answers = []
+    for url in both(servers):
+        client = openai_client(url)
+        kw: dict[str, Any] = dict(
+            model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], n=2,
+            max_completion_tokens=10, extra_body=_beam(length_penalty=0.5),
+        )  # fmt: skip
+        out = client.chat.completions.create(**kw, logprobs=True, top_logprobs=5)
+        assert len(out.choices) == 2 and out.choices[0].message.content != out.choices[1].message.content
+        for c in out.choices:
+            assert c.logprobs is not None and c.logprobs.content
+            assert all(len(t.top_logprobs) == 5 for t in c.logprobs.content)
+        assert out.usage.completion_tokens == sum(len(c.logprobs.content) for c in out.choices)
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        streamed = ["", ""]
+        for chunk in chunks:
+            for c in chunk.choices:
+                streamed[c.index] += c.delta.content or ""
+        assert streamed == [c.message.content for c in out.choices]
+        answers.append([(c.message.content, c.finish_reason) for c in out.choices])
+    assert answers[0] == answers[1]
