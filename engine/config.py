@@ -246,6 +246,13 @@ class EngineConfig:
             "sends only the pages this rank lacks"
         },
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "help": "vLLM's: --no-enable-prefix-caching turns every prefix cache off (the host prefix cache of "
+            "--hicache-gb and the decode cache of --decode-cache): every prompt is computed or handed off whole"
+        },
+    )
     eplb_interval: int = field(
         default=0,
         metadata={
@@ -291,6 +298,11 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.speculative()  # raises on a bad --speculative-config
+
+    @property
+    def uses_decode_cache(self) -> bool:
+        """--decode-cache, unless --no-enable-prefix-caching turns every prefix cache off."""
+        return self.decode_cache and self.enable_prefix_caching
 
     def speculative(self) -> SpeculativeConfig | None:
         return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)

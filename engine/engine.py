@@ -106,10 +106,14 @@ class LLMEngine:
                 f"{config.model} has none (num_nextn_predict_layers)"
             )
         uses_mtp = spec is not None and spec.method == "mtp"
+        # NOTE: the startup's phases are logged with their times: a large model loads for minutes
+        t0 = time.monotonic()
+        log.info("loading the weights of %s (%s) on %s", config.model, self.dtype, self.device)
         self.model = build_model(
             self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy",
             config.seed, self.fp8_format, tp, mtp_layers=1 if uses_mtp and tp is None else 0,
         )
+        log.info("weights loaded in %.1f s", time.monotonic() - t0)
         # --speculative-config draft_model: a second model, its KV in the pool's pages (engine/speculative/draft_model.py)
         self.draft_model: CausalLM | None = None
         draft_layout = None
@@ -126,9 +130,16 @@ class LLMEngine:
         self.numerics = pick_numerics(config.is_deterministic, self.model.row_functions, self.dtype, self.device, agree)
         # a tensor-parallel rank's heads
         self.layout = layout_of(self.model.arch, config.block_size, self.dtype, draft=draft_layout)
+        t0 = time.monotonic()
         self.memory = plan_memory(
             config, self.model.arch, self.layout, self.model, self.numerics, self.device, self.max_model_len
         )
+        log.info(
+            "memory plan in %.1f s: weights %.2f GiB, peak activations %.2f GiB, %d KV blocks of %d tokens "
+            "(%.2f GiB)",
+            time.monotonic() - t0, self.memory.weight_bytes / 2**30, self.memory.peak_activation_bytes / 2**30,
+            self.memory.num_blocks, config.block_size, self.memory.num_blocks * self.memory.page_bytes / 2**30,
+        )  # fmt: skip
         if tp is not None:  # rank 0's block ids must exist on every rank
             self.memory = dataclasses.replace(
                 self.memory, num_blocks=tp.min_int(self.memory.num_blocks), num_swa_slots=tp.min_int(self.memory.num_swa_slots)
@@ -138,7 +149,7 @@ class LLMEngine:
         self.slots = BlockPool(self.memory.num_swa_slots)
         # CE: finished P/D sequences' pages stay in self.blocks as evictable cache (only pages: the SWA
         # state always travels, so a model without full-attention layers retains nothing)
-        keeps_pages = config.decode_cache and self.arch.has_full
+        keeps_pages = config.uses_decode_cache and self.arch.has_full
         self.decode_cache = DecodeCache(self.blocks, config.block_size) if keeps_pages else None
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -176,9 +187,14 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager and self.ep is None and tp is None:
             # (no collectives in graphs)
             verify_rows = config.max_num_seqs * (1 + self._max_drafts()) if self._max_drafts() else 0
+            log.info("capturing decode CUDA graphs (--enforce-eager: none)")
             self.graph_stats = self.runner.capture_graphs(
                 graph_batch_sizes(config.max_num_seqs), graph_batch_sizes(verify_rows) if verify_rows else None
             )
+            log.info(
+                "%d decode graphs captured in %.1f s",
+                len(self.graph_stats.batch_sizes) + len(self.graph_stats.verify_sizes), self.graph_stats.capture_s,
+            )  # fmt: skip
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
         # --speculative-config: drafts verified in each decode step (engine/speculative/)

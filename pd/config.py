@@ -19,7 +19,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig
-from pd.flags import add_config_flag, from_flags, parse_args, parser_for
+from pd.flags import add_config_flag, flags, from_flags, parse_args, parser_for
+from pd.kv_transfer_config import kv_transfer_settings
 from transfer.config import TransferConfig
 from transfer.transports import names_where
 
@@ -195,7 +196,13 @@ class ServerConfig:
         default=None,
         metadata={"help": f"HTTP port; default {DEFAULT_PORT} ({DEFAULT_PE_PORT} for --role pe)"},
     )
-    dp: int = field(default=1, metadata={"help": "engine ranks (one process each; one GPU each on CUDA)"})
+    dp: int = field(
+        default=1,
+        metadata={
+            "help": "engine ranks (one process each; one GPU each on CUDA)",
+            "aliases": ("data-parallel-size", "-dp"),  # vLLM's names
+        },
+    )
     ep: int = field(
         default=1,
         metadata={
@@ -211,7 +218,8 @@ class ServerConfig:
             "each on CUDA) holding one model split Megatron-style; the group's first process schedules "
             "and samples, the others follow its steps; with --role pe|ce a handoff carries every KV head and "
             "each group's first process re-shards them, so any --tp hands off to any --tp "
-            f"(over {' or '.join(TP_TRANSPORTS)})"
+            f"(over {' or '.join(TP_TRANSPORTS)})",
+            "aliases": ("tensor-parallel-size", "-tp"),  # vLLM's names
         },
     )
     routing: str = field(
@@ -276,6 +284,32 @@ class ServerConfig:
         metadata={
             "help": "vLLM's: usage.prompt_tokens_details.cached_tokens is always in answers here, as in "
             "OpenAI's API (--no-... is refused)"
+        },
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "vLLM's: the sampling defaults of a request that does not set them: auto (the "
+            "checkpoint's generation_config.json: its temperature, top_p, top_k, min_p, "
+            "repetition_penalty) | vllm (none: temperature 1, no top-p/top-k/min-p, no penalty) | a folder "
+            "holding a generation_config.json"
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "vLLM's: taken, and changes nothing: pdserve never runs code from a checkpoint (its model "
+            "families are its own, engine/models/); a checkpoint of another architecture is refused by name"
+        },
+    )
+    kv_transfer_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "vLLM's P/D JSON, mapped onto these flags: kv_role kv_producer = --role pe, kv_consumer "
+            "= --role ce, kv_both = the --role given; kv_connector NixlConnector = --transport nixl, "
+            "P2pNcclConnector = nccl (the transport a prefill engine sends with; a decode engine takes "
+            "--accept-transports); kv_ip / kv_port = --kv-host / --kv-port-base (decode). Other "
+            "connectors and keys are refused, named"
         },
     )
     # ---- HTTP limits and security (every role) ----
@@ -430,6 +464,13 @@ class ServerConfig:
         if self.pe_load_slack < 0 or self.pe_dns_refresh_s <= 0:
             raise ValueError("--pe-load-slack must be >= 0 and --pe-dns-refresh-s > 0")
         parse_prefill_urls(self.prefill_url)  # raises ValueError naming a bad entry
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(self.generation_config, "generation_config.json")
+        ):
+            raise ValueError(
+                f"--generation-config takes auto, vllm or a folder holding a generation_config.json; "
+                f"{self.generation_config!r} has none"
+            )
 
     @property
     def http_port(self) -> int:
@@ -494,7 +535,23 @@ class ServerConfig:
         ns = parse_args(cls.parser(prog, is_model_positional), cls, argv)
         if getattr(ns, "model_tag", None) is not None:
             setattr(ns, "engine.model", ns.model_tag)
+        if ns.kv_transfer_config is not None:
+            _apply_kv_transfer_config(ns)
         cfg = from_flags(cls, ns)
         if cfg.api_key is None and os.environ.get(API_KEY_ENV):
             cfg = dataclasses.replace(cfg, api_key=os.environ[API_KEY_ENV])
         return cfg
+
+
+def _apply_kv_transfer_config(ns: argparse.Namespace) -> None:
+    """Sets the flags --kv-transfer-config stands for (pd/kv_transfer_config.py) in the parsed ns; one also
+    given (not at its default) with another value is a ValueError naming both."""
+    values = vars(ns)
+    by_dest = {f.dest: f for f in flags(ServerConfig)}
+    for dest, value in kv_transfer_settings(ns.kv_transfer_config, ns.role).items():
+        f = by_dest[dest]
+        if values[dest] not in (f.default, value):
+            raise ValueError(
+                f"--kv-transfer-config says {f.names[0]} {value}, but {f.names[0]} {values[dest]} is given"
+            )
+        setattr(ns, dest, value)

@@ -9,7 +9,8 @@ the names of their own fields (no prefix: every flag name in the tree must be un
 Metadata keys:
     help     what the setting does and its unit (required)
     flag     the flag's name when it is not the field's (is_deterministic: "deterministic")
-    aliases  more names of the same flag ("hicache-size-gb")
+    aliases  more names of the same flag ("hicache-size-gb"); one written with its dash is taken as it is
+             (vLLM's "-tp")
     choices  the values it takes (the dataclass's __post_init__ checks them too)
 
 Types: bool (--x / --no-x), int, float, str, X | None (None only as the default), tuple[X, ...]
@@ -86,7 +87,7 @@ def _collect(cls: type, prefix: str, group: str | None, out: list[Flag]) -> None
         out.append(
             Flag(
                 dest=prefix + f.name,
-                names=tuple(f"--{n}" for n in (name, *meta.get("aliases", ()))),
+                names=tuple(n if n.startswith("-") else f"--{n}" for n in (name, *meta.get("aliases", ()))),
                 kind=kind,
                 is_tuple=is_tuple,
                 default=default,
@@ -159,9 +160,17 @@ def from_flags(cls: type[T], ns: argparse.Namespace, prefix: str = "") -> T:
     return cls(**kw)
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are two lines, under the command's name, not the whole usage
+    (a server's runs to dozens of lines): the error, then where the flags are listed."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog} --help lists the flags\n")
+
+
 def parser_for(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser with cls's flags that refuses abbreviated or unknown flags."""
-    p = argparse.ArgumentParser(
+    """A parser with cls's flags that refuses abbreviated or unknown flags (Parser: two-line errors)."""
+    p = Parser(
         prog=prog,
         description=description,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -202,7 +211,7 @@ def config_defaults(cls: type, path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(doc, dict):
         raise ValueError("expected a map of flag names to values")
-    by_name = {name[2:]: f for f in flags(cls) for name in f.names}
+    by_name = {name.lstrip("-"): f for f in flags(cls) for name in f.names}
     out: dict[str, Any] = {}
     for key, value in doc.items():
         name = str(key).removeprefix("--").replace("_", "-")

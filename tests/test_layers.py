@@ -31,7 +31,7 @@ BOUNDARY_MAY_IMPORT = {"engine.codec", "engine.errors", "engine.request"}
 PD_ROOMS = (
     "pd", "pd.http", "pd.chat", "pd.rank", "pd.disagg", "pd.frontend", "pd.api", "pd.router", "pd.server", "pd.tools"
 )  # fmt: skip
-PD_SHARED = {"pd", "pd.config", "pd.errors", "pd.flags", "pd.lifecycle", "pd.messages"}
+PD_SHARED = {"pd", "pd.config", "pd.errors", "pd.flags", "pd.kv_transfer_config", "pd.lifecycle", "pd.messages"}
 ENGINE_ROOMS = (
     "engine", "engine.checkpoints", "engine.core", "engine.parallel", "engine.layers", "engine.models",
     "engine.speculative", "engine.execution", "engine.handoff", "engine.engine",

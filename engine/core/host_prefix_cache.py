@@ -45,10 +45,11 @@ class HostPrefixCache:
     def sized(
         cls, config: EngineConfig, arch: ModelArch, kv: KVCache, num_shares: int = 1, records: bool = False
     ) -> HostPrefixCache | None:
-        """The cache config.hicache_gb asks for beside kv (pinned when kv is on CUDA), or None when off;
-        num_shares: a tensor-parallel group's processes, each holding its share of it."""
+        """The cache config.hicache_gb asks for beside kv (pinned when kv is on CUDA), or None when off
+        (--hicache-gb 0, --no-enable-prefix-caching); num_shares: a tensor-parallel group's processes, each
+        holding its share of it."""
         lo, device = kv.layout, kv.device
-        gb = config.hicache_gb
+        gb = config.hicache_gb if config.enable_prefix_caching else 0.0
         if gb is None:
             gb = DEFAULT_CUDA_HICACHE_GB if device.type == "cuda" else DEFAULT_CPU_HICACHE_GB
         if gb <= 0:

@@ -96,7 +96,7 @@ async def chat_completions(co: Coordinator, request: web.Request) -> web.StreamR
 
 async def answer_chat(co: Coordinator, request: web.Request, body: Any, arrival_s: float) -> web.StreamResponse:
     """A chat completion for a body already read (POST /v1/chat/completions, and /invocations)."""
-    req = parse_chat_request(body)
+    req = parse_chat_request(co.with_sampling_defaults(body))
     co.check_model(req.model)
     rendered = await render(co, req)
     prompt = list(rendered.token_ids)

@@ -90,7 +90,7 @@ async def answer_completion(
     co: Coordinator, request: web.Request, body: Any, arrival_s: float
 ) -> web.StreamResponse:
     """A completion for a body already read (POST /v1/completions, and /invocations)."""
-    req = parse_completion_request(body)
+    req = parse_completion_request(co.with_sampling_defaults(body))
     co.check_model(req.model)
     n = req.sampling.n
     prompt_ids, prompt_texts = await co.offload(_tokenize, co, req)

@@ -208,7 +208,7 @@ class DecodePath:
         self.num_waiting += 1
         self._gauge()
         try:
-            ids = tuple(req.prompt_token_ids) if self.cfg.engine.decode_cache else ()
+            ids = tuple(req.prompt_token_ids) if self.cfg.engine.uses_decode_cache else ()
             await rank.reserve(req.request_id, num_prompt + 1, num_prompt + max_tokens, ttl_s, events, ids)
             try:
                 _, ev = await asyncio.wait_for(events.get(), self.cfg.queue_timeout_s)

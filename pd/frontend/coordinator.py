@@ -28,6 +28,7 @@ from pd.disagg.metrics import ClusterMetrics
 from pd.errors import ApiError, bad_request, model_not_found, unavailable
 from pd.frontend.metrics import RankSnapshot, ServerMetrics
 from pd.frontend.router import make_router
+from pd.frontend.sampling_defaults import sampling_defaults, with_defaults
 from pd.http.io import read_json
 from pd.lifecycle import Admission
 from pd.rank.client import RankClient, RankGroup, RankState
@@ -61,6 +62,22 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
+def load_sampling_defaults(cfg: ServerConfig) -> dict[str, Any]:
+    """The sampling defaults --generation-config gives (pd/frontend/sampling_defaults.py), logged."""
+    from engine.checkpoints import resolve_model
+
+    if cfg.generation_config == "vllm":
+        return {}
+    defaults = sampling_defaults(cfg.generation_config, resolve_model(cfg.engine.model))
+    if defaults:
+        log.info(
+            "sampling defaults of requests that do not set them, from generation_config.json: %s "
+            "(--generation-config vllm: none)",
+            ", ".join(f"{k}={v}" for k, v in defaults.items()),
+        )
+    return defaults
+
+
 class Coordinator:
     def __init__(self, cfg: ServerConfig, tokenizer: Any = None) -> None:
         """tokenizer: None until load_tokenizer (the server loads it while its ranks start)."""
@@ -72,6 +89,8 @@ class Coordinator:
         self.pd: DecodePath | None = None  # the CE's P/D generation path (set by start)
         self.ranks: list[RankClient] = []
         self.created = int(time.time())
+        # --generation-config: the values of sampling fields a request leaves out (load_tokenizer reads them)
+        self.sampling_defaults: dict[str, Any] = {}
         self.admission = Admission()
         self.inflight_ids: set[str] = set()  # the HTTP requests' ids in flight (a duplicate gets 409)
         self._pool = ThreadPoolExecutor(
@@ -91,7 +110,12 @@ class Coordinator:
     async def load_tokenizer(self) -> None:
         """Loads the model's tokenizer and chat template (raises ModelNotFoundError, OSError, ValueError)."""
         tokenizer = await asyncio.to_thread(load_tokenizer, self.cfg.engine.model)
+        self.sampling_defaults = await asyncio.to_thread(load_sampling_defaults, self.cfg)
         self._renderer = await asyncio.to_thread(self._make_renderer, tokenizer)
+
+    def with_sampling_defaults(self, body: Any) -> Any:
+        """A request's JSON body with --generation-config's values of the sampling fields it leaves out."""
+        return with_defaults(body, self.sampling_defaults)
 
     @property
     def renderer(self) -> PromptRenderer:

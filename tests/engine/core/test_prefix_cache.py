@@ -147,3 +147,16 @@ def test_cache_off_and_abort_during_store_leave_nothing(tiny_model_dir) -> None:
         eng.step()
     eng.check_idle()
     assert eng.stats().cache_evictions_total > 0
+
+
+def test_no_enable_prefix_caching_turns_every_prefix_cache_off(tiny_model_dir) -> None:
+    """vLLM's --no-enable-prefix-caching: no host prefix cache, whatever --hicache-gb says, and no decode
+    cache; the same prompt twice is computed twice (with it on, the second restores its pages)."""
+    prompt = torch.randint(3, 500, (101,), generator=torch.Generator().manual_seed(3)).tolist()
+    cached = {}
+    for enabled in (True, False):
+        eng = small_engine(tiny_model_dir("llama"), hicache_gb=0.01, enable_prefix_caching=enabled)
+        assert (eng.prefix_cache is not None, eng.decode_cache is not None) == (enabled, enabled)
+        cached[enabled] = [_run(eng, f"r{i}", prompt)[1] for i in range(2)]
+        eng.check_idle()
+    assert cached == {True: [0, 96], False: [0, 0]}
