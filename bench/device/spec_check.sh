@@ -8,8 +8,8 @@
 set -u
 OUT=${OUT:-/tmp/spec_check}
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-timeout -k 10 240 $PY -m pytest -q -p no:cacheprovider tests/engine/speculative/test_speculator_cuda.py tests/engine/speculative/test_mtp_drafts.py \
-    tests/engine/execution/test_engine_cuda_decode.py > "$OUT/tests_full.txt" 2>&1
+timeout -k 10 240 $PY -m pytest -q -p no:cacheprovider tests/engine/speculative/test_speculator_cuda.py tests/engine/speculative/test_mtp_drafts.py tests/engine/speculative/test_draft_model.py \
+    tests/engine/execution/test_engine_cuda_decode.py -k cuda > "$OUT/tests_full.txt" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests_full.txt" | tail -15 > "$OUT/tests.txt"
 say "tests: $(tail -1 "$OUT/tests.txt")"
 timeout -k 10 300 $PY bench/micro/spec_verify.py --out "$OUT" 2>&1 | tail -40 > "$OUT/spec_verify.log"
