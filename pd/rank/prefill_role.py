@@ -189,7 +189,8 @@ class PrefillRole:
                     )
         if self.is_streaming:
             for job in list(self.jobs.values()):
-                if not job.ready_s:
+                # NOTE: a request of one token ends here (its output goes back, no handoff): nothing to stream
+                if not job.ready_s and job.msg.params.max_tokens > 1:
                     self._stream_pages(job)
         return []
 
