@@ -16,8 +16,10 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import ipaddress
 import logging
 import signal
+import socket
 import ssl
 import sys
 import uuid
@@ -30,8 +32,9 @@ from pd.api.chat import chat_completions
 from pd.api.completions import completions
 from pd.api.invocations import invocations
 from pd.api.prefill import VERIFIER, prefill
+from pd.api.protocol import parse_completion_request
 from pd.api.tokenize import detokenize, tokenize, tokenizer_info_endpoint, version
-from pd.config import ServerConfig
+from pd.config import ServerConfig, parse_prefill_urls
 from pd.disagg.prefill_auth import Verifier
 from pd.errors import ApiError, bad_request, unexpected
 from pd.frontend.coordinator import Coordinator
@@ -256,12 +259,34 @@ async def serve(cfg: ServerConfig) -> int:
         except (ValueError, OSError) as e:
             log.error("--role %s needs the cluster token: %s", cfg.role, e)
             return 2
+    try:  # NOTE: before anything loads: a port in use or a bad certificate ends the start at once
+        tls = server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)
+        await _check_bindable(cfg.host, cfg.http_port)
+    except (OSError, ssl.SSLError) as e:
+        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.http_port, e)
+        return 1
+    if cfg.role == "ce":
+        remote = await asyncio.to_thread(_remote_pe_behind_loopback_kv, cfg)
+        if remote is not None:
+            log.error(
+                "--kv-host %s is a loopback address, but --prefill-url names %s on another host: that prefill "
+                "engine could not reach this decode engine's KV receivers. Pass --kv-host 0.0.0.0 (or an address "
+                "of this host it reaches; --kv-advertise-host for the one it should use)",
+                cfg.kv_advertise_host or cfg.kv_host, remote,
+            )  # fmt: skip
+            return 2
     co = Coordinator(cfg)
     starting = asyncio.create_task(co.start())  # the ranks load while this process loads the tokenizer
     try:
         await co.load_tokenizer()
     except (ModelNotFoundError, OSError, ValueError) as e:
-        log.error("cannot load the tokenizer or chat template of %s: %s", cfg.engine.model, e)
+        log.error("cannot load the tokenizer, chat template or generation config of %s: %s", cfg.engine.model, e)
+        await _abandon(co, starting)
+        return 1
+    try:  # the checkpoint's sampling defaults pass the API's checks, or the server does not start
+        parse_completion_request({"prompt": "", **co.sampling_defaults})
+    except ApiError as e:
+        log.error("the checkpoint's generation_config.json: %s (--generation-config vllm ignores it)", e.message)
         await _abandon(co, starting)
         return 1
     app = make_prefill_app(co, token) if cfg.role == "pe" else make_app(co)
@@ -275,7 +300,6 @@ async def serve(cfg: ServerConfig) -> int:
     )
     await runner.setup()
     try:
-        tls = server_ssl_context(cfg.ssl_certfile, cfg.ssl_keyfile)
         await LimitedSite(runner, cfg.host, cfg.http_port, cfg.http_max_connections, ssl_context=tls).start()
     except (OSError, ssl.SSLError) as e:
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.http_port, e)
@@ -304,6 +328,49 @@ async def serve(cfg: ServerConfig) -> int:
         await co.stop()
         await runner.cleanup()
     return code
+
+
+def _is_local(host: str) -> bool | None:
+    """Whether host is this machine (a loopback address, or one a socket here can bind); None: unknown
+    (the name does not resolve now)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for family, _, _, _, address in infos:
+        if ipaddress.ip_address(address[0]).is_loopback:
+            return True
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))
+                return True
+            except OSError:
+                pass
+    return False
+
+
+def _remote_pe_behind_loopback_kv(cfg: ServerConfig) -> str | None:
+    """A CE's --prefill-url entry on another host while the KV address it gives its PEs is loopback (the
+    PE would send to its own loopback), or None. dns+ entries are left to their lookups."""
+    kv_host = cfg.kv_advertise_host or cfg.kv_host
+    if kv_host != "localhost":
+        try:
+            if not ipaddress.ip_address(kv_host.strip("[]")).is_loopback:
+                return None
+        except ValueError:  # a name: what it stands for is the name's business
+            return None
+    for target in parse_prefill_urls(cfg.prefill_url):
+        if not target.dns and _is_local(target.host) is False:
+            return target.url
+    return None
+
+
+async def _check_bindable(host: str, port: int) -> None:
+    """Raises OSError when the server could not listen on host:port (in use, no such address): bound
+    as aiohttp binds it, and closed again."""
+    server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host, port, reuse_address=True)
+    server.close()
+    await server.wait_closed()
 
 
 async def _abandon(co: Coordinator, starting: asyncio.Task[None]) -> None:
@@ -355,7 +422,7 @@ def main(
     try:
         cfg = ServerConfig.from_argv(argv, prog, is_model_positional)
     except ValueError as e:
-        print(f"pd.server: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     install_logging(cfg.log_level, cfg.log_format)
     try:

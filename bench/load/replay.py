@@ -59,6 +59,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,6 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out", type=Path, default=None, help="folder for results.json, summary.txt and the PNGs"
     )
     ap.add_argument("--label", default=None, help="name of the run in the table and plots")
+    ap.add_argument(
+        "--progress-s",
+        type=float,
+        default=5.0,
+        help="a progress line on stderr this often during a run (requests done, in flight, tokens); 0: none",
+    )
     add_trace_args(ap)
     add_request_args(ap)
     args = ap.parse_args(argv)
@@ -122,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, (c, r) in enumerate(points):
         label = point_label(c, r) if len(points) > 1 or not args.label else args.label
         salt = run_salt(args.label or "run", i) if len(points) > 1 else ""
-        cfg = LoadConfig.from_args(args, url, model, c, r, extra, label, salt)
+        cfg = replace(LoadConfig.from_args(args, url, model, c, r, extra, label, salt), progress_s=args.progress_s)
         run = asyncio.run(run_load(cfg, convs))
         if len(points) > 1:  # progress: the table's row of each point as it ends
             lines = format_table(

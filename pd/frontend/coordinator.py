@@ -62,13 +62,10 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
-def load_sampling_defaults(cfg: ServerConfig) -> dict[str, Any]:
-    """The sampling defaults --generation-config gives (pd/frontend/sampling_defaults.py), logged."""
-    from engine.checkpoints import resolve_model
-
-    if cfg.generation_config == "vllm":
-        return {}
-    defaults = sampling_defaults(cfg.generation_config, resolve_model(cfg.engine.model))
+def load_sampling_defaults(cfg: ServerConfig, folder: Path) -> dict[str, Any]:
+    """The sampling defaults --generation-config gives (pd/frontend/sampling_defaults.py) for the
+    checkpoint in folder, logged."""
+    defaults = sampling_defaults(cfg.generation_config, folder)
     if defaults:
         log.info(
             "sampling defaults of requests that do not set them, from generation_config.json: %s "
@@ -109,8 +106,11 @@ class Coordinator:
 
     async def load_tokenizer(self) -> None:
         """Loads the model's tokenizer and chat template (raises ModelNotFoundError, OSError, ValueError)."""
-        tokenizer = await asyncio.to_thread(load_tokenizer, self.cfg.engine.model)
-        self.sampling_defaults = await asyncio.to_thread(load_sampling_defaults, self.cfg)
+        from engine.checkpoints import resolve_model
+
+        folder = await asyncio.to_thread(resolve_model, self.cfg.engine.model)
+        tokenizer = await asyncio.to_thread(load_tokenizer, str(folder))
+        self.sampling_defaults = await asyncio.to_thread(load_sampling_defaults, self.cfg, folder)
         self._renderer = await asyncio.to_thread(self._make_renderer, tokenizer)
 
     def with_sampling_defaults(self, body: Any) -> Any:

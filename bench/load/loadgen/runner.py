@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,7 @@ class LoadConfig:
     seed: int = 0
     label: str = "run"
     salt: str = ""  # put in front of each first user message: repeated runs miss each other's cache
+    progress_s: float = 0.0  # a progress line on stderr this often while the run goes; 0: none
 
     @classmethod
     def from_args(
@@ -249,6 +251,7 @@ async def run_load(cfg: LoadConfig, convs: Sequence[Conversation]) -> RunResult:
             await _conversation(session, cfg, convs[i], recs[i], budget, t0)
 
     connector = aiohttp.TCPConnector(limit=0)
+    progress = asyncio.create_task(_progress(cfg, recs, t0)) if cfg.progress_s > 0 else None
     async with aiohttp.ClientSession(connector=connector) as session:
         tasks = []
         for i in range(len(convs)):
@@ -263,6 +266,9 @@ async def run_load(cfg: LoadConfig, convs: Sequence[Conversation]) -> RunResult:
             for t in pending:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+    if progress is not None:
+        progress.cancel()
+        print(progress_line(cfg.label, recs, time.perf_counter() - t0), file=sys.stderr, flush=True)
     after = await asyncio.to_thread(scrape, cfg.url)
     return RunResult(
         cfg,
@@ -272,6 +278,26 @@ async def run_load(cfg: LoadConfig, convs: Sequence[Conversation]) -> RunResult:
         ttft_phases_ms(before.phases, after.phases),
         speculation(before.speculation, after.speculation),
     )
+
+
+def progress_line(label: str, recs: Sequence[Sequence[RequestRecord]], elapsed_s: float) -> str:
+    """One line of a run's progress: its requests by state, output tokens and their rate so far."""
+    flat = [r for rs in recs for r in rs]
+    num = {s: sum(r.status == s for r in flat) for s in ("ok", "error", "cancelled")}
+    num_inflight = sum(r.start_s is not None and r.status == "skipped" for r in flat)
+    tokens = sum(r.completion_tokens or 0 for r in flat)
+    return (
+        f"[{label}] {elapsed_s:.0f} s: {num['ok']} ok, {num['error']} errors, {num_inflight} in flight, "
+        f"{len(flat) - num['ok'] - num['error'] - num['cancelled'] - num_inflight} turns to go; "
+        f"{tokens} output tokens ({tokens / max(elapsed_s, 1e-9):.0f}/s)"
+    )
+
+
+async def _progress(cfg: LoadConfig, recs: Sequence[Sequence[RequestRecord]], t0: float) -> None:
+    """Prints progress_line every cfg.progress_s until cancelled."""
+    while True:
+        await asyncio.sleep(cfg.progress_s)
+        print(progress_line(cfg.label, recs, time.perf_counter() - t0), file=sys.stderr, flush=True)
 
 
 async def warm_up(url: str, model: str, num: int, extra: dict[str, Any]) -> None:

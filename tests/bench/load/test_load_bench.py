@@ -615,3 +615,16 @@ def test_small_trace_against_a_real_server(tmp_path: Path) -> None:
     assert all(
         (tmp_path / "out" / f).exists() for f in ("distributions.png", "throughput.png", "summary.txt")
     )
+
+
+async def test_a_run_prints_its_progress(fake, capsys: pytest.CaptureFixture[str]) -> None:
+    """progress_s: a line on stderr while the run goes (a slow answer keeps it going) and one at its end."""
+    cfg = runner.LoadConfig(fake.url, "m", concurrency=2, label="p", progress_s=0.05, duration_s=0.4, grace_s=0.1)
+    await runner.run_load(cfg, [_conv("a", "x", "y"), _conv("b", "SLOW")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) >= 3 and all(line.startswith("[p] ") for line in lines)
+    assert "1 in flight" in lines[0]
+    assert "2 ok, 0 errors, 0 in flight, 0 turns to go; 6 output tokens" in lines[-1]  # the SLOW one cut off
+    quiet = replace(cfg, progress_s=0.0)
+    await runner.run_load(quiet, [_conv("a", "x")])
+    assert capsys.readouterr().err == ""

@@ -4,6 +4,8 @@ flags' names, kebab or snake case; a key that names no flag is an error; the com
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +176,56 @@ def test_pdserve_serve_with_a_config_file(tmp_path: Path) -> None:
         assert (
             reply.model == "cli-test" and reply.usage is not None and 1 <= reply.usage.completion_tokens <= 4
         )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--dp", "two"), "pdserve serve: error: argument --dp/--data-parallel-size/-dp: invalid int value: 'two'"),
+        (("--no-such-flag",), "pdserve serve: error: unrecognized arguments: --no-such-flag"),
+        (("--dp", "0"), "pdserve serve: error: --dp must be >= 1, got 0"),  # a range error: the command's name too
+    ],
+)
+def test_a_bad_flag_is_two_lines_under_the_commands_name(argv: tuple[str, ...], message: str) -> None:
+    out = _pdserve("serve", *argv)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[0] == message and len(lines) <= 2, out.stderr
+
+
+def test_a_port_in_use_stops_the_start_before_anything_loads() -> None:
+    """One line naming the address, exit 1, and no engine rank started (no weights loaded)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _pdserve("serve", MODEL, "--port", str(port))
+    assert out.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "engine rank" not in out.stderr and "loading the weights" not in out.stderr
+
+
+def test_a_ce_with_a_loopback_kv_host_and_a_remote_pe_is_refused_at_start() -> None:
+    """--kv-host 127.0.0.1 (the default) with a PE on another host (192.0.2.1, an address no host here has):
+    the PE would send KV to its own loopback, so the CE stops at once, naming the flag. A PE on another
+    loopback address (127.0.0.2: this host) is no such case."""
+    env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": "cli-test-cluster-token-0123456789"}
+    argv = [PDSERVE, "serve", MODEL, "--role", "ce", "--port", "0", "--prefill-url", "http://192.0.2.1:8889"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2
+    assert "--kv-host 127.0.0.1 is a loopback address, but --prefill-url names http://192.0.2.1:8889" in out.stderr
+    assert "engine rank" not in out.stderr
+
+
+def test_a_remote_pe_needs_a_kv_address_it_reaches() -> None:
+    from pd.server import _remote_pe_behind_loopback_kv
+
+    def remote(*argv: str) -> str | None:
+        return _remote_pe_behind_loopback_kv(ServerConfig.from_argv(["--role", "ce", *argv]))
+
+    assert remote("--prefill-url", "http://192.0.2.1:8889") == "http://192.0.2.1:8889"
+    assert remote("--prefill-url", "http://localhost:8889,http://192.0.2.1:1", "--kv-host", "localhost") == "http://192.0.2.1:1"
+    assert remote("--prefill-url", "http://127.0.0.2:8889") is None  # this host
+    assert remote("--prefill-url", "http://192.0.2.1:8889", "--kv-host", "0.0.0.0") is None
+    assert remote("--prefill-url", "http://192.0.2.1:8889", "--kv-advertise-host", "192.0.2.7") is None
+    assert remote("--prefill-url", "dns+http://pe.ns.svc:8889") is None  # its addresses: the lookups'
