@@ -367,3 +367,20 @@ def test_chat_with_beam_search(servers):
         assert streamed == [c.message.content for c in out.choices]
         answers.append([(c.message.content, c.finish_reason) for c in out.choices])
     assert answers[0] == answers[1]
+
+
+def test_beam_search_under_pd_prefills_every_step_at_the_pe_from_its_prefix_cache(servers):
+    """Under P/D each beam step is a one-token request the PE answers: the first prefills the prompt, the
+    later ones find its pages in the PE's prefix cache (cached tokens, counted by the CE), and none opens a
+    handoff (the CE counts no failed one); the beams are the single server's."""
+    ref, pair = servers
+    prompt = " ".join(f"word{i}" for i in range(300)) + " The end is"
+    kw: dict[str, Any] = dict(model=MODEL, prompt=prompt, n=2, max_tokens=3, extra_body=_beam())
+    cached, failed = metric(pair.url, "pdserve_cached_prompt_tokens_total"), metric(pair.url, "pdserve_engine_handoffs_failed_total")
+    out = openai_client(pair.url).completions.create(**kw)
+    num_prompt = out.usage.prompt_tokens
+    assert num_prompt > 1000 and out.usage.prompt_tokens_details.cached_tokens == 0  # the first step's
+    later_steps = 2 + 2  # width 2, steps 2 and 3
+    assert metric(pair.url, "pdserve_cached_prompt_tokens_total") - cached >= later_steps * (num_prompt // 2)
+    assert metric(pair.url, "pdserve_engine_handoffs_failed_total") == failed
+    assert [c.text for c in out.choices] == [c.text for c in openai_client(ref.url).completions.create(**kw).choices]
