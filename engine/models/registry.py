@@ -5,6 +5,7 @@ Adding a family is one module beside this one (engine/models/llama.py is the sho
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,16 @@ def arch_from_hf(hf: Any) -> ModelArch:
 
 
 def load_hf_config(folder: Path) -> Any:
-    """The transformers config object (it normalises rope and layer_types across versions)."""
+    """The transformers config object (it normalises rope and layer_types across versions). A checkpoint
+    that ships its own model code (config.json's auto_map) for a model_type no family here has is refused
+    by name: no checkpoint code runs here, --trust-remote-code or not."""
     from transformers import AutoConfig
 
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.get("auto_map") and raw.get("model_type") not in FAMILIES:
+        raise InvalidRequestError(
+            f"{folder.name} brings its own model code (config.json auto_map, model_type "
+            f"{raw.get('model_type')!r}): pdserve runs no code from a checkpoint (--trust-remote-code changes "
+            f"nothing); it serves {sorted(FAMILIES)}"
+        )
     return AutoConfig.from_pretrained(str(folder))

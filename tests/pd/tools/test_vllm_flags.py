@@ -42,6 +42,18 @@ def test_trust_remote_code_is_taken() -> None:
     assert _cfg("--trust-remote-code").trust_remote_code and not _cfg().trust_remote_code
 
 
+def test_a_checkpoint_with_its_own_code_is_refused_by_name(tmp_path: Path) -> None:
+    """config.json's auto_map for a model_type no family serves: refused naming it (no code runs here)."""
+    from engine.errors import InvalidRequestError
+    from engine.models.registry import load_hf_config
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "my_llm", "auto_map": {"AutoConfig": "configuration_my.MyConfig"}})
+    )
+    with pytest.raises(InvalidRequestError, match="brings its own model code .*'my_llm'.*runs no code"):
+        load_hf_config(tmp_path)
+
+
 def _kv(text: dict[str, object], *argv: str) -> ServerConfig:
     return _cfg("--kv-transfer-config", json.dumps(text), *argv)
 
