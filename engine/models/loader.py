@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import re
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -55,6 +56,7 @@ from engine.parallel import expert_parallel
 from engine.parallel.tensor_parallel import TensorGroup, TpShard, full_shape, scale_slice, take
 
 log = logging.getLogger(__name__)
+LOAD_LOG_S = 10.0  # a long weight load logs its progress this often
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 PER_EXPERT_KEY = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?")
@@ -426,7 +428,18 @@ def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = Non
 
     num_nextn = num_mtp = 0  # tensors of multi-token-prediction layers skipped, loaded
     embedding_copies: list[tuple[Path, str]] = []  # MTP layers' copies of the embedding, checked after the loop
-    for f in checkpoint_files(folder):
+    files = checkpoint_files(folder)
+    total_bytes, done_bytes = sum(f.stat().st_size for f in files), 0
+    t0 = last_log = time.monotonic()
+    for i, f in enumerate(files):
+        # progress of a long load (a large model's files take minutes): a line at most every LOAD_LOG_S
+        if time.monotonic() - last_log >= LOAD_LOG_S:
+            last_log = time.monotonic()
+            log.info(
+                "weights: %d of %d files, %.1f of %.1f GiB, in %.0f s",
+                i, len(files), done_bytes / 2**30, total_bytes / 2**30, last_log - t0,
+            )  # fmt: skip
+        done_bytes += f.stat().st_size
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for key in st.keys():
                 name = key.removeprefix("language_model.")
