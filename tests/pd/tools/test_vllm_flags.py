@@ -69,6 +69,17 @@ def test_kv_transfer_config_maps_onto_the_pd_flags() -> None:
     assert _kv({"kv_role": "kv_consumer"}, "--role", "ce").role == "ce"  # the same value twice is no conflict
 
 
+def test_vllms_names_in_a_config_file(tmp_path: Path) -> None:
+    """A vLLM YAML config: its keys are the flags' long names; a JSON setting as a YAML map."""
+    (tmp_path / "c.yaml").write_text(
+        "tensor-parallel-size: 2\ndata_parallel_size: 2\nkv-transfer-config: {kv_role: kv_producer}\n"
+        "generation-config: vllm\ntrust-remote-code: true\n"
+    )
+    cfg = _cfg("--config", str(tmp_path / "c.yaml"))
+    assert (cfg.tp, cfg.dp, cfg.role, cfg.transfer.transport) == (2, 2, "pe", "tcp")
+    assert cfg.generation_config == "vllm" and cfg.trust_remote_code
+
+
 @pytest.mark.parametrize(
     ("text", "argv", "message"),
     [
