@@ -5,6 +5,7 @@ as the sampling defaults of a request that leaves them out."""
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,3 +178,20 @@ def test_a_request_without_temperature_samples_at_the_checkpoints(vllm_server: S
     assert "sampling defaults of requests that do not set them, from generation_config.json: temperature=0.0" in log
     for phase in ("loading the weights of", "weights loaded in", "memory plan in"):  # the startup's progress
         assert phase in log
+
+
+@pytest.mark.slow
+def test_a_generation_config_outside_the_apis_range_stops_the_start(greedy_checkpoint: Path, tmp_path: Path) -> None:
+    """A value no request could carry (temperature 5) is not a default: the server stops, naming it;
+    --generation-config vllm serves the same checkpoint (not started here: the flag's check is above)."""
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    for f in greedy_checkpoint.iterdir():
+        if f.name != "generation_config.json":
+            (hot / f.name).symlink_to(f.resolve())
+    (hot / "generation_config.json").write_text(json.dumps({"temperature": 5.0}))
+    out = subprocess.run(
+        [PDSERVE, "serve", str(hot), "--port", "0", "--kv-cache-gb", "0.05"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 1
+    assert "generation_config.json: 'temperature' must be in [0.0, 2.0], got 5.0 (--generation-config vllm" in out.stderr
