@@ -26,6 +26,10 @@ USER_FLAGS: dict[str, object] = {
     "--ipc-arena-gb": 4.0, "--handoff-lease-s": 30.0, "--prefill-timeout-s": 600.0,
     "--fallback-local-prefill": False, "--max-queued-requests": 256, "--queue-timeout-s": 120.0,
     "--cluster-token-file": None, "--quantization": None, "--tp": 1,
+    # vLLM's names and switches (issue 52), with vLLM's defaults
+    "--tensor-parallel-size": 1, "-tp": 1, "--data-parallel-size": 1, "-dp": 1, "--enable-prefix-caching": True,
+    "--no-enable-prefix-caching": True, "--generation-config": "auto", "--trust-remote-code": False,
+    "--kv-transfer-config": None,
 }  # fmt: skip
 
 
