@@ -338,7 +338,7 @@ def _is_local(host: str) -> bool | None:
     except OSError:
         return None
     for family, _, _, _, address in infos:
-        if ipaddress.ip_address(address[0].partition("%")[0]).is_loopback:  # (an IPv6 scope id aside)
+        if ipaddress.ip_address(str(address[0]).partition("%")[0]).is_loopback:  # (an IPv6 scope id aside)
             return True
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             try:
