@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.micro.engine_speed import ModelFacts, copy_bytes_per_s, model_folder, random_prompts  # noqa: E402
-from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig  # noqa: E402
+from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig, ForwardConfig  # noqa: E402
 from engine.core.sequence import Sequence  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
@@ -55,6 +55,7 @@ def build(folder: Path, args: argparse.Namespace, max_seqs: int, eager: bool = F
         max_num_batched_tokens=max(2048, max_seqs * (1 + MAX_SPECULATIVE_TOKENS)), block_size=args.block_size,
         max_model_len=args.context + args.gen_tokens + 64, kv_cache_gb=args.kv_gb, seed=0, speculative_config=spec,
         enforce_eager=eager, hicache_gb=0, is_deterministic=deterministic,
+        forward=ForwardConfig(decode_rope=not args.no_decode_rope),
     ))  # fmt: skip
 
 
@@ -169,6 +170,7 @@ def main() -> None:
     p.add_argument("--kv-gb", type=float, default=24.0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU: a smoke test")
+    p.add_argument("--no-decode-rope", action="store_true", help="q/k norms and rotary outside the decode kernel")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
