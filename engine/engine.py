@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import random
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,7 +50,6 @@ from engine.handoff.pages import HandoffIO
 from engine.layers.attention import preload_sdpa
 from engine.layers.eplb import RebalanceStats, rebalance_model
 from engine.layers.numerics import pick_numerics
-from engine.models.decoder import CausalLM
 from engine.models.hf_config import generation_eos_ids
 from engine.models.loader import build_model
 from engine.models.registry import arch_from_hf, load_hf_config
@@ -67,10 +67,8 @@ from engine.parallel.tensor_parallel import (
     TensorGroup,
 )
 from engine.quantization import fp8_format
-from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_seed
-from engine.speculative.draft_model import DraftDrafter, DraftSource, load_draft
-from engine.speculative.mtp import MtpDrafter
-from engine.speculative.speculator import Speculator
+from engine.request import RequestOutput, SamplingParams, TokenLogprob, check_request, check_seed
+from engine.speculative import setup as speculative
 
 log = logging.getLogger(__name__)
 # what a client hears of a failure that is not its request's fault (the log has the exception)
@@ -99,47 +97,23 @@ class LLMEngine:
         self.drawer = TokenDrawer(self.eos_token_ids)
         self.max_model_len = config.max_model_len or min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         self.fp8_format = fp8_format(getattr(hf, "quantization_config", None), config.quantization)
-        spec = config.speculative()
-        if spec is not None and spec.method == "mtp" and not self.arch.num_nextn_predict_layers:
-            raise InvalidRequestError(
-                f"--speculative-config: method 'mtp' needs the checkpoint's multi-token-prediction layers; "
-                f"{config.model} has none (num_nextn_predict_layers)"
-            )
-        uses_mtp = spec is not None and spec.method == "mtp"
-        # NOTE: the startup's phases are logged with their times: a large model loads for minutes
-        t0 = time.monotonic()
-        log.info("loading the weights of %s (%s) on %s", config.model, self.dtype, self.device)
+        mtp_layers = speculative.mtp_layers(config, self.arch, tp is not None)
         self.model = build_model(
             self.arch, hf, folder, self.dtype, self.device, self.max_model_len + 1, config.load_format == "dummy",
-            config.seed, self.fp8_format, tp, mtp_layers=1 if uses_mtp and tp is None else 0,
+            config.seed, self.fp8_format, tp, mtp_layers=mtp_layers,
         )
-        log.info("weights loaded in %.1f s", time.monotonic() - t0)
         # --speculative-config draft_model: a second model, its KV in the pool's pages (engine/speculative/draft_model.py)
-        self.draft_model: CausalLM | None = None
-        draft_layout = None
-        if spec is not None and spec.method == "draft_model" and tp is None and expert_parallel.current() is None:
-            assert spec.model is not None  # SpeculativeConfig checks it
-            source = DraftSource(
-                spec.model, config.download_dir, self.dtype, self.device, self.max_model_len + 1,
-                config.load_format == "dummy", config.seed,
-            )  # fmt: skip
-            self.draft_model = load_draft(source, self.arch, self.tokenizer)
-            draft_layout = layout_of(self.draft_model.arch, config.block_size, self.dtype)
+        self.draft_model, draft_layout = speculative.load_draft_model(
+            config, self.arch, self.tokenizer, self.dtype, self.device, self.max_model_len + 1, tp is not None
+        )
         # --deterministic: the fastest batch-invariant numerics this device has (every rank of a group the same)
         agree = self.tp.min_int if self.tp is not None else None
         self.numerics = pick_numerics(config.is_deterministic, self.model.row_functions, self.dtype, self.device, agree)
         # a tensor-parallel rank's heads
         self.layout = layout_of(self.model.arch, config.block_size, self.dtype, draft=draft_layout)
-        t0 = time.monotonic()
         self.memory = plan_memory(
             config, self.model.arch, self.layout, self.model, self.numerics, self.device, self.max_model_len
         )
-        log.info(
-            "memory plan in %.1f s: weights %.2f GiB, peak activations %.2f GiB, %d KV blocks of %d tokens "
-            "(%.2f GiB)",
-            time.monotonic() - t0, self.memory.weight_bytes / 2**30, self.memory.peak_activation_bytes / 2**30,
-            self.memory.num_blocks, config.block_size, self.memory.num_blocks * self.memory.page_bytes / 2**30,
-        )  # fmt: skip
         if tp is not None:  # rank 0's block ids must exist on every rank
             self.memory = dataclasses.replace(
                 self.memory, num_blocks=tp.min_int(self.memory.num_blocks), num_swa_slots=tp.min_int(self.memory.num_swa_slots)
@@ -151,31 +125,18 @@ class LLMEngine:
         # state always travels, so a model without full-attention layers retains nothing)
         keeps_pages = config.uses_decode_cache and self.arch.has_full
         self.decode_cache = DecodeCache(self.blocks, config.block_size) if keeps_pages else None
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                block_size=config.block_size,
-                needs_blocks=self.arch.has_full,
-                needs_state_slot=self.arch.has_sliding,
-            ),
-            self.blocks,
-            self.slots,
-            on_admit=self._admit,
+        sched = SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, config.block_size, self.arch.has_full, self.arch.has_sliding
         )
+        self.scheduler = Scheduler(sched, self.blocks, self.slots, on_admit=self._admit)
         self.prefix_cache = HostPrefixCache.sized(  # None: --hicache-gb 0
             config, self.arch, self.kv, tp.size if tp else 1, records=tp is not None and tp.is_leader
         )
+        rows_per_seq = 1 + speculative.max_drafts(config)  # a sequence verifies its drafts as rows of their own
         self.runner = ModelRunner(
-            self.model,
-            self.kv,
-            self.numerics,
-            config.forward,
-            max_decode_rows=config.max_num_seqs * (1 + self._max_drafts()),
-            max_model_len=self.max_model_len,
-            tp=tp,
-            verify_width=1 + self._max_drafts(),
-        )
+            self.model, self.kv, self.numerics, config.forward, max_decode_rows=config.max_num_seqs * rows_per_seq,
+            max_model_len=self.max_model_len, tp=tp, verify_width=rows_per_seq,
+        )  # fmt: skip
         # --ep N: this rank's expert-parallel group (every step then enters the MoE layers' exchanges); with
         # --tp, the world's (engine/parallel/world.py): every process of every tensor-parallel group
         self.ep = expert_parallel.current()
@@ -186,34 +147,31 @@ class LLMEngine:
         self.graph_stats: GraphCaptureStats | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.ep is None and tp is None:
             # (no collectives in graphs)
-            verify_rows = config.max_num_seqs * (1 + self._max_drafts()) if self._max_drafts() else 0
-            log.info("capturing decode CUDA graphs (--enforce-eager: none)")
+            verify_rows = config.max_num_seqs * rows_per_seq if rows_per_seq > 1 else 0
             self.graph_stats = self.runner.capture_graphs(
                 graph_batch_sizes(config.max_num_seqs), graph_batch_sizes(verify_rows) if verify_rows else None
             )
-            log.info(
-                "%d decode graphs captured in %.1f s",
-                len(self.graph_stats.batch_sizes) + len(self.graph_stats.verify_sizes), self.graph_stats.capture_s,
-            )  # fmt: skip
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # final outputs of aborted requests, sent by the next step
         # --speculative-config: drafts verified in each decode step (engine/speculative/)
-        self.speculator = self._speculator()
+        self.speculator = speculative.build_speculator(
+            config, tp is not None or self.ep is not None, self.model, self.draft_model, self.kv, self.numerics,
+            self.scheduler, self.max_model_len, self.dtype, self.arch.vocab_size,
+        )  # fmt: skip
+        self.runner.keep_hidden = self.speculator is not None and self.speculator.mtp is not None
         # --launch-ahead: the next decode batch queued before its step; never in a group (its ranks step in
         # lockstep), nor with speculation (a step's drafts come from the tokens the step before drew)
         self.ahead = LaunchAhead(
             self.scheduler, self.runner, config.launch_ahead and self.ep is None and self.speculator is None
         )
         self._admit_errors: dict[str, Exception] = {}  # request id -> its failed prefix restore (step() ends it)
-        # every P/D state of a sequence
-        self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)
-        retains = self.decode_cache is not None
+        self.handoffs = HandoffLedger(self.scheduler, config.max_num_seqs, decode_cache=self.decode_cache)  # P/D states
         # --tp N: a handoff carries every KV head of the model, re-sharded by each group's rank 0
         # latent pages (MLA) hold one latent per token, the same on every rank: one replicated "head"
         handoff_heads = 1 if self.arch.is_mla else self.arch.num_kv_heads
         self.kv_shards = KVShards(tp, self.kv, handoff_heads) if tp is not None else None
         self.handoff_io = HandoffIO(
-            self.handoffs, self.scheduler, self.kv, self.grammars, retains_at_end=retains, shards=self.kv_shards
+            self.handoffs, self.scheduler, self.kv, self.grammars, retains_at_end=self.decode_cache is not None, shards=self.kv_shards
         )
         # the P/D facade: export and import of a sequence, its streamed pages, where an import lands in place
         self.pd = HandoffFacade(self.handoffs, self.handoff_io, self.validate, self._imported, self._handed_off)
@@ -230,56 +188,14 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
-    def _max_drafts(self) -> int:
-        """Drafts per sequence and step, at most (0: no speculation)."""
-        spec = self.config.speculative()
-        return spec.num_speculative_tokens if spec is not None else 0
-
-    def _speculator(self) -> Speculator | None:
-        spec = self.config.speculative()
-        if spec is None:
-            return None
-        if self.tp is not None or self.ep is not None:
-            raise InvalidRequestError("--speculative-config does not run with --tp or --ep yet")
-        mtp, drafter = None, None
-        if spec.method == "mtp":
-            mtp = MtpDrafter(self.model, self.kv, self.numerics, self.config.forward, self.scheduler)
-            self.runner.keep_hidden = True
-        if self.draft_model is not None:
-            draft = self.draft_model
-            kv = self.kv.draft_cache(layout_of(draft.arch, self.config.block_size, self.dtype))
-            numerics = pick_numerics(self.config.is_deterministic, draft.row_functions, self.dtype, self.device)
-            drafter = DraftDrafter(draft, kv, numerics, self.config.forward, self.scheduler, self.arch.vocab_size)
-        return Speculator(spec, self.scheduler, self.kv, self.max_model_len, mtp, drafter)
-
     # ---- requests -----------------------------------------------------------------------------
 
     def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError for a request that can never be served."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be SamplingParams")
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}", "prompt")
-        bad = [t for t in params.stop_token_ids if t >= vocab]  # SamplingParams checked type and sign
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}); got {bad[:5]!r}", "stop_token_ids")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]!r}", "logit_bias")
+        check_request(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len)
         if params.structured is not None:
             self.grammars.check(params.structured)
         total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens} for the completion). "
-                "Please reduce the length of the prompt or max_tokens.",
-                "max_tokens" if len(prompt_token_ids) < self.max_model_len else "prompt",
-            )
         if self.scheduler.blocks_for(total) > self.blocks.num_blocks:
             raise InvalidRequestError(
                 f"{total} tokens need more KV memory than this engine has ({self.blocks.num_blocks} pages of "
@@ -459,44 +375,23 @@ class LLMEngine:
                     raise_if_fatal(e)
                     outputs.append(self._fail(seq, e, "storing its prefix"))
         logits, sampled = launched.logits, launched.sampled
-        if logits is None:
-            if self.speculator is not None:
-                self._after_step(seqs, starts)
-            return []
+        emit: list[Sequence] = []
         if self.speculator is not None:
-            emit = self._verify(seqs, sampled, logits, outputs)
-            self._after_step(seqs, starts)
+            if logits is not None:
+                num_rows = [1 + len(seqs[i].draft_token_ids) for i in sampled]
+                emit = self.speculator.complete(seqs, sampled, num_rows, partial(self._draw_rows, logits, outputs))
+            hidden, self.runner.last_hidden = self.runner.last_hidden, None  # an MTP drafter reads them
+            self.speculator.after_step(seqs, starts, hidden, self.runner.last_hidden_rows)
             return emit
+        if logits is None:
+            return []
         rows = [i for i, _ in enumerate(sampled) if seqs[sampled[i]].status is SeqStatus.RUNNING]
         to_sample = [seqs[sampled[i]] for i in rows]
         drawn = self.drawer.draw(logits if len(rows) == len(sampled) else logits[rows], to_sample)
         return self._append_tokens(to_sample, drawn, outputs)
 
-    def _after_step(self, seqs: list[Sequence], starts: list[int]) -> None:
-        """The speculator's work after a step (an MTP drafter's catch-up and drafts) on the step's hidden states."""
-        assert self.speculator is not None
-        hidden, self.runner.last_hidden = self.runner.last_hidden, None
-        self.speculator.after_step(seqs, starts, hidden, self.runner.last_hidden_rows)
-
-    def _verify(
-        self, seqs: list[Sequence], sampled: list[int], logits: torch.Tensor, outputs: list[RequestOutput]
-    ) -> list[Sequence]:
-        """_complete's sampling with speculation: each sampled sequence has 1 + len(drafts) logit rows;
-        the speculator draws them position by position through the same drawer and appends."""
-        assert self.speculator is not None
-        live, rows, at = [], [], 0
-        for i in sampled:
-            seq = seqs[i]
-            if seq.status is SeqStatus.RUNNING:
-                live.append(seq)
-                rows.append(at)
-            at += 1 + len(seq.draft_token_ids)
-        self.speculator.drop([seqs[i] for i in sampled if seqs[i].status is not SeqStatus.RUNNING])
-
-        def draw_and_append(batch: list[Sequence], batch_rows: list[int]) -> list[Sequence]:
-            return self._append_tokens(batch, self.drawer.draw(logits[batch_rows], batch), outputs)
-
-        return self.speculator.verify(live, rows, draw_and_append)
+    def _draw_rows(self, logits: torch.Tensor, outputs: list[RequestOutput], seqs: list[Sequence], rows: list[int]) -> list[Sequence]:
+        return self._append_tokens(seqs, self.drawer.draw(logits[rows], seqs), outputs)  # a speculator's rows
 
     def _append_tokens(
         self,

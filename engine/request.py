@@ -156,6 +156,32 @@ class SamplingParams:
         )
 
 
+def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab: int, max_model_len: int) -> None:
+    """InvalidRequestError for a request no engine of this vocabulary and context length can serve: an empty
+    prompt, token ids out of the vocabulary (prompt, stop_token_ids, logit_bias), too many tokens."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError("params must be SamplingParams")
+    if not prompt_token_ids:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}", "prompt")
+    bad = [t for t in params.stop_token_ids if t >= vocab]  # SamplingParams checked type and sign
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}); got {bad[:5]!r}", "stop_token_ids")
+    bad = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad:
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]!r}", "logit_bias")
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{total} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens} for the completion). "
+            "Please reduce the length of the prompt or max_tokens.",
+            "max_tokens" if len(prompt_token_ids) < max_model_len else "prompt",
+        )
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """The sampled token's logprob and the top-N alternatives at that step."""

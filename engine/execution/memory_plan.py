@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from engine.arch import ModelArch
@@ -21,6 +24,7 @@ from engine.layers.numerics import Numerics
 from engine.models.decoder import CausalLM
 from engine.request import SamplingParams
 
+log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_GB = 2.0
 
 
@@ -33,7 +37,8 @@ def plan_memory(
     device: torch.device,
     max_model_len: int,
 ) -> MemoryPlan:
-    """The pages and SWA state slots the engine's KV memory gets (the module docstring's rules)."""
+    """The pages and SWA state slots the engine's KV memory gets (the module docstring's rules); logged."""
+    t0 = time.monotonic()
     lo, cfg = layout, config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     peak = 0
@@ -56,6 +61,10 @@ def plan_memory(
     blocks = kv_bytes // lo.page_bytes if arch.has_full else 0
     if (arch.has_full and blocks < 2) or kv_bytes < 0:
         raise MemoryError(f"not enough memory for the KV cache ({kv_bytes / 2**30:.2f} GiB left for pages)")
+    log.info(
+        "memory plan in %.1f s: weights %.2f GiB, peak activations %.2f GiB, %d KV blocks of %d tokens (%.2f GiB)",
+        time.monotonic() - t0, weight_bytes / 2**30, peak / 2**30, blocks, cfg.block_size, blocks * lo.page_bytes / 2**30,
+    )  # fmt: skip
     return MemoryPlan(blocks, slots, lo.page_bytes, lo.state_bytes, weight_bytes, peak)
 
 

@@ -13,6 +13,7 @@ broadcasts the plan between the two, and the group's other ranks execute it too 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head pass: [rows, vocab] float32 at a time
 
+
+log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(
@@ -82,7 +85,10 @@ class ModelRunner:
         max_rows = self.decode_inputs.max_rows
         verify = [b for b in verify_sizes or [] if b <= max_rows] if self.verifies_in_kernel else []
         self.graphs = DecodeGraphs(self.model, self.kv, self.numerics, self.decode_inputs, self.forward_config)
-        return self.graphs.capture([b for b in batch_sizes if b <= max_rows], verify)
+        log.info("capturing decode CUDA graphs (--enforce-eager: none)")
+        stats = self.graphs.capture([b for b in batch_sizes if b <= max_rows], verify)
+        log.info("%d decode graphs captured in %.1f s", len(stats.batch_sizes) + len(stats.verify_sizes), stats.capture_s)
+        return stats
 
     @torch.inference_mode()
     def run(

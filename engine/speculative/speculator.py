@@ -151,6 +151,21 @@ class Speculator:
 
     # ---- after the forward --------------------------------------------------------------------
 
+    def complete(
+        self, seqs: list[Sequence], sampled: list[int], num_rows: list[int], draw_and_append: DrawAndAppend
+    ) -> list[Sequence]:
+        """A step's sampling with speculation: seqs[i] for i in sampled has 1 + len(its drafts) logit rows,
+        in that order (num_rows: every sampled sequence's, live or not); the live ones are verified (verify),
+        the others' drafts dropped."""
+        live, rows, at = [], [], 0
+        for i, n in zip(sampled, num_rows):
+            if seqs[i].status is SeqStatus.RUNNING:
+                live.append(seqs[i])
+                rows.append(at)
+            at += n
+        self.drop([seqs[i] for i in sampled if seqs[i].status is not SeqStatus.RUNNING])
+        return self.verify(live, rows, draw_and_append)
+
     def verify(self, seqs: list[Sequence], rows: list[int], draw_and_append: DrawAndAppend) -> list[Sequence]:
         """seqs: the batch's sampled sequences, seqs[i]'s logit rows from rows[i] (1 + its drafts; its
         computed count already covers its last token). Draws position by position, a sequence going on
