@@ -294,7 +294,7 @@ def check_chat(body: dict[str, Any], answer: Answer) -> None:
     for c in r["choices"]:
         assert c["finish_reason"] in CHAT_FINISH, c
         check_chat_message(body, c)
-        if not c["message"].get("reasoning_content") and not body.get("echo"):
+        if not c["message"].get("reasoning_content"):
             check_constrained(body, c["message"]["content"] or "", c["finish_reason"])
         if body.get("logprobs"):
             content = c["logprobs"]["content"]
@@ -326,37 +326,19 @@ def check_prompt_logprobs(plp: Any, num_top: int | None, num_prompt_tokens: int 
             assert set(v) == {"logprob", "rank", "decoded_token"} and v["logprob"] <= 0.0 and v["rank"] >= 1, entry
 
 
-def check_stream_usage(body: dict[str, Any], chunks: list[Any]) -> list[Any]:
-    """The chunks but a usage-only last one: usage null in each with include_usage, or with
-    continuous_usage_stats too each choice's tokens so far (never fewer than its chunk before); none
-    without; the last one's total at least every choice's last."""
-    options = body.get("stream_options") or {}
-    if options.get("include_usage") is not True:
-        assert all("usage" not in ch for ch in chunks), chunks
-        return chunks
-    *chunks, last = chunks
-    assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 0, last
-    if options.get("continuous_usage_stats") is not True:
-        assert all(ch["usage"] is None for ch in chunks), chunks
-        return chunks
-    so_far: dict[int, int] = {}
-    for ch in chunks:
-        u = ch["usage"]
-        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"], ch
-        for c in ch["choices"]:
-            assert u["completion_tokens"] >= so_far.get(c["index"], 0), (ch, so_far)
-            so_far[c["index"]] = u["completion_tokens"]
-    assert sum(so_far.values()) <= last["usage"]["completion_tokens"], (so_far, last)
-    return chunks
-
-
 def check_chat_stream(body: dict[str, Any], events: list[Any]) -> None:
     n = body.get("n") or 1
+    include_usage = (body.get("stream_options") or {}).get("include_usage") is True
     assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events[-3:]
     chunks = events[:-1]
     for ch in chunks:
         assert "error" not in ch, ch
-    chunks = check_stream_usage(body, chunks)
+    if include_usage:
+        *chunks, last = chunks
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 0, last
+        assert all(ch["usage"] is None for ch in chunks), chunks
+    else:
+        assert all("usage" not in ch for ch in chunks), chunks
     finished: dict[int, str] = {}
     texts = [""] * n
     has_reasoning = [False] * n
@@ -382,7 +364,7 @@ def check_chat_stream(body: dict[str, Any], events: list[Any]) -> None:
         if ends_whole(body, finished[i]):
             json.loads(text)
     for i in range(n):
-        if not has_reasoning[i] and not body.get("echo"):
+        if not has_reasoning[i]:
             check_constrained(body, texts[i], finished[i])
 
 
@@ -436,7 +418,7 @@ def check_completion_stream(body: dict[str, Any], events: list[Any]) -> None:
     assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events[-3:]
     finished: dict[int, str] = {}
     texts = [""] * k
-    for ch in check_stream_usage(body, events[:-1]):
+    for ch in events[:-1]:
         assert "error" not in ch, ch
         for c in ch["choices"]:
             assert 0 <= c["index"] < k and c["index"] not in finished, (ch, finished)
