@@ -125,7 +125,11 @@ def test_api_key_required_on_v1_only(server):
     r = client(server).chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
     assert r.choices[0].message.content is not None
     assert post(server, "/v1/chat/completions", chat_body(), auth)[0] == 200
-    for path in ("/health", "/health/live", "/health/ready", "/metrics"):  # probes need no key
+    # /invocations generates as /v1/* does, /tokenizer_info tells what /tokenize does: keyed too
+    assert post(server, "/invocations", chat_body(), {})[0] == 401
+    assert post(server, "/invocations", chat_body(), auth)[0] == 200
+    assert get_json(server.url + "/tokenizer_info", context=server.ssl_context)[0] == 401
+    for path in ("/health", "/health/live", "/health/ready", "/metrics", "/load"):  # probes need no key
         with urllib.request.urlopen(server.url + path, timeout=10, context=server.ssl_context) as r:
             assert r.status == 200, path
     status, health = get_json(server.url + "/health", context=server.ssl_context)
