@@ -17,7 +17,9 @@ What it reports (stdout, and --json): passed / failed / errors / skipped, each o
 outcome, and each failure's one-line reason. Counted apart:
 - skipped: pytest's skips, plus the tests that take no server (vLLM-internal unit tests: vllm is stubbed);
 - errors: a fixture pdserve's side cannot give (hf_runner, ...), a module that does not import.
-A fresh server per server fixture (as vLLM's tests do), started and stopped by the shim.
+A fresh server per server fixture (as vLLM's tests do), started and stopped by the shim. Tracebacks are
+native (--tb=native): pytest's own formatting parses sources with ast and hit CPython 3.11's "AST constructor
+recursion depth mismatch" on one of test_completion.py's failures, ending the run.
 """
 
 from __future__ import annotations
@@ -161,6 +163,9 @@ def summarize(junit: Path) -> dict[str, Any]:
             if el is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 reason = one_line(el.get("message")) or one_line(el.text)
+                if reason.startswith("failed on setup"):  # the error itself: pytest's "E   ..." line
+                    found = [ln for ln in f"{el.get('message')}\n{el.text}".splitlines() if ln.startswith("E ")]
+                    reason = "setup: " + one_line(found[0][1:]) if found else reason
                 break
         nid = node_id(case)
         if nid in results and outcome == "error" and results[nid]["outcome"] != "error":
@@ -207,7 +212,7 @@ def main() -> int:
         "PYTHONPATH": str(tmp),
     }
     cmd = [sys.executable, "-m", "pytest", "-c", str(tmp / "pytest.ini"), "--rootdir", str(tmp),
-           "-p", "no:cacheprovider", f"--junitxml={junit}", "-rfE", "-q", f"--timeout={args.timeout}",
+           "-p", "no:cacheprovider", f"--junitxml={junit}", "-rfE", "-q", "--tb=native", f"--timeout={args.timeout}",
            *[str(tmp / "tests/entrypoints" / f) for f in args.files], *args.pytest_args]  # fmt: skip
     started = datetime.datetime.now(datetime.timezone.utc)
     print("running:", " ".join(cmd), flush=True)
