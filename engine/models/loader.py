@@ -56,6 +56,8 @@ from engine.parallel import expert_parallel
 from engine.parallel.tensor_parallel import TensorGroup, TpShard, full_shape, scale_slice, take
 
 log = logging.getLogger(__name__)
+# the start's progress (a large model loads for minutes), apart from what the load found (log)
+progress = logging.getLogger(f"{__name__}.progress")
 LOAD_LOG_S = 10.0  # a long weight load logs its progress this often
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -149,8 +151,8 @@ def build_model(
     layers to build and load into model.mtp (engine/models/mtp.py; arch's own num_mtp_layers is replaced by it):
     model.arch.num_mtp_layers says so, and layout_of(model.arch, ...) gives each one more full layer of KV. More
     than the checkpoint's num_nextn_predict_layers is a ValueError; so is any under --tp or --ep."""
-    t0 = time.monotonic()  # NOTE: a large model loads for minutes: the start and the end are logged
-    log.info("loading the weights of %s (%s) on %s", folder.name if folder else "dummy weights", dtype, device)
+    t0 = time.monotonic()
+    progress.info("loading the weights of %s (%s) on %s", folder.name if folder else "dummy weights", dtype, device)
     arch = dataclasses.replace(arch, num_mtp_layers=mtp_layers)
     inv_freqs = {t: rope_inv_freq(hf_config, t, arch.head_dim) for t in set(arch.layer_types)}
     shard = None
@@ -189,7 +191,7 @@ def build_model(
             if isinstance(module, fp8.Fp8Linear):
                 module.prepare_kernels()
     model.eval().requires_grad_(False)
-    log.info("weights loaded in %.1f s", time.monotonic() - t0)
+    progress.info("weights loaded in %.1f s", time.monotonic() - t0)
     return model
 
 
