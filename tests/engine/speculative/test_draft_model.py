@@ -25,6 +25,7 @@ from engine.layers.context import SeqChunk, forward_context
 from engine.models.registry import arch_from_hf, load_hf_config
 from engine.request import SamplingParams
 from engine.speculative.draft_model import DraftDrafter, check_vocabulary
+from engine.speculative.mtp import MtpDrafter
 from tests.engine_utils import random_prompts, small_engine
 from tests.tiny_models import make_tiny
 
@@ -64,7 +65,7 @@ def reference_drafts(drafter: DraftDrafter, tokens: list[int], k: int) -> list[i
     return out[len(tokens) :]
 
 
-def record_drafts(drafter: DraftDrafter) -> list[tuple[list[int], list[int]]]:
+def record_drafts(drafter: DraftDrafter | MtpDrafter) -> list[tuple[list[int], list[int]]]:
     """Every non-empty proposal from now on, with the sequence's tokens when it was made."""
     seen: list[tuple[list[int], list[int]]] = []
     propose = drafter.propose

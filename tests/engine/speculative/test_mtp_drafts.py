@@ -15,6 +15,7 @@ import torch
 from engine.core.sequence import Sequence
 from engine.layers.context import SeqChunk, forward_context
 from engine.request import SamplingParams
+from tests.engine.speculative.test_draft_model import record_drafts
 from tests.engine_utils import random_prompts, small_engine
 from tests.tiny_models import make_tiny_mtp
 
@@ -66,17 +67,7 @@ def test_mtp_drafts_are_the_layers_own_predictions_and_the_output_is_unchanged(m
     eng = small_engine(mtp_model, is_deterministic=True, max_num_batched_tokens=24, speculative_config=MTP)
     assert eng.model.mtp is not None and eng.speculator is not None and eng.speculator.mtp is not None
     assert eng.kv.layout.num_full_layers == plain.kv.layout.num_full_layers + 1  # the MTP layer's KV
-    drafter = eng.speculator.mtp
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = drafter.propose
-
-    def recording(seq: Sequence, k: int) -> list[int]:
-        got = propose(seq, k)
-        if got:
-            seen.append((seq.token_ids(0, seq.num_tokens), got))
-        return got
-
-    drafter.propose = recording  # type: ignore[method-assign]
+    seen = record_drafts(eng.speculator.mtp)
     got = eng.generate(prompts, params)
     for r, g in zip(ref, got):
         assert g.output_token_ids == r.output_token_ids
