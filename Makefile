@@ -47,6 +47,12 @@ lint: setup
 	$(BIN)/ruff check engine pdkernels pd transfer bench tests
 	$(BIN)/mypy
 
+# docs/reference/flags.md and metrics.md, generated from the code (tests/pd/tools/test_docs_ref.py fails when
+# the committed files differ from what this writes)
+.PHONY: docs
+docs: setup
+	$(BIN)/python -m pd.tools.docs_ref
+
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV)
 

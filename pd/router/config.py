@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 from pd.config import (
@@ -73,8 +74,13 @@ class RouterConfig:
             raise ValueError("--health-interval-s, --dns-refresh-s and --connect-timeout-s must be > 0")
 
     @classmethod
-    def from_argv(cls, argv: list[str] | None = None, prog: str = "pdserve router") -> RouterConfig:
-        """The config the command line (and its --config file) gives; a bad value raises ValueError."""
+    def parser(cls, prog: str = "pdserve router") -> argparse.ArgumentParser:
+        """The router's flags and --config."""
         parser = parser_for(cls, prog, "An HTTP front over the CEs: conversation affinity, failover.")
         add_config_flag(parser)
-        return from_flags(cls, parse_args(parser, cls, argv))
+        return parser
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None, prog: str = "pdserve router") -> RouterConfig:
+        """The config the command line (and its --config file) gives; a bad value raises ValueError."""
+        return from_flags(cls, parse_args(cls.parser(prog), cls, argv))
