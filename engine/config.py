@@ -351,6 +351,7 @@ class EngineStats:
     spec_num_accepted_tokens_total: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
     cache_lookups_total: int = 0
+    cache_query_tokens_total: int = 0
     cache_hit_tokens_total: int = 0
     cache_stored_pages_total: int = 0
     cache_evictions_total: int = 0
@@ -361,6 +362,7 @@ class EngineStats:
     cache_used_states: int = 0
     cache_total_states: int = 0
     decode_cache_lookups_total: int = 0
+    decode_cache_query_tokens_total: int = 0
     decode_cache_hit_tokens_total: int = 0
     decode_cache_retained_pages: int = 0  # evictable or pinned again; they count as free in num_free_blocks
     decode_cache_evictions_total: int = 0

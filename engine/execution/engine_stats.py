@@ -108,6 +108,7 @@ def _prefix_cache_stats(cache: HostPrefixCache | None) -> dict[str, Any]:
     c = index.counters
     return dict(
         cache_lookups_total=c.lookups,
+        cache_query_tokens_total=c.query_tokens,
         cache_hit_tokens_total=c.hit_tokens,
         cache_stored_pages_total=c.stored_pages,
         cache_evictions_total=c.evictions,
@@ -126,6 +127,7 @@ def _decode_cache_stats(cache: DecodeCache | None) -> dict[str, Any]:
     c = cache.counters
     return dict(
         decode_cache_lookups_total=c.lookups,
+        decode_cache_query_tokens_total=c.query_tokens,
         decode_cache_hit_tokens_total=c.hit_tokens,
         decode_cache_retained_pages=cache.num_retained_pages,
         decode_cache_evictions_total=c.evictions,

@@ -91,9 +91,9 @@ async def _prefill(co: Coordinator, msg: Prefill) -> web.Response:
         metrics.handoff_bytes.labels(transport).inc(ev.payload_bytes)
         metrics.handoff_skipped_tokens.labels(transport).inc(ev.skipped_tokens)
         metrics.handoff_s.labels(transport).observe(ev.transfer_s)
-        metrics.ttft_phase_s.labels("prefill").observe(ev.prefill_s)
-        metrics.ttft_phase_s.labels("transfer").observe(ev.transfer_s)
-        metrics.ttft_phase_s.labels("transfer_after_prefill").observe(ev.transfer_after_prefill_s)
+        metrics.observe_phase("prefill", ev.prefill_s)
+        metrics.observe_phase("transfer", ev.transfer_s)
+        metrics.observe_phase("transfer_after_prefill", ev.transfer_after_prefill_s)
         metrics.handoff_streamed_pages.labels(transport).inc(ev.streamed_pages)
         metrics.handoff_early_pages.labels(transport).inc(ev.early_pages)
     elif ev.output is None:

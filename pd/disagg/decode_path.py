@@ -125,7 +125,7 @@ class DecodePath:
         events: asyncio.Queue[tuple[str, RankEvent]] = asyncio.Queue()
         try:
             held_tokens = await self._reserve(rank, req, events)
-            self.metrics.ttft_phase_s.labels("queue").observe(time.monotonic() - arrival_s)
+            self.metrics.observe_phase("queue", time.monotonic() - arrival_s)
             self.num_held += 1
             self._gauge()
             failure: PrefillFailed | None = None
@@ -174,9 +174,9 @@ class DecodePath:
                 return
             acked_s = time.monotonic()
             m, t = self.metrics, res.transport
-            m.ttft_phase_s.labels("prefill").observe(res.prefill_s)
-            m.ttft_phase_s.labels("transfer").observe(res.transfer_s)
-            m.ttft_phase_s.labels("transfer_after_prefill").observe(res.transfer_after_prefill_s)
+            m.observe_phase("prefill", res.prefill_s)
+            m.observe_phase("transfer", res.transfer_s)
+            m.observe_phase("transfer_after_prefill", res.transfer_after_prefill_s)
             m.handoff_streamed_pages.labels(t).inc(res.streamed_pages)
             m.handoff_early_pages.labels(t).inc(res.early_pages)
             m.handoffs.labels(t).inc()
@@ -317,7 +317,7 @@ class DecodePath:
                 if num_cached_tokens is not None:
                     ev.num_cached_tokens = num_cached_tokens
                 if acked_s is not None and ev.new_token_ids:
-                    self.metrics.ttft_phase_s.labels("first_decode").observe(time.monotonic() - acked_s)
+                    self.metrics.observe_phase("first_decode", time.monotonic() - acked_s)
                     acked_s = None
                 out.put_nowait((rid, ev))
                 if ev.is_finished:

@@ -13,7 +13,9 @@ TTFT_PHASES = ("queue", "prefill", "transfer", "transfer_after_prefill", "first_
 
 
 class ClusterMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str = "") -> None:
+        """model_name: the served name, which the TTFT phases carry as the request series do."""
+        self.model_name = model_name
         r = registry
         self.ttft_phase_s = Histogram(
             "pdserve_ttft_phase_seconds",
@@ -21,7 +23,7 @@ class ClusterMetrics:
             "transfer (the whole KV handoff to the CE's ack; streamed (--kv-stream): from its first part, "
             "overlapping the prefill), transfer_after_prefill (PE's first token to the CE's ack: what the "
             "handoff adds to TTFT), first_decode (ack to the first token out of the CE)",
-            ["phase"],
+            ["phase", "model_name"],
             buckets=_PHASE_BUCKETS_S,
             registry=r,
         )
@@ -96,3 +98,7 @@ class ClusterMetrics:
         )
         for state in ("waiting", "held"):
             self.reservations.labels(state).set(0)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """One request's time in one TTFT phase (TTFT_PHASES)."""
+        self.ttft_phase_s.labels(phase, self.model_name).observe(seconds)

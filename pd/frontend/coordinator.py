@@ -29,6 +29,7 @@ from pd.errors import ApiError, bad_request, model_not_found, unavailable
 from pd.frontend.metrics import RankSnapshot, ServerMetrics
 from pd.frontend.router import make_router
 from pd.frontend.sampling_defaults import sampling_defaults, with_defaults
+from pd.frontend.vllm_metrics import CacheConfigInfo
 from pd.http.io import read_json
 from pd.lifecycle import Admission
 from pd.rank.client import RankClient, RankGroup, RankState
@@ -81,8 +82,9 @@ class Coordinator:
         self.cfg = cfg
         self._renderer = None if tokenizer is None else self._make_renderer(tokenizer)
         self.router = make_router(cfg.routing)
-        self.metrics = ServerMetrics(self.snapshot, cfg.model_name)
-        self.cluster_metrics = ClusterMetrics(self.metrics.registry) if cfg.is_pd else None
+        cache = CacheConfigInfo(cfg.engine.block_size, cfg.engine.gpu_memory_utilization, cfg.engine.enable_prefix_caching)
+        self.metrics = ServerMetrics(self.snapshot, cfg.model_name, cache)
+        self.cluster_metrics = ClusterMetrics(self.metrics.registry, cfg.model_name) if cfg.is_pd else None
         self.pd: DecodePath | None = None  # the CE's P/D generation path (set by start)
         self.ranks: list[RankClient] = []
         self.created = int(time.time())
@@ -174,6 +176,7 @@ class Coordinator:
         lens = {r.info.max_model_len for r in self.ranks if r.info}
         if len(lens) != 1:
             raise RuntimeError(f"ranks disagree on max_model_len: {sorted(lens)}")
+        self.metrics.vllm.size_token_histograms(lens.pop())
 
     async def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -221,7 +224,10 @@ class Coordinator:
 
     def snapshot(self) -> list[RankSnapshot]:
         return [
-            RankSnapshot(r.index, r.is_up, r.num_inflight, dict(r.stats), r.num_restarts) for r in self.ranks
+            RankSnapshot(
+                r.index, r.is_up, r.num_inflight, dict(r.stats), r.num_restarts, r.info.max_model_len if r.info else 0
+            )
+            for r in self.ranks
         ]
 
     def health(self) -> tuple[int, dict[str, Any]]:

@@ -172,4 +172,5 @@ class Generation:
             v.e2e_s.labels(*labels).observe(now - self.arrival_s)
             v.prompt_tokens.labels(*labels).inc(o.num_prompt_tokens)
             v.generation_tokens.labels(*labels).inc(o.num_output_tokens)
+            v.observe_finished(labels, o.num_prompt_tokens, o.num_output_tokens)
             v.request_success.labels(*labels, o.finish_reason or "unknown").inc()

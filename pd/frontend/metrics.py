@@ -13,7 +13,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pd.frontend.vllm_metrics import VllmEngineCollector, VllmRequestSeries, accepted_per_position
+from pd.frontend.vllm_metrics import (
+    CacheConfigInfo,
+    VllmEngineCollector,
+    VllmRequestSeries,
+    accepted_per_position,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -37,6 +42,7 @@ class RankSnapshot:
     num_inflight: int
     stats: dict[str, Any] = field(default_factory=dict)
     num_restarts: int = 0  # times the server started the rank's process again after it died
+    max_model_len: int = 0  # as the rank reported it when ready; 0 before
 
 
 class _RankCollector:
@@ -137,7 +143,10 @@ class ServerMetrics:
     """Request metrics are labelled with the served model's name, as vLLM's are, so one dashboard tells
     deployments of different models apart."""
 
-    def __init__(self, snapshot: Callable[[], list[RankSnapshot]], model_name: str) -> None:
+    def __init__(
+        self, snapshot: Callable[[], list[RankSnapshot]], model_name: str, cache: CacheConfigInfo | None = None
+    ) -> None:
+        """cache: the settings vllm:cache_config_info shows; None: no such series."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
@@ -187,7 +196,7 @@ class ServerMetrics:
         self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
         r.register(_RankCollector(snapshot))  # type: ignore[arg-type]
         self.vllm = VllmRequestSeries(r)
-        r.register(VllmEngineCollector(snapshot, model_name))  # type: ignore[arg-type]
+        r.register(VllmEngineCollector(snapshot, model_name, cache))  # type: ignore[arg-type]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,11 +9,19 @@ tokens-per-step histogram (pd/rank/iteration_tokens.py) and the speculative-deco
 each rank's latest stats at scrape time. The speculative-decoding
 series (vllm/v1/spec_decode/metrics.py) exist only for ranks that speculate (--speculative-config), as vLLM
 registers them only then: mean accepted length = 1 + accepted / drafts, acceptance rate = accepted / draft
-tokens, position k's rate = accepted_per_pos{position=k} / drafts."""
+tokens, position k's rate = accepted_per_pos{position=k} / drafts.
+
+Prefix caches, in tokens as vLLM counts them (queries: the tokens each lookup was asked for; hits: those found):
+vllm:prefix_cache_* is the engine's own KV pool (a decode engine's decode cache, --decode-cache),
+vllm:external_prefix_cache_* the host tier (--hicache-gb), as vLLM names a KV connector's tier such as
+CPU offloading. A single-engine server or a prefill engine looks prompts up in its host tier only; its
+vllm:prefix_cache_* stay at 0 and its hits are vllm:external_prefix_cache_hits. Every vllm: series carries
+model_name (vLLM's vllm:cache_config_info does not; here it does, so one selector serves the dashboard)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -37,11 +45,53 @@ REQUEST_LATENCY_BUCKETS_S = (
 )  # fmt: skip
 
 
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to max_value."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
 class RankView(Protocol):
     """What the gauges read of a rank (frontend/metrics.py's RankSnapshot)."""
 
     index: int
     stats: dict[str, Any]
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class CacheConfigInfo:
+    """The settings vllm:cache_config_info shows as labels (vLLM's CacheConfig names); the pool's sizes
+    come from each rank's stats."""
+
+    block_size: int
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    cache_dtype: str = "auto"  # the KV cache is kept in the model's dtype (vLLM's "auto")
+
+    def labels(self, rank: RankView) -> dict[str, str]:
+        """vLLM's label values (str() of each value) for one rank."""
+        num_gpu_blocks = int(rank.stats.get("num_total_blocks", 0))
+        size_tokens = num_gpu_blocks * self.block_size
+        concurrency = size_tokens / rank.max_model_len if rank.max_model_len else 0.0
+        return {
+            "block_size": str(self.block_size),
+            "cache_dtype": self.cache_dtype,
+            "enable_prefix_caching": str(self.enable_prefix_caching),
+            "gpu_memory_utilization": str(self.gpu_memory_utilization),
+            "num_gpu_blocks": str(num_gpu_blocks),
+            "num_cpu_blocks": str(int(rank.stats.get("cache_total_pages", 0))),  # the host tier's pages
+            "kv_cache_size_tokens": str(size_tokens),
+            "kv_cache_max_concurrency": f"{concurrency:.2f}",  # requests of max_model_len tokens the pool holds
+        }
 
 
 def accepted_per_position(stats: dict[str, Any]) -> list[int]:
@@ -87,8 +137,33 @@ class VllmRequestSeries:
             registry=r,
         )  # fmt: skip
 
+        self._registry = r
+        # per-request token counts, in vLLM's 1-2-5 buckets up to max_model_len: sized once the ranks
+        # have told it (size_token_histograms), before the first request
+        self.request_prompt_tokens: Histogram | None = None
+        self.request_generation_tokens: Histogram | None = None
+
+    def size_token_histograms(self, max_model_len: int) -> None:
+        if self.request_prompt_tokens is not None:
+            return
+        buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", LABELS, buckets=buckets,
+            registry=self._registry,
+        )  # fmt: skip
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", LABELS,
+            buckets=buckets, registry=self._registry,
+        )  # fmt: skip
+
     def observe_token_gap(self, labels: tuple[str, str], gap_s: float) -> None:
         self.itl_s.labels(*labels).observe(gap_s)
+
+    def observe_finished(self, labels: tuple[str, str], num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """A finished request's token counts."""
+        if self.request_prompt_tokens is not None and self.request_generation_tokens is not None:
+            self.request_prompt_tokens.labels(*labels).observe(num_prompt_tokens)
+            self.request_generation_tokens.labels(*labels).observe(num_output_tokens)
 
 
 class Alias:
@@ -115,9 +190,13 @@ def renamed(family: Metric, name: str, documentation: str) -> Metric:
 class VllmEngineCollector:
     """Engine-level series read from each rank's latest stats at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], Iterable[RankView]], model_name: str) -> None:
+    def __init__(
+        self, snapshot: Callable[[], Iterable[RankView]], model_name: str, cache: CacheConfigInfo | None = None
+    ) -> None:
+        """cache: the settings of vllm:cache_config_info; None: no such series."""
         self.snapshot = snapshot
         self.model_name = model_name
+        self.cache = cache
 
     def collect(self) -> Iterator[Metric]:
         gauges = {
@@ -150,8 +229,65 @@ class VllmEngineCollector:
             "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
         )
         yield preemptions
+        yield from self._waiting_by_reason()
+        yield from self._prefix_caches()
+        yield from self._cache_config_info()
         yield self._iteration_tokens()
         yield from self._speculation()
+
+    def _waiting_by_reason(self) -> Iterator[Metric]:
+        """vLLM's split of the waiting requests: capacity (waiting for KV memory, a sequence slot or the
+        step's token budget) or deferred (held back for another reason). The scheduler admits in arrival
+        order as room allows and holds nothing back otherwise, so every waiting request waits for capacity."""
+        family = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason", "Number of requests waiting, by the reason they wait.",
+            labels=[*LABELS, "reason"],
+        )  # fmt: skip
+        for r in self.snapshot():
+            if r.stats:
+                labels = [self.model_name, str(r.index)]
+                family.add_metric([*labels, "capacity"], float(r.stats.get("num_waiting", 0)))
+                family.add_metric([*labels, "deferred"], 0.0)
+        yield family
+
+    def _prefix_caches(self) -> Iterator[Metric]:
+        """The engine pool's prefix cache (the decode cache) as vLLM's local one, the host tier as its
+        external one; the external series only for ranks that have a host tier."""
+        tiers = {
+            "decode_cache": ("vllm:prefix_cache", "Prefix cache"),
+            "cache": ("vllm:external_prefix_cache", "External prefix cache"),
+        }
+        for key, (name, what) in tiers.items():
+            queries = CounterMetricFamily(
+                f"{name}_queries", f"{what} queries, in terms of number of queried tokens.", labels=LABELS
+            )
+            hits = CounterMetricFamily(f"{name}_hits", f"{what} hits, in terms of number of cached tokens.", labels=LABELS)
+            for r in self.snapshot():
+                if not r.stats or (key == "cache" and not r.stats.get("cache_total_pages")):
+                    continue
+                labels = [self.model_name, str(r.index)]
+                queries.add_metric(labels, float(r.stats.get(f"{key}_query_tokens_total", 0)))
+                hits.add_metric(labels, float(r.stats.get(f"{key}_hit_tokens_total", 0)))
+            if key == "decode_cache" or queries.samples:
+                yield queries
+                yield hits
+
+    def _cache_config_info(self) -> Iterator[Metric]:
+        """vLLM's info-style gauge: 1, with the cache settings as labels, per rank."""
+        if self.cache is None:
+            return
+        family: GaugeMetricFamily | None = None
+        for r in self.snapshot():
+            if not r.stats:
+                continue
+            labels = {"model_name": self.model_name, "engine": str(r.index), **self.cache.labels(r)}
+            if family is None:
+                family = GaugeMetricFamily(
+                    "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(labels)
+                )
+            family.add_metric(list(labels.values()), 1.0)
+        if family is not None:
+            yield family
 
     def _iteration_tokens(self) -> Metric:
         """vLLM's tokens per engine step, each rank's histogram as the rank keeps it."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd.tools.server_process import PDPair, get_json, rank_metrics, signed_headers
 from tests.deploy.test_grafana_dashboard import (
@@ -221,8 +222,16 @@ def test_every_dashboard_metric_is_exported(servers):
     exported: dict[str, set[str]] = {}
     for server in (ref, pair.ce, pair.pe):
         with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-            for name, labels in exposition_labels(r.read().decode()).items():
-                exported.setdefault(name, set()).update(labels)
+            text = r.read().decode()
+        for name, labels in exposition_labels(text).items():
+            exported.setdefault(name, set()).update(labels)
+        # every vllm: sample and every TTFT phase carries the served name, as vLLM's series do
+        unnamed = [
+            s.name for f in text_string_to_metric_families(text) for s in f.samples
+            if f.name.startswith(("vllm:", "pdserve_ttft_phase_seconds")) and s.labels.get("model_name") != MODEL
+        ]  # fmt: skip
+        assert unnamed == [], (server.url, unnamed)
+    assert "model_name" in exported["pdserve_ttft_phase_seconds_count"]
     assert missing_metrics(load_dashboard(), exported) == []
     for query in scaling_queries():
         assert metric_names(query) <= set(exported), query
@@ -278,4 +287,8 @@ def test_multi_turn_hands_off_only_what_the_ce_lacks(servers):
         ]
     m = rank_metrics(pair.ce.port)
     assert m["pdserve_engine_decode_cache_hit_tokens_total"] > 0
+    # vLLM's local prefix cache is the CE's decode cache, in the same tokens
+    hits = metric(pair.ce.url, "vllm:prefix_cache_hits_total", engine="0")
+    assert hits == m["pdserve_engine_decode_cache_hit_tokens_total"]
+    assert metric(pair.ce.url, "vllm:prefix_cache_queries_total", engine="0") >= hits
     wait_pair_idle(pair)

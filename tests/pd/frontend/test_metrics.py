@@ -84,3 +84,55 @@ def test_speculation_series_only_for_ranks_that_speculate():
     none = [RankSnapshot(0, True, 0, {"num_running": 0, **plain})]
     text = ServerMetrics(lambda: none, "m").render().decode()
     assert "spec_decode" not in text and "pdserve_engine_spec" not in text
+
+
+def test_vllm_cache_series_per_tier_and_cache_config_info():
+    """vLLM's prefix-cache counters in tokens (the decode cache as its local cache, the host tier as its
+    external one, only where a rank has one), the waiting split by reason, vllm:cache_config_info with
+    vLLM's label names, and the request token histograms in vLLM's 1-2-5 buckets up to max_model_len."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pd.frontend.vllm_metrics import CacheConfigInfo, build_1_2_5_buckets
+
+    assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert build_1_2_5_buckets(2048)[-1] == 2000
+    host = {"num_waiting": 3, "num_total_blocks": 10, "cache_total_pages": 40, "cache_query_tokens_total": 300,
+            "cache_hit_tokens_total": 128, "decode_cache_query_tokens_total": 0, "decode_cache_hit_tokens_total": 0}
+    ce = {"num_waiting": 0, "num_total_blocks": 20, "decode_cache_query_tokens_total": 512,
+          "decode_cache_hit_tokens_total": 256}  # fmt: skip
+    snap = [RankSnapshot(0, True, 0, host, max_model_len=256), RankSnapshot(1, True, 0, ce, max_model_len=256)]
+    m = ServerMetrics(lambda: snap, "m", CacheConfigInfo(block_size=16, gpu_memory_utilization=0.9, enable_prefix_caching=True))
+    m.vllm.size_token_histograms(256)
+    m.vllm.observe_finished(("m", "0"), 37, 5)
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+
+    def samples(family: str) -> dict[tuple[str, ...], float]:
+        return {(s.name, *(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value for s in fams[family].samples}
+
+    assert samples("vllm:prefix_cache_queries") == {
+        ("vllm:prefix_cache_queries_total", "engine=0", "model_name=m"): 0.0,
+        ("vllm:prefix_cache_queries_total", "engine=1", "model_name=m"): 512.0,
+    }
+    assert samples("vllm:prefix_cache_hits")[("vllm:prefix_cache_hits_total", "engine=1", "model_name=m")] == 256.0
+    assert samples("vllm:external_prefix_cache_queries") == {
+        ("vllm:external_prefix_cache_queries_total", "engine=0", "model_name=m"): 300.0
+    }
+    assert samples("vllm:external_prefix_cache_hits") == {
+        ("vllm:external_prefix_cache_hits_total", "engine=0", "model_name=m"): 128.0
+    }
+    waiting = samples("vllm:num_requests_waiting_by_reason")
+    assert waiting[("vllm:num_requests_waiting_by_reason", "engine=0", "model_name=m", "reason=capacity")] == 3.0
+    assert waiting[("vllm:num_requests_waiting_by_reason", "engine=0", "model_name=m", "reason=deferred")] == 0.0
+    info = {s.labels["engine"]: s for s in fams["vllm:cache_config_info"].samples}
+    assert info["0"].value == 1.0
+    assert info["0"].labels == {
+        "model_name": "m", "engine": "0", "block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
+        "gpu_memory_utilization": "0.9", "num_gpu_blocks": "10", "num_cpu_blocks": "40",
+        "kv_cache_size_tokens": "160", "kv_cache_max_concurrency": "0.62",
+    }  # fmt: skip
+    assert info["1"].labels["num_cpu_blocks"] == "0" and info["1"].labels["kv_cache_size_tokens"] == "320"
+    prompt = samples("vllm:request_prompt_tokens")
+    les = [float(k[2].removeprefix("le=")) for k in prompt if k[0].endswith("_bucket") and k[2] != "le=+Inf"]
+    assert les == [1, 2, 5, 10, 20, 50, 100, 200]
+    assert prompt[("vllm:request_prompt_tokens_sum", "engine=0", "model_name=m")] == 37.0
+    assert samples("vllm:request_generation_tokens")[("vllm:request_generation_tokens_sum", "engine=0", "model_name=m")] == 5.0

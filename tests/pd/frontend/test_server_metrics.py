@@ -42,6 +42,14 @@ VLLM_SERIES = {
     "vllm:e2e_request_latency_seconds": ("histogram", {"model_name", "engine"}),
     "vllm:request_queue_time_seconds": ("histogram", {"model_name", "engine"}),
     "vllm:iteration_tokens_total": ("histogram", {"model_name", "engine"}),
+    "vllm:num_requests_waiting_by_reason": ("gauge", {"model_name", "engine", "reason"}),
+    "vllm:prefix_cache_queries": ("counter", {"model_name", "engine"}),
+    "vllm:prefix_cache_hits": ("counter", {"model_name", "engine"}),
+    # the host tier (--hicache-gb), as vLLM counts a KV connector's (vllm/v1/metrics/loggers.py, 0.11+)
+    "vllm:external_prefix_cache_queries": ("counter", {"model_name", "engine"}),
+    "vllm:external_prefix_cache_hits": ("counter", {"model_name", "engine"}),
+    "vllm:request_prompt_tokens": ("histogram", {"model_name", "engine"}),
+    "vllm:request_generation_tokens": ("histogram", {"model_name", "engine"}),
 }
 # the same source's buckets
 VLLM_BUCKETS = {
@@ -57,6 +65,9 @@ VLLM_BUCKETS = {
         480.0, 960.0, 1920.0, 7680.0,
     ],
     "vllm:iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    # build_1_2_5_buckets(max_model_len): --max-model-len 2048
+    "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],
+    "vllm:request_generation_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000],
 }  # fmt: skip
 
 
@@ -139,6 +150,23 @@ def test_counters_are_counters_and_vllm_series(server: ServerProcess) -> None:
     assert moved("vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count") == 7 + 5
     num_tokens = sum(u.prompt_tokens + u.completion_tokens for u in usages)
     assert moved("vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum") == num_tokens
+    # a finished request's token counts; every prompt looked up once in the host tier (the single
+    # engine's only prefix cache: the engine pool's own is a decode engine's, never looked up here)
+    assert moved("vllm:request_prompt_tokens", "vllm:request_prompt_tokens_sum") == sum(u.prompt_tokens for u in usages)
+    assert moved("vllm:request_generation_tokens", "vllm:request_generation_tokens_sum") == 12
+    assert moved("vllm:request_generation_tokens", "vllm:request_generation_tokens_count") == 2
+    assert moved("vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_queries_total") == sum(
+        u.prompt_tokens for u in usages
+    )
+    assert moved("vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 0
+    # vLLM's cache_config_info: 1, the cache settings as labels (vLLM's test_metrics_exist reads these two)
+    (info,) = after["vllm:cache_config_info"][1]
+    assert info[2] == 1.0 and info[1]["model_name"] == SERVED and info[1]["engine"] == "0"
+    num_blocks = value(after, "pdserve_kv_total_blocks", "pdserve_kv_total_blocks")
+    assert info[1]["num_gpu_blocks"] == str(int(num_blocks)) and info[1]["block_size"] == "128"
+    assert info[1]["kv_cache_size_tokens"] == str(int(num_blocks) * 128)
+    assert float(info[1]["kv_cache_max_concurrency"]) == pytest.approx(num_blocks * 128 / 2048, abs=0.01)
+    assert info[1]["enable_prefix_caching"] == "True" and int(info[1]["num_cpu_blocks"]) > 0
     # the same values as pdserve's own series
     assert value(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == value(
         after, "pdserve_prompt_tokens", "pdserve_prompt_tokens_total"
@@ -146,6 +174,29 @@ def test_counters_are_counters_and_vllm_series(server: ServerProcess) -> None:
     assert value(after, "vllm:num_preemptions", "vllm:num_preemptions_total") == value(
         after, "pdserve_engine_num_preemptions", "pdserve_engine_num_preemptions_total"
     )
+
+
+def test_prefix_cache_counters_count_tokens(server: ServerProcess) -> None:
+    """The same prompt twice: the second finds its whole pages in the host tier; queries and hits move by
+    the tokens asked and found, as the answers' usage.prompt_tokens_details.cached_tokens says."""
+    client = openai_client(server.url)
+    prompt = [100 + (i * 37) % 5000 for i in range(300)]
+    before = families(scrape(server))
+    cached = []
+    for _ in range(2):
+        answer = client.completions.create(model=SERVED, prompt=prompt, max_tokens=1, temperature=0)
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+    after = families(scrape(server))
+    assert cached == [0, 256]  # two whole pages of 128; the last token is always computed
+
+    def moved(family: str) -> float:
+        sample = f"{family}_total"
+        return value(after, family, sample) - value(before, family, sample)
+
+    assert moved("vllm:external_prefix_cache_queries") == 2 * 300
+    assert moved("vllm:external_prefix_cache_hits") == 256
+    assert moved("vllm:prefix_cache_hits") == 0
 
 
 def test_gauges_follow_a_running_request(server: ServerProcess) -> None:
