@@ -255,11 +255,11 @@ def stream_fields() -> st.SearchStrategy[dict[str, Any]]:
         st.just({}),
         st.just({"stream": False}),
         st.builds(
-            lambda usage: {
-                "stream": True,
-                **({} if usage is None else {"stream_options": {"include_usage": usage}}),
-            },
-            st.none() | st.booleans(),
+            lambda usage: {"stream": True, **({} if usage is None else {"stream_options": usage})},
+            st.none()
+            | st.builds(lambda b: {"include_usage": b}, st.booleans())
+            # vLLM's usage in every chunk (alone it asks for nothing)
+            | st.builds(lambda b: {"include_usage": b, "continuous_usage_stats": True}, st.booleans()),
         ),
     )
 
@@ -339,6 +339,8 @@ def valid_chat_body(draw: st.DrawFn, model: str) -> dict[str, Any]:
     body.update(draw(sampling_fields(CHAT_MAX_TOKENS)))
     _min_tokens_fit(body)
     body.update(draw(stream_fields()))
+    if draw(st.integers(0, 3)) == 0:
+        body["echo"] = True  # vLLM's: the last message's content first, when it is the assistant's
     if draw(st.booleans()):
         body.update(draw(tools_and_choice()))
     if draw(st.integers(0, 2)) == 0:
@@ -408,7 +410,9 @@ BAD_COMMON: dict[str, st.SearchStrategy[Any]] = {
     "min_tokens": st.sampled_from([-1, MAX_TOKENS + 1, 2**31, 2**63 - 1, 2**64 - 1, 2**64, 1.5, "2"]),
     "ignore_eos": st.sampled_from([1, "true", None]),
     "stream": st.sampled_from([1, "true", [True]]),
-    "stream_options": st.sampled_from([{"include_usage": 1}, [], "x", {"include_usage": True}]),
+    "stream_options": st.sampled_from(
+        [{"include_usage": 1}, [], "x", {"include_usage": True}, {"continuous_usage_stats": "yes"}]
+    ),
     "prefix_cache": st.sampled_from([0, "no"]),
     "response_format": st.sampled_from(
         [

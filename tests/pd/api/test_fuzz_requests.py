@@ -7,7 +7,8 @@ tools itself) and --reasoning-parser qwen3, and a P/D pair (the CE forwards ever
 
 Every answer: below 500; a 4xx is OpenAI's error object; a 200 is well formed (n choices, known finish
 reasons, logprobs as asked, a constrained output that stopped by itself is whole, a stream that ends
-with [DONE] and carries no error). Every request leaves the engine ranks as they were (same processes,
+with [DONE] and carries no error, unless its grammar dead-ends after the stream began: then its last
+event is that 400 in-band). Every request leaves the engine ranks as they were (same processes,
 all up); after a run the ranks are idle with every KV block free, and the servers' logs have no
 traceback or lost task. Some streams are read with the openai client, some requests go at once (they
 share batches), and some are dropped by the client half-way.
@@ -294,7 +295,7 @@ def check_chat(body: dict[str, Any], answer: Answer) -> None:
     for c in r["choices"]:
         assert c["finish_reason"] in CHAT_FINISH, c
         check_chat_message(body, c)
-        if not c["message"].get("reasoning_content"):
+        if not c["message"].get("reasoning_content") and not body.get("echo"):
             check_constrained(body, c["message"]["content"] or "", c["finish_reason"])
         if body.get("logprobs"):
             content = c["logprobs"]["content"]
@@ -326,19 +327,52 @@ def check_prompt_logprobs(plp: Any, num_top: int | None, num_prompt_tokens: int 
             assert set(v) == {"logprob", "rank", "decoded_token"} and v["logprob"] <= 0.0 and v["rank"] >= 1, entry
 
 
+def check_stream_usage(body: dict[str, Any], chunks: list[Any]) -> list[Any]:
+    """The chunks but a usage-only last one: usage null in each with include_usage, or with
+    continuous_usage_stats too each choice's tokens so far (never fewer than its chunk before); none
+    without; the last one's total at least every choice's last."""
+    options = body.get("stream_options") or {}
+    if options.get("include_usage") is not True:
+        assert all("usage" not in ch for ch in chunks), chunks
+        return chunks
+    *chunks, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 0, last
+    if options.get("continuous_usage_stats") is not True:
+        assert all(ch["usage"] is None for ch in chunks), chunks
+        return chunks
+    so_far: dict[int, int] = {}
+    for ch in chunks:
+        u = ch["usage"]
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"], ch
+        for c in ch["choices"]:
+            assert u["completion_tokens"] >= so_far.get(c["index"], 0), (ch, so_far)
+            so_far[c["index"]] = u["completion_tokens"]
+    assert sum(so_far.values()) <= last["usage"]["completion_tokens"], (so_far, last)
+    return chunks
+
+
+def stream_body(body: dict[str, Any], events: list[Any]) -> list[Any] | None:
+    """A stream's chunks before [DONE]; None when it ended early on an in-band error, which may only be
+    the request's own: a grammar that dead-ends once tokens are out (a 400 in OpenAI's shape, last)."""
+    assert events, events
+    if events[-1] != "[DONE]":
+        err = events[-1]["error"]
+        assert err["type"] == "invalid_request_error" and err["message"].startswith("the output's grammar"), err
+        assert any(k.startswith("guided_") or k in ("structured_outputs", "response_format") for k in body), body
+        assert "[DONE]" not in events and all("error" not in ch for ch in events[:-1]), events[-3:]
+        return None
+    assert "[DONE]" not in events[:-1], events[-3:]
+    for ch in events[:-1]:
+        assert "error" not in ch, ch
+    return events[:-1]
+
+
 def check_chat_stream(body: dict[str, Any], events: list[Any]) -> None:
     n = body.get("n") or 1
-    include_usage = (body.get("stream_options") or {}).get("include_usage") is True
-    assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events[-3:]
-    chunks = events[:-1]
-    for ch in chunks:
-        assert "error" not in ch, ch
-    if include_usage:
-        *chunks, last = chunks
-        assert last["choices"] == [] and last["usage"]["completion_tokens"] >= 0, last
-        assert all(ch["usage"] is None for ch in chunks), chunks
-    else:
-        assert all("usage" not in ch for ch in chunks), chunks
+    chunks = stream_body(body, events)
+    if chunks is None:
+        return
+    chunks = check_stream_usage(body, chunks)
     finished: dict[int, str] = {}
     texts = [""] * n
     has_reasoning = [False] * n
@@ -364,7 +398,7 @@ def check_chat_stream(body: dict[str, Any], events: list[Any]) -> None:
         if ends_whole(body, finished[i]):
             json.loads(text)
     for i in range(n):
-        if not has_reasoning[i]:
+        if not has_reasoning[i] and not body.get("echo"):
             check_constrained(body, texts[i], finished[i])
 
 
@@ -415,11 +449,12 @@ def check_completion(body: dict[str, Any], answer: Answer) -> None:
 
 def check_completion_stream(body: dict[str, Any], events: list[Any]) -> None:
     k = num_prompts(body["prompt"]) * (body.get("n") or 1)
-    assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1], events[-3:]
+    chunks = stream_body(body, events)
+    if chunks is None:
+        return
     finished: dict[int, str] = {}
     texts = [""] * k
-    for ch in events[:-1]:
-        assert "error" not in ch, ch
+    for ch in check_stream_usage(body, chunks):
         for c in ch["choices"]:
             assert 0 <= c["index"] < k and c["index"] not in finished, (ch, finished)
             texts[c["index"]] += c["text"]

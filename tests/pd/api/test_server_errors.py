@@ -337,6 +337,22 @@ def test_a_structured_output_the_model_cannot_follow_is_a_400(server, extra):
     assert_error(status, got, 400)
 
 
+def test_a_grammar_that_dead_ends_mid_stream_ends_it_with_an_in_band_400(server):
+    # the stream has begun (its first token is out) when the grammar has nowhere to go: the error comes
+    # in-band, in OpenAI's shape, as the last event (no [DONE]: the output is not whole); the rank stays up
+    pids = server.rank_pids()
+    body = {"model": MODEL, "messages": HI, "max_tokens": 8, "stream": True, **CANNOT_FOLLOW["dead-end-after-one"]}
+    status, raw = request(server, "/v1/chat/completions", body)
+    assert status == 200, raw
+    events = [line[len(b"data: ") :] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    *chunks, last = [json.loads(e) for e in events]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "a", chunks
+    assert set(last) == {"error"} and last["error"]["type"] == "invalid_request_error", last
+    assert last["error"]["message"].startswith("the output's grammar failed"), last
+    assert server.rank_pids() == pids
+    assert_serving(server)
+
+
 def test_wrong_method_and_unknown_model_card(server):
     assert_error(*request(server, "/v1/chat/completions", method="GET"), 405)
     assert_error(*request(server, "/v1/models/nope", method="GET"), 404, "model", "model_not_found")
