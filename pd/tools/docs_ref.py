@@ -32,6 +32,7 @@ from pd.config import ServerConfig
 from pd.disagg.metrics import ClusterMetrics
 from pd.flags import flags
 from pd.frontend.metrics import RankSnapshot, ServerMetrics
+from pd.frontend.vllm_metrics import CacheConfigInfo
 from pd.rank.decode_role import DecodeRole
 from pd.rank.iteration_tokens import IterationTokens
 from pd.rank.prefill_role import PrefillRole
@@ -193,6 +194,7 @@ VARIANTS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
         "MoE models",
         lambda: {"moe_layers": (0,), "moe_tokens_per_expert": ((0, 0),), "moe_rows_computed": (0,)},
     ),
+    "hicache": ("ranks with a host prefix cache (`--hicache-gb` above 0)", lambda: {"cache_total_pages": 1}),
     "ce": ("CE ranks (`--role ce`)", lambda: dict.fromkeys(role_stat_keys(DecodeRole), 0)),
     "pe": ("PE ranks (`--role pe`)", lambda: dict.fromkeys(role_stat_keys(PrefillRole), 0)),
 }
@@ -217,7 +219,9 @@ def _series(registry: CollectorRegistry) -> list[Series]:
 
 
 def _server_series(stats: dict[str, Any]) -> list[Series]:
-    metrics = ServerMetrics(lambda: [RankSnapshot(0, True, 0, stats)], "MODEL")
+    cache = CacheConfigInfo(block_size=128, gpu_memory_utilization=0.9, enable_prefix_caching=True)
+    metrics = ServerMetrics(lambda: [RankSnapshot(0, True, 0, stats, max_model_len=2048)], "MODEL", cache)
+    metrics.vllm.size_token_histograms(2048)  # the server sizes them once its ranks are ready
     return _series(metrics.registry)
 
 
