@@ -9,5 +9,5 @@
     llama.py ...    one module per family (llama, mistral, qwen2, qwen3, qwen3_moe, gemma3, gpt_oss,
                     deepseek_v3, phi3)
 
-Adding a family: one module here and one line in registry.py (the README's "adding a model").
+Adding a family: one module here and one line in registry.py (docs/howto/add-model-family.md).
 """

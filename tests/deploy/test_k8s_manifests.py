@@ -37,7 +37,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate")
 pytestmark = pytest.mark.smoke  # kubernetes-validate and pyyaml at their lower bounds
 
 DOCKERFILE = K8S_DIR.parent / "Dockerfile"
-# The oldest Kubernetes the base is meant for (README says so; its preStop is an exec of `sleep`, since
+# The oldest Kubernetes the base is meant for (docs/guides/kubernetes.md says so; its preStop is an exec of `sleep`, since
 # the `sleep` action is 1.30's), one between, and the newest whose schemas kubernetes-validate bundles.
 SCHEMA_VERSIONS = ("1.28", "1.30", ".".join(kubernetes_validate.latest_version().split(".")[:2]))
 POD_IP = "10.1.2.3"  # stands for the downward API's status.podIP
@@ -425,7 +425,7 @@ def test_the_router_listens_on_its_container_port_without_a_gpu() -> None:
 def test_clients_reach_the_router_through_its_service() -> None:
     router, cfg = _the_router()
     services = [s for s in _of_kind("Service") if _selects(s, router)]
-    assert [s["metadata"]["name"] for s in services] == ["pdserve-router"], "README names this Service"
+    assert [s["metadata"]["name"] for s in services] == ["pdserve-router"], "docs/guides/kubernetes.md names this Service"
     (service,) = services
     assert service["spec"].get("clusterIP") != "None" and service["spec"]["type"] in ("ClusterIP", "LoadBalancer")
     (port,) = service["spec"]["ports"]
