@@ -100,6 +100,56 @@ _METHOD_ALIASES = {"deepseek_mtp": "mtp", "draft": "draft_model"}
 MAX_SPECULATIVE_TOKENS = 7  # drafts per sequence and step, at most (the verify widths CUDA graphs capture)
 
 
+KV_EVENT_PUBLISHERS = ("zmq", "null")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig, the fields pdserve honours (another field is refused by name)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://127.0.0.1:5557"  # loopback unless told otherwise: the stream carries prompt tokens
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> KVEventsConfig:
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--kv-events-config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown field(s) {unknown}; known: {sorted(known)}")
+        cfg = cls(**raw)
+        if not isinstance(cfg.enable_kv_cache_events, bool):
+            raise ValueError("--kv-events-config: enable_kv_cache_events must be true or false")
+        if cfg.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"--kv-events-config: publisher must be one of {KV_EVENT_PUBLISHERS}, got {cfg.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(cfg, name)
+            if value is not None and (not isinstance(value, str) or not value.startswith("tcp://") or ":" not in value[6:]):
+                raise ValueError(f"--kv-events-config: {name} must be tcp://HOST:PORT, got {value!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(cfg, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--kv-events-config: {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(cfg.topic, str):
+            raise ValueError("--kv-events-config: topic must be a string")
+        return cfg
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`--speculative-config`, vLLM's JSON: which method drafts tokens and how many each step verifies.
@@ -279,6 +329,16 @@ class EngineConfig:
             "running sequences. Lossless: the same tokens as without it"
         },
     )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "KV cache events, vLLM's JSON: {\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+            "\"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": \"tcp://127.0.0.1:5558\", \"topic\": "
+            "\"kv-events\"}: every rank publishes what its prefix caches gain and lose (ZeroMQ PUB, msgpack; ports "
+            "+ the rank), for a KV-aware router. The stream carries prompt token ids: it binds to loopback "
+            "unless an endpoint says otherwise"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of dummy weights and of unseeded sampling"})
     forward: ForwardConfig = field(default_factory=ForwardConfig, metadata={"help": "model forward (CUDA)"})
 
@@ -298,11 +358,20 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.speculative()  # raises on a bad --speculative-config
+        self.kv_events()  # raises on a bad --kv-events-config
 
     @property
     def uses_decode_cache(self) -> bool:
         """--decode-cache, unless --no-enable-prefix-caching turns every prefix cache off."""
         return self.decode_cache and self.enable_prefix_caching
+
+    def kv_events(self) -> KVEventsConfig | None:
+        return None if self.kv_events_config is None else KVEventsConfig.parse(self.kv_events_config)
+
+    @property
+    def records_kv_events(self) -> bool:
+        cfg = self.kv_events()
+        return cfg is not None and cfg.enable_kv_cache_events
 
     def speculative(self) -> SpeculativeConfig | None:
         return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)

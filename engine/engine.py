@@ -25,6 +25,7 @@ import torch
 
 from engine.arch import ModelArch
 from engine.config import MAX_DEFAULT_MODEL_LEN, EngineConfig, EngineStats
+from engine.core import kv_events
 from engine.core.block_pool import BlockPool
 from engine.core.decode_cache import DecodeCache
 from engine.core.detokenizer import IncrementalDetokenizer
@@ -125,13 +126,12 @@ class LLMEngine:
         # state always travels, so a model without full-attention layers retains nothing)
         keeps_pages = config.uses_decode_cache and self.arch.has_full
         self.decode_cache = DecodeCache(self.blocks, config.block_size) if keeps_pages else None
-        sched = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, config.block_size, self.arch.has_full, self.arch.has_sliding
-        )
+        sched = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.block_size, self.arch.has_full, self.arch.has_sliding)
         self.scheduler = Scheduler(sched, self.blocks, self.slots, on_admit=self._admit)
         self.prefix_cache = HostPrefixCache.sized(  # None: --hicache-gb 0
             config, self.arch, self.kv, tp.size if tp else 1, records=tp is not None and tp.is_leader
         )
+        self.kv_events = kv_events.for_engine(config.records_kv_events, self.prefix_cache, self.decode_cache)
         rows_per_seq = 1 + speculative.max_drafts(config)  # a sequence verifies its drafts as rows of their own
         self.runner = ModelRunner(
             self.model, self.kv, self.numerics, config.forward, max_decode_rows=config.max_num_seqs * rows_per_seq,

@@ -29,7 +29,7 @@ LAYERS = ("pdkernels", "engine", "transfer", "pd", "bench")
 BOUNDARY = "engine.handoff"
 BOUNDARY_MAY_IMPORT = {"engine.codec", "engine.errors", "engine.request"}
 PD_ROOMS = (
-    "pd", "pd.http", "pd.chat", "pd.rank", "pd.disagg", "pd.frontend", "pd.api", "pd.router", "pd.server", "pd.tools"
+    "pd", "pd.kv_events", "pd.http", "pd.chat", "pd.rank", "pd.disagg", "pd.frontend", "pd.api", "pd.router", "pd.server", "pd.tools"
 )  # fmt: skip
 PD_SHARED = {"pd", "pd.config", "pd.errors", "pd.flags", "pd.kv_transfer_config", "pd.lifecycle", "pd.messages"}
 ENGINE_ROOMS = (

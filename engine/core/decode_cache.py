@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.block_pool import BlockPool
+from engine.core.kv_events import MEDIUM_GPU, KVEventLog, log_runs
 from engine.core.prefix_cache import chain_hashes
 
 
@@ -44,6 +45,7 @@ class DecodeCache:
         self._entries: dict[bytes, _Entry] = {}
         self._keys: dict[int, bytes] = {}  # block id -> its key
         self.counters = DecodeCacheCounters()
+        self.events = KVEventLog(enabled=False)  # engine/core/kv_events.py attach() gives it the engine's
         pool.set_on_evict(self._evicted)
 
     @property
@@ -74,22 +76,26 @@ class DecodeCache:
         freed. Returns the number of pages newly indexed."""
         bs = self.block_size
         num_pages = min(len(token_ids) // bs, len(block_ids))
-        added = 0
-        for i, key in enumerate(chain_hashes(token_ids[: num_pages * bs], bs)):
+        keys = chain_hashes(token_ids[: num_pages * bs], bs)
+        new: list[bool] = []
+        for i, key in enumerate(keys):
             b = block_ids[i]
-            if key in self._entries or b in self._keys:
+            new.append(key not in self._entries and b not in self._keys)
+            if not new[-1]:
                 continue
             self._entries[key] = _Entry(b, tuple(token_ids[i * bs : (i + 1) * bs]))
             self._keys[b] = key
             self._pool.mark_cached(b)
-            added += 1
-        return added
+        log_runs(self.events, keys, new, token_ids, bs, MEDIUM_GPU)
+        return sum(new)
 
     def _evicted(self, block_id: int) -> None:
         """The pool's on_evict: the page is reused; its key goes (pages after it in the chain stay
         until evicted themselves: the pool evicts a chain tail first, so this is rare)."""
-        del self._entries[self._keys.pop(block_id)]
+        key = self._keys.pop(block_id)
+        del self._entries[key]
         self.counters.evictions += 1
+        self.events.removed([key], MEDIUM_GPU)
 
     def check_idle(self) -> None:
         """With nothing referenced, the indexed pages are exactly the pool's evictable ones."""

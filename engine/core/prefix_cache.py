@@ -18,6 +18,8 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.core.kv_events import MEDIUM_CPU, KVEventLog, log_runs
+
 HASH_SEED = b"pdserve-prefix-v1"
 
 
@@ -76,7 +78,9 @@ class PrefixIndex:
         self._free_states = list(range(num_states - 1, -1, -1))
         self._state_owner: dict[int, bytes] = {}
         self._pending: list[Entry] = []
+        self._pending_new: tuple[list[bytes], list[bool], list[int]] = ([], [], [])  # for the events at commit
         self.counters = CacheCounters()
+        self.events = KVEventLog(enabled=False)  # engine/core/kv_events.py attach() gives it the engine's
 
     @property
     def num_used_pages(self) -> int:
@@ -132,11 +136,14 @@ class PrefixIndex:
         keys = chain_hashes(token_ids[: num_pages * bs], bs)
         plan: list[tuple[int, int]] = []
         chain: list[Entry] = []
+        new: list[bool] = []
         for i, key in enumerate(keys):
             e = self._entries.get(key)
+            new.append(e is None)
             if e is None:
                 page = self._take(self._free_pages, is_state=False)
                 if page is None:
+                    new.pop()
                     break
                 e = Entry(key, tuple(token_ids[i * bs : (i + 1) * bs]), page)
                 self._entries[key] = e
@@ -153,14 +160,19 @@ class PrefixIndex:
                 self._state_owner[state] = chain[-1].key
                 self.counters.stored_states += 1
         self._pending = chain
+        self._pending_new = (keys[: len(new)], new, token_ids[: len(new) * bs])
         self._touch(chain)
         return plan, state
 
     def commit_store(self) -> None:
-        """The copies of the last plan_store are done: unpin."""
+        """The copies of the last plan_store are done: unpin (and the new pages are usable: logged)."""
         for e in self._pending:
             e.pins -= 1
         self._pending = []
+        keys, new, token_ids = self._pending_new
+        live = [k in self._entries for k in keys]  # NOTE: a page evicted meanwhile is not announced
+        log_runs(self.events, keys, [n and ok for n, ok in zip(new, live)], token_ids, self.block_size, MEDIUM_CPU)
+        self._pending_new = ([], [], [])
 
     # ---- eviction -----------------------------------------------------------------------------
 
@@ -194,6 +206,7 @@ class PrefixIndex:
             self._drop_state(e)
         del self._entries[e.key]
         self._free_pages.append(e.page)
+        self.events.removed([e.key], MEDIUM_CPU)
 
     def check_idle(self) -> None:
         pinned = [e for e in self._entries.values() if e.pins]

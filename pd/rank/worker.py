@@ -54,6 +54,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from pd.config import LOG_FORMATS, RoleConfig
 from pd.http.request_log import install as install_logging
+from pd.kv_events.publisher import KVEventPublisher
 from pd.lifecycle import exit_now
 from pd.messages import (
     AbortRequests,
@@ -69,6 +70,7 @@ from pd.messages import (
 )
 from pd.rank.iteration_tokens import IterationTokens
 from pd.rank.role import RankRole, add_request, rejection
+from transfer.auth import load_token
 
 if TYPE_CHECKING:  # NOTE: main() imports the engine inside its try, so a failed import is a RankFatal
     from engine.engine import LLMEngine
@@ -160,6 +162,11 @@ class RankWorker:
         self.last_stats_s = 0.0
         self.added_s: dict[str, float] = {}  # request id -> when it was added, until its first output
         self.iteration_tokens = IterationTokens(self._num_tokens_total())
+        self.kv_events: KVEventPublisher | None = None  # --kv-events-config: what the caches gained and lost
+
+    def publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.kv_events.drain())
 
     def _num_tokens_total(self) -> int:
         return self.engine.num_prompt_tokens_total + self.engine.num_generation_tokens_total
@@ -223,6 +230,7 @@ class RankWorker:
                         break
                     if not self.handle(decode(data)):
                         return
+                self.publish_kv_events()  # a role's handoff may index pages outside a step
             has_work = self.engine.has_unfinished()
             if self.ep is not None:
                 has_work = self.ep.any(has_work)  # NOTE: every rank of the group, every loop
@@ -243,6 +251,7 @@ class RankWorker:
                 stats = self.stats() if finished or now - self.last_stats_s >= BUSY_STATS_EVERY_S else None
                 if outputs or stats is not None:
                     self.send(StepOutputs(tuple(outputs), stats, queue_times_s))
+                self.publish_kv_events()
             else:
                 if self.tp is not None and time.monotonic() - self.last_plan_s >= TP_HEARTBEAT_S:
                     self.engine.heartbeat()  # NOTE: a follower gone fails it: the rank exits and restarts
@@ -251,6 +260,20 @@ class RankWorker:
                     if os.getppid() != parent:
                         return  # orphaned (PDEATHSIG is Linux-only)
                     self.send(RankStats(self.stats()))
+
+
+def kv_event_publisher(cfg: EngineConfig, rank: int, role: RoleConfig | None, ctx: zmq.Context) -> KVEventPublisher | None:
+    events = cfg.kv_events()
+    if events is None or not events.publishes:
+        return None
+    try:
+        token: bytes | None = load_token(token_file=role.token_file if role is not None else None)
+    except (ValueError, OSError):
+        token = None  # a loopback endpoint needs none; another refuses to start without it
+    try:
+        return KVEventPublisher(events, rank, token, ctx)
+    except ValueError as e:  # a setting refused (one line at start, as the engine's own)
+        raise InvalidRequestError(str(e)) from None
 
 
 def make_role(
@@ -332,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         role = make_role(args.role, role_config, engine, ctx, outbox)
         worker = RankWorker(args.rank, engine, inbox, outbox, role, ep, tp)
+        worker.kv_events = kv_event_publisher(cfg, args.rank, role_config, ctx)
         eos = tuple(sorted(engine.eos_token_ids))
         worker.send(
             RankReady(
@@ -350,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if role is not None:
                 role.close()
+            if worker.kv_events is not None:
+                worker.kv_events.close()
         engine.close()  # the followers end
         for f in followers:
             f.wait(timeout=30)
