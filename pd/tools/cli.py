@@ -5,7 +5,7 @@
     pdserve download MODEL [--revision R] [--download-dir D]  python -m engine.checkpoints download MODEL ...
     pdserve router --decode-url URL[,URL...] [flags]         python -m pd.router.server ...
     pdserve models fetch|list|path ...                       python -m engine.checkpoints ...
-    pdserve bench load|compare ...                           bench/load/replay.py, bench/load/compare.py
+    pdserve bench load|compare|serve ...                     bench/load/replay.py, compare.py, serve.py
 
 Everything after the subcommand goes to the tool it names, unchanged; its exit status is pdserve's.
 """
@@ -26,9 +26,10 @@ COMMANDS = {
     "(python -m engine.checkpoints download)",
     "router": "an HTTP front over the CEs: conversation affinity, failover (python -m pd.router.server)",
     "models": "the model catalogue: fetch|list|path (python -m engine.checkpoints)",
-    "bench": "benchmarks against running endpoints: load|compare (bench/load/replay.py, bench/load/compare.py)",
+    "bench": "benchmarks against running endpoints: load|compare|serve (bench/load/replay.py, bench/load/compare.py, "
+    "bench/load/serve.py: vLLM's `vllm bench serve`)",
 }
-BENCHES = {"load": "bench.load.replay", "compare": "bench.load.compare"}  # name: module
+BENCHES = {"load": "bench.load.replay", "compare": "bench.load.compare", "serve": "bench.load.serve"}  # name: module
 
 
 def _parser() -> argparse.ArgumentParser:

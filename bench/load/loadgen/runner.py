@@ -138,9 +138,7 @@ def url_for(cfg: LoadConfig, rec: RequestRecord) -> str:
 async def _stream_one(
     session: Any, cfg: LoadConfig, messages: list[dict[str, Any]], rec: RequestRecord, t0: float
 ) -> str:
-    """Sends one streamed request, fills `rec`; returns the answer's text."""
-    import aiohttp
-
+    """Sends one streamed chat request, fills `rec`; returns the answer's text."""
     body: dict[str, Any] = {
         "model": cfg.model,
         "messages": messages,
@@ -152,13 +150,31 @@ async def _stream_one(
     if cfg.logprobs:
         body["logprobs"] = True
     body |= cfg.extra_body
+    return await stream_request(session, url_for(cfg, rec), body, rec, t0, cfg.timeout_s, counts_logprobs=cfg.logprobs)
+
+
+async def stream_request(
+    session: Any,
+    url: str,
+    body: dict[str, Any],
+    rec: RequestRecord,
+    t0: float,
+    timeout_s: float,
+    headers: dict[str, str] | None = None,
+    counts_logprobs: bool = False,
+) -> str:
+    """POSTs one streamed request (body has "stream": true) to a chat or text completions URL, fills `rec`
+    (status, HTTP status, send time since t0, TTFT, gaps between token-carrying chunks, usage); returns the
+    answer's text. counts_logprobs: the body asks for logprobs, whose entries count the streamed tokens."""
+    import aiohttp
+
     text: list[str] = []
     start = time.perf_counter()
     rec.start_s = start - t0
     last: float | None = None
     num_tokens = 0
     async with session.post(
-        url_for(cfg, rec), json=body, timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)
+        url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
     ) as resp:
         rec.http_status = resp.status
         if resp.status != 200:
@@ -182,10 +198,12 @@ async def _stream_one(
                 rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             for ch in ev.get("choices") or []:
                 delta = ch.get("delta") or {}
-                lps = (ch.get("logprobs") or {}).get("content") or []
+                piece = delta.get("content") if "delta" in ch else ch.get("text")  # chat | text completions
+                logprobs = ch.get("logprobs") or {}
+                lps = logprobs.get("content") or logprobs.get("tokens") or []  # chat | text completions
                 num_tokens += len(lps)
-                if delta.get("content") or delta.get("tool_calls") or lps:
-                    text.append(delta.get("content") or "")
+                if piece or delta.get("tool_calls") or lps:
+                    text.append(piece or "")
                     if last is None:
                         rec.ttft_s = now - start
                     else:
@@ -196,7 +214,7 @@ async def _stream_one(
                     rec.ttft_s = now - start  # an answer without text (EOS first): TTFT is its end
                 rec.finish_reason = ch.get("finish_reason") or rec.finish_reason
     rec.e2e_s = time.perf_counter() - start
-    if cfg.logprobs:
+    if counts_logprobs:
         rec.stream_tokens = num_tokens
     if rec.completion_tokens is None:
         rec.status, rec.error = "error", "no usage in the stream"

@@ -11,14 +11,21 @@ from .runner import RequestRecord
 LONG_PROMPT_TOKENS = 512  # default --long-prompt-tokens: an uncached prompt this long is a long prefill
 
 
-def _pcts(xs: Sequence[float], scale: float = 1e3) -> dict[str, float | None]:
+def percentiles(xs: Sequence[float], ps: Sequence[float], scale: float = 1e3) -> dict[str, float | None]:
+    """mean, median, std, max and each percentile p ("p99", "p99.9") of xs times scale; all None for no xs."""
     import numpy as np
 
+    keys = ["mean", "median", "std", "max", *(f"p{p:g}" for p in ps)]
     if not xs:
-        return {"p50": None, "p90": None, "p99": None, "mean": None, "max": None}
+        return dict.fromkeys(keys)
     a = np.asarray(xs, dtype=float) * scale
-    p50, p90, p99 = (float(v) for v in np.percentile(a, [50, 90, 99]))
-    return {"p50": p50, "p90": p90, "p99": p99, "mean": float(a.mean()), "max": float(a.max())}
+    values = [a.mean(), np.median(a), a.std(), a.max(), *np.percentile(a, list(ps))]
+    return {k: float(v) for k, v in zip(keys, values)}
+
+
+def _pcts(xs: Sequence[float], scale: float = 1e3) -> dict[str, float | None]:
+    p = percentiles(xs, (50, 90, 99), scale)
+    return {k: p[k] for k in ("p50", "p90", "p99", "mean", "max")}
 
 
 def tpot_s(r: RequestRecord) -> float | None:
