@@ -17,27 +17,19 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from typing import Any
 
 from aiohttp import web
 
+from pd import __version__
 from pd.api.chat import render
 from pd.api.protocol import parse_chat_request, parse_model, parse_object, parse_token_ids
 from pd.errors import bad_request
 from pd.frontend.coordinator import Coordinator
 from pd.http.io import json_response
 
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pdserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-VERSION = _version()
+VERSION = __version__
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:

@@ -8,6 +8,7 @@
     pdserve bench load|compare|serve ...                     bench/load/replay.py, compare.py, serve.py
 
 Everything after the subcommand goes to the tool it names, unchanged; its exit status is pdserve's.
+`pdserve --version` prints the installed version.
 """
 
 from __future__ import annotations
@@ -44,13 +45,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def pd_run_script() -> Path:
-    """deploy/pd_run.sh of the checkout the pd package is installed from (pip install -e)."""
-    return Path(__file__).resolve().parents[2] / "deploy" / "pd_run.sh"
+    """deploy/pd_run.sh of the checkout the pd package is installed from (pip install -e), else the copy a
+    wheel installs under the environment's share/pdserve/deploy (pyproject.toml's data-files)."""
+    checkout = Path(__file__).resolve().parents[2] / "deploy" / "pd_run.sh"
+    if checkout.is_file():
+        return checkout
+    return Path(sys.prefix) / "share" / "pdserve" / "deploy" / "pd_run.sh"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one subcommand; its exit status (`pdserve serve`, `pdserve router` and `pdserve pd` do not return)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["--version"], ["-V"]):
+        from pd import __version__
+
+        print(f"pdserve {__version__}")
+        return 0
     if not args or args[0] not in COMMANDS:
         _parser().parse_args(args)  # help (exit 0) or a usage error (exit 2)
         return 2
@@ -69,12 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "pd":
         script = pd_run_script()
         if not script.is_file():
-            print(
-                f"pdserve pd: no {script}: it needs the repository's checkout (pip install -e)",
-                file=sys.stderr,
-            )
+            print(f"pdserve pd: no {script}: reinstall pdserve (or pip install -e a checkout)", file=sys.stderr)
             return 2
-        os.execv(script, [str(script), *rest])
+        if script.is_relative_to(Path(sys.prefix) / "share"):  # a wheel's copy: its servers run on this interpreter
+            os.environ.setdefault("PDSERVE_PYTHON", sys.executable)
+        os.execv("/bin/bash", ["bash", str(script), *rest])
     if command in ("models", "download"):
         from engine.checkpoints.__main__ import main as models_main
 

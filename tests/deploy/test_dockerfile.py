@@ -179,6 +179,8 @@ def test_copies_every_package_and_the_build_context_holds_them() -> None:
         copied.update(sources)
     packages = {p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages | {"pyproject.toml"} <= copied, copied
+    data_files = {f for files in PYPROJECT["tool"]["setuptools"]["data-files"].values() for f in files}
+    assert data_files <= copied, data_files - copied  # the wheel's build needs them
     # what the ignore file lets into the context: each COPY source must be let in
     rules = [line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and not line.startswith("#")]
     for source in copied:
