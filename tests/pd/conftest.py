@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
 
-from pd.tools.server_process import PDPair, ServerProcess
+from pd.tools.server_process import PDPair, ServerProcess, free_port
 from tests.server_fixtures import SMALL_DETERMINISTIC, serving
 
 SMOLLM = "smollm2-135m-instruct"
@@ -15,6 +16,8 @@ KV_TCP_STREAMS = 4  # the pair's PE stripes its handoffs (--kv-tcp-streams): eve
 PE_CHUNK_TOKENS = 256
 # the cluster token of the P/D tests that drive the roles and the /prefill client by hand (no server)
 CLUSTER_TOKEN = "unit-test-cluster-token-0123456789"
+# the shared servers' KV event streams: "ref" (the single server), "pe" and "ce" (the pair) -> (endpoint, replay)
+KV_EVENTS: dict[str, tuple[str, str]] = {}
 
 
 @pytest.fixture(scope="session")
@@ -25,9 +28,18 @@ def smollm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S
     A test leaves them serving and idle; what it counts on a server's /metrics it counts as a
     difference, not from zero."""
     logs = tmp_path_factory.mktemp("smollm")
-    ref = ServerProcess("--model", SMOLLM, *SMALL_DETERMINISTIC, log_path=logs / "ref.log")
+    for name in ("ref", "pe", "ce"):  # every engine publishes its KV events (tests/pd/kv_events read them)
+        KV_EVENTS[name] = (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+
+    def events(name: str) -> tuple[str, str]:
+        endpoint, replay = KV_EVENTS[name]
+        config = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay, "topic": "kv"}
+        return "--kv-events-config", json.dumps(config)
+
+    ref = ServerProcess("--model", SMOLLM, *SMALL_DETERMINISTIC, *events("ref"), log_path=logs / "ref.log")
     pair = PDPair("--model", SMOLLM, *SMALL_DETERMINISTIC, log_dir=logs,
                   pe_args=("--kv-tcp-streams", str(KV_TCP_STREAMS),
-                           "--max-num-batched-tokens", str(PE_CHUNK_TOKENS)))  # fmt: skip
+                           "--max-num-batched-tokens", str(PE_CHUNK_TOKENS), *events("pe")),
+                  ce_args=events("ce"))  # fmt: skip
     with serving(ref, pair):
         yield ref, pair
