@@ -33,7 +33,7 @@ ROLES = ("single", "pe", "ce")
 API_KEY_ENV = "PDSERVE_API_KEY"
 PREFILL_ENVELOPE_BYTES = 64 * 1024  # a /prefill body's fields beside the prompt and the client's text
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # the parsers pd/chat/reasoning.py implements (tested to agree)
-PE_ROUTING = ("affinity", "least-loaded", "round-robin")
+PE_ROUTING = ("affinity", "least-loaded", "round-robin", "kv-aware")
 DNS_SCHEME = "dns+"
 
 
@@ -352,7 +352,9 @@ class ServerConfig:
         default="affinity",
         metadata={
             "help": "decode: prefill engine choice: affinity (rendezvous hashing of the conversation: "
-            "its turns meet their prefix cache, from any decode engine) | least-loaded | round-robin",
+            "its turns meet their prefix cache, from any decode engine) | least-loaded | round-robin | "
+            "kv-aware (the lowest cost: the prompt tokens left after the prefix a PE holds, from its ranks' "
+            "KV events (start the PEs with --kv-events-config), plus its queued prompt tokens)",
             "choices": PE_ROUTING,
         },
     )

@@ -246,17 +246,18 @@ class DecodePath:
             lease_s=self.cfg.handoff_lease_s,
             receiver_held_tokens=held_tokens,
         )
-        choice = self.pool.choose(key)
+        prompt = list(req.prompt_token_ids)
+        choice = self.pool.choose(key, token_ids=prompt)
         if choice is None:
             raise PrefillFailed("prefill_unavailable", "no prefill engine is known (see --prefill-url)")
         client, reason = choice
         try:
-            with self.pool.attempt(client, reason):
+            with self.pool.attempt(client, reason, len(prompt)):
                 return await client.prefill(body, self.cfg.prefill_max_body_bytes)
         except PrefillFailed as e:
             if not _may_fail_over(e) or progress.began:
                 raise
-            second = self.pool.choose(key, exclude=frozenset({client.url}))
+            second = self.pool.choose(key, exclude=frozenset({client.url}), token_ids=prompt)
             if second is None:
                 raise
             log.warning(
@@ -267,7 +268,7 @@ class DecodePath:
                 second[0].url,
             )
             self.metrics.handoff_failures.labels(self.cfg.transfer.transport, e.code).inc()
-        with self.pool.attempt(second[0], "failover"):
+        with self.pool.attempt(second[0], "failover", len(prompt)):
             return await second[0].prefill(body, self.cfg.prefill_max_body_bytes)
 
     async def _while_prefilling(

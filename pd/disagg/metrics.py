@@ -88,7 +88,8 @@ class ClusterMetrics:
         self.pe_selected = Counter(
             "pdserve_pe_selected",
             "CE: prefills sent to this PE, by why it was chosen: affinity (the conversation's first PE), "
-            "overflow (the first was over its load bound), least-loaded | round-robin (--pe-routing), "
+            "overflow (the first was over its load bound), least-loaded | round-robin (--pe-routing), kv-hit | "
+            "kv-miss (kv-aware: the cheapest PE holds some of the prompt | none does), "
             "failover (the retry after a failed first attempt), fallback (no PE was known to be up)",
             ["pe", "reason"],
             registry=r,

@@ -14,6 +14,10 @@ Choice (--pe-routing):
   conversation's order (reason "overflow").
 - least-loaded: the PE with the fewest prefills in flight (ties: the conversation's order).
 - round-robin: each PE in turn.
+- kv-aware: the PE with the lowest cost, what it would still compute of the prompt after its cached prefix
+  plus the prompt tokens it has in flight (pd/disagg/kv_choice.py: its ranks' KV events feed a prefix
+  index); ties keep the conversation's order. Reason "kv-hit" when the chosen PE holds some of the
+  prompt, "kv-miss" when none does.
 When no PE is known to be up (a probe can lag behind a restart), the PEs are tried in the same order
 anyway (reason "fallback"). A failed first attempt goes once to the next PE of the order (reason
 "failover"; pd/disagg/decode_path.py decides when that is safe).
@@ -33,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pd.config import PE_ROUTING, Target, parse_prefill_urls
+from pd.disagg.kv_choice import KVAwareChoice
 from pd.disagg.membership import hrw_order, members
 from pd.disagg.metrics import ClusterMetrics
 from pd.disagg.prefill_client import PrefillClient
@@ -54,7 +59,9 @@ class PrefillPool:
         load_slack: float = 0.5,
         dns_refresh_s: float = 10.0,
         ssl_ca_certs: str | None = None,
+        block_size: int = 128,
     ) -> None:
+        """block_size: the engines' page size (kv-aware: the prefix index hashes pages of it)."""
         if routing not in PE_ROUTING:
             raise ValueError(f"--pe-routing must be one of {PE_ROUTING}, got {routing!r}")
         self.targets = parse_prefill_urls(prefill_url)
@@ -71,6 +78,7 @@ class PrefillPool:
         self._dns_task: asyncio.Task[None] | None = None
         self._turn = itertools.count()
         self.dns_error: str | None = None
+        self.kv = KVAwareChoice(block_size, token) if routing == "kv-aware" else None
 
     # ---- membership -----------------------------------------------------------------------------
 
@@ -85,6 +93,8 @@ class PrefillPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._dns_task
         await asyncio.gather(*(c.stop() for c in [*self.clients.values(), *self._retired]))
+        if self.kv is not None:
+            await self.kv.stop()
 
     async def _refresh(self, targets: list[Target]) -> None:
         """Makes the clients match the targets (a dns target whose lookup fails keeps its PEs)."""
@@ -104,6 +114,8 @@ class PrefillPool:
         def on_state(is_up: bool) -> None:
             up.set(1.0 if is_up else 0.0)
             self._gauge_any_up()
+            if is_up and self.kv is not None and url in self.clients:
+                self.kv.sync(self.clients[url])  # its KV event streams, as its /health names them
 
         client = PrefillClient(
             url, self._token, self._timeout_s, on_state=on_state, ssl_ca_certs=self._ssl_ca_certs
@@ -121,6 +133,8 @@ class PrefillPool:
     def _retire(self, url: str) -> None:
         client = self.clients.pop(url)
         client.retired = True
+        if self.kv is not None:
+            self.kv.drop(url)
         self._retired.append(client)
         for m in (self.metrics.pe_up, self.metrics.pe_inflight):
             with contextlib.suppress(KeyError):
@@ -186,17 +200,24 @@ class PrefillPool:
     @property
     def reasons(self) -> tuple[str, ...]:
         """The reason labels a PE can be chosen for under this policy."""
-        first = ("affinity", "overflow", "least-loaded") if self.routing == "affinity" else (self.routing,)
+        first = {"affinity": ("affinity", "overflow", "least-loaded"), "kv-aware": ("kv-hit", "kv-miss")}.get(
+            self.routing, (self.routing,)
+        )
         return (*first, "failover", "fallback")
 
-    def choose(self, key: str | None, exclude: frozenset[str] = frozenset()) -> tuple[PrefillClient, str] | None:
-        """The PE for a request's prefill and why (affinity | overflow | least-loaded | round-robin |
-        fallback); None: no PE left to try."""
+    def choose(
+        self, key: str | None, exclude: frozenset[str] = frozenset(), token_ids: list[int] | None = None
+    ) -> tuple[PrefillClient, str] | None:
+        """The PE for a request's prefill (token_ids: its prompt, for kv-aware) and why (affinity |
+        overflow | least-loaded | round-robin | kv-hit | kv-miss | fallback); None: no PE left to try."""
         ranked, any_up = self.order(key, exclude)
         if not ranked:
             return None
         if not any_up:
             return ranked[0], "fallback"
+        if self.kv is not None:
+            _, cached, best = self.kv.rank(ranked, list(token_ids or ()))[0]
+            return best, "kv-hit" if cached else "kv-miss"
         if self.routing != "affinity":
             return ranked[0], self.routing
         if key is None:  # no conversation to keep together
@@ -209,15 +230,17 @@ class PrefillPool:
         return ranked[0], "affinity"  # not reached: some PE holds fewer than the mean
 
     @contextlib.contextmanager
-    def attempt(self, client: PrefillClient, reason: str) -> Iterator[None]:
-        """Counts a /prefill to client in flight while it runs."""
+    def attempt(self, client: PrefillClient, reason: str, num_tokens: int = 0) -> Iterator[None]:
+        """Counts a /prefill to client (of num_tokens prompt tokens) in flight while it runs."""
         self.metrics.pe_selected.labels(client.url, reason).inc()
         client.num_inflight += 1
+        client.inflight_tokens += num_tokens
         self._gauge_inflight(client)
         try:
             yield
         finally:
             client.num_inflight -= 1
+            client.inflight_tokens -= num_tokens
             self._gauge_inflight(client)
             if client.retired:
                 self._close_retired()

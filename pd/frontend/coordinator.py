@@ -31,6 +31,7 @@ from pd.frontend.router import make_router
 from pd.frontend.sampling_defaults import sampling_defaults, with_defaults
 from pd.frontend.vllm_metrics import CacheConfigInfo
 from pd.http.io import read_json
+from pd.kv_events.publisher import offset_endpoint
 from pd.lifecycle import Admission
 from pd.rank.client import RankClient, RankGroup, RankState
 from pd.rank.restart_policy import RestartPolicy
@@ -150,6 +151,7 @@ class Coordinator:
                 load_slack=self.cfg.pe_load_slack,
                 dns_refresh_s=self.cfg.pe_dns_refresh_s,
                 ssl_ca_certs=self.cfg.ssl_ca_certs,
+                block_size=self.cfg.engine.block_size,
             )
             self.pd = DecodePath(self.cfg, pool, cm)
             await pool.start()
@@ -230,6 +232,21 @@ class Coordinator:
             for r in self.ranks
         ]
 
+    def kv_event_streams(self) -> list[dict[str, Any]]:
+        """Each rank's KV event stream (--kv-events-config), for a consumer to subscribe to."""
+        cfg = self.cfg.engine.kv_events()
+        if cfg is None or not cfg.publishes:
+            return []
+        return [
+            {
+                "rank": i,
+                "endpoint": offset_endpoint(cfg.endpoint, i),
+                "replay_endpoint": None if cfg.replay_endpoint is None else offset_endpoint(cfg.replay_endpoint, i),
+                "topic": cfg.topic,
+            }
+            for i in range(self.cfg.dp)
+        ]
+
     def health(self) -> tuple[int, dict[str, Any]]:
         """/health: 200 while a rank is up (and the server is not draining), with every rank's state.
         status: ok | degraded (a rank down, or on a CE a PE not up, without local fallback) |
@@ -252,9 +269,14 @@ class Coordinator:
             "model": self.model_name,
             "ranks": [r.describe() for r in self.ranks],
         }
+        streams = self.kv_event_streams()
+        if streams:
+            body["kv_events"] = streams
         if self.pd is not None:
             pool = self.pd.pool
             body["prefill_engines"] = pool.describe()
+            if pool.kv is not None:
+                body["kv_index"] = pool.kv.describe()
             if pool.dns_error:
                 body["prefill_dns_error"] = pool.dns_error
             if status == "ok" and not pool.all_up and not self.cfg.fallback_local_prefill:

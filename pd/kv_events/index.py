@@ -5,9 +5,10 @@
     match(token_ids): per engine, the tokens of the prompt's longest run of pages, from the first, held in
     each tier (chain_hashes: the engines' own function, so the keys agree)
 
-An engine's stream (Subscription) keeps it current: a gap in sequence numbers asks the replay socket for
-what was missed (and clears the engine when the replay cannot cover it), a sequence that starts again
-(the engine restarted) or AllBlocksCleared clears it, an engine that leaves is dropped (forget).
+An engine's stream (Subscription) keeps it current: joining late, it asks the replay socket for the history
+it still buffers; a gap in sequence numbers asks it for what was missed (and clears the engine when the
+replay cannot cover it); a sequence that starts again (the engine restarted) or AllBlocksCleared clears
+it; an engine that leaves is dropped (forget).
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ class Subscription:
         sub = self._socket(zmq.SUB, self.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         try:
+            if self.replay_endpoint is not None:  # the history the publisher still buffers, first
+                await self._replay(0, None)
             while True:
                 _, seq_frame, payload = await sub.recv_multipart()
                 await self.receive(int.from_bytes(seq_frame, "big"), payload)
@@ -170,29 +173,36 @@ class Subscription:
             sub.close(linger=0)
 
     async def receive(self, seq: int, payload: bytes) -> None:
-        """One published batch: a restart or a gap handled first, then applied."""
-        if seq <= self.last_seq:  # the publisher counts from 0 again: a new process, whose caches start empty
-            self.num_restarts += 1
+        """One published batch: a duplicate skipped, a restart or a gap handled first, then applied."""
+        try:
+            batch = decode_batch(payload)
+        except ValueError as e:
+            log.warning("KV events from %s: batch %d dropped: %s", self.engine, seq, e)
+            batch = None
+        if seq <= self.last_seq:
+            if batch is not None and batch[0] <= self.last_event_ts:
+                return  # one the replay gave already (a publisher's clock only goes forward)
+            self.num_restarts += 1  # the publisher counts from 0 again: a new process, its caches empty
             self.index.clear(self.engine)
-        elif self.last_seq >= 0 and seq > self.last_seq + 1:
+        elif self.last_seq < 0 and seq > 0:  # joined late (this router or CE started after the engine)
+            await self._replay(0, seq)  # what the replay buffer still holds; the rest is unknown here
+        elif seq > self.last_seq + 1:
             self.num_gaps += 1
             if not await self._replay(self.last_seq + 1, seq):
                 self.index.clear(self.engine)  # what was missed is gone: forget rather than guess
-        self._apply(seq, payload)
+        self._apply(seq, batch)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
-        try:
-            ts, events, _ = decode_batch(payload)
-        except ValueError as e:
-            log.warning("KV events from %s: batch %d dropped: %s", self.engine, seq, e)
-            self.index.clear(self.engine)
+    def _apply(self, seq: int, batch: tuple[float, list[KVEvent], int | None] | None) -> None:
+        if batch is None:
+            self.index.clear(self.engine)  # what it said is unknown
         else:
-            self.index.apply(self.engine, events)
-            self.last_event_ts = ts
+            self.index.apply(self.engine, batch[1])
+            self.last_event_ts = batch[0]
         self.last_seq = seq
 
-    async def _replay(self, first: int, upto: int) -> bool:
-        """Applies batches [first, upto) from the replay socket; True when all of them came."""
+    async def _replay(self, first: int, upto: int | None) -> bool:
+        """Applies batches [first, upto) (upto None: every one buffered) from the replay socket; True
+        when all of them came."""
         if self.replay_endpoint is None:
             return False
         req = self._socket(zmq.DEALER, self.replay_endpoint)  # a REQ takes one answer; the replay sends many
@@ -203,10 +213,14 @@ class Subscription:
                     return False
                 _, seq_frame, payload = await req.recv_multipart()
                 if seq_frame == END_SEQ:
-                    return self.last_seq >= upto - 1
+                    return upto is None or self.last_seq >= upto - 1
                 seq = int.from_bytes(seq_frame, "big")
-                if seq == self.last_seq + 1 and seq < upto:
-                    self._apply(seq, payload)
+                if (upto is None or seq < upto) and (seq == self.last_seq + 1 or self.last_seq < 0):
+                    try:
+                        batch = decode_batch(payload)
+                    except ValueError:
+                        batch = None
+                    self._apply(seq, batch)
                     self.num_replayed += 1
         except zmq.ZMQError as e:
             log.warning("KV events from %s: replay failed: %s", self.engine, e)

@@ -1,0 +1,112 @@
+"""The kv-aware choice of PE (--pe-routing kv-aware): each PE's cost for a prompt is what it would still
+compute plus what it has queued, read from the prefix index its ranks' KV events keep (pd/kv_events/).
+
+    cost(PE) = (prompt tokens - its cached prefix) + HOST_TOKEN_COST * its cached prefix + its in-flight prompt tokens
+
+A PE's cached prefix is the longest one any of its ranks holds (a PE's own rank choice may still send the
+request to another of its ranks). A cached token costs HOST_TOKEN_COST of a computed one: a PE's cache is
+its host tier, copied to the device (about a tenth of a prefill token's time on the CPU runs here). The
+in-flight term spreads a hot prefix: once the PE that holds it has more prompt tokens queued than a
+cold PE would compute, the next request goes to the cold one (which then caches the prefix too). Ties keep
+the conversation's rendezvous order.
+
+A PE's streams come from its /health ("kv_events": each rank's endpoint, replay endpoint and topic; a
+wildcard host is the PE's own host). A PE that publishes none has nothing cached here: its cost is the
+whole prompt plus its load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from pd.kv_events.index import PrefixIndex, Subscription
+from pd.kv_events.publisher import curve_keys, is_loopback
+
+if TYPE_CHECKING:
+    from pd.disagg.prefill_client import PrefillClient
+
+HOST_TOKEN_COST = 0.1
+WILDCARDS = ("*", "0.0.0.0", "::", "")
+
+
+def connectable(endpoint: str, url: str) -> str:
+    """endpoint with a wildcard host replaced by the host of url (the PE as this CE reaches it)."""
+    host, port = endpoint[len("tcp://") :].rsplit(":", 1)
+    if host.strip("[]") in WILDCARDS:
+        host = urlsplit(url).hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{port}"
+
+
+class KVAwareChoice:
+    def __init__(self, block_size: int, token: bytes) -> None:
+        self.index = PrefixIndex(block_size)
+        self._token = token
+        self._subs: dict[str, tuple[tuple[Any, ...], list[Subscription]]] = {}  # PE URL -> (its streams, subs)
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    def sync(self, client: PrefillClient) -> None:
+        """Subscribes to the streams client's /health names (again, if they changed)."""
+        streams = tuple(
+            (int(s["rank"]), connectable(s["endpoint"], client.url),
+             None if s.get("replay_endpoint") is None else connectable(s["replay_endpoint"], client.url),
+             str(s.get("topic") or ""))
+            for s in client.kv_events
+            if isinstance(s, dict) and isinstance(s.get("endpoint"), str)
+        )  # fmt: skip
+        known = self._subs.get(client.url)
+        if known is not None and known[0] == streams:
+            return
+        self.drop(client.url)
+        subs = []
+        for rank, endpoint, replay, topic in streams:
+            key = None if is_loopback(endpoint) else curve_keys(self._token)[0]
+            sub = Subscription(self.index, f"{client.url}#{rank}", endpoint, replay, topic, server_key=key)
+            sub.start()
+            subs.append(sub)
+        self._subs[client.url] = (streams, subs)
+
+    def drop(self, url: str) -> None:
+        """Forgets a PE (it left): its subscriptions stop, its entries go."""
+        _, subs = self._subs.pop(url, ((), []))
+        for sub in subs:
+            self.index.forget(sub.engine)
+            task = asyncio.get_running_loop().create_task(sub.stop())
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+
+    async def stop(self) -> None:
+        for url in list(self._subs):
+            self.drop(url)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._stopping)
+
+    def cached_tokens(self, client: PrefillClient, token_ids: list[int]) -> int:
+        _, subs = self._subs.get(client.url, ((), []))
+        if not subs:
+            return 0
+        found = self.index.match(token_ids, [s.engine for s in subs])
+        return max(c.any_tokens for c in found.values())
+
+    def rank(self, ranked: list[PrefillClient], token_ids: list[int]) -> list[tuple[float, int, PrefillClient]]:
+        """[(cost, cached tokens, PE)], cheapest first; ties keep ranked's order (the rendezvous order)."""
+        n = len(token_ids)
+        costs = []
+        for i, c in enumerate(ranked):
+            self.sync(c)
+            cached = min(self.cached_tokens(c, token_ids), n)
+            costs.append((n - cached + HOST_TOKEN_COST * cached + c.inflight_tokens, i, cached, c))
+        costs.sort(key=lambda t: (t[0], t[1]))
+        return [(cost, cached, c) for cost, _, cached, c in costs]
+
+    def describe(self) -> dict[str, Any]:
+        subs = [s for _, group in self._subs.values() for s in group]
+        return {
+            "blocks": self.index.num_blocks(),
+            "streams": len(subs),
+            "gaps": sum(s.num_gaps for s in subs),
+            "restarts": sum(s.num_restarts for s in subs),
+        }

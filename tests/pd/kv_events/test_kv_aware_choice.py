@@ -1,0 +1,91 @@
+"""The kv-aware choice of PE (issue 51; pd/disagg/kv_choice.py): PEs here are PrefillClients whose state
+the test sets, each naming a real KV event publisher on loopback as its /health would; the pool
+subscribes to them and picks the PE with the least left to compute plus queued."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from engine.config import KVEventsConfig
+from engine.core.kv_events import MEDIUM_CPU, BlockStored
+from engine.core.prefix_cache import chain_hashes
+from pd.disagg.kv_choice import HOST_TOKEN_COST, connectable
+from pd.disagg.membership import hrw_order
+from pd.disagg.metrics import ClusterMetrics
+from pd.disagg.prefill_pool import PrefillPool
+from pd.kv_events.publisher import KVEventPublisher
+from pd.tools.server_process import free_port
+
+BS = 16
+TOKEN = b"kv-aware-test-token-0123456789abcdef"
+PROMPT = list(range(1000, 1000 + 5 * BS + 3))
+
+
+def publisher() -> KVEventPublisher:
+    cfg = KVEventsConfig(True, endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    return KVEventPublisher(cfg, rank=0, token=None)
+
+
+def announce(pub: KVEventPublisher, tokens: list[int], num_pages: int) -> None:
+    keys = chain_hashes(tokens[: num_pages * BS], BS)
+    pub.publish([BlockStored(tuple(keys), None, tuple(tokens[: num_pages * BS]), BS, MEDIUM_CPU)])
+
+
+async def until(cond: Any, timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def test_a_wildcard_host_is_the_pes_own():
+    assert connectable("tcp://*:5557", "http://127.0.0.5:8889") == "tcp://127.0.0.5:5557"
+    assert connectable("tcp://0.0.0.0:5557", "http://[::1]:8889") == "tcp://[::1]:5557"
+    assert connectable("tcp://127.0.0.9:5557", "http://127.0.0.5:8889") == "tcp://127.0.0.9:5557"
+
+
+async def test_the_pe_holding_the_prefix_wins_until_its_queue_outweighs_it():
+    pubs = [publisher(), publisher()]
+    urls = [f"http://127.0.0.{i + 2}:{free_port()}" for i in range(2)]
+    pool = PrefillPool(",".join(urls), TOKEN, 5.0, ClusterMetrics(CollectorRegistry()), "kv-aware", block_size=BS)
+    await pool.start()
+    try:
+        for c, pub in zip(pool.clients.values(), pubs):
+            c._watch_task.cancel()  # type: ignore[union-attr]  # the test owns each PE's state
+            c.kv_events = [{"rank": 0, "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": ""}]
+            c.state = "up"
+        assert pool.reasons[:2] == ("kv-hit", "kv-miss")
+        # a key whose rendezvous order puts urls[0] first
+        key = next(k for k in (f"conversation {i}" for i in range(100)) if hrw_order(k, urls)[0] == urls[0])
+        # the second PE holds 4 of the prompt's 5 pages, announced before anyone subscribed
+        announce(pubs[1], PROMPT, 4)
+        await asyncio.sleep(0.2)
+        # nothing known yet: the conversation's order decides (and the pool subscribes to both PEs, whose
+        # history comes from their replay sockets)
+        assert pool.choose(key, token_ids=PROMPT) == (pool.clients[urls[0]], "kv-miss")
+        assert pool.kv is not None
+        await until(lambda: pool.kv.cached_tokens(pool.clients[urls[1]], PROMPT) == 4 * BS)
+        second = pool.clients[urls[1]]
+        assert pool.choose(key, token_ids=PROMPT) == (second, "kv-hit")
+        # a queue on it: the cold PE computes the whole prompt (83 tokens), the warm one 19 + its copy
+        # cost + what it has queued; past the difference the cold one is cheaper
+        warm_cost = len(PROMPT) - 4 * BS + HOST_TOKEN_COST * 4 * BS
+        with pool.attempt(second, "kv-hit", num_tokens=int(len(PROMPT) - warm_cost) - 1):
+            assert pool.choose(key, token_ids=PROMPT)[0] is second
+        with pool.attempt(second, "kv-hit", num_tokens=int(len(PROMPT) - warm_cost) + 1):
+            assert pool.choose(key, token_ids=PROMPT) == (pool.clients[urls[0]], "kv-miss")
+        # another prompt (no shared page): the conversation's order again
+        assert pool.choose(key, token_ids=[7] * 40) == (pool.clients[urls[0]], "kv-miss")
+        # a PE going away takes its entries with it
+        pool._retire(urls[1])
+        await asyncio.sleep(0.1)
+        assert pool.kv.index.num_blocks() == 0
+        assert pool.kv.describe()["streams"] == 1
+    finally:
+        await pool.stop()
+        for pub in pubs:
+            pub.close()
