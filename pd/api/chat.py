@@ -293,14 +293,7 @@ async def _stream(
         """vLLM's continuous usage: the prompt and the choice's tokens so far."""
         return usage(num_prompt, u.num_output_tokens, u.num_cached_tokens)
 
-    return await stream_choices(
-        request,
-        gen,
-        head,
-        choice,
-        final_usage if req.sampling.include_usage else None,
-        choice_usage if req.sampling.is_usage_continuous else None,
-    )
+    return await stream_choices(request, gen, head, choice, final_usage, choice_usage, req.sampling)
 
 
 class _ForcedStream:

@@ -12,6 +12,7 @@ from aiohttp import web
 from pd.errors import ApiError, unexpected
 
 if TYPE_CHECKING:
+    from pd.api.protocol import SamplingFields
     from pd.frontend.generation import ChoiceSource, ChoiceUpdate
 
 log = logging.getLogger(__name__)
@@ -28,13 +29,15 @@ async def stream_choices(
     gen: ChoiceSource,
     head: dict[str, Any],
     choice: Callable[[ChoiceUpdate], dict[str, Any] | None],
-    usage: Callable[[], dict[str, Any]] | None,
-    chunk_usage: Callable[[ChoiceUpdate], dict[str, Any]] | None = None,
+    usage: Callable[[], dict[str, Any]],
+    chunk_usage: Callable[[ChoiceUpdate], dict[str, Any]],
+    sampling: SamplingFields,
 ) -> web.StreamResponse:
     """A generation as an SSE response: one chunk ({**head, "choices": [...]}) per update that `choice`
-    turns into a choice, then, when the request asked for usage (usage not None), a last chunk with
-    no choices and `usage()`, then [DONE]. With usage asked for, every other chunk has "usage": null,
-    or with chunk_usage (vLLM's continuous_usage_stats) chunk_usage(update), the usage of its choice so far.
+    turns into a choice, then, when the request asked for usage (sampling.include_usage), a last chunk
+    with no choices and `usage()`, then [DONE]. With usage asked for, every other chunk has "usage": null,
+    or with vLLM's continuous_usage_stats (sampling.is_usage_continuous) chunk_usage(update), the usage of
+    its choice so far. Of `sampling`, only those two stream options are read.
 
     The response starts only once the first update is there, so a rejection before any token is still
     a plain HTTP error; an error after that goes in-band, with no [DONE].
@@ -44,9 +47,9 @@ async def stream_choices(
         c = choice(u)
         if c is None:
             return None
-        if usage is None:
+        if not sampling.include_usage:
             return {**head, "choices": [c]}
-        return {**head, "choices": [c], "usage": chunk_usage(u) if chunk_usage is not None else None}
+        return {**head, "choices": [c], "usage": chunk_usage(u) if sampling.is_usage_continuous else None}
 
     updates = gen.updates()
     first = await updates.__anext__()
@@ -69,7 +72,7 @@ async def stream_choices(
         log.exception("unexpected error in the stream of %s %s", request.method, request.path)
         await resp.write(sse_event(unexpected().to_dict()))
         return resp
-    if usage is not None:
+    if sampling.include_usage:
         await resp.write(sse_event({**head, "choices": [], "usage": usage()}))
     await resp.write(DONE)
     return resp
