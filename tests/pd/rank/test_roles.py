@@ -6,6 +6,8 @@ engines idle."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -74,28 +76,35 @@ def run_until(sides: list[Side], cond: Any, timeout_s: float = 60.0) -> None:
         time.sleep(0.002)
 
 
-@pytest.fixture
-def pd(tiny_model_dir, monkeypatch):
-    """(pe, ce, model folder): tiny engines (qwen3_hybrid: full and sliding layers) with their roles."""
+@contextmanager
+def pd_pair(monkeypatch: pytest.MonkeyPatch, pe_engine: Any, ce_engine: Any) -> Iterator[tuple[Side, Side]]:
+    """(pe, ce): the engines with a PE's and a CE's role on loopback, under the test cluster's token; the
+    roles closed and their ZeroMQ context ended on the way out."""
     from pd.rank.decode_role import DecodeRole
     from pd.rank.prefill_role import PrefillRole
 
     monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", CLUSTER_TOKEN)
     monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN_FILE", raising=False)
-    folder = tiny_model_dir("qwen3_hybrid")
     ctx = zmq.Context()
-    pe_engine = small_engine(folder, hicache_gb=0.01)
-    ce_engine = small_engine(folder, hicache_gb=0, kv_cache_gb=0.002, max_num_seqs=4)
-    pe = Side(pe_engine, None)
-    ce = Side(ce_engine, None)
+    pe, ce = Side(pe_engine, None), Side(ce_engine, None)
     pe.role = PrefillRole(pe_engine, ctx, pe.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
     ce.role = DecodeRole(ce_engine, ctx, ce.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
     try:
-        yield pe, ce, folder
+        yield pe, ce
     finally:
         pe.role.close()
         ce.role.close()
         ctx.term()
+
+
+@pytest.fixture
+def pd(tiny_model_dir, monkeypatch):
+    """(pe, ce, model folder): tiny engines (qwen3_hybrid: full and sliding layers) with their roles."""
+    folder = tiny_model_dir("qwen3_hybrid")
+    pe_engine = small_engine(folder, hicache_gb=0.01)
+    ce_engine = small_engine(folder, hicache_gb=0, kv_cache_gb=0.002, max_num_seqs=4)
+    with pd_pair(monkeypatch, pe_engine, ce_engine) as (pe, ce):
+        yield pe, ce, folder
 
 
 def receiver(ce: Side) -> str:

@@ -7,41 +7,35 @@ only verified tokens' pages); drafts accepted and rejected, rings and pages roll
 from __future__ import annotations
 
 import random
+from contextlib import AbstractContextManager
+from pathlib import Path
 
 import pytest
-import zmq
 
 from engine.request import SamplingParams
-from pd.config import RoleConfig
 from pd.messages import Prefill, PrefillResult, Reserve, Reserved
 from tests.engine.speculative.test_mtp_drafts import _reference_drafts
 from tests.engine.speculative.test_speculator import NGRAM, oracle_proposer
 from tests.engine_utils import small_engine
-from tests.pd.conftest import CLUSTER_TOKEN
-from tests.pd.rank.test_roles import Side, decode_all, handoff, idle, receiver, run_until
-from transfer.config import TransferConfig
+from tests.pd.rank.test_roles import Side, decode_all, handoff, idle, pd_pair, receiver, run_until
 
 
 @pytest.fixture
 def spec_pd(tiny_model_dir, monkeypatch):
-    from pd.rank.decode_role import DecodeRole
-    from pd.rank.prefill_role import PrefillRole
-
-    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", CLUSTER_TOKEN)
-    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN_FILE", raising=False)
     folder = tiny_model_dir("qwen3_hybrid")
-    ctx = zmq.Context()
     pe_engine = small_engine(folder, hicache_gb=0.01, is_deterministic=True)
     ce_engine = small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=NGRAM)
-    pe, ce = Side(pe_engine, None), Side(ce_engine, None)
-    pe.role = PrefillRole(pe_engine, ctx, pe.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
-    ce.role = DecodeRole(ce_engine, ctx, ce.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
-    try:
+    with pd_pair(monkeypatch, pe_engine, ce_engine) as (pe, ce):
         yield pe, ce, folder
-    finally:
-        pe.role.close()
-        ce.role.close()
-        ctx.term()
+
+
+def speculating_pd(
+    monkeypatch: pytest.MonkeyPatch, folder: Path, speculative_config: str
+) -> AbstractContextManager[tuple[Side, Side]]:
+    """pd_pair of two engines that both speculate with speculative_config (the PE fills the drafter's KV)."""
+    pe_engine = small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=speculative_config)
+    ce_engine = small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=speculative_config)
+    return pd_pair(monkeypatch, pe_engine, ce_engine)
 
 
 def test_a_speculating_ce_decodes_like_one_engine_over_two_turns(spec_pd) -> None:
@@ -75,34 +69,25 @@ def test_a_speculating_ce_decodes_like_one_engine_over_two_turns(spec_pd) -> Non
 def test_mtp_on_both_sides_decodes_like_one_engine(tmp_path, monkeypatch) -> None:
     """DeepSeek-V3 with its MTP layer, --speculative-config mtp on the PE and the CE: the PE's prefill fills the
     MTP layer's KV for the whole prompt (its pages carry it), the CE drafts from its first decode step on."""
-    from pd.rank.decode_role import DecodeRole
-    from pd.rank.prefill_role import PrefillRole
     from tests.tiny_models import make_tiny_mtp
 
-    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", CLUSTER_TOKEN)
-    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN_FILE", raising=False)
     folder = make_tiny_mtp("deepseek_v3", tmp_path / "mtp", vocab_size=16, bos_token_id=None, eos_token_id=None,
                            pad_token_id=None)  # fmt: skip
     mtp = '{"method": "mtp", "num_speculative_tokens": 2}'
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = [(i * 7) % 13 + 2 for i in range(40)]
     (want,) = small_engine(folder, hicache_gb=0, is_deterministic=True).generate([prompt], params)
-    ctx = zmq.Context()
-    pe = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=mtp), None)
-    ce = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=mtp), None)
-    pe.role = PrefillRole(pe.engine, ctx, pe.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
-    ce.role = DecodeRole(ce.engine, ctx, ce.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = ce.engine.speculator.mtp.propose
+    with speculating_pd(monkeypatch, folder, mtp) as (pe, ce):
+        seen: list[tuple[list[int], list[int]]] = []
+        propose = ce.engine.speculator.mtp.propose
 
-    def recording(seq, k):  # type: ignore[no-untyped-def]
-        got = propose(seq, k)
-        if got:
-            seen.append((seq.token_ids(0, seq.num_tokens), got))
-        return got
+        def recording(seq, k):  # type: ignore[no-untyped-def]
+            got = propose(seq, k)
+            if got:
+                seen.append((seq.token_ids(0, seq.num_tokens), got))
+            return got
 
-    ce.engine.speculator.mtp.propose = recording
-    try:
+        ce.engine.speculator.mtp.propose = recording
         assert handoff(pe, ce, "m", prompt, params).is_handed_off
         assert decode_all([pe, ce], ce, "m") == want.output_token_ids
         # the CE's drafts are the MTP layer's predictions from the whole sequence: the KV the PE sent held its prompt
@@ -113,10 +98,6 @@ def test_mtp_on_both_sides_decodes_like_one_engine(tmp_path, monkeypatch) -> Non
         assert 0 < st.spec_num_accepted_tokens_total < st.spec_num_draft_tokens_total
         assert pe.engine.stats().spec_num_drafts_total == 0  # a PE only prefills
         idle(pe, ce)
-    finally:
-        pe.role.close()
-        ce.role.close()
-        ctx.term()
 
 
 @pytest.mark.parametrize("draft", ["small", "self"])
@@ -126,13 +107,9 @@ def test_a_draft_model_on_both_sides_decodes_like_one_engine(tmp_path, monkeypat
     decode step on, its drafts the draft model's greedy chain over the whole sequence (the target as its own
     draft: every one accepted), and decodes the single engine's tokens; a second turn reuses the CE's retained
     pages, the draft's KV in them too."""
-    from pd.rank.decode_role import DecodeRole
-    from pd.rank.prefill_role import PrefillRole
     from tests.engine.speculative.test_draft_model import SMALL, VOCAB, record_drafts, reference_drafts, spec
     from tests.tiny_models import make_tiny
 
-    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", CLUSTER_TOKEN)
-    monkeypatch.delenv("PDSERVE_CLUSTER_TOKEN_FILE", raising=False)
     folder = make_tiny("llama", tmp_path / "target", **VOCAB)
     drafter_folder = make_tiny("llama", tmp_path / "draft", seed=1, **VOCAB, **SMALL) if draft == "small" else folder
     config = spec(drafter_folder)
@@ -142,14 +119,9 @@ def test_a_draft_model_on_both_sides_decodes_like_one_engine(tmp_path, monkeypat
     (want,) = single.generate([prompt], params)
     second = prompt + want.output_token_ids + [5, 6, 7]
     (want2,) = single.generate([second], params)
-    ctx = zmq.Context()
-    pe = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=config), None)
-    ce = Side(small_engine(folder, hicache_gb=0, is_deterministic=True, speculative_config=config), None)
-    pe.role = PrefillRole(pe.engine, ctx, pe.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
-    ce.role = DecodeRole(ce.engine, ctx, ce.sent.append, RoleConfig(None, "127.0.0.1", 0, TransferConfig()))
-    drafter = ce.engine.speculator.draft_model
-    seen = record_drafts(drafter)
-    try:
+    with speculating_pd(monkeypatch, folder, config) as (pe, ce):
+        drafter = ce.engine.speculator.draft_model
+        seen = record_drafts(drafter)
         assert handoff(pe, ce, "d", prompt, params).is_handed_off
         assert decode_all([pe, ce], ce, "d") == want.output_token_ids
         ce.handle(Reserve("d2", len(second) + 1, len(second) + params.max_tokens, 30.0, tuple(second)))
@@ -169,7 +141,3 @@ def test_a_draft_model_on_both_sides_decodes_like_one_engine(tmp_path, monkeypat
             assert 0 < st.spec_num_accepted_tokens_total < st.spec_num_draft_tokens_total
         assert pe.engine.stats().spec_num_drafts_total == 0  # a PE only prefills
         idle(pe, ce)
-    finally:
-        pe.role.close()
-        ce.role.close()
-        ctx.term()
