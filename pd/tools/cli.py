@@ -5,7 +5,7 @@
     pdserve download MODEL [--revision R] [--download-dir D]  python -m engine.checkpoints download MODEL ...
     pdserve router --decode-url URL[,URL...] [flags]         python -m pd.router.server ...
     pdserve models fetch|list|path ...                       python -m engine.checkpoints ...
-    pdserve bench load|compare|serve ...                     bench/load/replay.py, compare.py, serve.py
+    pdserve bench load|compare|serve|mooncake ...            bench/load/replay.py, compare.py, serve.py, mooncake.py
 
 Everything after the subcommand goes to the tool it names, unchanged; its exit status is pdserve's.
 `pdserve --version` prints the installed version.
@@ -27,10 +27,13 @@ COMMANDS = {
     "(python -m engine.checkpoints download)",
     "router": "an HTTP front over the CEs: conversation affinity, failover (python -m pd.router.server)",
     "models": "the model catalogue: fetch|list|path (python -m engine.checkpoints)",
-    "bench": "benchmarks against running endpoints: load|compare|serve (bench/load/replay.py, bench/load/compare.py, "
-    "bench/load/serve.py: vLLM's `vllm bench serve`)",
+    "bench": "benchmarks against running endpoints: load|compare|serve|mooncake (bench/load/replay.py, "
+    "bench/load/compare.py, bench/load/serve.py: vLLM's `vllm bench serve`, bench/load/mooncake.py: a Mooncake trace's "
+    "prefix reuse)",
 }
-BENCHES = {"load": "bench.load.replay", "compare": "bench.load.compare", "serve": "bench.load.serve"}  # name: module
+BENCHES = {
+    "load": "bench.load.replay", "compare": "bench.load.compare", "serve": "bench.load.serve", "mooncake": "bench.load.mooncake",
+}  # fmt: skip  # name: module
 
 
 def _parser() -> argparse.ArgumentParser:
