@@ -61,11 +61,13 @@ class _OnePE:
     def __len__(self) -> int:
         return 1
 
-    def choose(self, key: str | None, exclude: frozenset[str] = frozenset()) -> tuple[_PE, str] | None:
+    def choose(
+        self, key: str | None, exclude: frozenset[str] = frozenset(), token_ids: list[int] | None = None
+    ) -> tuple[_PE, str] | None:
         return None if exclude else (self.pe, "affinity")
 
     @contextlib.contextmanager
-    def attempt(self, client: _PE, reason: str) -> Iterator[None]:
+    def attempt(self, client: _PE, reason: str, num_tokens: int = 0) -> Iterator[None]:
         yield
 
 
