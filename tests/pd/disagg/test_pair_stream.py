@@ -28,13 +28,14 @@ def _cluster_metrics(url: str) -> dict[str, float]:
         if line.startswith("#"):
             continue
         name, _, value = line.rpartition(" ")
-        for key, prefix in (
-            ("streamed", "pdserve_handoff_streamed_pages_total{"),
-            ("early", "pdserve_handoff_early_pages_total{"),
-            ("after_count", 'pdserve_ttft_phase_seconds_count{phase="transfer_after_prefill"'),
-            ("after_sum", 'pdserve_ttft_phase_seconds_sum{phase="transfer_after_prefill"'),
+        after_phase = 'phase="transfer_after_prefill"' in name  # beside model_name, in either order
+        for key, prefix, wanted in (
+            ("streamed", "pdserve_handoff_streamed_pages_total{", True),
+            ("early", "pdserve_handoff_early_pages_total{", True),
+            ("after_count", "pdserve_ttft_phase_seconds_count{", after_phase),
+            ("after_sum", "pdserve_ttft_phase_seconds_sum{", after_phase),
         ):
-            if name.startswith(prefix):
+            if wanted and name.startswith(prefix):
                 out[key] = out.get(key, 0.0) + float(value)
     return out
 
