@@ -160,7 +160,8 @@ class PrefixIndex:
                 self._state_owner[state] = chain[-1].key
                 self.counters.stored_states += 1
         self._pending = chain
-        self._pending_new = (keys[: len(new)], new, token_ids[: len(new) * bs])
+        if self.events.enabled:
+            self._pending_new = (keys[: len(new)], new, token_ids[: len(new) * bs])
         self._touch(chain)
         return plan, state
 
@@ -170,9 +171,10 @@ class PrefixIndex:
             e.pins -= 1
         self._pending = []
         keys, new, token_ids = self._pending_new
-        live = [k in self._entries for k in keys]  # NOTE: a page evicted meanwhile is not announced
-        log_runs(self.events, keys, [n and ok for n, ok in zip(new, live)], token_ids, self.block_size, MEDIUM_CPU)
-        self._pending_new = ([], [], [])
+        if keys:
+            live = [k in self._entries for k in keys]  # NOTE: a page evicted meanwhile is not announced
+            log_runs(self.events, keys, [n and ok for n, ok in zip(new, live)], token_ids, self.block_size, MEDIUM_CPU)
+            self._pending_new = ([], [], [])
 
     # ---- eviction -----------------------------------------------------------------------------
 

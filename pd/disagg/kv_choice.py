@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pd.kv_events.index import PrefixIndex, Subscription
-from pd.kv_events.publisher import curve_keys, is_loopback
+from pd.kv_events.publisher import curve_keys, endpoint_host, is_loopback
 
 if TYPE_CHECKING:
     from pd.disagg.prefill_client import PrefillClient
@@ -34,10 +34,10 @@ WILDCARDS = ("*", "0.0.0.0", "::", "")
 
 def connectable(endpoint: str, url: str) -> str:
     """endpoint with a wildcard host replaced by the host of url (the PE as this CE reaches it)."""
-    host, port = endpoint[len("tcp://") :].rsplit(":", 1)
-    if host.strip("[]") in WILDCARDS:
+    host, port = endpoint_host(endpoint), endpoint.rsplit(":", 1)[1]
+    if host in WILDCARDS:
         host = urlsplit(url).hostname or "127.0.0.1"
-        host = f"[{host}]" if ":" in host else host
+    host = f"[{host}]" if ":" in host else host
     return f"tcp://{host}:{port}"
 
 
@@ -84,20 +84,20 @@ class KVAwareChoice:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._stopping)
 
-    def cached_tokens(self, client: PrefillClient, token_ids: list[int]) -> int:
-        _, subs = self._subs.get(client.url, ((), []))
-        if not subs:
-            return 0
-        found = self.index.match(token_ids, [s.engine for s in subs])
-        return max(c.any_tokens for c in found.values())
+    def cached_tokens(self, clients: list[PrefillClient], token_ids: list[int]) -> list[int]:
+        """Per PE of clients, the longest prefix of token_ids any of its ranks holds (one index lookup)."""
+        engines = {c.url: [s.engine for s in self._subs.get(c.url, ((), []))[1]] for c in clients}
+        found = self.index.match(token_ids, [e for group in engines.values() for e in group])
+        return [max((found[e].any_tokens for e in engines[c.url]), default=0) for c in clients]
 
     def rank(self, ranked: list[PrefillClient], token_ids: list[int]) -> list[tuple[float, int, PrefillClient]]:
         """[(cost, cached tokens, PE)], cheapest first; ties keep ranked's order (the rendezvous order)."""
         n = len(token_ids)
-        costs = []
-        for i, c in enumerate(ranked):
+        for c in ranked:
             self.sync(c)
-            cached = min(self.cached_tokens(c, token_ids), n)
+        costs = []
+        for i, (c, cached) in enumerate(zip(ranked, self.cached_tokens(ranked, token_ids))):
+            cached = min(cached, n)
             costs.append((n - cached + HOST_TOKEN_COST * cached + c.inflight_tokens, i, cached, c))
         costs.sort(key=lambda t: (t[0], t[1]))
         return [(cost, cached, c) for cost, _, cached, c in costs]

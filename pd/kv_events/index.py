@@ -174,11 +174,7 @@ class Subscription:
 
     async def receive(self, seq: int, payload: bytes) -> None:
         """One published batch: a duplicate skipped, a restart or a gap handled first, then applied."""
-        try:
-            batch = decode_batch(payload)
-        except ValueError as e:
-            log.warning("KV events from %s: batch %d dropped: %s", self.engine, seq, e)
-            batch = None
+        batch = self._decode(seq, payload)
         if seq <= self.last_seq:
             if batch is not None and batch[0] <= self.last_event_ts:
                 return  # one the replay gave already (a publisher's clock only goes forward)
@@ -191,6 +187,13 @@ class Subscription:
             if not await self._replay(self.last_seq + 1, seq):
                 self.index.clear(self.engine)  # what was missed is gone: forget rather than guess
         self._apply(seq, batch)
+
+    def _decode(self, seq: int, payload: bytes) -> tuple[float, list[KVEvent], int | None] | None:
+        try:
+            return decode_batch(payload)
+        except ValueError as e:
+            log.warning("KV events from %s: batch %d dropped: %s", self.engine, seq, e)
+            return None
 
     def _apply(self, seq: int, batch: tuple[float, list[KVEvent], int | None] | None) -> None:
         if batch is None:
@@ -216,11 +219,7 @@ class Subscription:
                     return upto is None or self.last_seq >= upto - 1
                 seq = int.from_bytes(seq_frame, "big")
                 if (upto is None or seq < upto) and (seq == self.last_seq + 1 or self.last_seq < 0):
-                    try:
-                        batch = decode_batch(payload)
-                    except ValueError:
-                        batch = None
-                    self._apply(seq, batch)
+                    self._apply(seq, self._decode(seq, payload))
                     self.num_replayed += 1
         except zmq.ZMQError as e:
             log.warning("KV events from %s: replay failed: %s", self.engine, e)

@@ -68,7 +68,7 @@ async def test_the_pe_holding_the_prefix_wins_until_its_queue_outweighs_it():
         # history comes from their replay sockets)
         assert pool.choose(key, token_ids=PROMPT) == (pool.clients[urls[0]], "kv-miss")
         assert pool.kv is not None
-        await until(lambda: pool.kv.cached_tokens(pool.clients[urls[1]], PROMPT) == 4 * BS)
+        await until(lambda: pool.kv.cached_tokens([pool.clients[urls[1]]], PROMPT) == [4 * BS])
         second = pool.clients[urls[1]]
         assert pool.choose(key, token_ids=PROMPT) == (second, "kv-hit")
         # a queue on it: the cold PE computes the whole prompt (83 tokens), the warm one 19 + its copy
