@@ -13,7 +13,8 @@ At the top stay the commands of the design card: check_pd.py (token identity, si
 check_prefix_cache.py (A/B of the prefix cache) and nccl_xtray_test.py (NCCL's transport between hosts),
 and speed_guard.py (this tree's key engine rows against a baseline commit's in one GPU call; a
 slowdown's bisection over commits).
-Current figures: RESULTS.md; how they were reached: RESULTS-log-2026-12.md.
+Current figures: RESULTS.md (the index of figures/, one page per topic); how they were reached:
+RESULTS-log-2026-12.md.
 
 Run as scripts (`python bench/load/replay.py ...`) or imported as `bench.<folder>.<module>` (tests do);
 each script puts the repository root on its path when the project is not installed (the GPU machine)."""

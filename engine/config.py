@@ -58,7 +58,7 @@ class ForwardConfig:
         metadata={"help": "decode rows' q/k norms and rotary inside the attention kernel (one launch fewer per layer)"},
     )
     # NOTE: gemv_rows, pdl and EngineConfig.launch_ahead are on by default: measured on the H200 (issue 31,
-    # bench/RESULTS.md), each made the decode step faster at batch 1 and 64 with the same tokens
+    # bench/figures/speed-guard.md), each made the decode step faster at batch 1 and 64 with the same tokens
     gemv_rows: int = field(
         default=1,
         metadata={"help": "default mode: a projection of at most this many rows (a decode step's) runs as one "

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 MAX_BLOCK_WORDS = 2048  # 16 KiB per step of a program
-NUM_WARPS = 16  # the fastest of 4, 8 and 16 for a 2 GiB copy+hash on the H200 (bench/RESULTS.md)
+NUM_WARPS = 16  # the fastest of 4, 8 and 16 for a 2 GiB copy+hash on the H200 (bench/figures/code-choices.md)
 
 
 @cache

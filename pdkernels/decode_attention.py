@@ -50,7 +50,7 @@ from pdkernels.fused_ops import pdl_start, rope_rows
 MAX_SPLITS = 16  # splits of one sequence's keys, at most
 MIN_SPLIT_TOKENS = 128  # a split gets at least this many keys (fewer splits for short contexts)
 # A large batch has parallelism enough without short splits: fewer, longer programs pay there, and
-# cost at batch 1 (bench/RESULTS.md, decode attention). Callers that may let the split depend on the
+# cost at batch 1 (bench/figures/code-choices.md, decode splits). Callers that may let the split depend on the
 # batch (not deterministic mode) pass it as min_split.
 WIDE_SPLIT_TOKENS = 256
 BLOCK_N = 64  # keys per tile

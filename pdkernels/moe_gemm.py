@@ -74,7 +74,7 @@ def gemm_config(
 ) -> GemmConfig:
     """The launch configuration for m rows over num_experts experts; by shape unless batch_invariant.
     fp8_x (FP8 x FP8 products, BLOCK_K 128): prefill takes 64-row tiles 128 columns wide, the fastest of
-    bench/micro/moe_layer.py --w8a8-sweep at 8,192 tokens of Qwen3-30B-A3B's layer (bench/RESULTS.md)."""
+    bench/micro/moe_layer.py --w8a8-sweep at 8,192 tokens of Qwen3-30B-A3B's layer (bench/figures/fp8-h100.md)."""
     if batch_invariant:
         return bi_config(n, k, is_glu)
     rows_per_expert = m / max(1, min(num_experts, m))

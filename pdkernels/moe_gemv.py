@@ -3,7 +3,7 @@ assignment, straight from the routing, without sorting the assignments by expert
 
 At batch 1 a MoE layer reads k experts' weights once each. The grouped GEMM (moe_gemm.py) first sorts
 the assignments (one more launch), then pads each expert's one row to a 16-row tl.dot tile and stages
-every weight tile through shared memory; neither is needed here. Measured on an H100 (bench/RESULTS.md,
+every weight tile through shared memory; neither is needed here. Measured on an H100 (bench/figures/moe-h200.md,
 "MoE models"): 1-11% faster per layer at 1 to 4 tokens, equal at 8. Here program (r, j) owns
 assignment r (token r // k, slot r % k) and BLOCK_N output columns of its expert's weight, and walks K
 with gemv.py's register layout: elementwise FMAs, each thread one 16-byte run of K in each of the tile's

@@ -70,7 +70,7 @@ def tile_config(num_heads: int, num_kv_heads: int, head_dim: int) -> TileConfig:
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     # 128 x 128 tiles, 8 warps, 2 stages: the fastest at Llama-3-8B head shapes on the H200
-    # (bench/micro/prefill_kernels.py sweeps them; bench/RESULTS.md).
+    # (bench/micro/prefill_kernels.py sweeps them; bench/figures/code-choices.md).
     small = head_dim_pad <= 128  # a 128 x 256 float32 accumulator would spill
     rows = 128 if small else 64
     tile_tokens = max(1, rows // group_pad)

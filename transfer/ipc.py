@@ -206,7 +206,7 @@ class TorchCudaIpc:
 
     def copy(self, dst: list[Segment], src: list[Segment], after: Any = None) -> Copy:
         # NOTE: on the handoff's critical path: few torch calls (each costs microseconds of host time,
-        # and the launch's Python is a sizeable part of a long sequence's copy: bench/RESULTS.md). One
+        # and the launch's Python is a sizeable part of a long sequence's copy: bench/figures/code-choices.md). One
         # sums buffer for every segment, copied to pinned memory before the completion event: once the
         # event is done the sums are read from host memory, with no further sync.
         from pdkernels.checksum_gpu import copy_segments

@@ -78,7 +78,7 @@ TINY_SWEEP_TOKENS = [8, 256]  # 2 and 64 rows per expert: the decode and the pre
 # --w8a8-sweep's candidates per grouped GEMM, (BLOCK_M, BLOCK_N, num_warps, num_stages) with BLOCK_K 128:
 # "decode" where gemm_config picks 16-row tiles, "prefill" above. At Qwen3-30B-A3B's shapes none spills
 # at sm_90a (offline_compile.py) but the down tile 128x128 with 8 warps (80 bytes), gemm_config's before
-# this sweep chose 64x128 (bench/RESULTS.md)
+# this sweep chose 64x128 (bench/figures/fp8-h100.md)
 W8A8_TILES = {
     "decode": {
         "gate/up": [(16, 32, 4, 4), (16, 32, 4, 5), (16, 32, 2, 4), (16, 64, 4, 4), (16, 64, 2, 4), (16, 128, 4, 4)],

@@ -1,7 +1,7 @@
 """Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, Lark or GBNF
 grammar) as a token mask per step, through llguidance.
 
-Why llguidance rather than xgrammar (bench/micro/grammar_backends.py measures both, bench/RESULTS.md has the
+Why llguidance rather than xgrammar (bench/micro/grammar_backends.py measures both, bench/figures/cpu-micro.md has the
 figures): its wheel is 3 MB with no dependencies, where xgrammar's Linux wheel pulls torch's CUDA
 build and triton into a CPU install; and it computes a step's mask on the fly from the parser state
 (no per-grammar token-table precompilation), so a new schema costs no compile time before its first
