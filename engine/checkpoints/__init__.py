@@ -4,6 +4,8 @@ downloaded once into huggingface_hub's cache: hub.py).
 
 `python -m engine.checkpoints fetch NAME` / `download ORG/NAME` do that ahead of time; `resolve_model` does it
 on first use.
+Reading one into a model (engine/models/loader.py) shows its progress through load_progress.py: a bar on a
+terminal, log lines elsewhere.
 """
 
 from pathlib import Path

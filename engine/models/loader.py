@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import re
+import struct
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -43,6 +44,7 @@ import torch
 from torch import nn
 
 from engine.arch import ModelArch
+from engine.checkpoints.load_progress import LoadProgress
 from engine.errors import InvalidRequestError
 from engine.layers import fp8
 from engine.layers.meta import on_meta
@@ -58,7 +60,6 @@ from engine.parallel.tensor_parallel import TensorGroup, TpShard, full_shape, sc
 log = logging.getLogger(__name__)
 # the start's progress (a large model loads for minutes), apart from what the load found (log)
 progress = logging.getLogger(f"{__name__}.progress")
-LOAD_LOG_S = 10.0  # a long weight load logs its progress this often
 
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 PER_EXPERT_KEY = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?")
@@ -274,6 +275,14 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """Each tensor's bytes in a safetensors file, from its header (no tensor is read)."""
+    with path.open("rb") as f:
+        (header_bytes,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_bytes))
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
 def checkpoint_keys(folder: Path, arch: ModelArch) -> set[str]:
     """The names of the checkpoint's tensors as the model's: the built multi-token-prediction layers' mapped
     (engine/models/mtp.py), the others left out."""
@@ -434,43 +443,39 @@ def _load_safetensors(model: CausalLM, folder: Path, shard: TpShard | None = Non
     num_nextn = num_mtp = 0  # tensors of multi-token-prediction layers skipped, loaded
     embedding_copies: list[tuple[Path, str]] = []  # MTP layers' copies of the embedding, checked after the loop
     files = checkpoint_files(folder)
-    total_bytes, done_bytes = sum(f.stat().st_size for f in files), 0
-    t0 = last_log = time.monotonic()
-    for i, f in enumerate(files):
-        # progress of a long load (a large model's files take minutes): a line at most every LOAD_LOG_S
-        if time.monotonic() - last_log >= LOAD_LOG_S:
-            last_log = time.monotonic()
-            log.info(
-                "weights: %d of %d files, %.1f of %.1f GiB, in %.0f s",
-                i, len(files), done_bytes / 2**30, total_bytes / 2**30, last_log - t0,
-            )  # fmt: skip
-        done_bytes += f.stat().st_size
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for key in st.keys():
-                name = key.removeprefix("language_model.")
-                if name.endswith(SKIPPED_SUFFIXES):
-                    continue
-                mtp_name = mtp.model_name(arch, name)
-                if mtp_name is not None:
-                    num_mtp += 1
-                    if mtp_name == mtp.EMBEDDING:
-                        embedding_copies.append((f, key))
+    sizes = [tensor_bytes(f) for f in files]
+    # a large model's files take minutes: a bar on a terminal, a log line now and then elsewhere
+    shown = LoadProgress(sum(sum(s.values()) for s in sizes), sum(len(s) for s in sizes), len(files))
+    try:
+        for f, size in zip(files, sizes):
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for key in shown.tensors(st.keys(), size):
+                    name = key.removeprefix("language_model.")
+                    if name.endswith(SKIPPED_SUFFIXES):
                         continue
-                    name = mtp_name
-                elif is_nextn_layer(arch, name):
-                    num_nextn += 1
-                    continue
-                if name == "lm_head.weight" and "lm_head.weight" not in params:
-                    continue  # tied embeddings saved twice
-                pieces = stacked_pieces(stacked, name)
-                if pieces is None:
-                    place(name, key, st.get_slice(key), partial(st.get_tensor, key))
-                    continue
-                rows = st.get_tensor(key)
-                if rows.shape[0] != pieces[-1][2]:
-                    raise ValueError(f"{key}: {rows.shape[0]} rows, the model's {pieces} stack to {pieces[-1][2]}")
-                for piece, start, stop in pieces:
-                    place(piece, key, rows[start:stop])
+                    mtp_name = mtp.model_name(arch, name)
+                    if mtp_name is not None:
+                        num_mtp += 1
+                        if mtp_name == mtp.EMBEDDING:
+                            embedding_copies.append((f, key))
+                            continue
+                        name = mtp_name
+                    elif is_nextn_layer(arch, name):
+                        num_nextn += 1
+                        continue
+                    if name == "lm_head.weight" and "lm_head.weight" not in params:
+                        continue  # tied embeddings saved twice
+                    pieces = stacked_pieces(stacked, name)
+                    if pieces is None:
+                        place(name, key, st.get_slice(key), partial(st.get_tensor, key))
+                        continue
+                    rows = st.get_tensor(key)
+                    if rows.shape[0] != pieces[-1][2]:
+                        raise ValueError(f"{key}: {rows.shape[0]} rows, the model's {pieces} stack to {pieces[-1][2]}")
+                    for piece, start, stop in pieces:
+                        place(piece, key, rows[start:stop])
+    finally:
+        shown.close()
     # NOTE: after the loop: the model's embedding may lie in another file than the copies
     for f, key in embedding_copies:
         with safe_open(str(f), framework="pt", device="cpu") as st:

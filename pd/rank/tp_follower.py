@@ -17,6 +17,7 @@ import argparse
 import logging
 import signal
 
+from engine.checkpoints import load_progress
 from engine.codec import from_wire
 from engine.config import EngineConfig
 from pd.config import LOG_FORMATS
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         install_logging("info", "json")
     else:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{args.tp_rank} %(levelname)s %(message)s")
+    load_progress.configure(f"tp{args.tp_rank}", is_bar_allowed=args.log_format == "text")  # named as its log lines
     import json
 
     from engine.engine import LLMEngine

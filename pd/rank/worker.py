@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from engine.checkpoints import load_progress
 from engine.codec import from_wire, to_wire
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -317,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     install_logging("info", args.log_format, rank=args.rank)
+    # the weight load's bar on a terminal names the rank where there are several, as its log lines do
+    several = args.dp > 1 or args.tp > 1
+    load_progress.configure(f"rank{args.rank}" if several else "", is_bar_allowed=args.log_format == "text")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(args.inbox)
