@@ -252,7 +252,7 @@ class DecodePath:
             raise PrefillFailed("prefill_unavailable", "no prefill engine is known (see --prefill-url)")
         client, reason = choice
         try:
-            with self.pool.attempt(client, reason, len(prompt)):
+            with self.pool.attempt(client, reason, token_ids=prompt):
                 return await client.prefill(body, self.cfg.prefill_max_body_bytes)
         except PrefillFailed as e:
             if not _may_fail_over(e) or progress.began:
@@ -268,7 +268,7 @@ class DecodePath:
                 second[0].url,
             )
             self.metrics.handoff_failures.labels(self.cfg.transfer.transport, e.code).inc()
-        with self.pool.attempt(second[0], "failover", len(prompt)):
+        with self.pool.attempt(second[0], "failover", token_ids=prompt):
             return await second[0].prefill(body, self.cfg.prefill_max_body_bytes)
 
     async def _while_prefilling(

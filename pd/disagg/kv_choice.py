@@ -1,14 +1,18 @@
 """The kv-aware choice of PE (--pe-routing kv-aware): each PE's cost for a prompt is what it would still
 compute plus what it has queued, read from the prefix index its ranks' KV events keep (pd/kv_events/).
 
-    cost(PE) = (prompt tokens - its cached prefix) + HOST_TOKEN_COST * its cached prefix + its in-flight prompt tokens
+    work(PE)  = (prompt tokens - its cached prefix) + HOST_TOKEN_COST * its cached prefix
+    cost(PE)  = work(PE) + LOAD_WEIGHT * the work of the prompts it has in flight
 
 A PE's cached prefix is the longest one any of its ranks holds (a PE's own rank choice may still send the
-request to another of its ranks). A cached token costs HOST_TOKEN_COST of a computed one: a PE's cache is
-its host tier, copied to the device (about a tenth of a prefill token's time on the CPU runs here). The
-in-flight term spreads a hot prefix: once the PE that holds it has more prompt tokens queued than a
-cold PE would compute, the next request goes to the cold one (which then caches the prefix too). Ties keep
-the conversation's rendezvous order.
+request to another of its ranks), or the longest one this CE sent it within ROUTED_TTL_S: a prompt's
+pages reach the index only once its prefill is done, and a second prompt with the same head arriving
+meanwhile belongs where the first went. A cached token costs HOST_TOKEN_COST of a computed one: a PE's
+cache is its host tier, copied to the device (about a tenth of a prefill token's time on the CPU runs
+here). The load term counts each in-flight prompt at the work it was chosen for (a prompt that hit costs
+its PE little), and spreads a hot prefix: once the PE that holds it has more work queued than a cold PE
+would do, the next request goes to the cold one (which then caches the prefix too). Ties keep the
+conversation's rendezvous order.
 
 A PE's streams come from its /health ("kv_events": each rank's endpoint, replay endpoint and topic; a
 wildcard host is the PE's own host). A PE that publishes none has nothing cached here: its cost is the
@@ -19,9 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from engine.core.prefix_cache import chain_hashes
 from pd.kv_events.index import PrefixIndex, Subscription
 from pd.kv_events.publisher import curve_keys, endpoint_host, is_loopback
 
@@ -29,6 +36,9 @@ if TYPE_CHECKING:
     from pd.disagg.prefill_client import PrefillClient
 
 HOST_TOKEN_COST = 0.1
+LOAD_WEIGHT = 1.0  # a queued token of work against one of this prompt's
+ROUTED_TTL_S = 30.0  # a prompt sent to a PE counts as held there this long (its events come after its prefill)
+MAX_ROUTED_PAGES = 1 << 16  # per PE
 WILDCARDS = ("*", "0.0.0.0", "::", "")
 
 
@@ -47,6 +57,8 @@ class KVAwareChoice:
         self._token = token
         self._subs: dict[str, tuple[tuple[Any, ...], list[Subscription]]] = {}  # PE URL -> (its streams, subs)
         self._stopping: set[asyncio.Task[None]] = set()
+        self._routed: dict[str, OrderedDict[bytes, float]] = {}  # PE URL -> {page hash: when sent}, oldest first
+        self._last: tuple[list[int] | None, list[bytes]] = (None, [])
 
     def sync(self, client: PrefillClient) -> None:
         """Subscribes to the streams client's /health names (again, if they changed)."""
@@ -72,6 +84,7 @@ class KVAwareChoice:
     def drop(self, url: str) -> None:
         """Forgets a PE (it left): its subscriptions stop, its entries go."""
         _, subs = self._subs.pop(url, ((), []))
+        self._routed.pop(url, None)
         for sub in subs:
             self.index.forget(sub.engine)
             task = asyncio.get_running_loop().create_task(sub.stop())
@@ -84,11 +97,50 @@ class KVAwareChoice:
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._stopping)
 
+    def _keys(self, token_ids: list[int]) -> list[bytes]:
+        """The prompt's page hashes, computed once for its choice and its attempt (the same list)."""
+        if self._last[0] is not token_ids:
+            self._last = (token_ids, chain_hashes(token_ids, self.index.block_size))
+        return self._last[1]
+
+    def _routed_tokens(self, url: str, keys: list[bytes], now: float) -> int:
+        """The prompt's prefix sent to url's PE within ROUTED_TTL_S (its events may not have come yet)."""
+        routed = self._routed.get(url)
+        if not routed:
+            return 0
+        while routed and next(iter(routed.values())) < now - ROUTED_TTL_S:
+            routed.popitem(last=False)
+        n = 0
+        for k in keys:
+            if k not in routed:
+                break
+            n += 1
+        return n * self.index.block_size
+
     def cached_tokens(self, clients: list[PrefillClient], token_ids: list[int]) -> list[int]:
-        """Per PE of clients, the longest prefix of token_ids any of its ranks holds (one index lookup)."""
+        """Per PE of clients, the longest prefix of token_ids any of its ranks holds (one index lookup) or
+        that was sent to it within ROUTED_TTL_S."""
+        keys, now = self._keys(token_ids), time.monotonic()
         engines = {c.url: [s.engine for s in self._subs.get(c.url, ((), []))[1]] for c in clients}
-        found = self.index.match(token_ids, [e for group in engines.values() for e in group])
-        return [max((found[e].any_tokens for e in engines[c.url]), default=0) for c in clients]
+        found = self.index.match_keys(keys, [e for group in engines.values() for e in group])
+        held = [max((found[e].any_tokens for e in engines[c.url]), default=0) for c in clients]
+        return [min(len(token_ids), max(h, self._routed_tokens(c.url, keys, now))) for c, h in zip(clients, held)]
+
+    def work(self, client: PrefillClient, token_ids: list[int]) -> float:
+        """What token_ids would cost client's PE to compute, in prompt tokens (its cached prefix at
+        HOST_TOKEN_COST a token)."""
+        cached = self.cached_tokens([client], token_ids)[0]
+        return len(token_ids) - cached + HOST_TOKEN_COST * cached
+
+    def note(self, client: PrefillClient, token_ids: list[int]) -> None:
+        """token_ids went to client's PE: its pages count as held there for ROUTED_TTL_S."""
+        routed = self._routed.setdefault(client.url, OrderedDict())
+        now = time.monotonic()
+        for k in self._keys(token_ids):
+            routed[k] = now
+            routed.move_to_end(k)
+        while len(routed) > MAX_ROUTED_PAGES:
+            routed.popitem(last=False)
 
     def rank(self, ranked: list[PrefillClient], token_ids: list[int]) -> list[tuple[float, int, PrefillClient]]:
         """[(cost, cached tokens, PE)], cheapest first; ties keep ranked's order (the rendezvous order)."""
@@ -97,8 +149,8 @@ class KVAwareChoice:
             self.sync(c)
         costs = []
         for i, (c, cached) in enumerate(zip(ranked, self.cached_tokens(ranked, token_ids))):
-            cached = min(cached, n)
-            costs.append((n - cached + HOST_TOKEN_COST * cached + c.inflight_tokens, i, cached, c))
+            work = n - cached + HOST_TOKEN_COST * cached
+            costs.append((work + LOAD_WEIGHT * c.inflight_tokens, i, cached, c))
         costs.sort(key=lambda t: (t[0], t[1]))
         return [(cost, cached, c) for cost, _, cached, c in costs]
 

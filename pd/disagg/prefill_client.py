@@ -80,7 +80,7 @@ class PrefillClient:
         self.error: str | None = None  # why it is not up
         self.last_error: str | None = None  # the last failed prefill's, kept after it is up again
         self.num_inflight = 0  # /prefill requests in flight (pd/disagg/prefill_pool.py counts them)
-        self.inflight_tokens = 0  # their prompt tokens (the kv-aware choice's load term)
+        self.inflight_tokens = 0.0  # the work of their prompts (the kv-aware choice's load term)
         self.kv_events: list[dict[str, Any]] = []  # its ranks' KV event streams, as its /health last said
         self.source = self.url  # the --prefill-url entry it comes from (a dns+ name, or itself)
         self.retired = False  # gone from its dns+ name

@@ -15,7 +15,7 @@ Choice (--pe-routing):
 - least-loaded: the PE with the fewest prefills in flight (ties: the conversation's order).
 - round-robin: each PE in turn.
 - kv-aware: the PE with the lowest cost, what it would still compute of the prompt after its cached prefix
-  plus the prompt tokens it has in flight (pd/disagg/kv_choice.py: its ranks' KV events feed a prefix
+  plus the work it has in flight (pd/disagg/kv_choice.py: its ranks' KV events feed a prefix
   index); ties keep the conversation's order. Reason "kv-hit" when the chosen PE holds some of the
   prompt, "kv-miss" when none does.
 When no PE is known to be up (a probe can lag behind a restart), the PEs are tried in the same order
@@ -230,8 +230,15 @@ class PrefillPool:
         return ranked[0], "affinity"  # not reached: some PE holds fewer than the mean
 
     @contextlib.contextmanager
-    def attempt(self, client: PrefillClient, reason: str, num_tokens: int = 0) -> Iterator[None]:
-        """Counts a /prefill to client (of num_tokens prompt tokens) in flight while it runs."""
+    def attempt(
+        self, client: PrefillClient, reason: str, num_tokens: float = 0, token_ids: list[int] | None = None
+    ) -> Iterator[None]:
+        """Counts a /prefill to client in flight while it runs, with its work (num_tokens, or what
+        token_ids cost client: kv-aware's load term)."""
+        if token_ids is not None:
+            num_tokens = len(token_ids) if self.kv is None else self.kv.work(client, token_ids)
+            if self.kv is not None:
+                self.kv.note(client, token_ids)
         self.metrics.pe_selected.labels(client.url, reason).inc()
         client.num_inflight += 1
         client.inflight_tokens += num_tokens

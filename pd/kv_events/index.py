@@ -93,7 +93,10 @@ class PrefixIndex:
 
     def match(self, token_ids: list[int], engines: list[str] | None = None) -> dict[str, Cached]:
         """Per engine (those given, else every known one): its cached prefix of token_ids."""
-        keys = chain_hashes(token_ids, self.block_size)
+        return self.match_keys(chain_hashes(token_ids, self.block_size), engines)
+
+    def match_keys(self, keys: list[bytes], engines: list[str] | None = None) -> dict[str, Cached]:
+        """match() for a prompt whose page hashes (chain_hashes) the caller has already."""
         out: dict[str, Cached] = {}
         for name in self._engines if engines is None else engines:
             e = self._engines.get(name)

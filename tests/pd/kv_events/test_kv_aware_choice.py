@@ -89,3 +89,44 @@ async def test_the_pe_holding_the_prefix_wins_until_its_queue_outweighs_it():
         await pool.stop()
         for pub in pubs:
             pub.close()
+
+
+async def test_a_prompt_in_flight_draws_its_followers_and_loads_its_pe_by_its_work():
+    """No events at all (the first prefill has not finished): a second prompt with the same head goes where
+    the first went, a prompt that hit loads its PE by what it costs there, and the memory ends with the
+    PE's retirement."""
+    urls = [f"http://127.0.0.{i + 2}:{free_port()}" for i in range(2)]
+    pool = PrefillPool(",".join(urls), TOKEN, 5.0, ClusterMetrics(CollectorRegistry()), "kv-aware", block_size=BS)
+    await pool.start()
+    try:
+        for c in pool.clients.values():
+            c._watch_task.cancel()  # type: ignore[union-attr]  # the test owns each PE's state
+            c.state = "up"
+        assert pool.kv is not None
+        key = next(k for k in (f"conversation {i}" for i in range(100)) if hrw_order(k, urls)[0] == urls[0])
+        home, other = pool.clients[urls[0]], pool.clients[urls[1]]
+        first = PROMPT
+        follower = PROMPT[: 4 * BS] + [5] * 30  # the first's 4 pages, then its own
+        assert pool.choose(key, token_ids=first) == (home, "kv-miss")
+        with pool.attempt(home, "kv-miss", token_ids=first):
+            assert home.inflight_tokens == len(first)  # nothing cached: the whole prompt
+            # home has the first prompt's work queued (83), other is idle; the follower's pages are
+            # home's already: 30 + 2 tokens of work + 83 queued there, 94 on other
+            assert pool.choose(key, token_ids=follower) == (other, "kv-miss")
+            # a follower on a key whose order puts other first still finds home cheaper once the
+            # shared head is long enough: 3 tokens of its own
+            short = PROMPT[: 4 * BS] + [5] * 3
+            assert pool.kv.cached_tokens([home, other], short) == [4 * BS, 0]
+            with pool.attempt(home, "kv-hit", token_ids=short):
+                assert home.inflight_tokens == len(first) + 3 + HOST_TOKEN_COST * 4 * BS
+        assert home.inflight_tokens == 0 and other.inflight_tokens == 0
+        # once the first is done, the follower goes where its head is
+        assert pool.choose(key, token_ids=follower) == (home, "kv-hit")
+        # with a key that ranks other first too
+        key2 = next(k for k in (f"conversation {i}" for i in range(100)) if hrw_order(k, urls)[0] == urls[1])
+        assert pool.choose(key2, token_ids=follower) == (home, "kv-hit")
+        assert pool.choose(key2, token_ids=[9] * 40) == (other, "kv-miss")
+        pool._retire(urls[0])
+        assert pool.kv.cached_tokens([home], follower) == [0]
+    finally:
+        await pool.stop()
