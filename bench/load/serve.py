@@ -13,7 +13,9 @@ uses its own) is --tokenizer, else that model's `root` (the --model the server w
 (their lengths exact); to a chat endpoint as their decoded text, whose length the chat template and a
 second tokenization change a little (the report counts what the server's usage says). Without
 --ignore-eos an answer may end before its --random-output-len. Differences from vLLM: the default
---percentile-metrics adds e2el; no plots, no goodput, no sampling flags (temperature 0, as vLLM's default).
+--percentile-metrics adds e2el; no goodput, no sampling flags (temperature 0, as vLLM's default). With
+--save-result the plot is written beside the result JSON (the same name, .svg; --no-plot: none): the CDF of
+each of TTFT, TPOT, ITL and E2EL with its median and p99 (bench/load/loadgen/serve_plot.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,15 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.load.loadgen import datasets  # noqa: E402
-from bench.load.loadgen.serving import METRICS, ServeConfig, format_report, run_serving, serving_metrics  # noqa: E402
+from bench.load.loadgen.serve_plot import write_serve_svg  # noqa: E402
+from bench.load.loadgen.serving import (  # noqa: E402
+    METRICS,
+    ServeConfig,
+    format_report,
+    metric_values,
+    run_serving,
+    serving_metrics,
+)
 
 DEFAULT_PORT = 8888  # pdserve's (vLLM's is 8000)
 
@@ -73,7 +83,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     a("--percentile-metrics", default="ttft,tpot,itl,e2el", help=f"comma list of {','.join(METRICS)}")
     a("--metric-percentiles", default="99", help="comma list of percentiles, e.g. 50,90,99")
     a("--disable-tqdm", action="store_true", help="no progress bar (there is none when stderr is no terminal)")
-    a("--save-result", action="store_true", help="write the result JSON")
+    a("--save-result", action="store_true", help="write the result JSON, and its plot beside it (.svg)")
+    a("--no-plot", action="store_true", help="with --save-result: no .svg")
     a("--result-dir", type=Path, default=Path("."))
     a("--result-filename", help="default: pdserve-{rate}qps[-concurrency{N}]-{model}-{date}.json")
     return p.parse_args(argv)
@@ -187,6 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({**meta, **doc}, indent=2) + "\n")
         print(f"{prog}: wrote {path}", file=sys.stderr)
+        if not args.no_plot:
+            rate = "inf" if math.isinf(cfg.request_rate) else f"{cfg.request_rate:g}"
+            title = f"{model}, {args.dataset_name}, {doc['completed']} requests at {rate} req/s ({date})"
+            svg = write_serve_svg(path.with_suffix(".svg"), metric_values(result), title)
+            print(f"{prog}: wrote {svg}", file=sys.stderr)
     return 0 if doc["completed"] else 1
 
 

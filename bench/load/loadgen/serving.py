@@ -134,6 +134,17 @@ def tpot_s(r: RequestRecord) -> float | None:
     return (r.e2e_s - r.ttft_s) / (r.completion_tokens - 1)  # type: ignore[operator]
 
 
+def metric_values(result: ServeResult) -> dict[str, list[float]]:
+    """Each metric's samples (s) over the run's successful requests: what its percentiles and plot are of."""
+    ok = [r for r in result.records if r.status == "ok"]
+    return {
+        "ttft": [r.ttft_s for r in ok if r.ttft_s is not None],
+        "tpot": [t for r in ok if (t := tpot_s(r)) is not None],
+        "itl": [g for r in ok for g in r.itl_s],
+        "e2el": [r.e2e_s for r in ok if r.e2e_s is not None],
+    }
+
+
 def serving_metrics(
     result: ServeResult,
     requests: Sequence[SampleRequest],
@@ -148,12 +159,7 @@ def serving_metrics(
     output_lens = [r.completion_tokens or 0 for r in recs]
     total_in = sum(n for n, r in zip(input_lens, recs) if r.status == "ok")
     total_out = sum(r.completion_tokens or 0 for r in ok)
-    values = {
-        "ttft": [r.ttft_s for r in ok if r.ttft_s is not None],
-        "tpot": [t for r in ok if (t := tpot_s(r)) is not None],
-        "itl": [g for r in ok for g in r.itl_s],
-        "e2el": [r.e2e_s for r in ok if r.e2e_s is not None],
-    }
+    values = metric_values(result)
     doc: dict[str, Any] = {
         "duration": duration,
         "completed": len(ok),

@@ -1,19 +1,21 @@
 """`pdserve bench serve` (bench/load/serve.py, loadgen/datasets.py, loadgen/serving.py): vLLM's datasets drawn
 with SmolLM2's tokenizer, and runs against a real server started with --api-key (a tiny random Llama with
 SmolLM2's tokenizer): the report's counts are the requests and tokens asked for, the key's absence is 8
-failures (401), a ShareGPT file works on the chat endpoint."""
+failures (401), a ShareGPT file works on the chat endpoint; the plot (serve_plot.py) is an SVG whose marks are
+the report's median and p99."""
 
 from __future__ import annotations
 
 import json
 import math
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bench.load import serve
-from bench.load.loadgen import datasets, serving
+from bench.load.loadgen import datasets, serve_plot, serving, summary
 from pd.tools.cli import main as pdserve
 
 SERVED = "tiny-serve"
@@ -115,6 +117,46 @@ def test_report_has_vllms_rows_and_bad_flags_are_refused(capsys: pytest.CaptureF
         assert what in capsys.readouterr().err
 
 
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def svg_panels(text: str) -> dict[str, ET.Element]:
+    """The panels of a plot (it must parse as XML, an <svg> at the root): metric -> its <g>."""
+    root = ET.fromstring(text)
+    assert root.tag == SVG + "svg"
+    return {g.attrib["id"]: g for g in root.iter(SVG + "g") if g.attrib.get("class") == "panel"}
+
+
+def marks(panel: ET.Element) -> dict[str, float]:
+    return {m.attrib["data-quantile"]: float(m.attrib["data-ms"]) for m in panel.iter(SVG + "line")
+            if m.attrib.get("class") == "mark"}  # fmt: skip
+
+
+def test_the_plot_is_an_svg_of_each_metrics_cdf_with_its_median_and_p99() -> None:
+    values = {"ttft": [0.010, 0.030, 0.020, 0.040], "tpot": [0.0025], "itl": [], "e2el": [0.5, 1.5]}
+    text = serve_plot.serve_svg({k: [v * 1e3 for v in vs] for k, vs in values.items()}, "m<&>, random")
+    panels = svg_panels(text)
+    assert list(panels) == ["ttft", "tpot", "itl", "e2el"]
+    assert "m&lt;&amp;&gt;, random" in text
+    for name, vs in values.items():
+        lines = panels[name].findall(SVG + "polyline")
+        if not vs:
+            assert lines == [] and "no samples" in "".join(panels[name].itertext())
+            continue
+        want = summary.percentiles(vs, [50, 99])  # what the report prints, in ms
+        assert marks(panels[name]) == pytest.approx({"p50": want["p50"], "p99": want["p99"]}, rel=1e-5)
+        (cdf,) = lines
+        points = [tuple(map(float, p.split(","))) for p in cdf.attrib["points"].split()]
+        assert len(points) == 2 * len(vs) + 2
+        xs, ys = [x for x, _ in points], [y for _, y in points]
+        assert xs == sorted(xs) and ys == sorted(ys, reverse=True)  # rightwards and upwards (SVG's y grows down)
+        assert ys[0] > ys[-1]
+    assert [serve_plot.nice_ceiling(x) for x in (0, 0.7, 1, 3, 40, 41, 501)] == [1, 1, 1, 5, 50, 50, 1000]
+    many = [float(i % 997) for i in range(50_000)]  # an ITL's many samples: drawn through MAX_STEPS quantiles
+    (cdf,) = svg_panels(serve_plot.serve_svg({"itl": many}, "x"))["itl"].findall(SVG + "polyline")
+    assert len(cdf.attrib["points"].split()) == serve_plot.MAX_STEPS + 3
+
+
 async def test_arrivals_at_a_rate_are_gamma_gaps() -> None:
     import time
 
@@ -161,6 +203,10 @@ def test_random_run_completes_with_the_tokens_asked(
     assert doc["input_lens"] == [16] * 8 and doc["total_input_tokens"] == 128  # token-id prompts: exact
     assert all(len(itls) == 3 for itls in doc["itls"]) and doc["max_concurrency"] == 4
     assert doc["p50_ttft_ms"] <= doc["p99_ttft_ms"] and doc["mean_tpot_ms"] > 0 and doc["request_rate"] == 200
+    panels = svg_panels((tmp_path / "out.svg").read_text())  # the plot beside the JSON
+    assert list(panels) == ["ttft", "tpot", "itl", "e2el"]
+    for name in panels:
+        assert marks(panels[name]) == pytest.approx({"p50": doc[f"p50_{name}_ms"], "p99": doc[f"p99_{name}_ms"]}, rel=1e-5)
 
 
 @pytest.mark.slow
@@ -186,9 +232,10 @@ def test_a_sharegpt_file_on_the_chat_endpoint(
     path = sharegpt_file(tmp_path)
     args = ["--base-url", server.url, "--endpoint", "/v1/chat/completions", "--api-key", API_KEY,
             "--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "3", "--ignore-eos",
-            "--save-result", "--result-dir", str(tmp_path)]  # fmt: skip
+            "--save-result", "--result-dir", str(tmp_path), "--no-plot"]  # fmt: skip
     assert serve.main(args) == 0
     (saved,) = tmp_path.glob("pdserve-infqps-tiny-serve-*.json")
+    assert list(tmp_path.glob("*.svg")) == []  # --no-plot
     doc = json.loads(saved.read_text())
     asked = [r.expected_output_len for r in datasets.sharegpt_requests(path, tokenizer, 3, None, seed=0)]
     assert doc["completed"] == 3 and doc["endpoint_type"] == "openai-chat"
