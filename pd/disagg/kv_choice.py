@@ -23,17 +23,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from engine.core.prefix_cache import chain_hashes
 from pd.kv_events.index import PrefixIndex, Subscription
 from pd.kv_events.publisher import curve_keys, endpoint_host, is_loopback
 
-if TYPE_CHECKING:
-    from pd.disagg.prefill_client import PrefillClient
+log = logging.getLogger(__name__)
+
+
+class Peer(Protocol):
+    """An engine a choice ranks: a PE (pd/disagg/prefill_client.py) or, at the router, a CE."""
+
+    url: str
+    kv_events: list[dict[str, Any]]  # its ranks' KV event streams, as its /health last named them
+    inflight_tokens: float  # the work of the prompts it has in flight
+
+
+P = TypeVar("P", bound=Peer)
 
 HOST_TOKEN_COST = 0.1
 LOAD_WEIGHT = 1.0  # a queued token of work against one of this prompt's
@@ -52,20 +64,22 @@ def connectable(endpoint: str, url: str) -> str:
 
 
 class KVAwareChoice:
-    def __init__(self, block_size: int, token: bytes) -> None:
-        self.index = PrefixIndex(block_size)
+    def __init__(self, block_size: int | None, token: bytes | None) -> None:
+        """block_size: the engines' page size (None: the first stream's, as its /health names it); token:
+        the cluster token, whose CURVE keys a stream off loopback needs (None: such streams are left out)."""
+        self.index = PrefixIndex(block_size or 0)
         self._token = token
         self._subs: dict[str, tuple[tuple[Any, ...], list[Subscription]]] = {}  # PE URL -> (its streams, subs)
         self._stopping: set[asyncio.Task[None]] = set()
         self._routed: dict[str, OrderedDict[bytes, float]] = {}  # PE URL -> {page hash: when sent}, oldest first
         self._last: tuple[list[int] | None, list[bytes]] = (None, [])
 
-    def sync(self, client: PrefillClient) -> None:
+    def sync(self, client: Peer) -> None:
         """Subscribes to the streams client's /health names (again, if they changed)."""
         streams = tuple(
             (int(s["rank"]), connectable(s["endpoint"], client.url),
              None if s.get("replay_endpoint") is None else connectable(s["replay_endpoint"], client.url),
-             str(s.get("topic") or ""))
+             str(s.get("topic") or ""), s.get("block_size") if isinstance(s.get("block_size"), int) else None)
             for s in client.kv_events
             if isinstance(s, dict) and isinstance(s.get("endpoint"), str)
         )  # fmt: skip
@@ -74,8 +88,20 @@ class KVAwareChoice:
             return
         self.drop(client.url)
         subs = []
-        for rank, endpoint, replay, topic in streams:
-            key = None if is_loopback(endpoint) else curve_keys(self._token)[0]
+        for rank, endpoint, replay, topic, block_size in streams:
+            if block_size is not None and self.index.block_size in (0, block_size):
+                self.index.block_size = block_size
+            elif block_size is not None or not self.index.block_size:
+                log.warning("KV events of %s at %s left out: pages of %s tokens, this index's are %s", client.url,
+                            endpoint, block_size, self.index.block_size or "unknown")  # fmt: skip
+                continue
+            key = None
+            if not is_loopback(endpoint):
+                if self._token is None:
+                    log.warning("KV events of %s at %s left out: no cluster token (PDSERVE_CLUSTER_TOKEN) for "
+                                "their keys", client.url, endpoint)  # fmt: skip
+                    continue
+                key = curve_keys(self._token)[0]
             sub = Subscription(self.index, f"{client.url}#{rank}", endpoint, replay, topic, server_key=key)
             sub.start()
             subs.append(sub)
@@ -117,23 +143,27 @@ class KVAwareChoice:
             n += 1
         return n * self.index.block_size
 
-    def cached_tokens(self, clients: list[PrefillClient], token_ids: list[int]) -> list[int]:
+    def cached_tokens(self, clients: Sequence[Peer], token_ids: list[int]) -> list[int]:
         """Per PE of clients, the longest prefix of token_ids any of its ranks holds (one index lookup) or
         that was sent to it within ROUTED_TTL_S."""
+        if not self.index.block_size:
+            return [0] * len(clients)  # no stream known yet, and none sent
         keys, now = self._keys(token_ids), time.monotonic()
         engines = {c.url: [s.engine for s in self._subs.get(c.url, ((), []))[1]] for c in clients}
         found = self.index.match_keys(keys, [e for group in engines.values() for e in group])
         held = [max((found[e].any_tokens for e in engines[c.url]), default=0) for c in clients]
         return [min(len(token_ids), max(h, self._routed_tokens(c.url, keys, now))) for c, h in zip(clients, held)]
 
-    def work(self, client: PrefillClient, token_ids: list[int]) -> float:
+    def work(self, client: Peer, token_ids: list[int]) -> float:
         """What token_ids would cost client's PE to compute, in prompt tokens (its cached prefix at
         HOST_TOKEN_COST a token)."""
         cached = self.cached_tokens([client], token_ids)[0]
         return len(token_ids) - cached + HOST_TOKEN_COST * cached
 
-    def note(self, client: PrefillClient, token_ids: list[int]) -> None:
+    def note(self, client: Peer, token_ids: list[int]) -> None:
         """token_ids went to client's PE: its pages count as held there for ROUTED_TTL_S."""
+        if not self.index.block_size:
+            return
         routed = self._routed.setdefault(client.url, OrderedDict())
         now = time.monotonic()
         for k in self._keys(token_ids):
@@ -142,7 +172,7 @@ class KVAwareChoice:
         while len(routed) > MAX_ROUTED_PAGES:
             routed.popitem(last=False)
 
-    def rank(self, ranked: list[PrefillClient], token_ids: list[int]) -> list[tuple[float, int, PrefillClient]]:
+    def rank(self, ranked: list[P], token_ids: list[int]) -> list[tuple[float, int, P]]:
         """[(cost, cached tokens, PE)], cheapest first; ties keep ranked's order (the rendezvous order)."""
         n = len(token_ids)
         for c in ranked:

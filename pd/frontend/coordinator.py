@@ -243,6 +243,7 @@ class Coordinator:
                 "endpoint": offset_endpoint(cfg.endpoint, i),
                 "replay_endpoint": None if cfg.replay_endpoint is None else offset_endpoint(cfg.replay_endpoint, i),
                 "topic": cfg.topic,
+                "block_size": self.cfg.engine.block_size,
             }
             for i in range(self.cfg.dp)
         ]

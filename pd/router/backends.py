@@ -25,8 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import orjson
 
 from pd.config import Target, parse_targets
+from pd.disagg.kv_choice import KVAwareChoice
 from pd.disagg.membership import hrw_order, members
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ class Backend:
         self.is_up = False
         self.error: str | None = "not probed yet"
         self.num_inflight = 0
+        self.inflight_tokens = 0.0  # the work of their prompts (kv-aware's load term)
+        self.kv_events: list[dict[str, Any]] = []  # its ranks' KV event streams (read when kv-aware)
+        self.reads_streams = False
         self.on_state = on_state
         self._poke = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -82,9 +87,15 @@ class Backend:
                 self.url + "/health/ready", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
             ) as r:
                 body = await r.read()
-                if r.status == 200:
-                    return True, None
-                return False, f"/health/ready answered {r.status}: {body[:200]!r}"
+                if r.status != 200:
+                    return False, f"/health/ready answered {r.status}: {body[:200]!r}"
+            if self.reads_streams:
+                async with session.get(
+                    self.url + "/health", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+                ) as r:
+                    with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+                        self.kv_events = list(orjson.loads(await r.read()).get("kv_events") or [])
+            return True, None
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             return False, f"{type(e).__name__}: {e}"
 
@@ -114,8 +125,15 @@ class BackendPool:
         dns_refresh_s: float,
         on_state: Callable[[Backend], None] = lambda b: None,
         on_leave: Callable[[Backend], None] = lambda b: None,
+        routing: str = "affinity",
+        block_size: int | None = None,
+        token: bytes | None = None,
     ) -> None:
+        """routing kv-aware: block_size is the engines' page size (None: as the CEs' /health names it),
+        token the cluster token (a CE's KV event stream off loopback needs it)."""
         self.targets = parse_targets(decode_url, "--decode-url")
+        self.routing = routing
+        self.kv = KVAwareChoice(block_size, token) if routing == "kv-aware" else None
         self.load_slack = load_slack
         self.load_floor = load_floor
         self.health_interval_s = health_interval_s
@@ -138,6 +156,8 @@ class BackendPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._dns_task
         await asyncio.gather(*(b.stop() for b in self.backends.values()))
+        if self.kv is not None:
+            await self.kv.stop()
         if self._session is not None:
             await self._session.close()
 
@@ -147,7 +167,8 @@ class BackendPool:
         wanted, _ = await members(targets, {u: b.source for u, b in self.backends.items()}, "CE")
         for url, source in wanted.items():
             if url not in self.backends:
-                b = Backend(url, source, self.on_state)
+                b = Backend(url, source, self._on_state)
+                b.reads_streams = self.kv is not None
                 self.backends[url] = b
                 self.on_state(b)
                 b.start(self._session, self.health_interval_s)
@@ -157,6 +178,8 @@ class BackendPool:
             log.info("decode engine %s left %s", url, self.backends[url].source)
             b = self.backends.pop(url)
             await b.stop()
+            if self.kv is not None:
+                self.kv.drop(url)
             self.on_leave(b)
 
     async def _watch_dns(self) -> None:
@@ -167,15 +190,22 @@ class BackendPool:
             except Exception:  # a lookup must never end the watch
                 log.exception("refreshing the decode engines failed")
 
+    def _on_state(self, b: Backend) -> None:
+        if b.is_up and self.kv is not None:
+            self.kv.sync(b)  # its KV event streams, as its /health names them
+        self.on_state(b)
+
     @property
     def any_up(self) -> bool:
         return any(b.is_up for b in self.backends.values())
 
-    def order(self, key: str | None) -> list[tuple[Backend, str]]:
+    def order(self, key: str | None, token_ids: list[int] | None = None) -> list[tuple[Backend, str]]:
         """The CEs a request tries, best first, each with the reason it is tried for: the conversation's
         CE (affinity) unless it is over the load bound (then overflow to the next of its order, the CEs
         passed over coming after), least-loaded without a key, and the CEs known down last (fallback: a
-        probe can lag behind a restart)."""
+        probe can lag behind a restart). kv-aware with the prompt's token_ids: the CEs by cost
+        (pd/disagg/kv_choice.py), the cheapest first (kv-hit when it holds some of the prompt, else
+        kv-miss); without them, as affinity."""
         up = [b for b in self.backends.values() if b.is_up]
         down = [b for b in self.backends.values() if not b.is_up]
         fallback = [(self.backends[u], "fallback") for u in hrw_order(key or "", [b.url for b in down])]
@@ -183,6 +213,10 @@ class BackendPool:
             return fallback
         by_url = {b.url: b for b in up}
         ranked = [by_url[u] for u in hrw_order(key or "", list(by_url))]
+        if self.kv is not None and token_ids:
+            costs = self.kv.rank(ranked, token_ids)
+            best = (costs[0][2], "kv-hit" if costs[0][1] else "kv-miss")
+            return [best, *((b, "failover") for _, _, b in costs[1:]), *fallback]
         if key is None:
             ranked.sort(key=lambda b: b.num_inflight)  # stable: ties keep the hash order
             return [(b, "least-loaded") for b in ranked] + fallback

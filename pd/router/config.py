@@ -18,6 +18,8 @@ from pd.config import (
 )
 from pd.flags import add_config_flag, from_flags, parse_args, parser_for
 
+ROUTER_ROUTING = ("affinity", "kv-aware")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -45,6 +47,16 @@ class RouterConfig:
             "load, a conversation stays on its CE)"
         },
     )
+    routing: str = field(
+        default="affinity",
+        metadata={
+            "help": "how a request's CE is chosen: affinity (rendezvous hashing of the conversation key, "
+            "bounded by --load-slack/--load-floor) or kv-aware (the CE with the least left to do: its "
+            "cached prefix of the prompt from its KV events (--kv-events-config on the CEs) plus the work "
+            "it has in flight; a chat's token ids come from a CE's /tokenize)",
+            "choices": ROUTER_ROUTING,
+        },
+    )
     health_interval_s: float = field(
         default=2.0, metadata={"help": "seconds between /health/ready probes of a CE that is up"}
     )
@@ -70,6 +82,8 @@ class RouterConfig:
             raise ValueError(
                 f"--load-slack and --load-floor must be >= 0, got {self.load_slack}, {self.load_floor}"
             )
+        if self.routing not in ROUTER_ROUTING:
+            raise ValueError(f"--routing must be one of {ROUTER_ROUTING}, got {self.routing!r}")
         if min(self.health_interval_s, self.dns_refresh_s, self.connect_timeout_s) <= 0:
             raise ValueError("--health-interval-s, --dns-refresh-s and --connect-timeout-s must be > 0")
 

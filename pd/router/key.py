@@ -45,3 +45,36 @@ def conversation_key(path: str, body: Any) -> str | None:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return ",".join(map(str, prompt[:COMPLETION_KEY_TOKENS]))
     return None
+
+
+# what of a chat body /tokenize renders as the chat (pd/api/tokenize.py)
+CHAT_TOKENIZE_KEYS = (
+    "messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens",
+)  # fmt: skip
+
+
+def prompt_ids(path: str, body: Any) -> list[int] | dict[str, Any] | None:
+    """The token ids of a request's (first) prompt for a kv-aware choice: a completions body's own ids,
+    else the /tokenize body that gives them as the CE will prefill them (its template and tokenizer);
+    None: the body has no prompt to read (the CE will judge it)."""
+    if not isinstance(body, dict):
+        return None
+    if path == "/invocations":
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    model = {"model": body["model"]} if isinstance(body.get("model"), str) else {}
+    if path == "/v1/chat/completions":
+        if not isinstance(body.get("messages"), list):
+            return None
+        return {**model, **{k: body[k] for k in CHAT_TOKENIZE_KEYS if k in body}}
+    if path != "/v1/completions":
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]  # several prompts: the first, as the CE's key
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    if isinstance(prompt, str):
+        special = body.get("add_special_tokens", True)
+        return {**model, "prompt": prompt, "add_special_tokens": special if isinstance(special, bool) else True}
+    return None

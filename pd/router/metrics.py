@@ -7,7 +7,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-REASONS = ("affinity", "overflow", "least-loaded", "failover", "fallback")
+REASONS = ("affinity", "overflow", "least-loaded", "kv-hit", "kv-miss", "failover", "fallback")
 
 
 class RouterMetrics:
@@ -22,7 +22,8 @@ class RouterMetrics:
         self.selected = Counter(
             "pdserve_router_backend_selected",
             "Attempts sent to each CE, by reason: affinity (the conversation's CE), overflow (it was over "
-            "its load bound), least-loaded (no conversation key), failover (an earlier CE failed), "
+            "its load bound), least-loaded (no conversation key), kv-hit / kv-miss (--routing kv-aware: the "
+            "cheapest CE holds some of the prompt / none does), failover (an earlier CE failed), "
             "fallback (no CE known up)",
             ["backend", "reason"],
             registry=r,
@@ -47,6 +48,16 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+
+        self.prompt_ids = Counter(
+            "pdserve_router_prompt_ids",
+            "Requests by where --routing kv-aware got their prompt's token ids: body (a completions "
+            "prompt of ids), tokenize (a CE's /tokenize), none (neither: routed by the conversation key)",
+            ["source"],
+            registry=r,
+        )
+        for source in ("body", "tokenize", "none"):
+            self.prompt_ids.labels(source)
 
     def add_backend(self, url: str) -> None:
         """Every series of a CE, at 0, from the moment it is known."""

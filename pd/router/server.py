@@ -25,6 +25,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from pd.disagg.membership import hrw_order
 from pd.errors import ApiError, unexpected
 from pd.http.io import error_response, json_response, read_body
 from pd.http.request_log import ACCESS_LOG_FORMAT, HEADER, REQUEST_ID, request_id_of
@@ -32,7 +33,7 @@ from pd.http.request_log import install as install_logging
 from pd.lifecycle import RETRY_AFTER_S, exit_now
 from pd.router.backends import Backend, BackendPool
 from pd.router.config import RouterConfig
-from pd.router.key import conversation_key
+from pd.router.key import conversation_key, prompt_ids
 from pd.router.metrics import RouterMetrics
 
 log = logging.getLogger(__spec__.name)  # __name__ is "__main__" under python -m
@@ -43,8 +44,19 @@ HOP_BY_HOP = frozenset(
     ("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
      "transfer-encoding", "upgrade", "host")
 )  # fmt: skip
+TOKENIZE_TIMEOUT_S = 2.0  # a CE slower than this to give a prompt's token ids: routed by the conversation
 KEEPALIVE_S = 2.0  # a pooled connection to a CE is closed before the CE's --timeout-keep-alive (5 s)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def cluster_token() -> bytes | None:
+    """The cluster token from the environment (a CE's KV events off loopback need its keys), or None."""
+    from transfer.auth import load_token
+
+    try:
+        return load_token()
+    except (ValueError, OSError):
+        return None
 
 
 class _Failover(Exception):
@@ -59,7 +71,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.pool = BackendPool(
             cfg.decode_url, cfg.load_slack, cfg.load_floor, cfg.health_interval_s, cfg.dns_refresh_s,
-            on_state=self._on_state, on_leave=self._on_leave,
+            on_state=self._on_state, on_leave=self._on_leave, routing=cfg.routing, block_size=None,
+            token=cluster_token() if cfg.routing == "kv-aware" else None,
         )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self._known: set[str] = set()  # the CEs whose series exist
@@ -88,15 +101,19 @@ class Router:
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
-        key = None
+        key, parsed = None, None
         if request.method == "POST" and request.path in KEYED_PATHS:
             try:
-                key = conversation_key(request.path, orjson.loads(body))
+                parsed = orjson.loads(body)
+                key = conversation_key(request.path, parsed)
             except orjson.JSONDecodeError:
                 key = None  # the CE answers it with its 400
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         headers[HEADER] = REQUEST_ID.get()
-        order = self.pool.order(key)
+        token_ids = None
+        if self.pool.kv is not None and parsed is not None:
+            token_ids = await self._token_ids(request.path, parsed, key, headers)
+        order = self.pool.order(key, token_ids)
         if not order:
             raise ApiError(503, "no decode engine is known (--decode-url)", type="server_error",
                            code="no_decode_engine")  # fmt: skip
@@ -104,7 +121,7 @@ class Router:
         for i, (b, reason) in enumerate(order):
             self.metrics.selected.labels(b.url, reason if i == 0 else "failover").inc()
             try:
-                return await self._attempt(b, request, body, headers, is_last=i == len(order) - 1)
+                return await self._attempt(b, request, body, headers, i == len(order) - 1, token_ids)
             except _Failover as e:
                 last = f"{b.url}: {e}"
                 self.metrics.failovers.labels(b.url).inc()
@@ -114,12 +131,49 @@ class Router:
         raise ApiError(502, f"no decode engine could take the request; last: {last}", type="server_error",
                        code="decode_engines_failed")  # fmt: skip
 
+    async def _token_ids(self, path: str, body: object, key: str | None, headers: dict[str, str]) -> list[int] | None:
+        """The prompt's token ids for the kv-aware order: a completions body's own, else what a CE's
+        /tokenize answers (the conversation's first CE up; the client's own Authorization goes with it);
+        None when neither gives them (the order is then the conversation's)."""
+        ask = prompt_ids(path, body)
+        if ask is None or isinstance(ask, list):
+            self.metrics.prompt_ids.labels("body" if ask else "none").inc()
+            return ask
+        up = {b.url: b for b in self.pool.backends.values() if b.is_up}
+        if not up or self.session is None:
+            self.metrics.prompt_ids.labels("none").inc()
+            return None
+        url = hrw_order(key or "", list(up))[0]
+        auth = {k: v for k, v in headers.items() if k.lower() in ("authorization", HEADER.lower())}
+        try:
+            async with self.session.post(
+                url + "/tokenize", data=orjson.dumps(ask), headers={**auth, "Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S),
+            ) as r:
+                reply = await r.read()
+                tokens = orjson.loads(reply).get("tokens") if r.status == 200 else None
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, orjson.JSONDecodeError, AttributeError) as e:
+            log.debug("token ids of a request from %s failed: %s", url, e)
+            tokens = None
+        if not (isinstance(tokens, list) and tokens and all(type(t) is int for t in tokens)):
+            self.metrics.prompt_ids.labels("none").inc()
+            return None
+        self.metrics.prompt_ids.labels("tokenize").inc()
+        return tokens
+
     async def _attempt(
-        self, b: Backend, request: web.Request, body: bytes, headers: dict[str, str], is_last: bool
+        self, b: Backend, request: web.Request, body: bytes, headers: dict[str, str], is_last: bool,
+        token_ids: list[int] | None = None,
     ) -> web.StreamResponse:
-        """The CE's answer, streamed to the client; _Failover while nothing was sent."""
+        """The CE's answer, streamed to the client; _Failover while nothing was sent. token_ids (kv-aware):
+        the prompt, counted in b's load at its work there while it runs."""
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
+        work = 0.0
+        if self.pool.kv is not None and token_ids:
+            work = self.pool.kv.work(b, token_ids)
+            self.pool.kv.note(b, token_ids)
+        b.inflight_tokens += work
         b.num_inflight += 1
         self.metrics.inflight.labels(b.url).set(b.num_inflight)
         try:
@@ -147,6 +201,7 @@ class Router:
                 return await self._relay(b, request, upstream, first)
         finally:
             b.num_inflight -= 1
+            b.inflight_tokens -= work
             if b.url in self._known:  # not a CE that left (dns+) meanwhile: its series are gone
                 self.metrics.inflight.labels(b.url).set(b.num_inflight)
 
@@ -217,9 +272,11 @@ async def _request_id_header(request: web.Request, response: web.StreamResponse)
 async def health(request: web.Request) -> web.Response:
     """200 while a CE is up, with every CE's state."""
     pool = request.app[ROUTER].pool
-    backends = [b.describe() for b in pool.backends.values()]
-    return json_response({"status": "ok" if pool.any_up else "down", "decode_engines": backends},
-                         200 if pool.any_up else 503)  # fmt: skip
+    body: dict[str, object] = {"status": "ok" if pool.any_up else "down",
+                               "decode_engines": [b.describe() for b in pool.backends.values()]}  # fmt: skip
+    if pool.kv is not None:
+        body["kv_index"] = pool.kv.describe()
+    return json_response(body, 200 if pool.any_up else 503)
 
 
 async def live(request: web.Request) -> web.Response:
