@@ -354,8 +354,17 @@ class ServerConfig:
             "help": "decode: prefill engine choice: affinity (rendezvous hashing of the conversation: "
             "its turns meet their prefix cache, from any decode engine) | least-loaded | round-robin | "
             "kv-aware (the lowest cost: the prompt tokens left after the prefix a PE holds, from its ranks' "
-            "KV events (start the PEs with --kv-events-config), plus its queued prompt tokens)",
+            "KV events (start the PEs with --kv-events-config), plus --kv-load-weight times the work it "
+            "has in flight)",
             "choices": PE_ROUTING,
+        },
+    )
+    kv_load_weight: float = field(
+        default=1.0,
+        metadata={
+            "help": "decode, kv-aware: what a token of work a PE has in flight weighs against one this "
+            "prompt would compute there (1: the least time to the first token; below 1: more prefix "
+            "reuse, hot prefixes spread later)"
         },
     )
     pe_load_slack: float = field(
@@ -463,6 +472,8 @@ class ServerConfig:
             raise ValueError("--api-key must not be empty")
         if self.pe_routing not in PE_ROUTING:
             raise ValueError(f"--pe-routing must be one of {PE_ROUTING}, got {self.pe_routing!r}")
+        if self.kv_load_weight < 0:
+            raise ValueError(f"--kv-load-weight must be >= 0, got {self.kv_load_weight}")
         if self.pe_load_slack < 0 or self.pe_dns_refresh_s <= 0:
             raise ValueError("--pe-load-slack must be >= 0 and --pe-dns-refresh-s > 0")
         parse_prefill_urls(self.prefill_url)  # raises ValueError naming a bad entry

@@ -2,7 +2,7 @@
 compute plus what it has queued, read from the prefix index its ranks' KV events keep (pd/kv_events/).
 
     work(PE)  = (prompt tokens - its cached prefix) + HOST_TOKEN_COST * its cached prefix
-    cost(PE)  = work(PE) + LOAD_WEIGHT * the work of the prompts it has in flight
+    cost(PE)  = work(PE) + load_weight * the work of the prompts it has in flight   (--kv-load-weight, 1)
 
 A PE's cached prefix is the longest one any of its ranks holds (a PE's own rank choice may still send the
 request to another of its ranks), or the longest one this CE sent it within ROUTED_TTL_S: a prompt's
@@ -48,7 +48,7 @@ class Peer(Protocol):
 P = TypeVar("P", bound=Peer)
 
 HOST_TOKEN_COST = 0.1
-LOAD_WEIGHT = 1.0  # a queued token of work against one of this prompt's
+LOAD_WEIGHT = 1.0  # a queued token of work against one of this prompt's (--kv-load-weight)
 ROUTED_TTL_S = 30.0  # a prompt sent to a PE counts as held there this long (its events come after its prefill)
 MAX_ROUTED_PAGES = 1 << 16  # per PE
 WILDCARDS = ("*", "0.0.0.0", "::", "")
@@ -64,10 +64,11 @@ def connectable(endpoint: str, url: str) -> str:
 
 
 class KVAwareChoice:
-    def __init__(self, block_size: int | None, token: bytes | None) -> None:
+    def __init__(self, block_size: int | None, token: bytes | None, load_weight: float = LOAD_WEIGHT) -> None:
         """block_size: the engines' page size (None: the first stream's, as its /health names it); token:
         the cluster token, whose CURVE keys a stream off loopback needs (None: such streams are left out)."""
         self.index = PrefixIndex(block_size or 0)
+        self.load_weight = load_weight
         self._token = token
         self._subs: dict[str, tuple[tuple[Any, ...], list[Subscription]]] = {}  # PE URL -> (its streams, subs)
         self._stopping: set[asyncio.Task[None]] = set()
@@ -180,7 +181,7 @@ class KVAwareChoice:
         costs = []
         for i, (c, cached) in enumerate(zip(ranked, self.cached_tokens(ranked, token_ids))):
             work = n - cached + HOST_TOKEN_COST * cached
-            costs.append((work + LOAD_WEIGHT * c.inflight_tokens, i, cached, c))
+            costs.append((work + self.load_weight * c.inflight_tokens, i, cached, c))
         costs.sort(key=lambda t: (t[0], t[1]))
         return [(cost, cached, c) for cost, _, cached, c in costs]
 

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pd.config import PE_ROUTING, Target, parse_prefill_urls
-from pd.disagg.kv_choice import KVAwareChoice
+from pd.disagg.kv_choice import LOAD_WEIGHT, KVAwareChoice
 from pd.disagg.membership import hrw_order, members
 from pd.disagg.metrics import ClusterMetrics
 from pd.disagg.prefill_client import PrefillClient
@@ -60,6 +60,7 @@ class PrefillPool:
         dns_refresh_s: float = 10.0,
         ssl_ca_certs: str | None = None,
         block_size: int = 128,
+        kv_load_weight: float = LOAD_WEIGHT,
     ) -> None:
         """block_size: the engines' page size (kv-aware: the prefix index hashes pages of it)."""
         if routing not in PE_ROUTING:
@@ -78,7 +79,7 @@ class PrefillPool:
         self._dns_task: asyncio.Task[None] | None = None
         self._turn = itertools.count()
         self.dns_error: str | None = None
-        self.kv = KVAwareChoice(block_size, token) if routing == "kv-aware" else None
+        self.kv = KVAwareChoice(block_size, token, kv_load_weight) if routing == "kv-aware" else None
 
     # ---- membership -----------------------------------------------------------------------------
 

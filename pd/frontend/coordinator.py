@@ -152,6 +152,7 @@ class Coordinator:
                 dns_refresh_s=self.cfg.pe_dns_refresh_s,
                 ssl_ca_certs=self.cfg.ssl_ca_certs,
                 block_size=self.cfg.engine.block_size,
+                kv_load_weight=self.cfg.kv_load_weight,
             )
             self.pd = DecodePath(self.cfg, pool, cm)
             await pool.start()

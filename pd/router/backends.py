@@ -10,6 +10,10 @@ moves only its own conversations. Bounded load: a CE holding max(--load-floor, c
 "overflow"): the floor keeps conversations on their CE at low load, where the bound alone would spread
 them after one request in flight. A request without a key goes to the least loaded CE.
 
+--routing kv-aware: the CEs by cost (pd/disagg/kv_choice.py: what the prompt would cost each, after the
+prefix its KV events say it holds, plus the work it has in flight), the cheapest first; a request whose
+token ids are unknown is ordered as affinity orders it.
+
 Health: each CE's /health/ready is probed every --health-interval-s while it is up and with doubling
 backoff while it is down; a connection that fails under a request marks the CE down at once (the probe
 brings it back).
@@ -28,7 +32,7 @@ import aiohttp
 import orjson
 
 from pd.config import Target, parse_targets
-from pd.disagg.kv_choice import KVAwareChoice
+from pd.disagg.kv_choice import LOAD_WEIGHT, KVAwareChoice
 from pd.disagg.membership import hrw_order, members
 
 log = logging.getLogger(__name__)
@@ -128,12 +132,13 @@ class BackendPool:
         routing: str = "affinity",
         block_size: int | None = None,
         token: bytes | None = None,
+        kv_load_weight: float = LOAD_WEIGHT,
     ) -> None:
         """routing kv-aware: block_size is the engines' page size (None: as the CEs' /health names it),
         token the cluster token (a CE's KV event stream off loopback needs it)."""
         self.targets = parse_targets(decode_url, "--decode-url")
         self.routing = routing
-        self.kv = KVAwareChoice(block_size, token) if routing == "kv-aware" else None
+        self.kv = KVAwareChoice(block_size, token, kv_load_weight) if routing == "kv-aware" else None
         self.load_slack = load_slack
         self.load_floor = load_floor
         self.health_interval_s = health_interval_s

@@ -57,6 +57,13 @@ class RouterConfig:
             "choices": ROUTER_ROUTING,
         },
     )
+    kv_load_weight: float = field(
+        default=1.0,
+        metadata={
+            "help": "kv-aware: what a token of work a CE has in flight weighs against one this prompt "
+            "would cost there (pd/disagg/kv_choice.py)"
+        },
+    )
     health_interval_s: float = field(
         default=2.0, metadata={"help": "seconds between /health/ready probes of a CE that is up"}
     )
@@ -82,6 +89,8 @@ class RouterConfig:
             raise ValueError(
                 f"--load-slack and --load-floor must be >= 0, got {self.load_slack}, {self.load_floor}"
             )
+        if self.kv_load_weight < 0:
+            raise ValueError(f"--kv-load-weight must be >= 0, got {self.kv_load_weight}")
         if self.routing not in ROUTER_ROUTING:
             raise ValueError(f"--routing must be one of {ROUTER_ROUTING}, got {self.routing!r}")
         if min(self.health_interval_s, self.dns_refresh_s, self.connect_timeout_s) <= 0:

@@ -4,7 +4,8 @@
     pdserve router --decode-url dns+http://pdserve-ce-headless:8888  # every address the name has
 
 A request goes to its conversation's CE (pd/router/backends.py: rendezvous hashing of the key the CE
-itself routes by, pd/router/key.py, bounded by load) and its answer streams back as it comes (SSE
+itself routes by, pd/router/key.py, bounded by load; with --routing kv-aware, the CE with the least work
+for its prompt by the CEs' KV events, pd/disagg/kv_choice.py) and its answer streams back as it comes (SSE
 chunks are written to the client as the CE writes them). A CE that refuses the connection, breaks it, or
 answers 503 before anything was sent to the client is failed over: the request goes to the next CE of
 the conversation's order with the same X-Request-Id. Once bytes reached the client, a broken CE cuts the
@@ -72,7 +73,7 @@ class Router:
         self.pool = BackendPool(
             cfg.decode_url, cfg.load_slack, cfg.load_floor, cfg.health_interval_s, cfg.dns_refresh_s,
             on_state=self._on_state, on_leave=self._on_leave, routing=cfg.routing, block_size=None,
-            token=cluster_token() if cfg.routing == "kv-aware" else None,
+            token=cluster_token() if cfg.routing == "kv-aware" else None, kv_load_weight=cfg.kv_load_weight,
         )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self._known: set[str] = set()  # the CEs whose series exist

@@ -92,3 +92,28 @@ def test_a_completion_of_token_ids_is_routed_by_its_own_ids(router: ServerProces
     with urllib.request.urlopen(req, timeout=300) as r:
         assert json.loads(r.read())["usage"]["prompt_tokens"] == 300
     assert metric(router.url, "pdserve_router_prompt_ids_total", source="body") - from_body == 1
+
+
+def test_prompt_ids_read_from_a_body() -> None:
+    from pd.router.key import prompt_ids
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [], "temperature": 0.5}
+    assert prompt_ids("/v1/chat/completions", chat) == {"model": "m", "messages": chat["messages"], "tools": []}
+    assert prompt_ids("/invocations", chat) == prompt_ids("/v1/chat/completions", chat)
+    assert prompt_ids("/v1/completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert prompt_ids("/v1/completions", {"prompt": [[4, 5], [6]]}) == [4, 5]
+    assert prompt_ids("/v1/completions", {"prompt": ["a b", "c"], "add_special_tokens": False}) == {
+        "prompt": "a b", "add_special_tokens": False}  # fmt: skip
+    for path, body in (("/v1/completions", {"prompt": [1, "x"]}), ("/v1/completions", {"prompt": []}),
+                       ("/v1/chat/completions", {"messages": "hi"}), ("/v1/models", {}),
+                       ("/v1/completions", [1, 2])):  # fmt: skip
+        assert prompt_ids(path, body) is None
+
+
+def test_a_bad_routing_or_weight_is_refused() -> None:
+    from pd.router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="--routing"):
+        RouterConfig(decode_url="http://127.0.0.1:1", routing="nearest")
+    with pytest.raises(ValueError, match="--kv-load-weight"):
+        RouterConfig(decode_url="http://127.0.0.1:1", routing="kv-aware", kv_load_weight=-1)
