@@ -175,10 +175,8 @@ class LLMEngine:
         )
         # the P/D facade: export and import of a sequence, its streamed pages, where an import lands in place
         self.pd = HandoffFacade(self.handoffs, self.handoff_io, self.validate, self._imported, self._handed_off)
-        self.export_sequence = self.pd.export_sequence
-        self.export_pages = self.pd.export_pages
-        self.in_place_target = self.pd.in_place_target
-        self.import_sequence = self.pd.import_sequence
+        self.export_sequence, self.export_pages = self.pd.export_sequence, self.pd.export_pages
+        self.in_place_target, self.import_sequence = self.pd.in_place_target, self.pd.import_sequence
         self.finish_handoff = self.pd.finish_handoff
         # the layout a P/D handoff carries (the model's, whatever --tp; self.layout is this rank's share)
         self.handoff_layout = self.handoff_io.layout
@@ -416,6 +414,8 @@ class LLMEngine:
     def _admit(self, seq: Sequence) -> None:
         """The scheduler's on_admit: a failed prefix restore is remembered and fails seq in step()."""
         try:
+            if seq.is_retained_at_end and self.decode_cache is not None:
+                self.decode_cache.adopt(seq)  # a CE's local prefill starts after the pages it holds
             if self.prefix_cache is not None:
                 self.prefix_cache.restore(seq, self.kv)
         except Exception as e:

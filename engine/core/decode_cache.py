@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from engine.core.block_pool import BlockPool
 from engine.core.kv_events import MEDIUM_GPU, KVEventLog, log_runs
 from engine.core.prefix_cache import chain_hashes
+from engine.core.sequence import Sequence
 
 
 @dataclass
@@ -88,6 +89,23 @@ class DecodeCache:
             self._pool.mark_cached(b)
         log_runs(self.events, keys, new, token_ids, bs, MEDIUM_GPU)
         return sum(new)
+
+    def adopt(self, seq: Sequence) -> int:
+        """A CE's own prefill of seq (a local prefill, just admitted with fresh pages): its first pages
+        become the held ones its prompt matches (shared: never written, seq computes from their end on),
+        the fresh ones they replace go back. Returns the tokens so held. Not for a sequence that wants
+        prompt logprobs (it computes its whole prompt), skips the cache, or keeps a sliding-window state
+        (pages alone do not give it)."""
+        if seq.num_computed or not seq.use_prefix_cache or seq.prompt_logprobs is not None or seq.state_slot >= 0:
+            return 0
+        bs = self.block_size
+        num_tokens, block_ids = self.match(seq.prompt_token_ids[: (seq.num_prompt_tokens - 1) // bs * bs])
+        if block_ids:
+            self._pool.share(block_ids)
+            self._pool.free(seq.block_ids[: len(block_ids)])
+            seq.block_ids[: len(block_ids)] = block_ids
+            seq.num_computed = seq.num_cached_prompt = num_tokens
+        return num_tokens
 
     def _evicted(self, block_id: int) -> None:
         """The pool's on_evict: the page is reused; its key goes (pages after it in the chain stay

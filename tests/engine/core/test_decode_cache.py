@@ -341,3 +341,32 @@ def test_reservation_ends_and_local_prefill_leave_nothing_pinned(tiny_model_dir)
         ce.step()
     ce.check_idle()  # its pages 0-2 were cached already (not indexed twice), 3 and 4 are new
     assert ce.stats().decode_cache_retained_pages == num_computed // bs + (len(prompt) + 3) // bs - 3
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "deepseek_v3"])
+def test_a_local_prefill_starts_after_the_pages_the_decode_cache_holds(tiny_model_dir, family: str) -> None:
+    """A CE that prefills a conversation's turns itself (take_over: --local-prefill-max-tokens, or a PE
+    failing) computes only what its decode cache lacks, and answers as a single engine does; a model
+    with sliding-window layers computes the whole prompt (pages alone do not give its window state)."""
+    folder = tiny_model_dir(family)
+    kw = dict(is_deterministic=True, hicache_gb=0)
+    ce, ref = small_engine(folder, **kw), small_engine(folder, decode_cache=False, **kw)
+    bs = ce.layout.block_size
+    gen = torch.Generator().manual_seed(5)
+    prompt, computed_before = _user(gen, 40), 0
+    for turn in range(3):
+        rid = f"turn{turn}"
+        ce.handoffs.take_over(rid, len(prompt) + PARAMS.max_tokens)
+        ce.add_request(rid, prompt, PARAMS)
+        outs = []
+        while ce.has_unfinished():
+            outs += ce.step()
+        ce.check_idle()
+        tokens = [t for o in outs for t in o.new_token_ids]
+        (single,) = ref.generate([prompt], PARAMS)
+        assert tokens == single.output_token_ids, f"turn {turn}"
+        held = 0 if family == "gemma3_hybrid" else computed_before // bs * bs
+        assert outs[-1].num_cached_tokens == held, f"turn {turn}"
+        computed_before = len(prompt) + len(tokens) - 1
+        prompt = prompt + tokens + _user(gen, 7)
+    assert ce.stats().num_free_blocks == ce.stats().num_total_blocks
