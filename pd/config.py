@@ -394,6 +394,14 @@ class ServerConfig:
     fallback_local_prefill: bool = field(
         default=False, metadata={"help": "decode: prefill locally when the prefill engine fails or is unreachable"}
     )
+    local_prefill_max_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "decode: a request with at most this many prompt tokens left after the prefix this "
+            "CE's decode cache holds (a conversation's next turn) is prefilled here, without a prefill "
+            "engine or a handoff; 0: never"
+        },
+    )
     max_queued_requests: int = field(
         default=256, metadata={"help": "decode: requests waiting for decode memory; more get 429"}
     )
@@ -472,6 +480,8 @@ class ServerConfig:
             raise ValueError("--api-key must not be empty")
         if self.pe_routing not in PE_ROUTING:
             raise ValueError(f"--pe-routing must be one of {PE_ROUTING}, got {self.pe_routing!r}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if self.kv_load_weight < 0:
             raise ValueError(f"--kv-load-weight must be >= 0, got {self.kv_load_weight}")
         if self.pe_load_slack < 0 or self.pe_dns_refresh_s <= 0:

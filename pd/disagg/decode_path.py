@@ -126,6 +126,12 @@ class DecodePath:
         try:
             held_tokens = await self._reserve(rank, req, events)
             self.metrics.observe_phase("queue", time.monotonic() - arrival_s)
+            if len(req.prompt_token_ids) - held_tokens <= self.cfg.local_prefill_max_tokens:
+                # little left after what this CE holds: its engine computes the rest from its own pages
+                self.metrics.local_prefills.labels("short").inc()
+                await rank.submit(rid, req.prompt_token_ids, req.params, events, req.use_prefix_cache)
+                await self._forward(events, out, None, held=[])
+                return
             self.num_held += 1
             self._gauge()
             failure: PrefillFailed | None = None
@@ -163,7 +169,7 @@ class DecodePath:
                     rid,
                     printable(failure, MESSAGE_CHARS),
                 )
-                self.metrics.local_prefills.inc()
+                self.metrics.local_prefills.labels("fallback").inc()
                 await rank.submit(rid, req.prompt_token_ids, req.params, events, req.use_prefix_cache)
                 await self._forward(events, out, None, held=held)
                 return

@@ -73,9 +73,13 @@ class ClusterMetrics:
         )
         self.local_prefills = Counter(
             "pdserve_local_prefills",
-            "CE: requests prefilled on the CE (--fallback-local-prefill)",
+            "CE: requests prefilled on the CE, by reason: fallback (the PE failed: --fallback-local-prefill), "
+            "short (at most --local-prefill-max-tokens left after the CE's cached prefix)",
+            ["reason"],
             registry=r,
         )
+        for reason in ("fallback", "short"):
+            self.local_prefills.labels(reason)
         self.prefill_engine_up = Gauge(
             "pdserve_prefill_engine_up", "CE: 1 while any PE answers its health check", registry=r
         )

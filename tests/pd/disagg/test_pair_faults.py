@@ -682,5 +682,5 @@ def test_fallback_local_prefill(cluster):
     assert status == 200 and health["prefill_engines"][0]["state"] == "down" and health["status"] == "ok"
     question = "What is two plus two?"
     assert ask(fallback_ce.url, question, 6) == ask(pair.url, question, 6)  # same tokens, prefilled on the CE
-    assert "pdserve_local_prefills_total 1.0" in urllib_text(fallback_ce.url + "/metrics")
+    assert 'pdserve_local_prefills_total{reason="fallback"} 1.0' in urllib_text(fallback_ce.url + "/metrics")
     idle(fallback_ce.port, pair.ce.port, pair.pe.port)
