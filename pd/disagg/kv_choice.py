@@ -25,10 +25,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.core.prefix_cache import chain_hashes
 from pd.kv_events.index import PrefixIndex, Subscription
@@ -74,6 +76,8 @@ class KVAwareChoice:
         self._stopping: set[asyncio.Task[None]] = set()
         self._routed: dict[str, OrderedDict[bytes, float]] = {}  # PE URL -> {page hash: when sent}, oldest first
         self._last: tuple[list[int] | None, list[bytes]] = (None, [])
+        self.sent_tokens: Counter[str] = Counter()  # per engine URL: prompt tokens sent to it
+        self.sent_cached_tokens: Counter[str] = Counter()  # of those, what the index said it held
 
     def sync(self, client: Peer) -> None:
         """Subscribes to the streams client's /health names (again, if they changed)."""
@@ -155,16 +159,16 @@ class KVAwareChoice:
         held = [max((found[e].any_tokens for e in engines[c.url]), default=0) for c in clients]
         return [min(len(token_ids), max(h, self._routed_tokens(c.url, keys, now))) for c, h in zip(clients, held)]
 
-    def work(self, client: Peer, token_ids: list[int]) -> float:
-        """What token_ids would cost client's PE to compute, in prompt tokens (its cached prefix at
-        HOST_TOKEN_COST a token)."""
+    def send(self, client: Peer, token_ids: list[int]) -> float:
+        """token_ids go to client's engine: its pages count as held there for ROUTED_TTL_S from now.
+        Returns what they cost it, in prompt tokens (its cached prefix at HOST_TOKEN_COST a token: the
+        work its load term counts while the request runs)."""
         cached = self.cached_tokens([client], token_ids)[0]
-        return len(token_ids) - cached + HOST_TOKEN_COST * cached
-
-    def note(self, client: Peer, token_ids: list[int]) -> None:
-        """token_ids went to client's PE: its pages count as held there for ROUTED_TTL_S."""
+        self.sent_tokens[client.url] += len(token_ids)
+        self.sent_cached_tokens[client.url] += cached
+        work = len(token_ids) - cached + HOST_TOKEN_COST * cached
         if not self.index.block_size:
-            return
+            return work
         routed = self._routed.setdefault(client.url, OrderedDict())
         now = time.monotonic()
         for k in self._keys(token_ids):
@@ -172,6 +176,7 @@ class KVAwareChoice:
             routed.move_to_end(k)
         while len(routed) > MAX_ROUTED_PAGES:
             routed.popitem(last=False)
+        return work
 
     def rank(self, ranked: list[P], token_ids: list[int]) -> list[tuple[float, int, P]]:
         """[(cost, cached tokens, PE)], cheapest first; ties keep ranked's order (the rendezvous order)."""
@@ -193,3 +198,42 @@ class KVAwareChoice:
             "gaps": sum(s.num_gaps for s in subs),
             "restarts": sum(s.num_restarts for s in subs),
         }
+
+
+class KVIndexCollector:
+    """A kv-aware chooser's state as Prometheus series at scrape time (its registry's collector): per
+    engine rank, the pages its index holds, the last event batch's lag, gaps and restarts; per engine,
+    the prompt tokens sent to it and how many of them the index said it held (the hit ratio the choice
+    expected; the engine's own vllm:prefix_cache_hits say what it found)."""
+
+    def __init__(self, choice: Callable[[], KVAwareChoice | None], prefix: str, label: str, what: str) -> None:
+        self.choice, self.prefix, self.label, self.what = choice, prefix, label, what
+
+    def collect(self) -> Iterator[Metric]:
+        p, what, ranked = self.prefix, self.what, [self.label, "rank"]
+        blocks = GaugeMetricFamily(f"{p}_kv_index_blocks", f"Pages the kv-aware index holds for each {what} rank "
+                                   "(both tiers), from its KV events", labels=ranked)  # fmt: skip
+        lag = GaugeMetricFamily(f"{p}_kv_events_lag_seconds", f"Arrival of each {what} rank's last KV event batch "
+                                "minus its publisher's timestamp (wall clocks)", labels=ranked)  # fmt: skip
+        gaps = CounterMetricFamily(f"{p}_kv_events_gaps", f"Gaps in a {what} rank's KV event sequence (filled from "
+                                   "its replay socket, or the rank's entries cleared)", labels=ranked)  # fmt: skip
+        restarts = CounterMetricFamily(f"{p}_kv_events_restarts", f"Restarts seen in a {what} rank's KV event "
+                                       "stream (its entries cleared)", labels=ranked)  # fmt: skip
+        sent = CounterMetricFamily(f"{p}_kv_sent_tokens", f"Prompt tokens the kv-aware choice sent to each {what}",
+                                   labels=[self.label])  # fmt: skip
+        cached = CounterMetricFamily(f"{p}_kv_sent_cached_tokens", f"Of the prompt tokens sent to each {what}, "
+                                     "those the index said it held (over the above: the hit ratio the choice "
+                                     "expected)", labels=[self.label])  # fmt: skip
+        c = self.choice()
+        if c is not None:
+            for url, (_, subs) in c._subs.items():
+                for s in subs:
+                    rank = [url, s.engine.rpartition("#")[2]]
+                    blocks.add_metric(rank, c.index.num_blocks(s.engine))
+                    lag.add_metric(rank, s.lag_s)
+                    gaps.add_metric(rank, s.num_gaps)
+                    restarts.add_metric(rank, s.num_restarts)
+            for url, n in c.sent_tokens.items():
+                sent.add_metric([url], n)
+                cached.add_metric([url], c.sent_cached_tokens[url])
+        yield from (blocks, lag, gaps, restarts, sent, cached)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pd.disagg.kv_choice import KVAwareChoice, KVIndexCollector
+
 _PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TTFT_PHASES = ("queue", "prefill", "transfer", "transfer_after_prefill", "first_decode")
 
@@ -71,6 +73,8 @@ class ClusterMetrics:
             ["state"],
             registry=r,
         )
+        self.kv_choice: KVAwareChoice | None = None  # --pe-routing kv-aware: the pool's
+        r.register(KVIndexCollector(lambda: self.kv_choice, "pdserve_pe", "pe", "PE"))
         self.local_prefills = Counter(
             "pdserve_local_prefills",
             "CE: requests prefilled on the CE, by reason: fallback (the PE failed: --fallback-local-prefill), "

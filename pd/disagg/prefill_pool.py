@@ -80,6 +80,7 @@ class PrefillPool:
         self._turn = itertools.count()
         self.dns_error: str | None = None
         self.kv = KVAwareChoice(block_size, token, kv_load_weight) if routing == "kv-aware" else None
+        metrics.kv_choice = self.kv
 
     # ---- membership -----------------------------------------------------------------------------
 
@@ -237,9 +238,7 @@ class PrefillPool:
         """Counts a /prefill to client in flight while it runs, with its work (num_tokens, or what
         token_ids cost client: kv-aware's load term)."""
         if token_ids is not None:
-            num_tokens = len(token_ids) if self.kv is None else self.kv.work(client, token_ids)
-            if self.kv is not None:
-                self.kv.note(client, token_ids)
+            num_tokens = len(token_ids) if self.kv is None else self.kv.send(client, token_ids)
         self.metrics.pe_selected.labels(client.url, reason).inc()
         client.num_inflight += 1
         client.inflight_tokens += num_tokens

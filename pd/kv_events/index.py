@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -142,7 +143,8 @@ class Subscription:
         self.num_gaps = 0
         self.num_replayed = 0
         self.num_restarts = 0
-        self.last_event_ts = 0.0  # the publisher's clock at its last batch (the lag is now minus this)
+        self.last_event_ts = 0.0  # the publisher's clock at its last batch
+        self.lag_s = 0.0  # its arrival here minus that (wall clocks: one host's, or synchronized hosts')
         self._task: asyncio.Task[None] | None = None
 
     def _socket(self, kind: int, endpoint: str) -> zmq.asyncio.Socket:
@@ -204,6 +206,7 @@ class Subscription:
         else:
             self.index.apply(self.engine, batch[1])
             self.last_event_ts = batch[0]
+            self.lag_s = max(0.0, time.time() - batch[0])
         self.last_seq = seq
 
     async def _replay(self, first: int, upto: int | None) -> bool:

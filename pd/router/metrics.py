@@ -7,6 +7,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from pd.disagg.kv_choice import KVAwareChoice, KVIndexCollector
+
 REASONS = ("affinity", "overflow", "least-loaded", "kv-hit", "kv-miss", "failover", "fallback")
 
 
@@ -58,6 +60,8 @@ class RouterMetrics:
         )
         for source in ("body", "tokenize", "none"):
             self.prompt_ids.labels(source)
+        self.kv_choice: KVAwareChoice | None = None  # --routing kv-aware: the pool's
+        r.register(KVIndexCollector(lambda: self.kv_choice, "pdserve_router", "backend", "CE"))
 
     def add_backend(self, url: str) -> None:
         """Every series of a CE, at 0, from the moment it is known."""

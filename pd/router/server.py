@@ -75,6 +75,7 @@ class Router:
             on_state=self._on_state, on_leave=self._on_leave, routing=cfg.routing, block_size=None,
             token=cluster_token() if cfg.routing == "kv-aware" else None, kv_load_weight=cfg.kv_load_weight,
         )  # fmt: skip
+        self.metrics.kv_choice = self.pool.kv
         self.session: aiohttp.ClientSession | None = None
         self._known: set[str] = set()  # the CEs whose series exist
 
@@ -172,8 +173,7 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
         work = 0.0
         if self.pool.kv is not None and token_ids:
-            work = self.pool.kv.work(b, token_ids)
-            self.pool.kv.note(b, token_ids)
+            work = self.pool.kv.send(b, token_ids)
         b.inflight_tokens += work
         b.num_inflight += 1
         self.metrics.inflight.labels(b.url).set(b.num_inflight)

@@ -213,6 +213,7 @@ def _series(registry: CollectorRegistry) -> list[Series]:
         origin = "declared" if isinstance(c, MetricWrapperBase) else "collected"
         for family in c.collect():
             seen = [k for s in family.samples for k in s.labels if k not in ("le", "quantile")]
+            seen = seen or list(getattr(family, "_labelnames", ()))  # a collected family with no sample yet
             name = family.name + "_total" if family.type == "counter" else family.name
             out.append(Series(name, family.type, tuple(dict.fromkeys(seen)), family.documentation, origin))
     return out

@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from engine.config import KVEventsConfig
 from engine.core.kv_events import MEDIUM_CPU, BlockStored
@@ -96,7 +96,8 @@ async def test_a_prompt_in_flight_draws_its_followers_and_loads_its_pe_by_its_wo
     the first went, a prompt that hit loads its PE by what it costs there, and the memory ends with the
     PE's retirement."""
     urls = [f"http://127.0.0.{i + 2}:{free_port()}" for i in range(2)]
-    pool = PrefillPool(",".join(urls), TOKEN, 5.0, ClusterMetrics(CollectorRegistry()), "kv-aware", block_size=BS)
+    registry = CollectorRegistry()
+    pool = PrefillPool(",".join(urls), TOKEN, 5.0, ClusterMetrics(registry), "kv-aware", block_size=BS)
     await pool.start()
     try:
         for c in pool.clients.values():
@@ -120,6 +121,10 @@ async def test_a_prompt_in_flight_draws_its_followers_and_loads_its_pe_by_its_wo
             with pool.attempt(home, "kv-hit", token_ids=short):
                 assert home.inflight_tokens == len(first) + 3 + HOST_TOKEN_COST * 4 * BS
         assert home.inflight_tokens == 0 and other.inflight_tokens == 0
+        # the pool's series: prompt tokens sent per PE, and those it expected to be cached there
+        text = generate_latest(registry).decode()
+        assert f'pdserve_pe_kv_sent_tokens_total{{pe="{home.url}"}} {float(len(first) + len(short))}' in text
+        assert f'pdserve_pe_kv_sent_cached_tokens_total{{pe="{home.url}"}} {float(4 * BS)}' in text
         # once the first is done, the follower goes where its head is
         assert pool.choose(key, token_ids=follower) == (home, "kv-hit")
         # with a key that ranks other first too

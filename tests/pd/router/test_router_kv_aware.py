@@ -65,6 +65,7 @@ def test_chats_sharing_a_system_prompt_go_where_its_pages_are(router: ServerProc
         f"Shelf {i} holds {nonce[i % 32]} boxes of item {i * 7}." for i in range(60)
     )  # about 900 tokens: several 128-token pages
     tokenized = metric(router.url, "pdserve_router_prompt_ids_total", source="tokenize")
+    sent_cached = {u: metric(router.url, "pdserve_router_kv_sent_cached_tokens_total", backend=u) for u in urls}
     before = {u: (selected(router.url, u, "kv-hit"), selected(router.url, u, "kv-miss")) for u in urls}
     first = chat(router.url, [{"role": "system", "content": system}, {"role": "user", "content": "Hello"}])
     assert first["usage"]["prompt_tokens"] > 3 * 128
@@ -83,6 +84,10 @@ def test_chats_sharing_a_system_prompt_go_where_its_pages_are(router: ServerProc
     other = next(u for u in urls if u != home)
     assert selected(router.url, other, "kv-hit") + selected(router.url, other, "kv-miss") == sum(before[other])
     assert metric(router.url, "pdserve_router_prompt_ids_total", source="tokenize") - tokenized == 1 + len(users)
+    # the router's own series: its index per CE rank, and the cached tokens it expected where it sent them
+    assert metric(router.url, "pdserve_router_kv_index_blocks", backend=home) >= 3
+    assert metric(router.url, "pdserve_router_kv_sent_cached_tokens_total", backend=home) - sent_cached[home] >= 3 * 128 * len(users)
+    assert metric(router.url, "pdserve_router_kv_events_gaps_total", backend=home) == 0
 
 
 def test_a_completion_of_token_ids_is_routed_by_its_own_ids(router: ServerProcess) -> None:
