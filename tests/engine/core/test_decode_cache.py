@@ -343,13 +343,17 @@ def test_reservation_ends_and_local_prefill_leave_nothing_pinned(tiny_model_dir)
     assert ce.stats().decode_cache_retained_pages == num_computed // bs + (len(prompt) + 3) // bs - 3
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_hybrid", "deepseek_v3"])
-def test_a_local_prefill_starts_after_the_pages_the_decode_cache_holds(tiny_model_dir, family: str) -> None:
+@pytest.mark.parametrize(
+    "family,device",
+    [("llama", "cpu"), ("gemma3_hybrid", "cpu"), ("deepseek_v3", "cpu"),
+     pytest.param("llama", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)  # fmt: skip
+def test_a_local_prefill_starts_after_the_pages_the_decode_cache_holds(tiny_model_dir, family: str, device: str) -> None:
     """A CE that prefills a conversation's turns itself (take_over: --local-prefill-max-tokens, or a PE
     failing) computes only what its decode cache lacks, and answers as a single engine does; a model
     with sliding-window layers computes the whole prompt (pages alone do not give its window state)."""
     folder = tiny_model_dir(family)
-    kw = dict(is_deterministic=True, hicache_gb=0)
+    kw = dict(is_deterministic=True, hicache_gb=0, device=device)
     ce, ref = small_engine(folder, **kw), small_engine(folder, decode_cache=False, **kw)
     bs = ce.layout.block_size
     gen = torch.Generator().manual_seed(5)
