@@ -79,8 +79,11 @@ class KVAwareChoice:
         self.sent_tokens: Counter[str] = Counter()  # per engine URL: prompt tokens sent to it
         self.sent_cached_tokens: Counter[str] = Counter()  # of those, what the index said it held
 
-    def sync(self, client: Peer) -> None:
-        """Subscribes to the streams client's /health names (again, if they changed)."""
+    def sync(self, client: Peer, again: bool = False) -> None:
+        """Subscribes to the streams client's /health names (again, if they changed, or if `again`: the
+        engine came back up, perhaps a new process whose first batch, AllBlocksCleared, was published
+        before this subscriber reconnected; a new subscription forgets the engine and replays its
+        stream from the start)."""
         streams = tuple(
             (int(s["rank"]), connectable(s["endpoint"], client.url),
              None if s.get("replay_endpoint") is None else connectable(s["replay_endpoint"], client.url),
@@ -89,7 +92,7 @@ class KVAwareChoice:
             if isinstance(s, dict) and isinstance(s.get("endpoint"), str)
         )  # fmt: skip
         known = self._subs.get(client.url)
-        if known is not None and known[0] == streams:
+        if known is not None and known[0] == streams and not again:
             return
         self.drop(client.url)
         subs = []

@@ -117,7 +117,7 @@ class PrefillPool:
             up.set(1.0 if is_up else 0.0)
             self._gauge_any_up()
             if is_up and self.kv is not None and url in self.clients:
-                self.kv.sync(self.clients[url])  # its KV event streams, as its /health names them
+                self.kv.sync(self.clients[url], again=True)  # its streams, as its /health names them, anew
 
         client = PrefillClient(
             url, self._token, self._timeout_s, on_state=on_state, ssl_ca_certs=self._ssl_ca_certs

@@ -197,7 +197,7 @@ class BackendPool:
 
     def _on_state(self, b: Backend) -> None:
         if b.is_up and self.kv is not None:
-            self.kv.sync(b)  # its KV event streams, as its /health names them
+            self.kv.sync(b, again=True)  # its streams, as its /health names them, anew
         self.on_state(b)
 
     @property
