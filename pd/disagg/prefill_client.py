@@ -27,6 +27,7 @@ import aiohttp
 import orjson
 
 from engine.codec import WireError, from_wire, to_wire
+from pd.disagg.membership import watch
 from pd.disagg.prefill_auth import sign
 from pd.http.request_log import HEADER, REQUEST_ID
 from pd.http.site import client_ssl_context
@@ -36,9 +37,6 @@ from transfer.errors import MESSAGE_CHARS, printable
 
 log = logging.getLogger(__name__)
 HEALTH_EVERY_S = 2.0
-# NOTE: a PE that starts beside its CE (or is restarted) is seen within this of its readiness; a probe
-# every 2 s of a dead one is what an up one gets anyway
-MAX_BACKOFF_S = 2.0
 KEEPALIVE_S = 2.0  # an idle pooled connection is closed here before the PE's --timeout-keep-alive (5 s)
 
 
@@ -98,7 +96,7 @@ class PrefillClient:
             connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
             json_serialize=lambda o: orjson.dumps(o).decode(),
         )
-        self._watch_task = asyncio.create_task(self._watch())
+        self._watch_task = asyncio.create_task(watch(self._check, self._poke, HEALTH_EVERY_S))
 
     async def stop(self) -> None:
         if self._watch_task is not None:
@@ -224,19 +222,8 @@ class PrefillClient:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             return "down", f"{type(e).__name__}: {e}"
 
-    async def _watch(self) -> None:
-        """Probes /health: every HEALTH_EVERY_S while up; with doubling backoff (to MAX_BACKOFF_S) while
-        down, so a PE that comes back is seen within seconds and a dead one is not hammered."""
-        backoff_s = 0.25
-        while True:
-            state, error = await self._probe()
-            self._set(state, error)
-            if state == "up":
-                backoff_s = 0.25
-                wait_s = HEALTH_EVERY_S
-            else:
-                wait_s = backoff_s
-                backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
-            self._poke.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), wait_s)
+    async def _check(self) -> bool:
+        """Probes /health (pd/disagg/membership.py watch: every HEALTH_EVERY_S while up, with backoff while
+        not)."""
+        self._set(*await self._probe())
+        return self.is_up

@@ -161,7 +161,7 @@ async def test_dns_membership_follows_the_name(monkeypatch):
         answers["pe.test"] = ["127.0.0.3", "127.0.0.4"]
         gone = pool.clients[f"http://127.0.0.2:{port}"]
         gone.num_inflight = 1  # a prefill in flight there: its client closes once it ends
-        await pool._refresh(pool.targets)
+        await pool.peers.refresh()
         assert list(pool.clients) == [f"http://127.0.0.{i}:{port}" for i in (9, 3, 4)]
         assert gone.retired and gone in pool._retired
         with pool.attempt(gone, "affinity"):
@@ -171,7 +171,7 @@ async def test_dns_membership_follows_the_name(monkeypatch):
             pass
         assert gone not in pool._retired
         del answers["pe.test"]  # a failed lookup keeps the PEs it had
-        await pool._refresh(pool.targets)
+        await pool.peers.refresh()
         assert len(pool.clients) == 3 and "cannot resolve" in (pool.dns_error or "")
     finally:
         await pool.stop()

@@ -81,7 +81,7 @@ async def test_the_pe_holding_the_prefix_wins_until_its_queue_outweighs_it():
         # another prompt (no shared page): the conversation's order again
         assert pool.choose(key, token_ids=[7] * 40) == (pool.clients[urls[0]], "kv-miss")
         # a PE going away takes its entries with it
-        pool._retire(urls[1])
+        await pool.peers.remove(urls[1])
         await asyncio.sleep(0.1)
         assert pool.kv.index.num_blocks() == 0
         assert pool.kv.describe()["streams"] == 1
@@ -131,7 +131,7 @@ async def test_a_prompt_in_flight_draws_its_followers_and_loads_its_pe_by_its_wo
         key2 = next(k for k in (f"conversation {i}" for i in range(100)) if hrw_order(k, urls)[0] == urls[1])
         assert pool.choose(key2, token_ids=follower) == (home, "kv-hit")
         assert pool.choose(key2, token_ids=[9] * 40) == (other, "kv-miss")
-        pool._retire(urls[0])
+        await pool.peers.remove(urls[0])
         assert pool.kv.cached_tokens([home], follower) == [0]
     finally:
         await pool.stop()

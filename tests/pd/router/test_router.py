@@ -362,11 +362,11 @@ async def test_dns_membership_follows_the_name(monkeypatch: pytest.MonkeyPatch) 
         assert list(pool.backends) == [f"http://127.0.0.{i}:{port}" for i in (9, 3, 4)]
         assert pool.backends[f"http://127.0.0.3:{port}"].source == f"dns+http://ce.test:{port}"
         answers["ce.test"] = ["127.0.0.4", "127.0.0.5"]
-        await pool._refresh(pool.targets)
+        await pool.peers.refresh()
         assert list(pool.backends) == [f"http://127.0.0.{i}:{port}" for i in (9, 4, 5)]
         assert left == [f"http://127.0.0.3:{port}"]
         del answers["ce.test"]  # a failed lookup keeps the CEs it had
-        await pool._refresh(pool.targets)
+        await pool.peers.refresh()
         assert list(pool.backends) == [f"http://127.0.0.{i}:{port}" for i in (9, 4, 5)]
         # none is known up (nothing listens there): each is tried as a fallback, in the hash order
         assert [why for _, why in pool.order("k")] == ["fallback"] * 3
