@@ -122,3 +122,14 @@ def test_a_bad_routing_or_weight_is_refused() -> None:
         RouterConfig(decode_url="http://127.0.0.1:1", routing="nearest")
     with pytest.raises(ValueError, match="--kv-load-weight"):
         RouterConfig(decode_url="http://127.0.0.1:1", routing="kv-aware", kv_load_weight=-1)
+
+
+def test_a_stream_passes_through(router: ServerProcess) -> None:
+    from tests.server_fixtures import openai_client
+
+    stream = openai_client(router.url).chat.completions.create(
+        model=SMOLLM, messages=[{"role": "user", "content": "Count to five."}], max_tokens=6, temperature=0,
+        stream=True, timeout=120,
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+    assert 1 <= len(chunks) <= 6
