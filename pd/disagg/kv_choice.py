@@ -2,7 +2,7 @@
 compute plus what it has queued, read from the prefix index its ranks' KV events keep (pd/kv_events/).
 
     work(PE)  = (prompt tokens - its cached prefix) + HOST_TOKEN_COST * its cached prefix
-    cost(PE)  = work(PE) + load_weight * the work of the prompts it has in flight   (--kv-load-weight, 1)
+    cost(PE)  = work(PE) + load_weight * the work of the prompts it has in flight   (--kv-load-weight)
 
 A PE's cached prefix is the longest one any of its ranks holds (a PE's own rank choice may still send the
 request to another of its ranks), or the longest one this CE sent it within ROUTED_TTL_S: a prompt's
@@ -50,7 +50,7 @@ class Peer(Protocol):
 P = TypeVar("P", bound=Peer)
 
 HOST_TOKEN_COST = 0.1
-LOAD_WEIGHT = 1.0  # a queued token of work against one of this prompt's (--kv-load-weight)
+LOAD_WEIGHT = 1.0  # a queued token of work against one of this prompt's (--kv-load-weight; a CE's PE choice: 0.25)
 ROUTED_TTL_S = 30.0  # a prompt sent to a PE counts as held there this long (its events come after its prefill)
 MAX_ROUTED_PAGES = 1 << 16  # per PE
 WILDCARDS = ("*", "0.0.0.0", "::", "")

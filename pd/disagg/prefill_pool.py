@@ -21,8 +21,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from pd.config import PE_ROUTING, parse_prefill_urls
-from pd.disagg.kv_choice import LOAD_WEIGHT, KVAwareChoice
+from pd.config import PE_LOAD_WEIGHT, PE_ROUTING, parse_prefill_urls
+from pd.disagg.kv_choice import KVAwareChoice
 from pd.disagg.membership import Peers
 from pd.disagg.metrics import ClusterMetrics
 from pd.disagg.prefill_client import PrefillClient
@@ -46,7 +46,7 @@ class PrefillPool:
         dns_refresh_s: float = 10.0,
         ssl_ca_certs: str | None = None,
         block_size: int = 128,
-        kv_load_weight: float = LOAD_WEIGHT,
+        kv_load_weight: float = PE_LOAD_WEIGHT,
     ) -> None:
         """block_size: the engines' page size (kv-aware: the prefix index hashes pages of it)."""
         if routing not in PE_ROUTING:

@@ -61,7 +61,8 @@ class RouterConfig:
         default=1.0,
         metadata={
             "help": "kv-aware: what a token of work a CE has in flight weighs against one this prompt "
-            "would cost there (pd/disagg/kv_choice.py)"
+            "would cost there (pd/disagg/kv_choice.py; 1: a CE's held prefix saves a handoff, not a "
+            "prefill, and its decode load is what the choice must spread)"
         },
     )
     health_interval_s: float = field(

@@ -51,7 +51,8 @@ def test_a_wildcard_host_is_the_pes_own():
 async def test_the_pe_holding_the_prefix_wins_until_its_queue_outweighs_it():
     pubs = [publisher(), publisher()]
     urls = [f"http://127.0.0.{i + 2}:{free_port()}" for i in range(2)]
-    pool = PrefillPool(",".join(urls), TOKEN, 5.0, ClusterMetrics(CollectorRegistry()), "kv-aware", block_size=BS)
+    pool = PrefillPool(",".join(urls), TOKEN, 5.0, ClusterMetrics(CollectorRegistry()), "kv-aware", block_size=BS,
+                       kv_load_weight=1.0)  # fmt: skip
     await pool.start()
     try:
         for c, pub in zip(pool.clients.values(), pubs):
@@ -97,7 +98,8 @@ async def test_a_prompt_in_flight_draws_its_followers_and_loads_its_pe_by_its_wo
     PE's retirement."""
     urls = [f"http://127.0.0.{i + 2}:{free_port()}" for i in range(2)]
     registry = CollectorRegistry()
-    pool = PrefillPool(",".join(urls), TOKEN, 5.0, ClusterMetrics(registry), "kv-aware", block_size=BS)
+    pool = PrefillPool(",".join(urls), TOKEN, 5.0, ClusterMetrics(registry), "kv-aware", block_size=BS,
+                       kv_load_weight=1.0)  # fmt: skip
     await pool.start()
     try:
         for c in pool.clients.values():
