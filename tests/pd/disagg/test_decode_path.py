@@ -67,7 +67,9 @@ class _OnePE:
         return None if exclude else (self.pe, "affinity")
 
     @contextlib.contextmanager
-    def attempt(self, client: _PE, reason: str, num_tokens: int = 0) -> Iterator[None]:
+    def attempt(
+        self, client: _PE, reason: str, num_tokens: float = 0, token_ids: list[int] | None = None
+    ) -> Iterator[None]:
         yield
 
 
