@@ -195,8 +195,12 @@ def test_the_readme_pair_on_two_hosts_answers_a_chat(tmp_path: Path) -> None:
         )  # fmt: skip
         assert answer.choices[0].message.content and answer.usage is not None
         assert answer.usage.completion_tokens > 0 and answer.choices[0].finish_reason in ("stop", "length")
-        assert metric(pe_url, "pdserve_engine_handoffs_sent_total") >= 1
-        assert metric(ce_url, "pdserve_engine_handoffs_imported_total") >= 1
+        # the engines' counters reach /metrics with their ranks' next stats (a moment after the answer)
+        deadline = time.monotonic() + 60
+        while not (metric(pe_url, "pdserve_engine_handoffs_sent_total") >= 1
+                   and metric(ce_url, "pdserve_engine_handoffs_imported_total") >= 1):  # fmt: skip
+            assert time.monotonic() < deadline, "no handoff counted: " + logs["PE"].read_text()[-2000:]
+            time.sleep(0.5)
     for proc in (pe, ce):
         assert proc.returncode is not None
     leftover = [p for p in (pe.pid, ce.pid) if group_members(p)]
