@@ -126,7 +126,8 @@ class DecodePath:
         try:
             held_tokens = await self._reserve(rank, req, events)
             self.metrics.observe_phase("queue", time.monotonic() - arrival_s)
-            if len(req.prompt_token_ids) - held_tokens <= self.cfg.local_prefill_max_tokens:
+            left = len(req.prompt_token_ids) - held_tokens
+            if self.cfg.local_prefill_max_tokens and left <= self.cfg.local_prefill_max_tokens:
                 # little left after what this CE holds: its engine computes the rest from its own pages
                 self.metrics.local_prefills.labels("short").inc()
                 await rank.submit(rid, req.prompt_token_ids, req.params, events, req.use_prefix_cache)

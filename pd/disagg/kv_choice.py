@@ -76,6 +76,7 @@ class KVAwareChoice:
         self._stopping: set[asyncio.Task[None]] = set()
         self._routed: dict[str, OrderedDict[bytes, float]] = {}  # PE URL -> {page hash: when sent}, oldest first
         self._last: tuple[list[int] | None, list[bytes]] = (None, [])
+        self._ranked: tuple[list[int] | None, dict[str, int]] = (None, {})  # the last rank(): prompt, URL -> cached
         self.sent_tokens: Counter[str] = Counter()  # per engine URL: prompt tokens sent to it
         self.sent_cached_tokens: Counter[str] = Counter()  # of those, what the index said it held
 
@@ -166,7 +167,9 @@ class KVAwareChoice:
         """token_ids go to client's engine: its pages count as held there for ROUTED_TTL_S from now.
         Returns what they cost it, in prompt tokens (its cached prefix at HOST_TOKEN_COST a token: the
         work its load term counts while the request runs)."""
-        cached = self.cached_tokens([client], token_ids)[0]
+        prompt, known = self._ranked
+        cached = known[client.url] if prompt is token_ids and client.url in known else (
+            self.cached_tokens([client], token_ids)[0])  # fmt: skip
         self.sent_tokens[client.url] += len(token_ids)
         self.sent_cached_tokens[client.url] += cached
         work = len(token_ids) - cached + HOST_TOKEN_COST * cached
@@ -190,11 +193,18 @@ class KVAwareChoice:
         for i, (c, cached) in enumerate(zip(ranked, self.cached_tokens(ranked, token_ids))):
             work = n - cached + HOST_TOKEN_COST * cached
             costs.append((work + self.load_weight * c.inflight_tokens, i, cached, c))
+        self._ranked = (token_ids, {c.url: cached for _, _, cached, c in costs})  # send() follows at once
         costs.sort(key=lambda t: (t[0], t[1]))
         return [(cost, cached, c) for cost, _, cached, c in costs]
 
+    def subscriptions(self) -> Iterator[tuple[str, Subscription]]:
+        """(engine URL, one of its ranks' subscriptions), for every stream read now."""
+        for url, (_, subs) in self._subs.items():
+            for s in subs:
+                yield url, s
+
     def describe(self) -> dict[str, Any]:
-        subs = [s for _, group in self._subs.values() for s in group]
+        subs = [s for _, s in self.subscriptions()]
         return {
             "blocks": self.index.num_blocks(),
             "streams": len(subs),
@@ -229,13 +239,12 @@ class KVIndexCollector:
                                      "expected)", labels=[self.label])  # fmt: skip
         c = self.choice()
         if c is not None:
-            for url, (_, subs) in c._subs.items():
-                for s in subs:
-                    rank = [url, s.engine.rpartition("#")[2]]
-                    blocks.add_metric(rank, c.index.num_blocks(s.engine))
-                    lag.add_metric(rank, s.lag_s)
-                    gaps.add_metric(rank, s.num_gaps)
-                    restarts.add_metric(rank, s.num_restarts)
+            for url, s in c.subscriptions():
+                rank = [url, s.engine.rpartition("#")[2]]
+                blocks.add_metric(rank, c.index.num_blocks(s.engine))
+                lag.add_metric(rank, s.lag_s)
+                gaps.add_metric(rank, s.num_gaps)
+                restarts.add_metric(rank, s.num_restarts)
             for url, n in c.sent_tokens.items():
                 sent.add_metric([url], n)
                 cached.add_metric([url], c.sent_cached_tokens[url])

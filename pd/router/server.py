@@ -56,7 +56,8 @@ def cluster_token() -> bytes | None:
 
     try:
         return load_token()
-    except (ValueError, OSError):
+    except (ValueError, OSError) as e:
+        log.info("no cluster token (%s): CEs' KV event streams off loopback will be left out", e)
         return None
 
 
