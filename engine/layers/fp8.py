@@ -255,6 +255,16 @@ def dense_weight(lin: nn.Linear, dtype: torch.dtype) -> torch.Tensor:
     return lin.dense_weight(dtype) if isinstance(lin, Fp8Linear) else lin.weight
 
 
+def dequantized(lin: Fp8Linear, dtype: torch.dtype) -> nn.Linear:
+    """A float nn.Linear holding lin's weight dequantized to dtype once (its bias kept), for a weight that
+    the layer reads whole every step rather than through the FP8 GEMM or GEMV."""
+    with on_meta():
+        out = nn.Linear(lin.in_features, lin.out_features, bias=False)
+    out.weight = nn.Parameter(lin.dense_weight(dtype), requires_grad=False)
+    out.bias = lin.bias
+    return out
+
+
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8_DTYPE
 

@@ -109,7 +109,17 @@ class LatentAttention(nn.Module):
         return self.num_heads * self.v_head_dim
 
     def fuse_projections(self) -> None:
-        """Nothing to fuse (CausalLM.fuse_projections calls every attention)."""
+        """After loading (CausalLM.fuse_projections calls every attention): an FP8 kv_b_proj dequantized once
+        into the model's dtype. Absorbing, un-absorbing and expanding read W_UK and W_UV whole as slices of
+        it, so an FP8 copy would be dequantized twice a layer every step (as vLLM and SGLang, the float
+        copy is made at load)."""
+        if isinstance(self.kv_b_proj, fp8.Fp8Linear):
+            self.kv_b_proj = fp8.dequantized(self.kv_b_proj, self._model_dtype())
+
+    def _model_dtype(self) -> torch.dtype:
+        norm_weight = self.kv_a_layernorm.weight  # in the model dtype whatever kv_b_proj holds
+        assert isinstance(norm_weight, torch.Tensor)
+        return norm_weight.dtype
 
     # ---- row-local parts ---------------------------------------------------------------------------
 
@@ -129,10 +139,9 @@ class LatentAttention(nn.Module):
         return torch.cat([torch.cat([q[..., :dn], q_rot], dim=-1).flatten(1), c_kv, k_rot.flatten(1)], dim=1)
 
     def _kv_b_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """kv_b_proj's weight [H * (Dn + Dv), R] in dtype (default: the model's; an FP8 one dequantized)."""
-        norm_weight = self.kv_a_layernorm.weight  # in the model dtype whatever kv_b_proj holds
-        assert isinstance(norm_weight, torch.Tensor)
-        return fp8.dense_weight(self.kv_b_proj, dtype or norm_weight.dtype)
+        """kv_b_proj's weight [H * (Dn + Dv), R] in dtype (default: the model's; an FP8 one dequantized: on
+        CUDA it was at load, fuse_projections)."""
+        return fp8.dense_weight(self.kv_b_proj, dtype or self._model_dtype())
 
     def _kv_b(self) -> torch.Tensor:
         """kv_b_proj's weight per head: [H, Dn + Dv, R] (W_UK rows, then W_UV rows)."""

@@ -452,3 +452,28 @@ def test_quantization_flag_on_gpt_oss_experts(tmp_path: Path) -> None:
     prompts = random_prompts([30, 70], seed=6)
     for a, b in zip(prompt_logits(quantized, prompts), prompt_logits(reference, prompts)):
         assert torch.equal(a, b)
+
+
+def test_fp8_latent_up_projection_is_dequantized_once_at_load(fp8_dir) -> None:
+    """DeepSeek-V3's kv_b_proj (W_UK and W_UV) is read whole by every absorbed query and every un-absorbed
+    output: CausalLM.fuse_projections (CUDA, after loading; its torch path runs here) replaces the FP8 one by
+    its dequantized float copy once, bit for bit the weight the per-step dequantization gave, so decode never
+    dequantizes it again; the other projections stay FP8, and the tokens are the unfused ones."""
+    eng = small_engine(fp8_dir("deepseek_v3"))
+    (prompt,) = random_prompts([40], seed=5)
+    (before,) = prompt_logits(eng, [prompt])
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens_before = eng.generate([prompt], params)[0].output_token_ids
+    attns = [layer.self_attn for layer in eng.model.model.layers]
+    fp8_up = [a.kv_b_proj for a in attns]
+    assert all(isinstance(m, fp8.Fp8Linear) for m in fp8_up)
+    dense = [m.dense_weight(torch.float32) for m in fp8_up]
+    eng.model.fuse_projections()
+    for attn, want in zip(attns, dense, strict=True):
+        assert type(attn.kv_b_proj) is torch.nn.Linear
+        assert attn.kv_b_proj.weight.dtype == torch.float32 and torch.equal(attn.kv_b_proj.weight, want)
+        assert isinstance(attn.kv_a_proj_with_mqa, fp8.Fp8Linear) and isinstance(attn.o_proj, fp8.Fp8Linear)
+    (after,) = prompt_logits(eng, [prompt])
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert eng.generate([prompt], params)[0].output_token_ids == tokens_before
+    eng.check_idle()
