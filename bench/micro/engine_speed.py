@@ -554,7 +554,7 @@ def finish_prefill_row(row: dict[str, Any], facts: ModelFacts, args: argparse.Na
         row["ms"] = row["time_s"] * 1e3
         row["tokens_per_s"] = row["tokens"] / row["time_s"]
         # FP8 weights against the FP8 matmul ceiling where the device has one (the CPU: the dtype's)
-        ceiling = args.ceilings.get("fp8_matmul_flops_per_s" if args.quantization else "", args.ceilings["matmul_flops_per_s"])
+        ceiling = args.ceilings.get("fp8_matmul_flops_per_s" if args.fp8_weights else "", args.ceilings["matmul_flops_per_s"])
         row["frac_ceiling"] = row["flops"] / row["time_s"] / ceiling
 
 
@@ -987,9 +987,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-models-") as scratch:
         for name in [m for m in args.models.split(",") if m]:
             folder = model_folder(name, args, Path(scratch))
+            hf_config = load_hf_config(folder)
+            # FP8 weights: --quantization fp8, or a config with a quantization_config (dummy weights as the release ships them)
+            args.fp8_weights = args.quantization == "fp8" or bool(getattr(hf_config, "quantization_config", None))
             args.model_name = Path(name).name + ("-fp8" if args.quantization else "")
-            arch = arch_from_hf(load_hf_config(folder))
-            facts = ModelFacts(arch, elem_bytes, 1 + 4 / 128**2 if args.quantization == "fp8" else None)
+            arch = arch_from_hf(hf_config)
+            facts = ModelFacts(arch, elem_bytes, 1 + 4 / 128**2 if args.fp8_weights else None)
             moe = (f", MoE: {facts.num_experts} experts, top {arch.moe.num_experts_per_tok if arch.moe else 0}, {len(arch.sparse_layers)} sparse layers, "
                    f"{facts.active_linear_params / 1e6:,.1f} M active" if arch.sparse_layers else "")
             print(f"\n== {args.model_name}: {facts.linear_params / 1e6:,.1f} M linear params{moe}, "
@@ -1013,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
                     model_rows.append({"model": args.model_name, "mode": mode, "kind": "prefill", "tokens": 0,
                                        "status": f"error: {type(e).__name__}", "error": str(e)[:500]})
                     free_memory()
-            if args.hf and not args.quantization:  # transformers has no dummy FP8 weights to load
+            if args.hf and not args.fp8_weights:  # transformers has no dummy FP8 weights to load
                 hf_grid = {"batches": parse_ints(args.batches), "contexts": parse_ints(args.contexts),
                            "prefill": parse_ints(args.prefill)}
                 hf = run_hf(folder, facts, hf_grid, args, deadline)

@@ -50,10 +50,11 @@ def _engines(folder: Path, gemv_rows: int, fp8_gemm: str = "auto"):  # type: ign
     return fp8_path, dequantized
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "deepseek_v3"])
 def test_gemv_rows_match_the_dequantized_path(fp8_model, family: str) -> None:
     """One prompt of 6 tokens and 40 decode steps with every projection of at most 8 rows through the FP8
-    GEMV (x stays float32; the MoE experts through the grouped kernel's FP8 tiles): each step's logits
+    GEMV (x stays float32; the MoE experts through the grouped kernel's FP8 tiles; deepseek_v3's kv_b_proj
+    dequantized once at load in both, its latent decode through the paged kernel): each step's logits
     within 2e-4 of the dequantizing path's (float32 paths agree to 1e-4 in test_engine_cuda_decode.py;
     here the GEMV sums each weight row in another order than cuBLAS over 4 to 6 layers)."""
     fp8_path, dequantized = _engines(fp8_model(family), gemv_rows=8)
