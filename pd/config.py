@@ -27,7 +27,7 @@ from transfer.transports import names_where
 DEFAULT_PORT = 8888
 DEFAULT_PE_PORT = 8889
 DEFAULT_KV_PORT_BASE = 8900
-ROUTING_POLICIES = ("affinity", "least-loaded")
+ROUTING_POLICIES = ("affinity", "least-loaded", "kv-aware")
 LOG_FORMATS = ("text", "json")
 ROLES = ("single", "pe", "ce")
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -226,7 +226,9 @@ class ServerConfig:
     routing: str = field(
         default="affinity",
         metadata={
-            "help": "rank choice: affinity (a conversation stays on one rank) | least-loaded",
+            "help": "rank choice: affinity (a conversation stays on one rank) | least-loaded | kv-aware (the "
+            "lowest cost: the prompt tokens left after the prefix a rank's caches hold, from its KV events "
+            "(needs --kv-events-config), plus the work it has in flight; ties: affinity's order)",
             "choices": ROUTING_POLICIES,
         },
     )
@@ -464,6 +466,12 @@ class ServerConfig:
         )
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        events = self.engine.kv_events()
+        if self.routing == "kv-aware" and (events is None or not events.publishes):
+            raise ValueError(
+                "--routing kv-aware chooses by the ranks' KV events, and they publish none: add --kv-events-config "
+                "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:PORT\"}' (publisher zmq)"
+            )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"--reasoning-parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"

@@ -101,9 +101,8 @@ async def answer_chat(co: Coordinator, request: web.Request, body: Any, arrival_
     rendered = await render(co, req)
     prompt = list(rendered.token_ids)
     max_tokens = co.max_tokens_for(len(prompt), req.sampling.max_tokens, "messages")
-    rank = co.pick_rank(affinity_key(req))
     rid = f"chatcmpl-{REQUEST_ID.get()}"
-    with co.claim(rid):
+    with co.claim(rid), co.pick_rank(affinity_key(req), prompt) as rank:
         return await _generate(co, request, req, rendered, rank, rid, arrival_s, max_tokens)
 
 

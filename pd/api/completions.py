@@ -107,13 +107,12 @@ async def answer_completion(
             )
     first = req.prompts[0]
     key = first[:_AFFINITY_CHARS] if isinstance(first, str) else ",".join(map(str, first[:256]))
-    rank = co.pick_rank(key)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": co.model_name}
     echo = [
         _Echo(prompt_texts[k // n] if req.echo else "", prompt_ids[k // n]) for k in range(len(subs))
     ]
     num_prompt = sum(len(ids) for ids in prompt_ids)
-    with co.claim(rid):
+    with co.claim(rid), co.pick_rank(key, prompt_ids[0]) as rank:  # by the first prompt, as the key
         if req.sampling.beam is not None:
             beams = await _beam_search(co, req, rank, key, rid, prompt_ids, subs, arrival_s)
             return await _whole(co, req, beams, head, echo, num_prompt)

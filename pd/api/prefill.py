@@ -71,14 +71,15 @@ async def prefill(co: Coordinator, request: web.Request) -> web.Response:
 async def _prefill(co: Coordinator, msg: Prefill) -> web.Response:
     metrics = co.cluster_metrics
     assert metrics is not None
-    rank = co.pick_rank(",".join(map(str, msg.prompt_token_ids[:AFFINITY_TOKENS])))
-    events: asyncio.Queue[tuple[str, RankEvent]] = asyncio.Queue()
-    await rank.prefill(msg, events)
-    try:
-        _, ev = await events.get()
-    except asyncio.CancelledError:  # the caller went away: free the request on the rank, in any phase
-        await asyncio.shield(rank.abort([msg.request_id]))
-        raise
+    prompt = list(msg.prompt_token_ids)
+    with co.pick_rank(",".join(map(str, prompt[:AFFINITY_TOKENS])), prompt) as rank:
+        events: asyncio.Queue[tuple[str, RankEvent]] = asyncio.Queue()
+        await rank.prefill(msg, events)
+        try:
+            _, ev = await events.get()
+        except asyncio.CancelledError:  # the caller went away: free the request on the rank, in any phase
+            await asyncio.shield(rank.abort([msg.request_id]))
+            raise
     if isinstance(ev, RankDown):
         raise ApiError(503, ev.message, type="server_error", code="engine_down")
     if isinstance(ev, RequestRejected):

@@ -17,6 +17,9 @@ conversation's rendezvous order.
 A PE's streams come from its /health ("kv_events": each rank's endpoint, replay endpoint and topic; a
 wildcard host is the PE's own host). A PE that publishes none has nothing cached here: its cost is the
 whole prompt plus its load.
+
+The same choice serves the router's CE choice (`pdserve router --routing kv-aware`, pd/router/backends.py)
+and a server's rank choice (`--routing kv-aware`, pd/frontend/router.py: each rank a peer of one stream).
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ def connectable(endpoint: str, url: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+def is_exposed(stream: dict[str, Any]) -> bool:
+    """Whether a stream's publisher speaks CURVE: it binds an address other than loopback (a wildcard
+    too, reached here through loopback or not; pd/kv_events/publisher.py)."""
+    bound = (stream.get("endpoint"), stream.get("replay_endpoint"))
+    return any(isinstance(e, str) and not is_loopback(e) for e in bound)
+
+
 class KVAwareChoice:
     def __init__(self, block_size: int | None, token: bytes | None, load_weight: float = LOAD_WEIGHT) -> None:
         """block_size: the engines' page size (None: the first stream's, as its /health names it); token:
@@ -88,7 +98,8 @@ class KVAwareChoice:
         streams = tuple(
             (int(s["rank"]), connectable(s["endpoint"], client.url),
              None if s.get("replay_endpoint") is None else connectable(s["replay_endpoint"], client.url),
-             str(s.get("topic") or ""), s.get("block_size") if isinstance(s.get("block_size"), int) else None)
+             str(s.get("topic") or ""), s.get("block_size") if isinstance(s.get("block_size"), int) else None,
+             is_exposed(s))
             for s in client.kv_events
             if isinstance(s, dict) and isinstance(s.get("endpoint"), str)
         )  # fmt: skip
@@ -97,7 +108,7 @@ class KVAwareChoice:
             return
         self.drop(client.url)
         subs = []
-        for rank, endpoint, replay, topic, block_size in streams:
+        for rank, endpoint, replay, topic, block_size, exposed in streams:
             if block_size is not None and self.index.block_size in (0, block_size):
                 self.index.block_size = block_size
             elif block_size is not None or not self.index.block_size:
@@ -105,7 +116,7 @@ class KVAwareChoice:
                             endpoint, block_size, self.index.block_size or "unknown")  # fmt: skip
                 continue
             key = None
-            if not is_loopback(endpoint):
+            if exposed:
                 if self._token is None:
                     log.warning("KV events of %s at %s left out: no cluster token (PDSERVE_CLUSTER_TOKEN) for "
                                 "their keys", client.url, endpoint)  # fmt: skip
@@ -219,32 +230,38 @@ class KVIndexCollector:
     the prompt tokens sent to it and how many of them the index said it held (the hit ratio the choice
     expected; the engine's own vllm:prefix_cache_hits say what it found)."""
 
-    def __init__(self, choice: Callable[[], KVAwareChoice | None], prefix: str, label: str, what: str) -> None:
+    def __init__(self, choice: Callable[[], KVAwareChoice | None], prefix: str, label: str | None, what: str) -> None:
+        """label: the label naming an engine (its URL), beside each stream's rank; None: the engines are
+        this server's own ranks (a rank's URL is its index, one stream each), labelled by rank alone."""
         self.choice, self.prefix, self.label, self.what = choice, prefix, label, what
 
     def collect(self) -> Iterator[Metric]:
-        p, what, ranked = self.prefix, self.what, [self.label, "rank"]
-        blocks = GaugeMetricFamily(f"{p}_kv_index_blocks", f"Pages the kv-aware index holds for each {what} rank "
+        p = self.prefix
+        one, engine = (f"{self.what} rank", self.what) if self.label else ("rank", "rank")
+        ranked = [self.label, "rank"] if self.label else ["rank"]
+        engines = [self.label or "rank"]
+        blocks = GaugeMetricFamily(f"{p}_kv_index_blocks", f"Pages the kv-aware index holds for each {one} "
                                    "(both tiers), from its KV events", labels=ranked)  # fmt: skip
-        lag = GaugeMetricFamily(f"{p}_kv_events_lag_seconds", f"Arrival of each {what} rank's last KV event batch "
+        lag = GaugeMetricFamily(f"{p}_kv_events_lag_seconds", f"Arrival of each {one}'s last KV event batch "
                                 "minus its publisher's timestamp (wall clocks)", labels=ranked)  # fmt: skip
-        gaps = CounterMetricFamily(f"{p}_kv_events_gaps", f"Gaps in a {what} rank's KV event sequence (filled from "
+        gaps = CounterMetricFamily(f"{p}_kv_events_gaps", f"Gaps in a {one}'s KV event sequence (filled from "
                                    "its replay socket, or the rank's entries cleared)", labels=ranked)  # fmt: skip
-        restarts = CounterMetricFamily(f"{p}_kv_events_restarts", f"Restarts seen in a {what} rank's KV event "
+        restarts = CounterMetricFamily(f"{p}_kv_events_restarts", f"Restarts seen in a {one}'s KV event "
                                        "stream (its entries cleared)", labels=ranked)  # fmt: skip
-        sent = CounterMetricFamily(f"{p}_kv_sent_tokens", f"Prompt tokens the kv-aware choice sent to each {what}",
-                                   labels=[self.label])  # fmt: skip
-        cached = CounterMetricFamily(f"{p}_kv_sent_cached_tokens", f"Of the prompt tokens sent to each {what}, "
+        sent = CounterMetricFamily(f"{p}_kv_sent_tokens", f"Prompt tokens the kv-aware choice sent to each {engine}",
+                                   labels=engines)  # fmt: skip
+        cached = CounterMetricFamily(f"{p}_kv_sent_cached_tokens", f"Of the prompt tokens sent to each {engine}, "
                                      "those the index said it held (over the above: the hit ratio the choice "
-                                     "expected)", labels=[self.label])  # fmt: skip
+                                     "expected)", labels=engines)  # fmt: skip
         c = self.choice()
         if c is not None:
             for url, s in c.subscriptions():
-                rank = [url, s.engine.rpartition("#")[2]]
-                blocks.add_metric(rank, c.index.num_blocks(s.engine))
-                lag.add_metric(rank, s.lag_s)
-                gaps.add_metric(rank, s.num_gaps)
-                restarts.add_metric(rank, s.num_restarts)
+                rank = s.engine.rpartition("#")[2]
+                values = [url, rank] if self.label else [rank]
+                blocks.add_metric(values, c.index.num_blocks(s.engine))
+                lag.add_metric(values, s.lag_s)
+                gaps.add_metric(values, s.num_gaps)
+                restarts.add_metric(values, s.num_restarts)
             for url, n in c.sent_tokens.items():
                 sent.add_metric([url], n)
                 cached.add_metric([url], c.sent_cached_tokens[url])

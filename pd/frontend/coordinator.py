@@ -24,6 +24,7 @@ from aiohttp import web
 from pd.chat.renderer import PromptRenderer
 from pd.config import ServerConfig
 from pd.disagg.decode_path import DecodePath
+from pd.disagg.kv_choice import KVIndexCollector
 from pd.disagg.metrics import ClusterMetrics
 from pd.errors import ApiError, bad_request, model_not_found, unavailable
 from pd.frontend.metrics import RankSnapshot, ServerMetrics
@@ -82,9 +83,14 @@ class Coordinator:
         """tokenizer: None until load_tokenizer (the server loads it while its ranks start)."""
         self.cfg = cfg
         self._renderer = None if tokenizer is None else self._make_renderer(tokenizer)
-        self.router = make_router(cfg.routing)
+        self.router = make_router(cfg.routing, self.kv_event_streams(), self._events_token())
         cache = CacheConfigInfo(cfg.engine.block_size, cfg.engine.gpu_memory_utilization, cfg.engine.enable_prefix_caching)
         self.metrics = ServerMetrics(self.snapshot, cfg.model_name, cache)
+        for i in range(cfg.dp):
+            for reason in self.router.reasons:
+                self.metrics.rank_selected.labels(str(i), reason)
+        if self.router.kv is not None:  # --routing kv-aware: pdserve_rank_kv_* (the PE choice's: pdserve_pe_kv_*)
+            self.metrics.registry.register(KVIndexCollector(lambda: self.router.kv, "pdserve_rank", None, "rank"))
         self.cluster_metrics = ClusterMetrics(self.metrics.registry, cfg.model_name) if cfg.is_pd else None
         self.pd: DecodePath | None = None  # the CE's P/D generation path (set by start)
         self.ranks: list[RankClient] = []
@@ -102,6 +108,18 @@ class Coordinator:
     @property
     def model_name(self) -> str:
         return self.cfg.model_name
+
+    def _events_token(self) -> bytes | None:
+        """The cluster token, where --routing kv-aware reads a stream bound off loopback (its CURVE keys;
+        the ranks refuse to publish there without it); else None."""
+        if self.cfg.routing != "kv-aware":
+            return None
+        from transfer.auth import load_token
+
+        try:
+            return load_token(token_file=self.cfg.cluster_token_file or None)
+        except (ValueError, OSError):
+            return None
 
     def _make_renderer(self, tokenizer: Any) -> PromptRenderer:
         template = Path(self.cfg.chat_template).read_text() if self.cfg.chat_template else None
@@ -180,9 +198,11 @@ class Coordinator:
         if len(lens) != 1:
             raise RuntimeError(f"ranks disagree on max_model_len: {sorted(lens)}")
         self.metrics.vllm.size_token_histograms(lens.pop())
+        self.router.sync(self.ranks)  # kv-aware: every rank's stream is read from here on
 
     async def stop(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        await self.router.stop()
         if self.pd is not None:
             await self.pd.pool.stop()
         await asyncio.gather(*(r.stop() for r in self.ranks), return_exceptions=True)
@@ -191,14 +211,20 @@ class Coordinator:
         if self._socket_dir:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
 
-    def pick_rank(self, affinity_key: str | None) -> RankClient:
-        rank = self.router.pick(affinity_key, self.ranks)
-        if rank is None:
+    @contextlib.contextmanager
+    def pick_rank(self, affinity_key: str | None, token_ids: list[int]) -> Iterator[RankClient]:
+        """The rank for a request (its conversation key, its prompt's token ids), counted there while the
+        block runs (kv-aware: its work in the rank's load); 503 while no rank is up."""
+        choice = self.router.pick(affinity_key, self.ranks, token_ids)
+        if choice is None:
             if any(r.state is RankState.STARTING and r.num_restarts == 0 for r in self.ranks):
                 raise unavailable("the server is starting: the engines are not ready yet")
             raise unavailable("no engine rank is up")
+        rank, reason = choice
         assert isinstance(rank, RankClient)
-        return rank
+        self.metrics.rank_selected.labels(str(rank.index), reason).inc()
+        with self.router.hold(rank, token_ids):
+            yield rank
 
     # ---- serving one HTTP request ----------------------------------------------------------------
 
@@ -274,6 +300,8 @@ class Coordinator:
         streams = self.kv_event_streams()
         if streams:
             body["kv_events"] = streams
+        if self.router.kv is not None:
+            body["rank_kv_index"] = self.router.kv.describe()
         if self.pd is not None:
             pool = self.pd.pool
             body["prefill_engines"] = pool.describe()

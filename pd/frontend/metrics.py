@@ -194,6 +194,14 @@ class ServerMetrics:
             "pdserve_requests", "Finished engine requests", [*_REQUEST_LABELS, "finish_reason"], registry=r
         )
         self.http_errors = Counter("pdserve_http_errors", "Error responses", ["status"], registry=r)
+        self.rank_selected = Counter(
+            "pdserve_rank_selected",
+            "Requests sent to each engine rank, by why it was chosen (--routing): affinity (the conversation's "
+            "rank), least-loaded (that policy, or a request without a conversation key), kv-hit | kv-miss "
+            "(kv-aware: the cheapest rank holds some of the prompt | none does)",
+            ["rank", "reason"],
+            registry=r,
+        )
         r.register(_RankCollector(snapshot))  # type: ignore[arg-type]
         self.vllm = VllmRequestSeries(r)
         r.register(VllmEngineCollector(snapshot, model_name, cache))  # type: ignore[arg-type]
