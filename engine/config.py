@@ -159,7 +159,9 @@ class SpeculativeConfig:
     mtp: the checkpoint's own multi-token-prediction layers (DeepSeek-V3's num_nextn_predict_layers).
     draft_model: a small model of the same tokenizer (`model`).
     disable_by_batch_size: a step with more running sequences than this does not speculate (a large batch
-    is compute-bound: verifying drafts costs more than it saves)."""
+    is compute-bound: verifying drafts costs more than it saves).
+    auto_disable (pdserve's own, default true): below that too, a batch size where drafted steps measure fewer
+    tokens per second than plain ones stops drafting (engine/speculative/switch.py)."""
 
     method: str
     num_speculative_tokens: int
@@ -167,6 +169,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     disable_by_batch_size: int | None = None
+    auto_disable: bool = True  # pdserve's: stop drafting for a batch where it measures slower (engine/speculative/switch.py)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -179,6 +182,8 @@ class SpeculativeConfig:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("a draft model is named by `model`, and only method draft_model takes one")
+        if not isinstance(self.auto_disable, bool):
+            raise ValueError(f"auto_disable must be true or false, got {self.auto_disable!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 
@@ -326,7 +331,8 @@ class EngineConfig:
             "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} (prompt lookup), {\"method\": \"mtp\", "
             "\"num_speculative_tokens\": 1} (the checkpoint's multi-token-prediction layers), {\"model\": DRAFT, "
             "\"num_speculative_tokens\": 4} (a draft model); \"disable_by_batch_size\": N stops it above N "
-            "running sequences. Lossless: the same tokens as without it"
+            "running sequences; below it, a batch size where drafted steps measure slower than plain ones stops "
+            "drafting by itself (\"auto_disable\": false keeps it on). Lossless: the same tokens as without it"
         },
     )
     kv_events_config: str | None = field(
@@ -419,6 +425,8 @@ class EngineStats:
     spec_num_draft_tokens_total: int = 0
     spec_num_accepted_tokens_total: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    spec_switch_drafted_steps_total: int = 0  # pure decode steps drafted / not, as the switch chose (auto_disable)
+    spec_switch_plain_steps_total: int = 0
     cache_lookups_total: int = 0
     cache_query_tokens_total: int = 0
     cache_hit_tokens_total: int = 0

@@ -49,7 +49,7 @@ GiB = 2**30
 
 def build(folder: Path, args: argparse.Namespace, max_seqs: int, eager: bool = False,
           deterministic: bool = False) -> LLMEngine:
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS})
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS, "auto_disable": False})
     return LLMEngine(EngineConfig(
         model=str(folder), device=args.device, load_format="dummy", max_num_seqs=max_seqs,
         max_num_batched_tokens=max(2048, max_seqs * (1 + MAX_SPECULATIVE_TOKENS)), block_size=args.block_size,

@@ -75,6 +75,9 @@ def _speculation_stats(spec: Speculator | None) -> dict[str, Any]:
         spec_num_draft_tokens_total=spec.num_draft_tokens,
         spec_num_accepted_tokens_total=spec.num_accepted_tokens,
         spec_accepted_per_position=tuple(spec.accepted_per_position),
+        # pure decode steps with and without drafts as the switch chose them (engine/speculative/switch.py)
+        spec_switch_drafted_steps_total=spec.switch.num_drafted_steps if spec.switch is not None else 0,
+        spec_switch_plain_steps_total=spec.switch.num_plain_steps if spec.switch is not None else 0,
     )
 
 

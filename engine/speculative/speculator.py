@@ -37,6 +37,7 @@ from engine.faults import raise_if_fatal
 from engine.speculative.draft_model import DraftDrafter
 from engine.speculative.mtp import MtpDrafter
 from engine.speculative.ngram import Haystack
+from engine.speculative.switch import SpeculationSwitch
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,15 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
+        # where drafting does not pay for the batch, it stops (engine/speculative/switch.py; "auto_disable")
+        self.switch = SpeculationSwitch() if config.auto_disable else None
+
+    def _speculates(self, num_running: int) -> bool:
+        """Whether the next step drafts: not above disable_by_batch_size, else as the switch measures."""
+        cap = self.config.disable_by_batch_size
+        if cap is not None and num_running > cap:
+            return False
+        return self.switch is None or self.switch.choose(num_running)
 
     # ---- before the forward -------------------------------------------------------------------
 
@@ -90,8 +100,13 @@ class Speculator:
         """Drafts for the decoding sequences of a scheduled batch (each sequence's draft_token_ids), within
         budget_tokens more tokens this step and the pages the pool can give; returns the batch's new token
         counts (1 + m for a sequence with m drafts)."""
+        num_running = len(self.scheduler.running)
+        chosen = None if self.switch is None else self.switch.chosen()  # the previous step's after_step chose
         cap = self.config.disable_by_batch_size
-        if cap is not None and len(self.scheduler.running) > cap:
+        drafts = (chosen if chosen is not None else self._speculates(num_running)) and (cap is None or num_running <= cap)
+        if self.switch is not None:
+            self.switch.start(all(n == 1 and s.output_token_ids for s, n in zip(seqs, num_new)))
+        if not drafts:
             return num_new
         out = list(num_new)
         if len(self._haystacks) > 2 * len(self.scheduler.running) + 16:  # ended sequences' go
@@ -177,6 +192,8 @@ class Speculator:
         j = 0
         while going:
             took = {id(s) for s in draw_and_append([seqs[i] for i in going], [rows[i] + j for i in going])}
+            if self.switch is not None:
+                self.switch.emitted(len(took))
             nxt = []
             for i in going:
                 seq = seqs[i]
@@ -231,8 +248,10 @@ class Speculator:
         the next step (mtp), the draft model's drafts (draft_model; nothing for prompt lookup, which drafts
         from the tokens alone). starts: each sequence's computed count before the step; hidden, first_rows:
         the step's forward's (the runner's)."""
-        cap = self.config.disable_by_batch_size
-        num_drafts = self.max_drafts if cap is None or len(self.scheduler.running) <= cap else 0
+        num_running = len(self.scheduler.running)
+        if not num_running and self.switch is not None:
+            self.switch.idle()
+        num_drafts = self.max_drafts if num_running and self._speculates(num_running) else 0
         draft, mtp = self.draft_model, self.mtp
         if draft is not None:
             self._drafting(lambda: draft.after_step(seqs, num_drafts))

@@ -35,7 +35,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 
 
 def spec(draft: Path, k: int = 3) -> str:
-    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k})
+    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": k, "auto_disable": False})
 
 
 @pytest.fixture(scope="module")

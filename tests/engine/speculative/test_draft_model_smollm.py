@@ -35,7 +35,7 @@ def test_smollm2_as_its_own_draft_has_every_draft_accepted() -> None:
     ]
     params = SamplingParams(max_tokens=24, temperature=0.0)
     want = [s.output_token_ids for s in _engine(None).generate(prompts, params)]
-    spec = json.dumps({"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3})
+    spec = json.dumps({"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3, "auto_disable": False})
     eng = _engine(spec)
     got = [s.output_token_ids for s in eng.generate(prompts, params)]
     eng.check_idle()
@@ -46,6 +46,6 @@ def test_smollm2_as_its_own_draft_has_every_draft_accepted() -> None:
 
 
 def test_a_draft_of_another_tokenizer_is_refused() -> None:
-    spec = json.dumps({"method": "draft_model", "model": "gemma3-270m", "num_speculative_tokens": 3})
+    spec = json.dumps({"method": "draft_model", "model": "gemma3-270m", "num_speculative_tokens": 3, "auto_disable": False})
     with pytest.raises(InvalidRequestError, match="model 'gemma3-270m': its tokenizer's vocabulary differs"):
         _engine(spec)

@@ -19,7 +19,8 @@ from tests.engine.speculative.test_draft_model import record_drafts
 from tests.engine_utils import random_prompts, small_engine
 from tests.tiny_models import make_tiny_mtp
 
-MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+# the drafts counted: the switch (engine/speculative/switch.py) would stop drafting where they do not pay
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2, "auto_disable": False})
 
 
 @pytest.fixture(scope="module")

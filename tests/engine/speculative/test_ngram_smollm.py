@@ -18,7 +18,7 @@ from engine.engine import LLMEngine
 from engine.request import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "auto_disable": False})
 MAX_TOKENS = 64
 
 USER = json.dumps(

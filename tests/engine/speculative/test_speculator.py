@@ -21,7 +21,8 @@ from engine.speculative.ngram import ngram_draft
 from tests.engine_utils import prompt_logits, random_prompts, small_engine
 from tests.tiny_models import FAMILIES, make_tiny
 
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+# drafts counted: the switch (engine/speculative/switch.py) stays out, tested on its own
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "auto_disable": False})
 
 # ---- the setting ------------------------------------------------------------------------------------
 
@@ -160,7 +161,7 @@ def test_prompt_lookup_is_lossless_in_default_numerics(tiny_model_dir, family: s
 
 def test_a_batch_over_disable_by_batch_size_does_not_speculate(tiny_model_dir) -> None:
     folder = tiny_model_dir("gemma3_hybrid")
-    cfg = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    cfg = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2, "auto_disable": False})
     eng = small_engine(folder, speculative_config=cfg)
     base = random_prompts([10], seed=5)[0]
     p = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

@@ -73,7 +73,7 @@ def test_mtp_on_both_sides_decodes_like_one_engine(tmp_path, monkeypatch) -> Non
 
     folder = make_tiny_mtp("deepseek_v3", tmp_path / "mtp", vocab_size=16, bos_token_id=None, eos_token_id=None,
                            pad_token_id=None)  # fmt: skip
-    mtp = '{"method": "mtp", "num_speculative_tokens": 2}'
+    mtp = '{"method": "mtp", "num_speculative_tokens": 2, "auto_disable": false}'
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = [(i * 7) % 13 + 2 for i in range(40)]
     (want,) = small_engine(folder, hicache_gb=0, is_deterministic=True).generate([prompt], params)

@@ -1,0 +1,112 @@
+"""Whether speculation pays for the batch at hand, measured by the engine itself.
+
+A decode step with drafts feeds 1 + k rows per sequence: a small, memory-bound batch barely notices (llama8b
+k = 3 on an H100: 1.11x a plain step at batch 1), a large, compute-bound one pays nearly in proportion (1.91x
+at batch 64), and what it buys is the accepted drafts, which depend on the text. Where the two cross
+depends on the device, the model, the drafter and the traffic, so the engine measures it rather than
+model it (the goodput of SmartSpec, read off the clock):
+
+- steps fall in batch classes by their running sequences: 1, 2-3, 4-7, 8-15, ... (bit length);
+- per class, the output tokens per second of its pure decode steps (no prompt chunk beside) with drafts
+  and without, each an exponential average (EMA_WEIGHT) of step rates; a step's time runs from its start
+  to the next step's start (scheduling, drafting, the forward, sampling, the drafter's next drafts);
+- a class speculates until it has MIN_STEPS drafted steps, then runs MIN_STEPS plain ones, then takes the
+  side with the higher rate, trying the other side once every PROBE_EVERY of its steps (traffic changes).
+
+Tokens do not depend on it: a verify draws each token as a plain step does (engine/speculative/speculator.py),
+so turning speculation on and off changes when tokens come, never which. `"auto_disable": false` in
+--speculative-config turns it off (then only disable_by_batch_size stops speculation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+MIN_STEPS = 8  # timed steps of each side before a class compares them
+PROBE_EVERY = 32  # a class's steps between two tries of the side it does not take
+EMA_WEIGHT = 0.125  # of the newest step's rate
+MAX_GAP_S = 2.0  # a step whose time to the next exceeds this (the engine idled) is not timed
+
+
+@dataclass
+class _Class:
+    rate: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens/s, [plain, drafted]
+    steps: list[int] = field(default_factory=lambda: [0, 0])  # timed steps, [plain, drafted]
+    since_probe: int = 0
+
+    def choose(self) -> bool:
+        if self.steps[1] < MIN_STEPS:
+            return True
+        if self.steps[0] < MIN_STEPS:
+            return False
+        best = self.rate[1] >= self.rate[0]
+        self.since_probe += 1
+        if self.since_probe >= PROBE_EVERY:
+            self.since_probe = 0
+            return not best
+        return best
+
+
+@dataclass
+class _Step:
+    klass: int
+    drafted: bool
+    started_s: float
+    tokens: int = 0
+
+
+class SpeculationSwitch:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._classes: dict[int, _Class] = {}
+        self._chosen: tuple[int, bool] | None = None  # the next step's class and choice
+        self._open: _Step | None = None  # the pure decode step being timed
+        self.num_plain_steps = 0  # pure decode steps this switch ran without drafts
+        self.num_drafted_steps = 0
+
+    def choose(self, num_running: int) -> bool:
+        """Whether the next step drafts, for a batch of num_running sequences (asked once a step: before
+        the step for prompt lookup, after the previous one for a drafter that drafts ahead)."""
+        klass = max(num_running, 1).bit_length()
+        drafted = self._classes.setdefault(klass, _Class()).choose()
+        self._chosen = (klass, drafted)
+        return drafted
+
+    def chosen(self) -> bool | None:
+        return None if self._chosen is None else self._chosen[1]
+
+    def start(self, is_pure_decode: bool) -> None:
+        """At a step's start (after choose): closes the previous step's timing, opens this one's."""
+        now = self._clock()
+        prev, self._open = self._open, None
+        if prev is not None and prev.tokens and now - prev.started_s <= MAX_GAP_S:
+            c = self._classes[prev.klass]
+            side = int(prev.drafted)
+            rate = prev.tokens / max(now - prev.started_s, 1e-9)
+            c.rate[side] = rate if not c.steps[side] else (1 - EMA_WEIGHT) * c.rate[side] + EMA_WEIGHT * rate
+            c.steps[side] += 1
+        chosen, self._chosen = self._chosen, None
+        if is_pure_decode and chosen is not None:
+            self._open = _Step(chosen[0], chosen[1], now)
+            if chosen[1]:
+                self.num_drafted_steps += 1
+            else:
+                self.num_plain_steps += 1
+
+    def emitted(self, tokens: int) -> None:
+        """The tokens the step being timed appended (its verify's)."""
+        if self._open is not None:
+            self._open.tokens += tokens
+
+    def idle(self) -> None:
+        """No sequence runs after this step: its time to the next one is not its own."""
+        self._open = None
+
+    def describe(self) -> dict[str, tuple[float, float]]:
+        """Per batch class ("1", "2-3", ...): the measured rates (tokens/s) without and with drafts."""
+        return {
+            ("1" if k == 1 else f"{1 << (k - 1)}-{(1 << k) - 1}"): (c.rate[0], c.rate[1])
+            for k, c in sorted(self._classes.items())
+        }
