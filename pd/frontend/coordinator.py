@@ -24,7 +24,6 @@ from aiohttp import web
 from pd.chat.renderer import PromptRenderer
 from pd.config import ServerConfig
 from pd.disagg.decode_path import DecodePath
-from pd.disagg.kv_choice import KVIndexCollector
 from pd.disagg.metrics import ClusterMetrics
 from pd.errors import ApiError, bad_request, model_not_found, unavailable
 from pd.frontend.metrics import RankSnapshot, ServerMetrics
@@ -89,8 +88,7 @@ class Coordinator:
         for i in range(cfg.dp):
             for reason in self.router.reasons:
                 self.metrics.rank_selected.labels(str(i), reason)
-        if self.router.kv is not None:  # --routing kv-aware: pdserve_rank_kv_* (the PE choice's: pdserve_pe_kv_*)
-            self.metrics.registry.register(KVIndexCollector(lambda: self.router.kv, "pdserve_rank", None, "rank"))
+        self.metrics.kv_choice = self.router.kv
         self.cluster_metrics = ClusterMetrics(self.metrics.registry, cfg.model_name) if cfg.is_pd else None
         self.pd: DecodePath | None = None  # the CE's P/D generation path (set by start)
         self.ranks: list[RankClient] = []

@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pd.disagg.kv_choice import KVAwareChoice, KVIndexCollector
 from pd.frontend.vllm_metrics import (
     CacheConfigInfo,
     VllmEngineCollector,
@@ -202,6 +203,8 @@ class ServerMetrics:
             ["rank", "reason"],
             registry=r,
         )
+        self.kv_choice: KVAwareChoice | None = None  # --routing kv-aware: the rank choice's (the PE choice's: pdserve_pe_kv_*)
+        r.register(KVIndexCollector(lambda: self.kv_choice, "pdserve_rank", None, "rank"))
         r.register(_RankCollector(snapshot))  # type: ignore[arg-type]
         self.vllm = VllmRequestSeries(r)
         r.register(VllmEngineCollector(snapshot, model_name, cache))  # type: ignore[arg-type]
