@@ -203,6 +203,8 @@ class Run:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_steps: int = 0  # pure decode steps the switch let draft ("3a") / kept plain
+    plain_steps: int = 0
     tokens: list[list[int]] = field(default_factory=list)  # per prompt, in order
 
     @property
@@ -214,13 +216,15 @@ class Run:
         return self.num_output_tokens / self.request_s if self.request_s else 0.0
 
 
-def _spec_counters(eng: LLMEngine) -> tuple[int, int, int, list[int]]:
+def _spec_counters(eng: LLMEngine) -> tuple[int, int, int, list[int], int, int]:
     s = eng.stats()
     return (
         s.spec_num_drafts_total,
         s.spec_num_draft_tokens_total,
         s.spec_num_accepted_tokens_total,
         list(s.spec_accepted_per_position),
+        s.spec_switch_drafted_steps_total,
+        s.spec_switch_plain_steps_total,
     )
 
 
@@ -252,6 +256,8 @@ def run_group(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, run: Ru
     run.num_drafts += after[0] - before[0]
     run.num_draft_tokens += after[1] - before[1]
     run.num_accepted_tokens += after[2] - before[2]
+    run.drafted_steps += after[4] - before[4]
+    run.plain_steps += after[5] - before[5]
     per = [a - b for a, b in zip(after[3], before[3])]
     if not run.accepted_per_position:
         run.accepted_per_position = [0] * len(per)
@@ -266,8 +272,8 @@ def units_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
 
 
 def run_interleaved(
-    engines: dict[int, LLMEngine], prompts: list[list[int]], batch: int, max_tokens: int, shift: int
-) -> dict[int, Run]:
+    engines: dict[str, LLMEngine], prompts: list[list[int]], batch: int, max_tokens: int, shift: int
+) -> dict[str, Run]:
     """Every configuration runs each unit (one request at batch 1, the batch otherwise) before the next
     unit starts, their order rotated unit by unit: a change in the machine's load falls on all alike."""
     configs = list(engines)
@@ -293,6 +299,8 @@ def total(runs: list[Run]) -> Run:
         out.num_drafts += r.num_drafts
         out.num_draft_tokens += r.num_draft_tokens
         out.num_accepted_tokens += r.num_accepted_tokens
+        out.drafted_steps += r.drafted_steps
+        out.plain_steps += r.plain_steps
         out.accepted_per_position = [
             a + b for a, b in zip(out.accepted_per_position or [0] * len(r.accepted_per_position), r.accepted_per_position)
         ]
@@ -300,14 +308,16 @@ def total(runs: list[Run]) -> Run:
     return out
 
 
-def spec_json(k: int) -> str:
-    return json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+def spec_json(k: str) -> str:
+    """k: "3", speculating at every batch size; "3a", with the switch (auto_disable, the default) deciding."""
+    return json.dumps({"method": "ngram", "num_speculative_tokens": int(k.rstrip("a")), "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 1, "auto_disable": k.endswith("a")})
 
 
-def make_engines(args: argparse.Namespace, is_deterministic: bool) -> dict[int, LLMEngine]:
+def make_engines(args: argparse.Namespace, is_deterministic: bool) -> dict[str, LLMEngine]:
     """k -> engine (0: the baseline, no speculation); each warmed up on a short request."""
     engines = {}
-    for k in [0, *args.ks]:
+    for k in ["0", *args.ks]:
         eng = LLMEngine(
             EngineConfig(
                 model=args.model,
@@ -317,7 +327,7 @@ def make_engines(args: argparse.Namespace, is_deterministic: bool) -> dict[int, 
                 kv_cache_gb=0.5,
                 hicache_gb=0,  # every round prefills its prompts (no prefix cache hits across rounds)
                 max_num_seqs=max(args.batches),
-                speculative_config=spec_json(k) if k else None,
+                speculative_config=spec_json(k) if k != "0" else None,
             )
         )
         warm = [list(range(100, 164)) * 2]  # repeats: the speculative engines draft in the warm-up
@@ -341,7 +351,8 @@ def rate(num: int, den: int) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--ks", default="1,3,5", help="num_speculative_tokens values, comma-separated")
+    ap.add_argument("--ks", default="1,3,5", help="num_speculative_tokens values, comma-separated; a trailing "
+                    "'a' (3a): with the switch deciding per batch size (the default), else drafting always")
     ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (of 8)")
     ap.add_argument("--max-tokens", type=int, default=160)
@@ -352,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.ks, args.batches, args.prompts, args.max_tokens, args.rounds = "3", "1,4", 3, 64, 1
-    args.ks = [int(k) for k in args.ks.split(",")]
+    args.ks = [k.strip() for k in args.ks.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
     if args.threads:
@@ -374,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- speed: default numerics, the configurations interleaved request by request (batch by batch) ----
     engines = make_engines(args, is_deterministic=False)
-    rounds: dict[tuple[str, int, int], list[Run]] = {}
+    rounds: dict[tuple[str, int, str], list[Run]] = {}
     for r in range(args.rounds):
         for name, prompts in rendered.items():
             for batch in args.batches:
@@ -392,12 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     # ---- identity: deterministic numerics, the largest batch, every k against the baseline ----
     engines = make_engines(args, is_deterministic=True)
     batch = max(args.batches)
-    identity: dict[tuple[str, int], tuple[int, int]] = {}  # (workload, k) -> (sequences equal, sequences)
-    det_runs: dict[tuple[str, int], Run] = {}
+    identity: dict[tuple[str, str], tuple[int, int]] = {}  # (workload, k) -> (sequences equal, sequences)
+    det_runs: dict[tuple[str, str], Run] = {}
     for name, prompts in rendered.items():
         for k, run in run_interleaved(engines, prompts, batch, args.max_tokens, shift=0).items():
             det_runs[(name, k)] = run
-        base_tokens = det_runs[(name, 0)].tokens
+        base_tokens = det_runs[(name, "0")].tokens
         for k in args.ks:
             got = det_runs[(name, k)].tokens
             identity[(name, k)] = (sum(a == b for a, b in zip(got, base_tokens)), len(base_tokens))
@@ -409,11 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name in rendered:
         for batch in args.batches:
-            base = total(rounds[(name, batch, 0)])
+            base = total(rounds[(name, batch, "0")])
             for k in args.ks:
                 spec = total(rounds[(name, batch, k)])
                 per_round = [
-                    s.decode_tok_s / b.decode_tok_s for s, b in zip(rounds[(name, batch, k)], rounds[(name, batch, 0)])
+                    s.decode_tok_s / b.decode_tok_s for s, b in zip(rounds[(name, batch, k)], rounds[(name, batch, "0")])
                 ]
                 same_default = sum(a == b for a, b in zip(spec.tokens, base.tokens))
                 eq, num = identity[(name, k)]
@@ -442,10 +453,11 @@ def main(argv: list[str] | None = None) -> int:
                         num_drafts=spec.num_drafts,
                         num_draft_tokens=spec.num_draft_tokens,
                         num_accepted_tokens=spec.num_accepted_tokens,
+                        switch_steps=f"{spec.drafted_steps}/{spec.plain_steps}" if k.endswith("a") else "-",
                         same_tokens_default=f"{same_default}/{len(base.tokens)}",
                         same_tokens_deterministic=f"{eq}/{num}",
                         decode_tok_s_per_round=[x.decode_tok_s for x in rounds[(name, batch, k)]],
-                        base_decode_tok_s_per_round=[x.decode_tok_s for x in rounds[(name, batch, 0)]],
+                        base_decode_tok_s_per_round=[x.decode_tok_s for x in rounds[(name, batch, "0")]],
                     )
                 )
 
@@ -467,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "| workload | batch | k | tokens | base tok/s | spec tok/s | speedup (decode) | per round | speedup (request) "
         "| acceptance | mean acc. len | acc. per position | tokens / forward | same tokens (det.) "
-        "| same tokens (default) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| same tokens (default) | switch: drafted/plain steps |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         lines.append(
@@ -478,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['request_speedup']:.2f}x | {fmt(row['acceptance_rate'])} | {fmt(row['mean_accepted_length'])} "
             f"| {'/'.join(format(a, '.2f') for a in row['acceptance_per_position'])} "
             f"| {row['tokens_per_forward']:.2f} (base {row['base_tokens_per_forward']:.2f}) "
-            f"| {row['same_tokens_deterministic']} | {row['same_tokens_default']} |"
+            f"| {row['same_tokens_deterministic']} | {row['same_tokens_default']} | {row['switch_steps']} |"
         )
     table = "\n".join(lines)
     print("\n" + table)
@@ -496,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": prompt_lens,
             "rows": rows,
             "deterministic_runs": {f"{n} k={k}": asdict(r) | {"tokens": None} for (n, k), r in det_runs.items()},
-            "baseline_texts": {n: [tok.decode(t) for t in det_runs[(n, 0)].tokens] for n in rendered},
+            "baseline_texts": {n: [tok.decode(t) for t in det_runs[(n, "0")].tokens] for n in rendered},
         }
         (out / "spec_decode.json").write_text(json.dumps(payload, indent=2) + "\n")
         print(f"written: {out / 'spec_decode.md'}, {out / 'spec_decode.json'}")

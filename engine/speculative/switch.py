@@ -8,10 +8,12 @@ model it (the goodput of SmartSpec, read off the clock):
 
 - steps fall in batch classes by their running sequences: 1, 2-3, 4-7, 8-15, ... (bit length);
 - per class, the output tokens per second of its pure decode steps (no prompt chunk beside) with drafts
-  and without, each an exponential average (EMA_WEIGHT) of step rates; a step's time runs from its start
-  to the next step's start (scheduling, drafting, the forward, sampling, the drafter's next drafts);
-- a class speculates until it has MIN_STEPS drafted steps, then runs MIN_STEPS plain ones, then takes the
-  side with the higher rate, trying the other side once every PROBE_EVERY of its steps (traffic changes).
+  and without: each side's tokens over its seconds in its last WINDOW timed steps (a step's time runs from
+  its start to the next step's start: scheduling, drafting, the forward, sampling, the drafter's next
+  drafts), so one slow step (a first launch, a page fault) weighs one step's worth and then leaves;
+- a class speculates until it has MIN_STEPS drafted steps timed, then runs MIN_STEPS plain ones, then takes
+  the side with the higher rate, and every PROBE_EVERY steps runs PROBE_STEPS of the other side (traffic
+  changes: drafts that were accepted stop being, and back).
 
 Tokens do not depend on it: a verify draws each token as a plain step does (engine/speculative/speculator.py),
 so turning speculation on and off changes when tokens come, never which. `"auto_disable": false` in
@@ -21,30 +23,48 @@ so turning speculation on and off changes when tokens come, never which. `"auto_
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MIN_STEPS = 8  # timed steps of each side before a class compares them
-PROBE_EVERY = 32  # a class's steps between two tries of the side it does not take
-EMA_WEIGHT = 0.125  # of the newest step's rate
+WINDOW = 16  # a side's rate: over its last WINDOW timed steps
+PROBE_EVERY = 48  # a class's steps on its side between two tries of the other
+PROBE_STEPS = 4  # a try's steps
 MAX_GAP_S = 2.0  # a step whose time to the next exceeds this (the engine idled) is not timed
 
 
 @dataclass
 class _Class:
-    rate: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens/s, [plain, drafted]
+    timed: tuple[deque[tuple[int, float]], ...] = field(
+        default_factory=lambda: (deque(maxlen=WINDOW), deque(maxlen=WINDOW))
+    )  # (tokens, seconds) of the last timed steps, [plain, drafted]
     steps: list[int] = field(default_factory=lambda: [0, 0])  # timed steps, [plain, drafted]
     since_probe: int = 0
+    probe: tuple[bool, int] = (False, 0)  # the side being tried, its steps left
+
+    def rate(self, side: int) -> float:
+        seconds = sum(t for _, t in self.timed[side])
+        return sum(n for n, _ in self.timed[side]) / seconds if seconds else 0.0
+
+    def record(self, side: int, tokens: int, seconds: float) -> None:
+        self.timed[side].append((tokens, seconds))
+        self.steps[side] += 1
 
     def choose(self) -> bool:
         if self.steps[1] < MIN_STEPS:
             return True
         if self.steps[0] < MIN_STEPS:
             return False
-        best = self.rate[1] >= self.rate[0]
+        side, left = self.probe
+        if left:
+            self.probe = (side, left - 1)
+            return side
+        best = self.rate(1) >= self.rate(0)
         self.since_probe += 1
         if self.since_probe >= PROBE_EVERY:
             self.since_probe = 0
+            self.probe = (not best, PROBE_STEPS - 1)
             return not best
         return best
 
@@ -82,11 +102,7 @@ class SpeculationSwitch:
         now = self._clock()
         prev, self._open = self._open, None
         if prev is not None and prev.tokens and now - prev.started_s <= MAX_GAP_S:
-            c = self._classes[prev.klass]
-            side = int(prev.drafted)
-            rate = prev.tokens / max(now - prev.started_s, 1e-9)
-            c.rate[side] = rate if not c.steps[side] else (1 - EMA_WEIGHT) * c.rate[side] + EMA_WEIGHT * rate
-            c.steps[side] += 1
+            self._classes[prev.klass].record(int(prev.drafted), prev.tokens, now - prev.started_s)
         chosen, self._chosen = self._chosen, None
         if is_pure_decode and chosen is not None:
             self._open = _Step(chosen[0], chosen[1], now)
@@ -107,6 +123,6 @@ class SpeculationSwitch:
     def describe(self) -> dict[str, tuple[float, float]]:
         """Per batch class ("1", "2-3", ...): the measured rates (tokens/s) without and with drafts."""
         return {
-            ("1" if k == 1 else f"{1 << (k - 1)}-{(1 << k) - 1}"): (c.rate[0], c.rate[1])
+            ("1" if k == 1 else f"{1 << (k - 1)}-{(1 << k) - 1}"): (c.rate(0), c.rate(1))
             for k, c in sorted(self._classes.items())
         }

@@ -18,6 +18,18 @@ from tests.engine.speculative.test_speculator import oracle_proposer
 from tests.engine_utils import random_prompts, small_engine
 
 
+def _runs(chosen: list[bool], side: bool) -> list[int]:
+    """The lengths of chosen's runs of side."""
+    out, n = [], 0
+    for c in [*chosen, not side]:
+        if c == side:
+            n += 1
+        elif n:
+            out.append(n)
+            n = 0
+    return out
+
+
 class StepClock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -58,12 +70,13 @@ def test_each_batch_class_takes_the_faster_side_and_probes_the_other() -> None:
     assert small[:n] == [True] * n and small[n : 2 * n] == [False] * n
     assert large[:n] == [True] * n and large[n : 2 * n] == [False] * n
     settled_small, settled_large = small[2 * n :], large[2 * n :]
-    probes = len(settled_small) // sw.PROBE_EVERY
-    assert settled_small.count(False) == probes and settled_large.count(True) == probes
+    # then its side, with tries of PROBE_STEPS of the other side after every PROBE_EVERY steps of its own
+    assert _runs(settled_small, False) == _runs(settled_large, True) == [sw.PROBE_STEPS] * 3
+    assert settled_small[: sw.PROBE_EVERY - 1] == [True] * (sw.PROBE_EVERY - 1)
     rates = switch.describe()
     assert rates["1"][1] > 2 * rates["1"][0]  # 250 against 100 tokens/s
     assert rates["16-31"][0] > rates["16-31"][1]
-    assert switch.num_drafted_steps == settled_small.count(True) + 2 * n + probes
+    assert switch.num_drafted_steps == small.count(True) + large.count(True)
     assert switch.num_plain_steps == 400 - switch.num_drafted_steps
 
 
@@ -72,9 +85,11 @@ def test_a_change_in_the_traffic_turns_it_back_on() -> None:
     clock = StepClock()
     switch = SpeculationSwitch(clock)
     flat = lambda rows: 0.010 + 0.0005 * rows  # noqa: E731
-    assert _run(switch, clock, 4, 100, flat, 2.0)[-64:].count(False) == 2  # accepted: on, two probes
-    assert _run(switch, clock, 4, 200, flat, 1.0)[-64:].count(True) == 2  # nothing accepted: off
-    assert _run(switch, clock, 4, 400, flat, 3.0)[-64:].count(False) == 2  # accepted again: on
+    assert _run(switch, clock, 4, 100, flat, 2.0)[-52:].count(False) == sw.PROBE_STEPS  # accepted: on, one try off
+    off = _run(switch, clock, 4, 200, flat, 1.0)  # nothing accepted: off once its window has the new steps
+    assert off.count(True) <= sw.WINDOW + 4 * sw.PROBE_STEPS and off[-52:].count(True) == sw.PROBE_STEPS
+    back = _run(switch, clock, 4, 400, flat, 3.0)  # accepted again: the tries see it, on again
+    assert back[-52:].count(False) == sw.PROBE_STEPS
 
 
 def test_idle_gaps_and_prompt_steps_are_not_timed() -> None:
