@@ -278,6 +278,12 @@ class RankClient:
         if self.proc is not None and self.proc.returncode is None:  # spawned while the watch was cancelled
             self.proc.kill()
             await self.proc.wait()
+        # NOTE: the watch, cancelled above, may not have told the requests in flight (it sleeps after the
+        # exit): each is told here, or its handler waits for an answer that never comes and the server's
+        # stop waits for the handler
+        streams, self._streams = self._streams, {}
+        for rid, q in streams.items():
+            q.put_nowait((rid, RankDown(f"engine rank {self.index} stopped")))
         self._push.close(linger=0)
         self._pull.close(linger=0)
 
