@@ -309,7 +309,7 @@ def total(runs: list[Run]) -> Run:
 
 
 def spec_json(k: str) -> str:
-    """k: "3", speculating at every batch size; "3a", with the switch (auto_disable, the default) deciding."""
+    """k: "3", speculating at every batch size; "3a", with the switch ("auto_disable": true) deciding."""
     return json.dumps({"method": "ngram", "num_speculative_tokens": int(k.rstrip("a")), "prompt_lookup_max": 4,
                        "prompt_lookup_min": 1, "auto_disable": k.endswith("a")})
 
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--ks", default="1,3,5", help="num_speculative_tokens values, comma-separated; a trailing "
-                    "'a' (3a): with the switch deciding per batch size (the default), else drafting always")
+                    "'a' (3a): with the switch deciding per batch size (auto_disable), else drafting always")
     ap.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (of 8)")
     ap.add_argument("--max-tokens", type=int, default=160)

@@ -160,8 +160,9 @@ class SpeculativeConfig:
     draft_model: a small model of the same tokenizer (`model`).
     disable_by_batch_size: a step with more running sequences than this does not speculate (a large batch
     is compute-bound: verifying drafts costs more than it saves).
-    auto_disable (pdserve's own, default true): below that too, a batch size where drafted steps measure fewer
-    tokens per second than plain ones stops drafting (engine/speculative/switch.py)."""
+    auto_disable (pdserve's own, default false): below that too, a batch size where drafted steps measure fewer
+    tokens per second than plain ones stops drafting (engine/speculative/switch.py; not the default: on short
+    CPU runs it lost to drafting always, bench/figures/speculative-decoding.md)."""
 
     method: str
     num_speculative_tokens: int
@@ -169,7 +170,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     disable_by_batch_size: int | None = None
-    auto_disable: bool = True  # pdserve's: stop drafting for a batch where it measures slower (engine/speculative/switch.py)
+    auto_disable: bool = False  # pdserve's: stop drafting for a batch size where it measures slower (engine/speculative/switch.py)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -331,8 +332,8 @@ class EngineConfig:
             "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} (prompt lookup), {\"method\": \"mtp\", "
             "\"num_speculative_tokens\": 1} (the checkpoint's multi-token-prediction layers), {\"model\": DRAFT, "
             "\"num_speculative_tokens\": 4} (a draft model); \"disable_by_batch_size\": N stops it above N "
-            "running sequences; below it, a batch size where drafted steps measure slower than plain ones stops "
-            "drafting by itself (\"auto_disable\": false keeps it on). Lossless: the same tokens as without it"
+            "running sequences; \"auto_disable\": true stops it, below that too, for a batch size where drafted steps "
+            "measure slower than plain ones (experimental). Lossless: the same tokens as without it"
         },
     )
     kv_events_config: str | None = field(

@@ -16,8 +16,11 @@ model it (the goodput of SmartSpec, read off the clock):
   changes: drafts that were accepted stop being, and back).
 
 Tokens do not depend on it: a verify draws each token as a plain step does (engine/speculative/speculator.py),
-so turning speculation on and off changes when tokens come, never which. `"auto_disable": false` in
---speculative-config turns it off (then only disable_by_batch_size stops speculation).
+so turning speculation on and off changes when tokens come, never which. `"auto_disable": true` in
+--speculative-config turns it on; it is not the default: on SmolLM2 on the CPU (bench/spec_decode.py --ks 3,3a)
+it lost to drafting always at batch 32 (44 against 64 decode tokens/s on echo-heavy chats, 40 against 55 on
+plain ones), where drafting still paid: each class's first steps time each side at another point of the
+answers (acceptance changes along an answer) and a stale side is tried again only every PROBE_EVERY steps.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def test_in_the_engine_the_switch_keeps_the_tokens_and_follows_the_cost(tiny_mod
     p = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     ref = small_engine(folder, is_deterministic=True).generate(prompts, p)
     reference = {tuple(q): s.output_token_ids for q, s in zip(prompts, ref)}
-    spec_config = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    spec_config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "auto_disable": True})
     stats = {}
     for name, cost in (("memory", lambda rows: 0.010), ("compute", lambda rows: 0.001 * rows * rows)):
         eng = small_engine(folder, is_deterministic=True, speculative_config=spec_config)
