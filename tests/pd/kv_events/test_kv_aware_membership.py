@@ -181,7 +181,9 @@ def test_pes_join_and_leave_while_chats_run(cluster: Cluster) -> None:
         c.resolve_to(HOSTS)
         c.wait_members(HOSTS)
         user = next(u for u in (f"Tell me about item {i}." for i in range(200)) if hrw_order(u, [c.url(h) for h in HOSTS])[0] == c.url(new))
-        chat(c.ce.url, f"Session {nonce}: a question for the new PE. " + "Rules follow. " * 20, user)
+        # its own head: the load's prompts open with "Session {nonce}", whose first page the old PEs hold (they
+        # would win it by their cached page when they have nothing in flight)
+        chat(c.ce.url, f"{uuid.uuid4().hex} asks the new PE. " + "Rules follow. " * 20, user)
         assert sum(metric(c.ce.url, "pdserve_pe_selected_total", pe=c.url(new), reason=r) for r in ("kv-miss", "kv-hit")) >= 1
         wait_for("the new PE's pages in the CE's index", lambda: index_blocks(c, new) > 0)
         seen = len(answers)

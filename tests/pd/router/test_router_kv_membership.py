@@ -145,7 +145,9 @@ def test_ces_join_and_leave_while_chats_run(cluster: Cluster) -> None:
         c.wait_members(HOSTS)
         urls = [c.url(h) for h in HOSTS]
         user = next(u for u in (f"Tell me about item {i}." for i in range(200)) if hrw_order(u, urls)[0] == c.url(new))
-        chat(c.router.url, f"Session {nonce}: a question for the new CE. " + "Rules follow. " * 20, user)
+        # its own head: the load's prompts open with "Session {nonce}", whose first page the old CEs hold (they
+        # would win it by their cached page when they have nothing in flight)
+        chat(c.router.url, f"{uuid.uuid4().hex} asks the new CE. " + "Rules follow. " * 20, user)
         assert sum(metric(c.router.url, "pdserve_router_backend_selected_total", backend=c.url(new), reason=r)
                    for r in ("kv-miss", "kv-hit")) >= 1  # fmt: skip
         wait_for("the new CE's pages in the router's index", lambda: index_blocks(c, new) > 0)
